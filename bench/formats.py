@@ -1,0 +1,168 @@
+"""Numeric formats and `quantise`: round a tensor to a format, with explicit overflow and FTZ policy.
+
+Every format is described by its bits (`ElementFormat`), and `quantise` rounds with
+round-to-nearest-even (RNE) and then applies an *explicit* overflow policy, so no library's
+accident defines a format (torch 2.13's CPU float32->float8_e4m3fn cast saturates while
+ml_dtypes returns NaN; here the policy decides, and it is recorded with every run).
+
+How each format is rounded (each path is checked bit-for-bit against ml_dtypes in tests):
+- fp16, bf16: torch's native casts (RNE, IEEE overflow to inf on every platform, fast).
+- fp8_e4m3, fp8_e5m2: exact float32 arithmetic. Adding and subtracting a power of two
+  2^(e+23-m) rounds |x| to a multiple of 2^(e-m) with the FPU's own RNE, where e is x's
+  exponent clamped to [emin, emax+1]. This gives the subnormal grid below emin and keeps
+  values past max finite-and-too-large (or inf), so overflow is detected by `|r| > max`
+  whatever the platform's fp8 cast would do.
+- tf32: integer RNE on the float32 bit pattern (drop 13 mantissa bits), FP32 range.
+
+Carrier: results are returned in x's dtype. float64 inputs are rounded to float32 first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+OVERFLOW_POLICIES = ("saturate", "inf", "nan")
+# Formats whose rounding path already turns overflow into +-inf (native casts, or FP32 range).
+_ROUNDS_OVERFLOW_TO_INF = {"fp32", "tf32", "fp16", "bf16"}
+
+
+@dataclass(frozen=True)
+class ElementFormat:
+    """A floating-point element format: 1 sign bit, `exp_bits`, `man_bits` explicit mantissa bits."""
+
+    name: str
+    exp_bits: int
+    man_bits: int
+    emin: int  # exponent of the smallest normal number
+    emax: int  # exponent of the largest finite number
+    max: float  # largest finite value
+    has_inf: bool
+    default_overflow: str
+    torch_dtype: torch.dtype | None  # storage dtype where torch has one (for native paths)
+
+    @property
+    def min_normal(self) -> float:
+        return 2.0**self.emin
+
+    @property
+    def min_subnormal(self) -> float:
+        return 2.0 ** (self.emin - self.man_bits)
+
+
+def _ieee(name, exp_bits, man_bits, dtype) -> ElementFormat:
+    bias = 2 ** (exp_bits - 1) - 1
+    emax = bias
+    return ElementFormat(
+        name, exp_bits, man_bits, emin=1 - bias, emax=emax,
+        max=(2 - 2.0**-man_bits) * 2.0**emax, has_inf=True, default_overflow="inf", torch_dtype=dtype,
+    )
+
+
+FORMATS: dict[str, ElementFormat] = {
+    "fp32": _ieee("fp32", 8, 23, torch.float32),
+    "tf32": _ieee("tf32", 8, 10, None),
+    "fp16": _ieee("fp16", 5, 10, torch.float16),
+    "bf16": _ieee("bf16", 8, 7, torch.bfloat16),
+    # OCP E4M3 ("fn"): no inf, only S.1111.111 is NaN, so the top binade reaches 1.75 * 2^8 = 448.
+    # Saturation is the default because torchao and Transformer Engine clamp before casting.
+    "fp8_e4m3": ElementFormat("fp8_e4m3", 4, 3, emin=-6, emax=8, max=448.0, has_inf=False,
+                              default_overflow="saturate", torch_dtype=torch.float8_e4m3fn),
+    "fp8_e5m2": _ieee("fp8_e5m2", 5, 2, torch.float8_e5m2),
+}
+
+
+def get_format(fmt: str | ElementFormat) -> ElementFormat:
+    if isinstance(fmt, ElementFormat):
+        return fmt
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown element format {fmt!r}; valid: {', '.join(FORMATS)}") from None
+
+
+def resolve_overflow(spec: ElementFormat, overflow: str | None) -> str:
+    policy = spec.default_overflow if overflow is None else overflow
+    if policy not in OVERFLOW_POLICIES:
+        raise ValueError(f"unknown overflow policy {policy!r}; valid: {', '.join(OVERFLOW_POLICIES)}")
+    return policy
+
+
+def round_unbounded(x: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
+    """RNE to `spec`'s grid (subnormals included) on float32 `x`, with no overflow policy yet.
+
+    Values past the rounding boundary above max come back either as inf (native casts) or as a
+    finite value > max (the arithmetic path); both satisfy `|r| > spec.max`.
+    """
+    if spec.name == "fp32":
+        return x
+    if spec.name == "tf32":
+        return _round_mantissa_bits(x, spec.man_bits)
+    if spec.name in ("fp16", "bf16"):
+        return x.to(spec.torch_dtype).to(torch.float32)
+    magnitude = x.abs()
+    exponent_bits = (magnitude.view(torch.int32) & 0x7F800000).clamp_(
+        min=(spec.emin + 127) << 23, max=(spec.emax + 1 + 127) << 23
+    )
+    magic = (exponent_bits + ((23 - spec.man_bits) << 23)).view(torch.float32)
+    return ((magnitude + magic) - magic).copysign_(x)
+
+
+def _round_mantissa_bits(x: torch.Tensor, man_bits: int) -> torch.Tensor:
+    """RNE of float32 to `man_bits` mantissa bits in FP32's exponent range (carry may reach inf)."""
+    drop = 23 - man_bits
+    bits = x.view(torch.int32)
+    lsb = (bits >> drop) & 1
+    rounded = ((bits + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)).view(torch.float32)
+    return torch.where(x.isnan(), x, rounded)
+
+
+def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | None = None,
+                   ftz: bool = False) -> torch.Tensor:
+    """The forward value of `quantise` (no autograd): x rounded to `fmt`, in x's dtype."""
+    spec = get_format(fmt)
+    policy = resolve_overflow(spec, overflow)
+    x32 = x.to(torch.float32)
+    r = round_unbounded(x32, spec)
+    if policy == "saturate":
+        r = r.clamp(-spec.max, spec.max)
+    elif policy == "inf":
+        if spec.name not in _ROUNDS_OVERFLOW_TO_INF:
+            r = torch.where(r.abs() > spec.max, r.sign() * math.inf, r)
+    else:  # nan
+        overflowed = r.abs() > spec.max
+        if spec.has_inf:  # an infinite input stays infinite; only finite overflow becomes NaN
+            overflowed &= x32.isfinite()
+        r = torch.where(overflowed, math.nan, r)
+    if ftz:
+        # Multiplying by the mask keeps the sign (-tiny * 0 = -0) and keeps NaN and inf.
+        r = r * (r.abs() >= spec.min_normal)
+    return r.to(x.dtype)
+
+
+class _QuantiseSTE(torch.autograd.Function):
+    """Round in the forward pass; pass the gradient straight through."""
+
+    @staticmethod
+    def forward(ctx, x, spec, overflow, ftz):
+        return quantise_value(x, spec, overflow, ftz)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+def quantise(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | None = None,
+             ftz: bool = False) -> torch.Tensor:
+    """Round `x` to `fmt` (RNE) in x's dtype; in autograd the gradient passes straight through.
+
+    fmt: one of fp32, tf32, fp16, bf16, fp8_e4m3, fp8_e5m2.
+    overflow: 'saturate' (clamp to +-max), 'inf' (past the rounding boundary -> +-inf, also for
+      e4m3, whose carrier can hold inf though the format cannot), 'nan' (-> NaN, as ml_dtypes'
+      e4m3fn); None = the format's default (e4m3: saturate, others: inf).
+    ftz: flush results below the smallest normal to signed zero (TPU bfloat16 semantics).
+    NaN stays NaN; +-inf stays +-inf (+-max under saturate; NaN under 'nan' for e4m3); -0 stays -0.
+    """
+    return _QuantiseSTE.apply(x, get_format(fmt), overflow, ftz)
