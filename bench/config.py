@@ -1,0 +1,149 @@
+"""The config schema and its checks: a bad config fails here, before any training, naming the valid choices.
+
+The structured schema (registered with Hydra as `base_config`) rejects unknown fields; `check()`
+then validates every choice and cross-field combination. Choice fields are plain strings rather
+than Enums because Hydra's override grammar parses `format.mode=true` as a boolean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from bench.device import DEVICES
+from bench.formats import OVERFLOW_POLICIES
+from bench.precision import BACKENDS, FORMAT_MODES
+from bench.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
+
+MODELS = ("lenet",)
+DATA_SOURCES = {"lenet": ("digits", "hub")}
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LOGGERS = ("none", "wandb")
+NOT_YET_AVAILABLE = {"per_tensor": "issue 3", "unit": "issue 3"}
+
+OmegaConf.register_new_resolver("lower", lambda v: str(v).lower(), replace=True)
+
+
+class ConfigError(ValueError):
+    """The composed config asks for something that does not exist or cannot be combined."""
+
+
+@dataclass
+class FormatConfig:
+    name: str = MISSING
+    mode: str = "mixed"  # mixed (FP32 master weights) | true (whole model cast)
+    backend: str = "auto"  # auto | native | emulated
+    overflow: Optional[str] = None  # saturate | inf | nan; None = each element format's default
+    ftz: bool = False  # flush subnormal results to signed zero (TPU bfloat16 semantics)
+
+
+@dataclass
+class ScalingConfig:
+    name: str = MISSING
+    loss_scaling: str = "none"  # none | static | dynamic
+    init_scale: float = 1.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    amax: str = "current"  # per_tensor: current | delayed
+    history_len: int = 16  # per_tensor delayed: amaxes remembered
+    margin: int = 0  # per_tensor: s = (max / amax) / 2^margin
+    pow2: bool = False  # per_tensor: round s down to a power of two
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    source: str = MISSING
+    name: Optional[str] = None  # hub dataset id
+    test_fraction: float = 0.2
+    augment_shift: int = 0  # lenet: random translation of each training batch by up to N pixels
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    epochs: int = 1
+    batch_size: int = 32
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = MISSING
+    max_steps: Optional[int] = None  # caps optimiser steps (smoke runs)
+    loss_multiplier: float = 1.0  # multiplies the loss before backward (numerics stress tests)
+    log_every: int = 10  # metrics.jsonl line and telemetry sample every N steps
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"
+    project: str = "precision-bench"
+    entity: Optional[str] = None
+    mode: Optional[str] = None  # None: online with an API key, offline without
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    format: FormatConfig = MISSING
+    scaling: ScalingConfig = MISSING
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    experiment: str = "default"
+    seed: int = 0
+    device: str = "auto"
+    results_dir: str = "results/runs"
+    cell: str = MISSING  # derived: where this cell's record goes under results_dir
+
+
+def register_schema() -> None:
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+register_schema()
+
+
+def _choice(value, valid, key: str) -> str:
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r} is not valid; valid: {', '.join(map(str, valid))}")
+    return value
+
+
+def check(cfg: DictConfig) -> None:
+    """Validate choices and combinations; normalise `format.mode`. Raises ConfigError."""
+    _choice(cfg.model.name, MODELS, "model")
+    _choice(cfg.model.data.source, DATA_SOURCES[cfg.model.name], "model.data.source")
+    _choice(cfg.model.optimizer.name, OPTIMIZERS, "model.optimizer.name")
+    _choice(cfg.format.name, tuple(FORMAT_MODES), "format")
+    cfg.format.mode = str(cfg.format.mode).lower()
+    _choice(cfg.format.mode, FORMAT_MODES[cfg.format.name], f"format.mode (for format={cfg.format.name})")
+    _choice(cfg.format.backend, BACKENDS, "format.backend")
+    if cfg.format.overflow is not None:
+        _choice(cfg.format.overflow, OVERFLOW_POLICIES, "format.overflow")
+    _choice(cfg.scaling.name, SCALING_METHODS, "scaling")
+    if cfg.scaling.name in NOT_YET_AVAILABLE:
+        raise ConfigError(f"scaling={cfg.scaling.name} is not yet available ({NOT_YET_AVAILABLE[cfg.scaling.name]}); "
+                          f"available now: {', '.join(m for m in SCALING_METHODS if m not in NOT_YET_AVAILABLE)}")
+    _choice(cfg.scaling.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")
+    _choice(cfg.scaling.amax, AMAX_MODES, "scaling.amax")
+    _choice(cfg.device, DEVICES, "device")
+    _choice(cfg.logger.name, LOGGERS, "logger")
+    if cfg.train.epochs < 1:
+        raise ConfigError(f"train.epochs={cfg.train.epochs} must be >= 1")
+    if cfg.train.max_steps is not None and cfg.train.max_steps < 1:
+        raise ConfigError(f"train.max_steps={cfg.train.max_steps} must be >= 1 (or null for no cap)")
+    if cfg.scaling.loss_scaling != "none" and cfg.scaling.init_scale <= 0:
+        raise ConfigError(f"scaling.init_scale={cfg.scaling.init_scale} must be > 0")

@@ -1,0 +1,151 @@
+"""The accelerator a run uses: selection, which formats it runs natively (and fast), sync, peak memory.
+
+`native_support` is the single place that says whether a format has a hardware path on a device;
+the precision policy asks it to choose between native and emulated execution.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import platform
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda", "xla")
+
+
+def select_device(name: str) -> torch.device:
+    """auto: CUDA, then XLA when torch_xla is importable, then CPU."""
+    if name not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; valid: {', '.join(DEVICES)}")
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        name = "xla" if importlib.util.find_spec("torch_xla") else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is visible; valid here: auto, cpu")
+    if name == "xla":
+        import torch_xla.core.xla_model as xm
+
+        return xm.xla_device()
+    return torch.device(name)
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+@dataclass(frozen=True)
+class NativeSupport:
+    available: bool  # the device can run the format natively at all
+    fast: bool  # ...and faster than emulating it in FP32
+    why: str
+
+
+def native_support(fmt: str, device: torch.device) -> NativeSupport:
+    """Whether `fmt` (fp32, tf32, fp16, bf16, fp8) runs natively on `device`, and whether that is fast."""
+    if fmt == "fp32":
+        return NativeSupport(True, True, "FP32 is native everywhere")
+    if device.type == "cuda":
+        cc = torch.cuda.get_device_capability(device)
+        need = {"tf32": (8, 0), "fp16": (7, 0), "bf16": (8, 0), "fp8": (8, 9)}[fmt]
+        has = cc >= need
+        why = f"compute capability {cc[0]}.{cc[1]} {'>=' if has else '<'} {need[0]}.{need[1]}"
+        if fmt == "fp8" and has and not importlib.util.find_spec("torchao"):
+            return NativeSupport(False, False, why + ", but torchao is not installed (pip install '.[fp8-gpu]')")
+        available = has or fmt in ("fp16", "bf16")  # older GPUs still run 16-bit kernels, slowly
+        return NativeSupport(available, has, why)
+    if device.type == "xla":
+        return NativeSupport(fmt == "bf16", fmt == "bf16", "XLA devices (TPUs) compute natively in bf16 only")
+    if fmt in ("fp16", "bf16"):
+        flags = _cpu_flags()
+        fast_flags = {"bf16": {"avx512_bf16", "amx_bf16"}, "fp16": {"avx512_fp16", "amx_fp16"}}[fmt]
+        fast = bool(flags & fast_flags)
+        why = f"CPU {'has' if fast else 'lacks'} {'/'.join(sorted(fast_flags))}; torch has CPU {fmt} kernels"
+        return NativeSupport(True, fast, why)
+    return NativeSupport(False, False, f"torch has no {fmt} compute path on {device.type}")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels so wall-clock timings cover the work, not just its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        xm.mark_step()
+        xm.wait_device_ops()
+
+
+class PeakMemory:
+    """Peak memory of one run: CUDA max_memory_allocated on GPU, peak RSS (VmHWM, reset at start) on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            self.measures = "torch.cuda.max_memory_allocated (bytes of tensors on the GPU)"
+        elif device.type == "cpu":
+            self.measures = "peak resident set size of the whole process (VmHWM, reset at run start)"
+        else:
+            self.measures = "not measured on this device"
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.device.type == "cpu":
+            try:  # Linux: writing 5 to clear_refs resets the process's peak RSS
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                self.measures = "peak resident set size of the whole process since it started (VmHWM)"
+
+    def peak_bytes(self) -> int | None:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        if self.device.type == "cpu":
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return None
+
+
+def describe(device: torch.device) -> dict:
+    """The environment facts every record carries."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    else:
+        name, cc = (platform.processor() or platform.machine()), None
+    return {
+        "device_type": device.type,
+        "device_name": name,
+        "compute_capability": cc,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "python_version": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "git_commit": _git_commit(),
+    }
+
+
+@functools.cache
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None

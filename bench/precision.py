@@ -1,0 +1,273 @@
+"""Precision policy: how a run uses its format, natively on the device or emulated in FP32.
+
+Emulation rounds exactly where a native kernel would, at every nn.Linear and nn.Conv2d:
+- tf32: activations and weights entering the op, and the gradient entering its backward, keep
+  10 mantissa bits (tensor cores read TF32); outputs stay FP32.
+- fp16 / bf16 (autocast-style "mixed"): the same, and the op's output, its bias and the gradients
+  it returns are rounded too, because a 16-bit kernel writes 16-bit results. FP32 master weights.
+- fp8: activations and weights enter as E4M3, gradients enter the backward as E5M2, outputs and
+  returned gradients stay in FP32 (FP8 GEMMs accumulate and write in higher precision).
+- "true" mode (fp16/bf16 whole-model cast) additionally keeps parameters, their gradients and the
+  optimiser state rounded to the format after every step; elementwise ops between matmuls still
+  compute in FP32 (documented in README: an approximation of 16-true, not bit-faithful there).
+Ops other than Linear/Conv2d (norms, softmax, embeddings, loss) stay in FP32, as in the FP8 literature.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench.device import native_support
+from bench.formats import FORMATS, quantise_value, resolve_overflow
+from bench.telemetry import QuantTelemetry
+
+FORMAT_MODES = {"fp32": ("true",), "tf32": ("true",), "fp16": ("mixed", "true"), "bf16": ("mixed", "true"),
+                "fp8": ("mixed",)}
+BACKENDS = ("auto", "native", "emulated")
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Element formats an emulated matmul/conv rounds to."""
+
+    inputs: str  # activations and weights entering the op (forward)
+    grads: str  # gradients entering the op's backward
+    sixteen_bit_kernel: bool  # output, bias and returned gradients are rounded to `inputs` too
+
+
+RECIPES = {
+    "tf32": Recipe("tf32", "tf32", False),
+    "fp16": Recipe("fp16", "fp16", True),
+    "bf16": Recipe("bf16", "bf16", True),
+    "fp8": Recipe("fp8_e4m3", "fp8_e5m2", False),
+}
+
+
+class PrecisionError(ValueError):
+    """A format setting the device or the combination cannot honour."""
+
+
+class TensorSite:
+    """Rounds one stream of tensors (say, conv1's weight) to an element format; optionally per-tensor scaled."""
+
+    def __init__(self, tensor_class: str, fmt: str, overflow: str | None, ftz: bool,
+                 telemetry: QuantTelemetry, scaler=None):
+        self.tensor_class = tensor_class
+        self.spec = FORMATS[fmt]
+        self.overflow = resolve_overflow(self.spec, overflow)
+        self.ftz = ftz
+        self.telemetry = telemetry
+        self.scaler = scaler  # a bench.scaling.PerTensorScale, or None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scaler is None:
+            rounded = quantise_value(x, self.spec, self.overflow, self.ftz)
+            self.telemetry.observe(self.tensor_class, x, rounded, self.spec)
+            return rounded
+        scale = self.scaler.scale_for(x)
+        scaled = x * scale
+        rounded = quantise_value(scaled, self.spec, self.overflow, self.ftz)
+        self.telemetry.observe(self.tensor_class, scaled, rounded, self.spec)
+        return rounded / scale
+
+
+class _Cast(torch.autograd.Function):
+    """Identity up to rounding: `forward_site` rounds the value, `backward_site` the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, forward_site, backward_site):
+        ctx.backward_site = backward_site
+        return x if forward_site is None else forward_site(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        site = ctx.backward_site
+        return (grad if site is None else site(grad)), None, None
+
+
+def cast(x: torch.Tensor | None, forward_site: TensorSite | None, backward_site: TensorSite | None):
+    if x is None or (forward_site is None and backward_site is None):
+        return x
+    return _Cast.apply(x, forward_site, backward_site)
+
+
+class OpCasts:
+    """The rounding sites of one emulated matmul/conv under a recipe."""
+
+    def __init__(self, recipe: Recipe, site):
+        sixteen = recipe.sixteen_bit_kernel
+        self.activation = site("activations", recipe.inputs)
+        self.weight = site("weights", recipe.inputs)
+        self.grad_output = site("gradients", recipe.grads)
+        self.grad_returned = site("gradients", recipe.inputs) if sixteen else None
+        self.output = site("activations", recipe.inputs) if sixteen else None
+        self.round_bias = sixteen
+
+    def inputs(self, x, weight, bias):
+        return (cast(x, self.activation, self.grad_returned),
+                cast(weight, self.weight, self.grad_returned),
+                cast(bias, self.weight, self.grad_returned) if self.round_bias else bias)
+
+    def result(self, y):
+        return cast(y, self.output, self.grad_output)
+
+
+class EmulatedLinear(nn.Linear):
+    """nn.Linear whose inputs, output and gradients are rounded by `self.casts`."""
+
+    casts: OpCasts
+
+    def forward(self, x):
+        return self.casts.result(F.linear(*self.casts.inputs(x, self.weight, self.bias)))
+
+
+class EmulatedConv2d(nn.Conv2d):
+    """nn.Conv2d whose inputs, output and gradients are rounded by `self.casts`."""
+
+    casts: OpCasts
+
+    def forward(self, x):
+        return self.casts.result(self._conv_forward(*self.casts.inputs(x, self.weight, self.bias)))
+
+
+_EMULATED = {nn.Linear: EmulatedLinear, nn.Conv2d: EmulatedConv2d}
+
+
+def set_fp32_precision(tf32: bool) -> dict[str, str]:
+    """Set (and return) the FP32 matmul/conv precision flags explicitly, both ways.
+
+    "fp32" must never be secretly TF32; oneDNN on CPU is always kept at IEEE so that emulation,
+    not the library, decides any rounding.
+    """
+    value = "tf32" if tf32 else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = value
+    torch.backends.cudnn.conv.fp32_precision = value
+    torch.backends.cudnn.rnn.fp32_precision = value
+    torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+    torch.backends.mkldnn.conv.fp32_precision = "ieee"
+    return {
+        "cuda_matmul": torch.backends.cuda.matmul.fp32_precision,
+        "cudnn_conv": torch.backends.cudnn.conv.fp32_precision,
+        "cudnn_rnn": torch.backends.cudnn.rnn.fp32_precision,
+        "mkldnn_matmul": torch.backends.mkldnn.matmul.fp32_precision,
+    }
+
+
+class Precision:
+    """A run's format decisions, made once: native or emulated, which sites round, TF32 flags."""
+
+    def __init__(self, fmt: str, mode: str, backend: str, overflow: str | None, ftz: bool,
+                 device: torch.device, per_tensor=None):
+        """per_tensor: a factory `(tensor_class, spec) -> PerTensorScale` when scaling=per_tensor, else None."""
+        if fmt not in FORMAT_MODES:
+            raise PrecisionError(f"unknown format {fmt!r}; valid: {', '.join(FORMAT_MODES)}")
+        if mode not in FORMAT_MODES[fmt]:
+            raise PrecisionError(f"format={fmt} has no mode={mode}; valid for {fmt}: {', '.join(FORMAT_MODES[fmt])}")
+        if backend not in BACKENDS:
+            raise PrecisionError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        self.format, self.mode, self.device = fmt, mode, device
+        self.overflow, self.ftz, self.per_tensor = overflow, ftz, per_tensor
+        self.recipe = RECIPES.get(fmt)
+        support = native_support(fmt, device)
+        if fmt == "fp32":
+            self.native, self.why = True, support.why
+        elif backend == "native":
+            if not support.available:
+                raise PrecisionError(f"format.backend=native but {fmt} has no native path on {device.type}: "
+                                     f"{support.why}; valid here: format.backend=auto or emulated")
+            self.native, self.why = True, "requested: " + support.why
+        elif backend == "emulated":
+            self.native, self.why = False, "requested"
+        else:
+            self.native, self.why = support.fast, support.why
+        if self.native and fmt == "fp8" and per_tensor is None:
+            raise PrecisionError("native FP8 (torchao) always scales per tensor; use scaling=per_tensor, "
+                                 "or format.backend=emulated to study unscaled FP8")
+        self.flags = set_fp32_precision(tf32=(fmt == "tf32"))
+        self.telemetry = QuantTelemetry()
+        self.dtype = TORCH_DTYPES.get(fmt)
+
+    @property
+    def backend(self) -> str:
+        return "native" if self.native else "emulated"
+
+    @property
+    def setting(self) -> str:
+        """Lightning-style name of the precision setting: 32-true, tf32, 16-mixed, bf16-true, fp8-mixed."""
+        return {"fp32": "32-true", "tf32": "tf32", "fp16": f"16-{self.mode}", "bf16": f"bf16-{self.mode}",
+                "fp8": "fp8-mixed"}[self.format]
+
+    def _site(self, tensor_class: str, fmt: str) -> TensorSite:
+        scaler = self.per_tensor(tensor_class, FORMATS[fmt]) if self.per_tensor else None
+        return TensorSite(tensor_class, fmt, self.overflow, self.ftz, self.telemetry, scaler)
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Make `model` compute in this precision (in place) and return it."""
+        if self.format == "fp32":
+            return model
+        if self.native:
+            if self.format == "fp8":
+                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+                config = Float8LinearConfig.from_recipe_name("tensorwise")
+                return convert_to_float8_training(
+                    model, config=config,
+                    module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+            return model.to(self.dtype) if self.mode == "true" else model
+        for module in model.modules():
+            emulated = _EMULATED.get(type(module))
+            if emulated is not None:
+                module.__class__ = emulated  # re-class in place: parameters and state-dict keys are untouched
+                module.casts = OpCasts(self.recipe, self._site)
+        if self.mode == "true":
+            self._round_tensors(model.parameters())
+        return model
+
+    def autocast(self):
+        if self.native and self.mode == "mixed" and self.dtype is not None:
+            return torch.autocast(self.device.type, dtype=self.dtype)
+        return contextlib.nullcontext()
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Cast a floating-point model input as a whole-model ("true") run needs."""
+        if self.native and self.mode == "true" and x.is_floating_point():
+            return x.to(self.dtype)
+        return x
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Emulated true mode: gradients of 16-bit parameters are 16-bit."""
+        if not self.native and self.mode == "true":
+            self._round_tensors(p.grad for p in model.parameters() if p.grad is not None)
+
+    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Emulated true mode: parameters and optimiser state live in the 16-bit format."""
+        if not self.native and self.mode == "true":
+            self._round_tensors(model.parameters())
+            self._round_tensors(v for state in optimizer.state.values() for v in state.values()
+                                if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0)
+
+    @torch.no_grad()
+    def _round_tensors(self, tensors) -> None:
+        for t in tensors:
+            t.copy_(quantise_value(t, self.recipe.inputs, self.overflow, self.ftz))
+
+    def describe(self) -> dict:
+        """What the record's `env.precision` says about this run."""
+        elements = sorted({self.recipe.inputs, self.recipe.grads}) if self.recipe else ["fp32"]
+        return {
+            "format": self.format,
+            "mode": self.mode,
+            "setting": self.setting,
+            "backend": self.backend,
+            "backend_reason": self.why,
+            "element_formats": elements,
+            "overflow": {e: resolve_overflow(FORMATS[e], self.overflow) for e in elements},
+            "ftz": self.ftz,
+            "fp32_precision_flags": self.flags,
+        }

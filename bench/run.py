@@ -1,0 +1,138 @@
+"""Run one cell (model x format x scaling x seed) and write its record.
+
+    python -m bench.run model=lenet format=bf16 scaling=dynamic seed=1
+    python -m bench.run -m format=fp32,fp16 scaling=none,dynamic      # a sweep
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import traceback
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from bench import device as devices
+from bench.config import ConfigError, check
+from bench.logger import open_logger
+from bench.precision import Precision, PrecisionError
+from bench.record import MetricsLog, write_json_atomic
+from bench.scaling import LossScaler, PerTensorScale
+from bench.tasks import build_task
+from bench.train import build_optimizer, train
+
+log = logging.getLogger(__name__)
+
+
+def preflight(cfg: DictConfig) -> tuple[torch.device, Precision]:
+    """Every check that can fail before training: choices, combinations, device support."""
+    check(cfg)
+    try:
+        device = devices.select_device(cfg.device)
+        return device, build_precision(cfg, device)
+    except (ValueError, PrecisionError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
+    per_tensor = None
+    if cfg.scaling.name == "per_tensor":
+        s = cfg.scaling
+
+        def per_tensor(tensor_class, spec):
+            return PerTensorScale(spec, s.amax, s.history_len, s.margin, s.pow2,
+                                  on_scale=lambda a, sc: precision.telemetry.observe_scale(tensor_class, a, sc))
+
+    f = cfg.format
+    precision = Precision(f.name, f.mode, f.backend, f.overflow, f.ftz, device, per_tensor)
+    return precision
+
+
+def build_scaler(cfg: DictConfig) -> LossScaler:
+    s = cfg.scaling
+    return LossScaler(s.loss_scaling, s.init_scale, s.growth_factor, s.backoff_factor, s.growth_interval)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_cell(cfg: DictConfig) -> dict:
+    """Train and evaluate one cell; write `<results_dir>/<cell>/result.json`; return the record.
+
+    Raises ConfigError (before anything is written) for a bad config. Any other failure is
+    recorded as status=failed with the error and the traceback tail.
+    """
+    device, precision = preflight(cfg)
+    run_dir = Path(cfg.results_dir) / cfg.cell
+    config = OmegaConf.to_container(cfg, resolve=True)
+    tags = [cfg.format.name, cfg.format.mode, precision.backend, cfg.scaling.name]
+    logger = open_logger(cfg, run_dir, config, tags)
+    metrics_log = MetricsLog(run_dir / "metrics.jsonl")
+    memory = devices.PeakMemory(device)
+    scaler = build_scaler(cfg)
+    record = {"status": "failed", "reason": None, "config": config,
+              "env": devices.describe(device) | {"precision": precision.describe()},
+              "metrics": {}, "timing": {}, "memory": {"peak_bytes": None, "measures": memory.measures}, "numerics": {}}
+
+    def log_row(row: dict) -> None:
+        metrics_log(row)
+        logger.log(row)
+
+    try:
+        seed_everything(cfg.seed)
+        memory.reset()
+        task = build_task(cfg.model, device, cfg.seed)
+        precision.prepare(task.model)
+        optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters())
+        outcome = train(task, precision, scaler, optimizer, cfg.train, device, log_row, label=cfg.cell)
+        metrics = task.evaluate(task.model, precision.inputs)
+        record["memory"]["peak_bytes"] = memory.peak_bytes()
+        record["metrics"] = {**metrics, "final_train_loss": outcome.final_loss}
+        record["timing"] = outcome.timing()
+        record["numerics"]["diverged_at_step"] = outcome.diverged_at_step
+        if outcome.diverged_at_step is None:
+            record["status"] = "ok"
+        else:
+            record["status"] = "diverged"
+            record["reason"] = f"non-finite loss ({outcome.final_loss}) at step {outcome.diverged_at_step}"
+    except Exception as e:  # noqa: BLE001 - recorded, then reported by the caller
+        record["reason"] = f"{type(e).__name__}: {e}"
+        record["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        record["numerics"] |= scaler.state() | {"quantisation": precision.telemetry.summary()}
+        metrics_log.close()
+        write_json_atomic(run_dir / "result.json", record)
+        logger.finish(record)
+    log.info("%s: %s %s", cfg.cell, record["status"], record["reason"] or record["metrics"])
+    return record
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> str:
+    try:
+        record = run_cell(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if record["status"] == "failed" and not _in_multirun():
+        print(f"run failed: {record['reason']}", file=sys.stderr)
+        sys.exit(1)
+    return record["status"]
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN"
+
+
+if __name__ == "__main__":
+    main()

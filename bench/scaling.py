@@ -1,0 +1,143 @@
+"""Scaling methods. Loss scalers (none / static / dynamic) share one small protocol; per-tensor
+scaling is a cast policy (`PerTensorScale`, used by the precision sites); unit scaling is a model
+transform (bench/unit.py).
+
+`LossScaler` follows torch.amp.GradScaler's semantics step for step (tests check it against
+GradScaler itself) but is our own because GradScaler cannot express a static scale (it refuses
+growth/backoff factors of 1) and refuses to unscale 16-bit gradients, which "true" runs have.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+
+import torch
+
+from bench.formats import ElementFormat
+
+LOSS_SCALING = ("none", "static", "dynamic")
+SCALING_METHODS = ("none", "static", "dynamic", "per_tensor", "unit")
+AMAX_MODES = ("current", "delayed")
+
+
+def _float32(value: float) -> float:
+    """GradScaler keeps its scale in a float32 tensor; round our Python float the same way."""
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+class LossScaler:
+    """Scale the loss, unscale and check the gradients, step or skip, update the scale.
+
+    kind="none": scale 1, never skips (a non-finite gradient is still counted as an overflow step);
+    kind="static": fixed scale, a step whose unscaled gradients hold inf/NaN is skipped and counted
+      (MindSpore's FixedLossScaleManager with drop_overflow_update=True);
+    kind="dynamic": GradScaler: skip and multiply by backoff_factor on inf/NaN, multiply by
+      growth_factor after growth_interval clean steps in a row.
+    """
+
+    def __init__(self, kind: str = "none", init_scale: float = 1.0, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        if kind not in LOSS_SCALING:
+            raise ValueError(f"unknown loss scaling {kind!r}; valid: {', '.join(LOSS_SCALING)}")
+        self.kind = kind
+        self.scale = _float32(1.0 if kind == "none" else init_scale)
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self._clean_steps = 0
+        self.steps = 0
+        self.skipped_steps = 0
+        self.overflow_steps = 0
+        self.history: list[tuple[int, float]] = [(0, self.scale)]  # (step, scale) at every change
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scale == 1.0 else loss * self.scale
+
+    def unscale_(self, params) -> bool:
+        """Divide gradients by the scale in place; True when any of them holds inf or NaN."""
+        groups = defaultdict(list)
+        for p in params:
+            if p.grad is not None:
+                groups[(p.grad.device, p.grad.dtype)].append(p.grad)
+        found = False
+        for (device, _), grads in groups.items():
+            found_inf = torch.zeros(1, device=device)
+            inv_scale = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            found |= bool(found_inf.item())
+        return found
+
+    def step(self, optimizer: torch.optim.Optimizer, params) -> bool:
+        """Unscale, check, then step or skip; update the scale. Returns whether the optimiser stepped."""
+        found_inf = self.unscale_(params)
+        self.overflow_steps += found_inf
+        skip = found_inf and self.kind != "none"
+        if skip:
+            self.skipped_steps += 1
+        else:
+            optimizer.step()
+        self.update(found_inf)
+        return not skip
+
+    def update(self, found_inf: bool) -> None:
+        self.steps += 1
+        if self.kind != "dynamic":
+            return
+        old = self.scale
+        if found_inf:
+            self.scale = _float32(self.scale * self.backoff_factor)
+            self._clean_steps = 0
+        else:
+            self._clean_steps += 1
+            if self._clean_steps == self.growth_interval:
+                grown = _float32(self.scale * self.growth_factor)
+                if math.isfinite(grown):
+                    self.scale = grown
+                self._clean_steps = 0
+        if self.scale != old:
+            self.history.append((self.steps, self.scale))
+
+    def state(self) -> dict:
+        """The record's loss-scale fields."""
+        scales = [s for _, s in self.history]
+        return {
+            "loss_scaling": self.kind,
+            "skipped_steps": self.skipped_steps,
+            "overflow_steps": self.overflow_steps,
+            "final_loss_scale": self.scale,
+            "loss_scale": {"min": min(scales), "max": max(scales), "changes": len(self.history) - 1,
+                           "history": self.history[-200:]},
+        }
+
+
+class PerTensorScale:
+    """s = (fmt.max / amax) / 2^margin for one tensor stream, with amax current or delayed.
+
+    current: amax of the tensor being cast (torchao's tensorwise dynamic scaling).
+    delayed: max over the amaxes of the last `history_len` casts, this one excluded once a history
+      exists (Transformer Engine's DelayedScaling); the first cast uses its own amax.
+    pow2: round s down to a power of two, so scaling itself adds no rounding error.
+    """
+
+    def __init__(self, spec: ElementFormat, amax: str = "current", history_len: int = 16, margin: int = 0,
+                 pow2: bool = False, on_scale=None):
+        if amax not in AMAX_MODES:
+            raise ValueError(f"unknown scaling.amax {amax!r}; valid: {', '.join(AMAX_MODES)}")
+        self.spec, self.amax_mode, self.margin, self.pow2 = spec, amax, margin, pow2
+        self.history: deque[torch.Tensor] = deque(maxlen=history_len)
+        self.on_scale = on_scale  # telemetry callback (amax, scale)
+
+    @torch.no_grad()
+    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        current = x.detach().abs().amax().float()
+        if self.amax_mode == "delayed" and self.history:
+            amax = torch.stack(list(self.history)).amax()
+        else:
+            amax = current
+        self.history.append(current)
+        usable = torch.isfinite(amax) & (amax > 0)
+        scale = torch.where(usable, self.spec.max / amax / 2.0**self.margin, torch.ones_like(amax))
+        if self.pow2:
+            scale = torch.exp2(torch.floor(torch.log2(scale)))
+        if self.on_scale is not None:
+            self.on_scale(amax, scale)
+        return scale

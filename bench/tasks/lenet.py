@@ -1,0 +1,108 @@
+"""LeNet-5 on MNIST (hub) or on scikit-learn's bundled handwritten digits (offline default)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+from bench.tasks.base import Task
+
+
+class LeNet5(nn.Module):
+    """conv 6@5x5 -> 2x2 max-pool -> conv 16@5x5 -> 2x2 max-pool -> fc 120 -> 84 -> 10, ReLU; 32x32 input."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, 5)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, num_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+def _standardise(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mean, std = train.mean(), train.std()
+    return (train - mean) / std, (test - mean) / std
+
+
+def load_digits(test_fraction: float) -> tuple[torch.Tensor, ...]:
+    """sklearn's 1,797 8x8 digits, bilinearly upsampled to 32x32, fixed stratified split (random_state=0)."""
+    from sklearn.datasets import load_digits as sk_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = sk_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    images = F.interpolate(images, size=(32, 32), mode="bilinear", align_corners=False)
+    labels = torch.tensor(digits.target, dtype=torch.long)
+    idx_train, idx_test = train_test_split(np.arange(len(labels)), test_size=test_fraction, random_state=0,
+                                           stratify=digits.target)
+    x_train, x_test = _standardise(images[idx_train], images[idx_test])
+    return x_train, labels[idx_train], x_test, labels[idx_test]
+
+
+def load_mnist(name: str) -> tuple[torch.Tensor, ...]:
+    """MNIST through `datasets` (hub schema: PIL `image`, int `label`), resized to 32x32 as MindSpore does."""
+    import datasets
+
+    splits = datasets.load_dataset(name)
+
+    def tensors(split):
+        images = torch.tensor(np.stack([np.asarray(im, dtype=np.uint8) for im in split["image"]]))
+        images = F.interpolate(images.unsqueeze(1).float() / 255.0, size=(32, 32), mode="bilinear",
+                               align_corners=False)
+        return images, torch.tensor(split["label"], dtype=torch.long)
+
+    x_train, y_train = tensors(splits["train"])
+    x_test, y_test = tensors(splits["test"])
+    x_train, x_test = _standardise(x_train, x_test)
+    return x_train, y_train, x_test, y_test
+
+
+def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
+    batch_size = cfg.batch_size
+    if cfg.data.source == "digits":
+        x_train, y_train, x_test, y_test = load_digits(cfg.data.test_fraction)
+    else:
+        x_train, y_train, x_test, y_test = load_mnist(cfg.data.name)
+    x_train, y_train, x_test, y_test = (t.to(device) for t in (x_train, y_train, x_test, y_test))
+    model = LeNet5().to(device)
+    n_batches = len(y_train) // batch_size  # drop_last: every step sees a full batch
+
+    shift = cfg.data.augment_shift
+    background = x_train.min()
+
+    def train_batches(epoch: int):
+        generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        order = torch.randperm(len(y_train), generator=generator)
+        for b in range(n_batches):
+            idx = order[b * batch_size:(b + 1) * batch_size].to(device)
+            x = x_train[idx]
+            if shift:
+                dx, dy = torch.randint(-shift, shift + 1, (2,), generator=generator).tolist()
+                x = F.pad(x, (shift, shift, shift, shift), value=float(background))
+                x = x[..., shift + dy:shift + dy + 32, shift + dx:shift + dx + 32]
+            yield x, y_train[idx]
+
+    def loss(model, batch, cast_inputs):
+        x, y = batch
+        return F.cross_entropy(model(cast_inputs(x)).float(), y)
+
+    @torch.no_grad()
+    def evaluate(model, cast_inputs) -> dict:
+        correct = 0
+        for start in range(0, len(y_test), 1024):
+            logits = model(cast_inputs(x_test[start:start + 1024]))
+            correct += (logits.argmax(1) == y_test[start:start + 1024]).sum().item()
+        return {"test_accuracy": correct / len(y_test), "test_examples": len(y_test)}
+
+    return Task(model, train_batches, loss, evaluate, batch_size, n_batches)

@@ -1,0 +1,76 @@
+"""Numerics telemetry: what quantisation did to each class of tensor, sampled on some steps.
+
+Counts stay on the device as tensors while a step runs (no host sync per op) and are read once
+per sampled step. The three classes are the tensors a low-precision matmul/conv sees:
+`weights` and `activations` entering it in the forward pass, `gradients` in the backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bench.formats import ElementFormat, round_unbounded
+
+TENSOR_CLASSES = ("weights", "activations", "gradients")
+_COUNTS = ("total", "underflow", "subnormal", "overflow")
+
+
+class QuantTelemetry:
+    """Underflow / subnormal / overflow counts per tensor class, on the steps where `sampling` is set."""
+
+    def __init__(self):
+        self.sampling = False
+        self._step = self._zeros()
+        self._run = {c: dict.fromkeys(_COUNTS, 0) for c in TENSOR_CLASSES}
+        self.amax: dict[str, list[float]] = {c: [] for c in TENSOR_CLASSES}
+        self.scales: dict[str, list[float]] = {c: [] for c in TENSOR_CLASSES}
+
+    @staticmethod
+    def _zeros() -> dict[str, list]:
+        return {c: [] for c in TENSOR_CLASSES}
+
+    def observe(self, tensor_class: str, x: torch.Tensor, rounded: torch.Tensor, spec: ElementFormat) -> None:
+        """Count what rounding `x` (already scaled, if scaling applies) to `spec` did."""
+        if not self.sampling:
+            return
+        x = x.detach().float()
+        rounded = rounded.detach().float()
+        underflow = ((x != 0) & (rounded == 0)).sum()
+        subnormal = ((rounded != 0) & (rounded.abs() < spec.min_normal)).sum()
+        overflow = (round_unbounded(x, spec).abs() > spec.max).sum()
+        self._step[tensor_class].append(torch.stack([torch.tensor(x.numel(), device=x.device),
+                                                     underflow, subnormal, overflow]))
+
+    def observe_scale(self, tensor_class: str, amax: torch.Tensor, scale: torch.Tensor) -> None:
+        if self.sampling:
+            self.amax[tensor_class].append(float(amax))
+            self.scales[tensor_class].append(float(scale))
+
+    def end_step(self) -> dict[str, dict[str, float]]:
+        """Fractions for this sampled step, per class with data; folds the counts into the run totals."""
+        fractions = {}
+        for c, rows in self._step.items():
+            if not rows:
+                continue
+            total, *rest = torch.stack(rows).sum(0).tolist()
+            for name, value in zip(_COUNTS, [total, *rest]):
+                self._run[c][name] += int(value)
+            fractions[c] = {name: value / total for name, value in zip(_COUNTS[1:], rest)}
+        self._step = self._zeros()
+        return fractions
+
+    def summary(self) -> dict[str, dict[str, float] | None]:
+        """Run-level fractions per class over all sampled steps (None: the class was never quantised)."""
+        out = {}
+        for c, counts in self._run.items():
+            total = counts["total"]
+            out[c] = None if total == 0 else {
+                **{f"{name}_fraction": counts[name] / total for name in _COUNTS[1:]},
+                "values_sampled": total,
+            }
+            if self.amax[c]:
+                out[c] = (out[c] or {}) | {
+                    "amax_max": max(self.amax[c]), "amax_min": min(self.amax[c]),
+                    "scale_max": max(self.scales[c]), "scale_min": min(self.scales[c]),
+                }
+        return out

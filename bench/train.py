@@ -1,0 +1,98 @@
+"""The training loop shared by every task: forward in the run's precision, scaled backward, step or skip."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from bench.device import synchronize
+from bench.precision import Precision
+from bench.scaling import LossScaler
+from bench.tasks.base import Task
+
+
+def build_optimizer(cfg: DictConfig, params) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+@dataclass
+class TrainOutcome:
+    steps: int = 0
+    samples: int = 0
+    train_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)
+    final_loss: float | None = None
+    diverged_at_step: int | None = None
+
+    def timing(self) -> dict:
+        return {
+            "train_s": self.train_s,
+            "step_median_s": statistics.median(self.step_s) if self.step_s else None,
+            "samples_per_s": self.samples / self.train_s if self.train_s > 0 else None,
+            "steps": self.steps,
+        }
+
+
+def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch.optim.Optimizer,
+          cfg: DictConfig, device: torch.device, log: Callable[[dict], None], label: str = "") -> TrainOutcome:
+    """Train `task.model` for cfg.epochs (at most cfg.max_steps steps); stop at the first non-finite loss.
+
+    `log` receives a metrics dict every cfg.log_every steps (telemetry is sampled on those steps).
+    Timing covers the loop only (data, forward, backward, step), synchronised on accelerators.
+    """
+    model, out = task.model, TrainOutcome()
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = task.steps_per_epoch * cfg.epochs
+    if cfg.max_steps is not None:
+        total = min(total, cfg.max_steps)
+    model.train()
+    progress = tqdm(total=total, desc=label, unit="step", leave=False, mininterval=1.0)
+    synchronize(device)
+    start = time.perf_counter()
+    for epoch in range(cfg.epochs):
+        for batch in task.train_batches(epoch):
+            if out.steps >= total:
+                break
+            step_start = time.perf_counter()
+            sampled = out.steps % cfg.log_every == 0
+            precision.telemetry.sampling = sampled
+            with precision.autocast():
+                loss = task.loss(model, batch, precision.inputs) * cfg.loss_multiplier
+            out.final_loss = loss.item()
+            if not math.isfinite(out.final_loss):
+                out.diverged_at_step = out.steps
+                break
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale_loss(loss).backward()
+            precision.after_backward(model)
+            stepped = scaler.step(optimizer, params)
+            if stepped:
+                precision.after_step(model, optimizer)
+            synchronize(device)
+            out.step_s.append(time.perf_counter() - step_start)
+            out.samples += task.batch_size
+            if sampled:
+                log({"step": out.steps, "epoch": epoch, "loss": out.final_loss, "loss_scale": scaler.scale,
+                     "stepped": stepped, "skipped_steps": scaler.skipped_steps, "step_s": out.step_s[-1],
+                     "quantisation": precision.telemetry.end_step()})
+            out.steps += 1
+            progress.update()
+            progress.set_postfix(loss=f"{out.final_loss:.4f}", refresh=False)
+        if out.diverged_at_step is not None or out.steps >= total:
+            break
+    synchronize(device)
+    out.train_s = time.perf_counter() - start
+    progress.close()
+    precision.telemetry.sampling = False
+    return out
