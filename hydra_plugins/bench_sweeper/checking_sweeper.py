@@ -1,4 +1,6 @@
-"""Hydra's basic sweeper with two additions: every cell of a sweep is checked before the first one
+"""(Lives in the hydra_plugins namespace because Hydra only instantiates sweepers from there.)
+
+Hydra's basic sweeper with two additions: every cell of a sweep is checked before the first one
 trains (a bad combination anywhere in the grid costs nothing), and the sweep ends with a status
 summary and a non-zero exit if any cell failed."""
 

@@ -1,0 +1,78 @@
+"""Every config option composes; bad input fails before training, naming the valid choices."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.config import ConfigError, check
+from tests.conftest import CONF
+
+GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ("model", "format", "scaling", "logger")}
+NOT_YET = {"per_tensor", "unit"}
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_group_option_composes(make_cfg, group, option):
+    cfg = make_cfg(f"{group}={option}")
+    assert cfg[group].name == option
+    if group == "scaling" and option in NOT_YET:
+        with pytest.raises(ConfigError, match="not yet available"):
+            check(cfg)
+    else:
+        check(cfg)
+
+
+@pytest.mark.parametrize("mode_override", ["format.mode=true", "format.mode=mixed"])
+def test_mode_true_is_accepted_despite_yaml_booleans(make_cfg, mode_override):
+    cfg = make_cfg("format=bf16", mode_override)
+    check(cfg)
+    assert cfg.format.mode == mode_override.split("=")[1]
+    assert cfg.cell.endswith(f"bf16-{cfg.format.mode}/none/seed0")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["format=fp8", "format.mode=true"], r"format=fp8.*valid: mixed"),
+    (["format=fp32", "format.mode=mixed"], r"format=fp32.*valid: true"),
+    (["format.overflow=wrap"], "saturate, inf, nan"),
+    (["format.backend=fast"], "auto, native, emulated"),
+    (["device=tpu"], "auto, cpu, cuda, xla"),
+    (["train.max_steps=0"], ">= 1"),
+])
+def test_bad_choices_and_combinations_name_the_valid_ones(make_cfg, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check(make_cfg(*overrides))
+
+
+def _bench(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "bench.run", *args, f"results_dir={tmp_path}"],
+                          capture_output=True, text=True, cwd=CONF.parent, timeout=120)
+
+
+@pytest.mark.parametrize("args,valid", [
+    (["format=fp12"], ["bf16", "fp16", "fp32", "fp8", "tf32"]),
+    (["scaling=magic"], ["dynamic", "none", "static"]),
+    (["format.nosuchkey=1"], ["nosuchkey"]),
+])
+def test_unknown_options_exit_nonzero_and_write_nothing(tmp_path, args, valid):
+    out = _bench(tmp_path, *args)
+    assert out.returncode != 0
+    assert all(v in out.stderr for v in valid), out.stderr[-2000:]
+    assert not list(Path(tmp_path).rglob("result.json"))
+
+
+def test_sweep_checks_every_cell_before_training_any(tmp_path):
+    out = _bench(tmp_path, "-m", "format=fp32,tf32", "format.backend=native", "device=cpu", "train.max_steps=2")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "format=tf32" in out.stderr and "valid here: format.backend=auto or emulated" in out.stderr
+    assert not list(Path(tmp_path).rglob("result.json"))
+
+
+def test_existing_records_survive_a_rejected_run(tmp_path):
+    ok = _bench(tmp_path, "train.max_steps=2")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    record = next(Path(tmp_path).rglob("result.json"))
+    before = record.read_bytes()
+    assert _bench(tmp_path, "train.max_steps=2", "format.overflow=wrap").returncode == 2
+    assert record.read_bytes() == before
