@@ -81,7 +81,7 @@ def cells_table(frame: pd.DataFrame) -> pd.DataFrame:
             "model": r["model"], "format": r["setting"], "scaling": r["scaling"], "seed": r["seed"],
             "backend": r["backend"], "status": status,
             metric.replace("test_accuracy", "test acc (%)"): _fmt(value, "{:.2f}"),
-            "train time (s)": _fmt(r["train_s"], "{:.1f}", emulated),
+            "train time (s)": _fmt(r["train_s"], "{:.2f}", emulated),
             "speed-up vs fp32": _fmt(r["speedup_vs_fp32"], "{:.2f}×", emulated),
             "peak memory (MiB)": _fmt(r["peak_bytes"] / 2**20 if r["peak_bytes"] else None, "{:.0f}", emulated),
             "skipped steps": _fmt(r["skipped_steps"], "{:.0f}"),
@@ -97,7 +97,7 @@ def write_tables(frame: pd.DataFrame, out: Path) -> dict[str, str]:
         directory.mkdir(parents=True, exist_ok=True)
         part.to_csv(directory / "cells.csv", index=False)
         table = cells_table(part)
-        markdown = table.to_markdown(index=False)
+        markdown = table.to_markdown(index=False, disable_numparse=True)
         if (part["backend"] == "emulated").any():
             markdown += "\n\n" + FOOTNOTE
         (directory / "cells.md").write_text(f"# {experiment}\n\n{markdown}\n")

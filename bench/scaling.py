@@ -47,7 +47,7 @@ class LossScaler:
         self.steps = 0
         self.skipped_steps = 0
         self.overflow_steps = 0
-        self.history: list[tuple[int, float]] = [(0, self.scale)]  # (step, scale) at every change
+        self.history: list[list] = [[0, self.scale]]  # [step, scale] at every change
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scale == 1.0 else loss * self.scale
@@ -94,7 +94,7 @@ class LossScaler:
                     self.scale = grown
                 self._clean_steps = 0
         if self.scale != old:
-            self.history.append((self.steps, self.scale))
+            self.history.append([self.steps, self.scale])
 
     def state(self) -> dict:
         """The record's loss-scale fields."""

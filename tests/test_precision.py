@@ -1,0 +1,101 @@
+"""Precision policy: TF32 flags, where emulation rounds, native/emulated decisions."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench.formats import quantise_value
+from bench.precision import Precision, PrecisionError
+
+CPU = torch.device("cpu")
+
+
+def _linear_and_input(seed=0):
+    torch.manual_seed(seed)
+    layer = nn.Linear(64, 32)
+    return layer, torch.randn(16, 64)
+
+
+def test_fp32_has_tf32_off_and_tf32_has_it_on():
+    flags = Precision("fp32", "true", "auto", None, False, CPU).flags
+    assert flags["cuda_matmul"] == flags["cudnn_conv"] == flags["cudnn_rnn"] == "ieee"
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    flags = Precision("tf32", "true", "auto", None, False, CPU).flags
+    assert flags["cuda_matmul"] == flags["cudnn_conv"] == "tf32"
+    assert flags["mkldnn_matmul"] == "ieee"  # CPU rounding is decided by emulation, never by oneDNN
+    Precision("fp32", "true", "auto", None, False, CPU)
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+
+
+def test_emulated_tf32_rounding_is_visible_in_a_matmul():
+    layer, x = _linear_and_input()
+    exact = layer(x)
+    precision = Precision("tf32", "true", "emulated", None, False, CPU)
+    precision.prepare(layer)
+    expected = F.linear(quantise_value(x, "tf32"), quantise_value(layer.weight, "tf32"), layer.bias)
+    assert torch.equal(layer(x), expected)
+    assert not torch.equal(layer(x), exact)
+    assert (layer(x) - exact).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_emulated_sixteen_bit_mixed_rounds_inputs_output_and_gradients(fmt):
+    layer, x = _linear_and_input()
+    x.requires_grad_(True)
+    Precision(fmt, "mixed", "emulated", None, False, CPU).prepare(layer)
+    y = layer(x)
+    q = lambda t: quantise_value(t, fmt)  # noqa: E731
+    assert torch.equal(y, q(F.linear(q(x), q(layer.weight), q(layer.bias))))
+    grad_out = torch.randn_like(y) * 1e-3
+    y.backward(grad_out)
+    expected_grad_x = q(q(grad_out) @ q(layer.weight))
+    assert torch.equal(x.grad, expected_grad_x)
+    assert torch.equal(layer.weight.grad, q(q(grad_out).T @ q(x.detach())))
+
+
+def test_emulated_fp8_uses_e4m3_forward_and_e5m2_gradients_and_keeps_outputs_fp32():
+    layer, x = _linear_and_input()
+    x.requires_grad_(True)
+    Precision("fp8", "mixed", "emulated", None, False, CPU).prepare(layer)
+    y = layer(x)
+    e4m3 = lambda t: quantise_value(t, "fp8_e4m3")  # noqa: E731
+    assert torch.equal(y, F.linear(e4m3(x), e4m3(layer.weight), layer.bias))
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    assert torch.equal(x.grad, quantise_value(grad_out, "fp8_e5m2") @ e4m3(layer.weight))
+
+
+def test_true_mode_emulation_keeps_parameters_and_optimiser_state_in_format():
+    layer, x = _linear_and_input()
+    precision = Precision("fp16", "true", "emulated", None, False, CPU)
+    precision.prepare(layer)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    layer(x).square().mean().backward()
+    precision.after_backward(layer)
+    opt.step()
+    precision.after_step(layer, opt)
+    tensors = [*layer.parameters(), *(p.grad for p in layer.parameters()),
+               *(v for s in opt.state.values() for v in s.values() if v.dim() > 0)]
+    assert all(torch.equal(t, t.half().float()) for t in tensors)
+
+
+def test_state_dict_keys_survive_emulation():
+    layer, _ = _linear_and_input()
+    keys = list(layer.state_dict())
+    Precision("fp8", "mixed", "emulated", None, False, CPU).prepare(layer)
+    assert list(layer.state_dict()) == keys
+
+
+def test_backend_decisions_are_explicit(monkeypatch):
+    monkeypatch.setattr("bench.device._cpu_flags", lambda: frozenset({"avx512f"}))
+    assert Precision("fp16", "mixed", "auto", None, False, CPU).backend == "emulated"  # slow CPU fp16: emulate
+    assert Precision("bf16", "mixed", "auto", None, False, CPU).backend == "emulated"
+    monkeypatch.setattr("bench.device._cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    auto_bf16 = Precision("bf16", "mixed", "auto", None, False, CPU)
+    assert auto_bf16.backend == "native" and "avx512_bf16" in auto_bf16.why
+    assert Precision("fp16", "mixed", "native", None, False, CPU).backend == "native"  # torch has CPU fp16 kernels
+    with pytest.raises(PrecisionError, match="no native path on cpu"):
+        Precision("tf32", "true", "native", None, False, CPU)
+    with pytest.raises(PrecisionError, match="no native path on cpu"):
+        Precision("fp8", "mixed", "native", None, False, CPU)

@@ -1,0 +1,87 @@
+"""End to end: a few steps of every format x loss-scaling cell, and the record they write."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.record import RECORD_KEYS, read_record
+from bench.run import run_cell
+
+CELLS = [(f, m, s) for f, modes in [("fp32", ["true"]), ("tf32", ["true"]), ("fp16", ["mixed", "true"]),
+                                    ("bf16", ["mixed", "true"]), ("fp8", ["mixed"])]
+         for m in modes for s in ("none", "static", "dynamic")]
+
+
+@pytest.mark.parametrize("fmt,mode,scaling", CELLS)
+def test_every_cell_writes_a_complete_record(make_cfg, tmp_path, fmt, mode, scaling):
+    cfg = make_cfg(f"format={fmt}", f"format.mode={mode}", f"scaling={scaling}", "train.max_steps=4",
+                   "train.log_every=2", "device=cpu")
+    record = run_cell(cfg)
+    path = Path(tmp_path) / cfg.cell / "result.json"
+    assert read_record(path) == json.loads(path.read_text())
+    assert set(RECORD_KEYS) <= set(record) and record["status"] == "ok", record.get("traceback")
+    assert record["config"]["format"]["name"] == fmt and record["config"]["scaling"]["name"] == scaling
+    env = record["env"]
+    for key in ("device_name", "torch_version", "git_commit", "hostname"):
+        assert key in env
+    assert env["precision"]["backend"] in ("native", "emulated") and env["precision"]["backend_reason"]
+    assert env["precision"]["fp32_precision_flags"]["cuda_matmul"] == ("tf32" if fmt == "tf32" else "ieee")
+    assert 0 <= record["metrics"]["test_accuracy"] <= 1 and record["metrics"]["final_train_loss"] > 0
+    assert record["timing"]["steps"] == 4 and record["timing"]["train_s"] > 0
+    assert record["timing"]["step_median_s"] > 0 and record["timing"]["samples_per_s"] > 0
+    assert record["memory"]["peak_bytes"] > 0 and "resident" in record["memory"]["measures"]
+    numerics = record["numerics"]
+    expected_scale = {"none": 1.0, "static": 2048.0, "dynamic": 65536.0}[scaling]
+    assert numerics["final_loss_scale"] == expected_scale and numerics["skipped_steps"] == 0
+    assert numerics["loss_scale"]["history"][0] == [0, expected_scale]
+    rows = [json.loads(line) for line in (path.parent / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 2]
+    if env["precision"]["backend"] == "emulated":
+        assert numerics["quantisation"]["weights"]["values_sampled"] > 0
+        assert set(rows[0]["quantisation"]) == {"weights", "activations", "gradients"}
+
+
+def test_nan_loss_gives_status_diverged_not_a_crash(make_cfg, tmp_path):
+    cfg = make_cfg("train.loss_multiplier=nan", "train.max_steps=5")
+    run_cell(cfg)
+    record = read_record(Path(tmp_path) / cfg.cell / "result.json")
+    assert record["status"] == "diverged"
+    assert record["numerics"]["diverged_at_step"] == 0 and "non-finite loss" in record["reason"]
+    assert record["metrics"]["final_train_loss"] == "nan"
+
+
+def test_a_failure_is_recorded_with_its_reason(make_cfg, monkeypatch):
+    def broken(*_):
+        raise RuntimeError("dataset exploded")
+
+    monkeypatch.setattr("bench.run.build_task", broken)
+    record = run_cell(make_cfg("train.max_steps=2"))
+    assert record["status"] == "failed" and "dataset exploded" in record["reason"]
+    assert "Traceback" in record["traceback"]
+
+
+def test_fp32_digits_default_reaches_97_percent(make_cfg):
+    record = run_cell(make_cfg())
+    assert record["metrics"]["test_accuracy"] >= 0.97
+
+
+def test_hub_mnist_loader_converts_the_hub_schema(make_cfg, monkeypatch):
+    """data.source=hub goes through datasets.load_dataset by name; here a stand-in returns MNIST's schema."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+
+    def split(n):
+        return datasets.Dataset.from_dict({
+            "image": [Image.fromarray(rng.integers(0, 255, (28, 28), dtype=np.uint8)) for _ in range(n)],
+            "label": [int(i % 10) for i in range(n)]})
+
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda name: asked.append(name) or
+                        datasets.DatasetDict({"train": split(64), "test": split(20)}))
+    record = run_cell(make_cfg("model.data.source=hub", "train.max_steps=2"))
+    assert asked == ["ylecun/mnist"] and record["status"] == "ok", record.get("traceback")
+    assert record["metrics"]["test_examples"] == 20
