@@ -118,22 +118,29 @@ class OpCasts:
         return cast(y, self.output, self.grad_output)
 
 
-class EmulatedLinear(nn.Linear):
-    """nn.Linear whose inputs, output and gradients are rounded by `self.casts`."""
+class CastOp:
+    """Mixin for a matmul/conv module whose inputs, output and gradients an emulated precision rounds.
 
-    casts: OpCasts
+    `casts` is None (nothing rounded) until `Precision.prepare` gives the module its sites.
+    """
 
+    casts: OpCasts | None = None
+
+    def cast_inputs(self, x, weight, bias):
+        return (x, weight, bias) if self.casts is None else self.casts.inputs(x, weight, bias)
+
+    def cast_result(self, y):
+        return y if self.casts is None else self.casts.result(y)
+
+
+class EmulatedLinear(CastOp, nn.Linear):
     def forward(self, x):
-        return self.casts.result(F.linear(*self.casts.inputs(x, self.weight, self.bias)))
+        return self.cast_result(F.linear(*self.cast_inputs(x, self.weight, self.bias)))
 
 
-class EmulatedConv2d(nn.Conv2d):
-    """nn.Conv2d whose inputs, output and gradients are rounded by `self.casts`."""
-
-    casts: OpCasts
-
+class EmulatedConv2d(CastOp, nn.Conv2d):
     def forward(self, x):
-        return self.casts.result(self._conv_forward(*self.casts.inputs(x, self.weight, self.bias)))
+        return self.cast_result(self._conv_forward(*self.cast_inputs(x, self.weight, self.bias)))
 
 
 _EMULATED = {nn.Linear: EmulatedLinear, nn.Conv2d: EmulatedConv2d}
@@ -186,6 +193,11 @@ class Precision:
             self.native, self.why = False, "requested"
         else:
             self.native, self.why = support.fast, support.why
+        if self.native and per_tensor is not None and fmt in ("tf32", "fp16", "bf16"):
+            if backend == "native":
+                raise PrecisionError(f"per-tensor scaling of {fmt} needs emulation (native {fmt} kernels take no "
+                                     "per-tensor scales); valid: format.backend=auto or emulated")
+            self.native, self.why = False, f"per-tensor scaling of {fmt} needs emulation ({support.why})"
         if self.native and fmt == "fp8" and per_tensor is None:
             raise PrecisionError("native FP8 (torchao) always scales per tensor; use scaling=per_tensor, "
                                  "or format.backend=emulated to study unscaled FP8")
@@ -224,6 +236,7 @@ class Precision:
             emulated = _EMULATED.get(type(module))
             if emulated is not None:
                 module.__class__ = emulated  # re-class in place: parameters and state-dict keys are untouched
+            if isinstance(module, CastOp):
                 module.casts = OpCasts(self.recipe, self._site)
         if self.mode == "true":
             self._round_tensors(model.parameters())
@@ -270,4 +283,6 @@ class Precision:
             "overflow": {e: resolve_overflow(FORMATS[e], self.overflow) for e in elements},
             "ftz": self.ftz,
             "fp32_precision_flags": self.flags,
+            "native_recipe": "torchao float8 tensorwise (per-tensor dynamic scaling)"
+            if self.native and self.format == "fp8" else None,
         }

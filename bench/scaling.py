@@ -37,10 +37,13 @@ class LossScaler:
     """
 
     def __init__(self, kind: str = "none", init_scale: float = 1.0, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, loss_multiplier: float = 1.0):
+        """loss_multiplier: a fixed factor on the loss that unscaling divides out again, so it changes only
+        what the low-precision backward sees (train.loss_multiplier, a numerics stress test)."""
         if kind not in LOSS_SCALING:
             raise ValueError(f"unknown loss scaling {kind!r}; valid: {', '.join(LOSS_SCALING)}")
         self.kind = kind
+        self.loss_multiplier = loss_multiplier
         self.scale = _float32(1.0 if kind == "none" else init_scale)
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self._clean_steps = 0
@@ -50,7 +53,8 @@ class LossScaler:
         self.history: list[list] = [[0, self.scale]]  # [step, scale] at every change
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss if self.scale == 1.0 else loss * self.scale
+        factor = self.scale * self.loss_multiplier
+        return loss if factor == 1.0 else loss * factor
 
     def unscale_(self, params) -> bool:
         """Divide gradients by the scale in place; True when any of them holds inf or NaN."""
@@ -61,7 +65,8 @@ class LossScaler:
         found = False
         for (device, _), grads in groups.items():
             found_inf = torch.zeros(1, device=device)
-            inv_scale = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
+            inv_scale = torch.full((1,), 1.0 / (self.scale * self.loss_multiplier), dtype=torch.float32,
+                                   device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
             found |= bool(found_inf.item())
         return found

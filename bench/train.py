@@ -68,7 +68,8 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
             sampled = out.steps % cfg.log_every == 0
             precision.telemetry.sampling = sampled
             with precision.autocast():
-                loss = task.loss(model, batch, precision.inputs) * cfg.loss_multiplier
+                outputs, targets = task.forward(model, batch, precision.inputs)
+                loss = task.criterion(outputs, targets)
             out.final_loss = loss.item()
             if not math.isfinite(out.final_loss):
                 out.diverged_at_step = out.steps

@@ -10,7 +10,7 @@ from bench.config import ConfigError, check
 from tests.conftest import CONF
 
 GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ("model", "format", "scaling", "logger")}
-NOT_YET = {"per_tensor", "unit"}
+NOT_YET = {"unit"}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])

@@ -13,7 +13,8 @@ from torch import nn
 class Task:
     model: nn.Module
     train_batches: Callable[[int], Iterator[tuple]]  # epoch -> batches, reshuffled per epoch, deterministic
-    loss: Callable[[nn.Module, tuple, Callable], torch.Tensor]  # (model, batch, cast_inputs) -> scalar loss
+    forward: Callable[[nn.Module, tuple, Callable], tuple]  # (model, batch, cast_inputs) -> (outputs, targets)
+    criterion: Callable[..., torch.Tensor]  # (outputs, targets) -> scalar loss; unit scaling swaps it
     evaluate: Callable[[nn.Module, Callable], dict]  # (model, cast_inputs) -> metrics
     batch_size: int
     steps_per_epoch: int

@@ -11,23 +11,21 @@ from torch import nn
 from bench.tasks.base import Task
 
 
-class LeNet5(nn.Module):
-    """conv 6@5x5 -> 2x2 max-pool -> conv 16@5x5 -> 2x2 max-pool -> fc 120 -> 84 -> 10, ReLU; 32x32 input."""
+class LeNet5(nn.Sequential):
+    """conv 6@5x5 -> 2x2 max-pool -> conv 16@5x5 -> 2x2 max-pool -> fc 120 -> 84 -> 10, ReLU; 32x32 input.
+
+    Built from modules only (no functional calls), so precision and unit-scaling transforms can swap them.
+    """
 
     def __init__(self, num_classes: int = 10):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 6, 5)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 5 * 5, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, num_classes)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(x.flatten(1)))
-        x = F.relu(self.fc2(x))
-        return self.fc3(x)
+        super().__init__(
+            nn.Conv2d(1, 6, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(16 * 5 * 5, 120), nn.ReLU(),
+            nn.Linear(120, 84), nn.ReLU(),
+            nn.Linear(84, num_classes),
+        )
 
 
 def _standardise(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,9 +91,9 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
                 x = x[..., shift + dy:shift + dy + 32, shift + dx:shift + dx + 32]
             yield x, y_train[idx]
 
-    def loss(model, batch, cast_inputs):
+    def forward(model, batch, cast_inputs):
         x, y = batch
-        return F.cross_entropy(model(cast_inputs(x)).float(), y)
+        return model(cast_inputs(x)).float(), y
 
     @torch.no_grad()
     def evaluate(model, cast_inputs) -> dict:
@@ -105,4 +103,4 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
             correct += (logits.argmax(1) == y_test[start:start + 1024]).sum().item()
         return {"test_accuracy": correct / len(y_test), "test_examples": len(y_test)}
 
-    return Task(model, train_batches, loss, evaluate, batch_size, n_batches)
+    return Task(model, train_batches, forward, F.cross_entropy, evaluate, batch_size, n_batches)
