@@ -23,7 +23,6 @@ MODELS = ("lenet",)
 DATA_SOURCES = {"lenet": ("digits", "hub")}
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOGGERS = ("none", "wandb")
-NOT_YET_AVAILABLE = {"unit": "issue 3"}
 
 OmegaConf.register_new_resolver("lower", lambda v: str(v).lower(), replace=True)
 
@@ -135,9 +134,6 @@ def check(cfg: DictConfig) -> None:
     if cfg.format.overflow is not None:
         _choice(cfg.format.overflow, OVERFLOW_POLICIES, "format.overflow")
     _choice(cfg.scaling.name, SCALING_METHODS, "scaling")
-    if cfg.scaling.name in NOT_YET_AVAILABLE:
-        raise ConfigError(f"scaling={cfg.scaling.name} is not yet available ({NOT_YET_AVAILABLE[cfg.scaling.name]}); "
-                          f"available now: {', '.join(m for m in SCALING_METHODS if m not in NOT_YET_AVAILABLE)}")
     _choice(cfg.scaling.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")
     _choice(cfg.scaling.amax, AMAX_MODES, "scaling.amax")
     _choice(cfg.device, DEVICES, "device")

@@ -25,6 +25,7 @@ from bench.record import MetricsLog, write_json_atomic
 from bench.scaling import LossScaler, PerTensorScale
 from bench.tasks import build_task
 from bench.train import build_optimizer, train
+from bench.unit import unit_cross_entropy, unit_scale
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ def run_cell(cfg: DictConfig) -> dict:
         seed_everything(cfg.seed)
         memory.reset()
         task = build_task(cfg.model, device, cfg.seed)
+        if cfg.scaling.name == "unit":
+            unit_scale(task.model)
+            task.criterion = unit_cross_entropy
         precision.prepare(task.model)
         optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters())
         outcome = train(task, precision, scaler, optimizer, cfg.train, device, log_row, label=cfg.cell)

@@ -10,7 +10,7 @@ from bench.run import run_cell
 
 CELLS = [(f, m, s) for f, modes in [("fp32", ["true"]), ("tf32", ["true"]), ("fp16", ["mixed", "true"]),
                                     ("bf16", ["mixed", "true"]), ("fp8", ["mixed"])]
-         for m in modes for s in ("none", "static", "dynamic")]
+         for m in modes for s in ("none", "static", "dynamic", "per_tensor", "unit")]
 
 
 @pytest.mark.parametrize("fmt,mode,scaling", CELLS)
@@ -32,7 +32,7 @@ def test_every_cell_writes_a_complete_record(make_cfg, tmp_path, fmt, mode, scal
     assert record["timing"]["step_median_s"] > 0 and record["timing"]["samples_per_s"] > 0
     assert record["memory"]["peak_bytes"] > 0 and "resident" in record["memory"]["measures"]
     numerics = record["numerics"]
-    expected_scale = {"none": 1.0, "static": 2048.0, "dynamic": 65536.0}[scaling]
+    expected_scale = {"static": 2048.0, "dynamic": 65536.0}.get(scaling, 1.0)
     assert numerics["final_loss_scale"] == expected_scale and numerics["skipped_steps"] == 0
     assert numerics["loss_scale"]["history"][0] == [0, expected_scale]
     rows = [json.loads(line) for line in (path.parent / "metrics.jsonl").read_text().splitlines()]
