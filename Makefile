@@ -6,7 +6,7 @@ TORCH   ?= 2.13.0
 RESULTS ?= results/runs
 TABLES  ?= results/tables
 FORMATS ?= fp32,tf32,fp16,bf16,fp8
-SCALINGS ?= none,static,dynamic
+SCALINGS ?= none,static,dynamic,per_tensor,unit
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 

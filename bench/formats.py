@@ -51,6 +51,14 @@ class ElementFormat:
     def min_subnormal(self) -> float:
         return 2.0 ** (self.emin - self.man_bits)
 
+    def overflows(self, x: torch.Tensor) -> torch.Tensor:
+        """Where RNE would carry |x| past max: beyond max + half an ulp, or on that tie when max's last
+        mantissa bit is odd (IEEE formats; E4M3's max 1.110b * 2^8 is even, so its tie rounds to max)."""
+        half_ulp = 2.0 ** (self.emax - self.man_bits - 1)
+        max_is_odd = int(self.max / (2 * half_ulp)) % 2 == 1
+        boundary = self.max + half_ulp
+        return x.abs() >= boundary if max_is_odd else x.abs() > boundary
+
 
 def _ieee(name, exp_bits, man_bits, dtype) -> ElementFormat:
     bias = 2 ** (exp_bits - 1) - 1

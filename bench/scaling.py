@@ -121,13 +121,18 @@ class PerTensorScale:
     delayed: max over the amaxes of the last `history_len` casts, this one excluded once a history
       exists (Transformer Engine's DelayedScaling); the first cast uses its own amax.
     pow2: round s down to a power of two, so scaling itself adds no rounding error.
+    Formats with FP32's exponent range (bf16, tf32) map amax to 2^64 instead of their max (~3.4e38):
+    scaling to their max would overflow FP32 arithmetic itself, and 2^64 is as far from underflow.
     """
+
+    WIDE_TARGET = 2.0**64
 
     def __init__(self, spec: ElementFormat, amax: str = "current", history_len: int = 16, margin: int = 0,
                  pow2: bool = False, on_scale=None):
         if amax not in AMAX_MODES:
             raise ValueError(f"unknown scaling.amax {amax!r}; valid: {', '.join(AMAX_MODES)}")
         self.spec, self.amax_mode, self.margin, self.pow2 = spec, amax, margin, pow2
+        self.target = min(spec.max, self.WIDE_TARGET)
         self.history: deque[torch.Tensor] = deque(maxlen=history_len)
         self.on_scale = on_scale  # telemetry callback (amax, scale)
 
@@ -140,7 +145,7 @@ class PerTensorScale:
             amax = current
         self.history.append(current)
         usable = torch.isfinite(amax) & (amax > 0)
-        scale = torch.where(usable, self.spec.max / amax / 2.0**self.margin, torch.ones_like(amax))
+        scale = torch.where(usable, self.target / amax / 2.0**self.margin, torch.ones_like(amax))
         if self.pow2:
             scale = torch.exp2(torch.floor(torch.log2(scale)))
         if self.on_scale is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.formats import ElementFormat, round_unbounded
+from bench.formats import ElementFormat
 
 TENSOR_CLASSES = ("weights", "activations", "gradients")
 _COUNTS = ("total", "underflow", "subnormal", "overflow")
@@ -37,7 +37,7 @@ class QuantTelemetry:
         rounded = rounded.detach().float()
         underflow = ((x != 0) & (rounded == 0)).sum()
         subnormal = ((rounded != 0) & (rounded.abs() < spec.min_normal)).sum()
-        overflow = (round_unbounded(x, spec).abs() > spec.max).sum()
+        overflow = spec.overflows(x).sum()
         self._step[tensor_class].append(torch.stack([torch.tensor(x.numel(), device=x.device),
                                                      underflow, subnormal, overflow]))
 

@@ -78,3 +78,4 @@ def test_per_tensor_scale_current_and_delayed():
     assert seen == [448 / 4, 448 / 4, 448 / 4, 448 / 8, 448 / 8]
     assert PerTensorScale(e4m3, pow2=True).scale_for(torch.tensor([3.0])).item() == 128.0  # 149.3 -> 2^7
     assert PerTensorScale(e4m3).scale_for(torch.zeros(2)).item() == 1.0
+    assert PerTensorScale(FORMATS["bf16"]).scale_for(torch.tensor([2.0**10])).item() == 2.0**54
