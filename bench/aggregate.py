@@ -15,10 +15,10 @@ from pathlib import Path
 import pandas as pd
 
 from bench.record import RecordError, read_record
+from bench.tasks import PRIMARY_METRIC
 
 SETTING_ORDER = ["32-true", "tf32", "16-mixed", "16-true", "bf16-mixed", "bf16-true", "fp8-mixed"]
 SCALING_ORDER = ["none", "static", "dynamic", "per_tensor", "unit"]
-PRIMARY_METRIC = {"lenet": "test_accuracy"}
 EMULATED_MARK = "†"
 FOOTNOTE = (f"{EMULATED_MARK} emulated in FP32 on this device: its time and memory measure the emulation, "
             "not the format (never a hardware speed-up).")
@@ -42,7 +42,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
         precision = env.get("precision", {})
         model = cfg["model"]["name"]
         rows.append({
-            "experiment": cfg["experiment"], "model": model, "setting": precision.get("setting"),
+            "experiment": cfg["experiment_name"], "model": model, "setting": precision.get("setting"),
             "scaling": cfg["scaling"]["name"], "seed": cfg["seed"], "backend": precision.get("backend"),
             "device": env.get("device_name"), "status": r["status"],
             "diverged_at_step": numerics.get("diverged_at_step"),

@@ -8,8 +8,9 @@ than Enums because Hydra's override grammar parses `format.mode=true` as a boole
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -19,12 +20,15 @@ from bench.formats import OVERFLOW_POLICIES
 from bench.precision import BACKENDS, FORMAT_MODES
 from bench.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
 
-MODELS = ("lenet",)
-DATA_SOURCES = {"lenet": ("digits", "hub")}
+MODELS = ("lenet", "distilbert", "bert_base")
+DATA_SOURCES = {"lenet": ("digits", "hub"), "distilbert": ("hub", "local"), "bert_base": ("hub", "local")}
+SCHEDULES = ("none", "linear")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOGGERS = ("none", "wandb")
 
+DATA_DIR = Path(__file__).resolve().parent / "data"  # shipped vocabulary and fixtures
 OmegaConf.register_new_resolver("lower", lambda v: str(v).lower(), replace=True)
+OmegaConf.register_new_resolver("bench_data", lambda relative: str(DATA_DIR / relative), replace=True)
 
 
 class ConfigError(ValueError):
@@ -56,27 +60,69 @@ class ScalingConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "sgd"
+    name: str = "sgd"  # sgd | adam | adamw
     lr: float = 0.01
     momentum: float = 0.0
     weight_decay: float = 0.0
+    schedule: str = "none"  # none | linear (decay to 0 over the run)
 
 
 @dataclass
-class DataConfig:
-    source: str = MISSING
-    name: Optional[str] = None  # hub dataset id
-    test_fraction: float = 0.2
-    augment_shift: int = 0  # lenet: random translation of each training batch by up to N pixels
+class ImageDataConfig:
+    source: str = "digits"  # digits (offline) | hub
+    name: str = "ylecun/mnist"  # hub dataset id
+    test_fraction: float = 0.2  # digits: fixed stratified split
+    augment_shift: int = 0  # random translation of each training batch by up to N pixels
 
 
 @dataclass
-class ModelConfig:
-    name: str = MISSING
-    epochs: int = 1
+class TextDataConfig:
+    source: str = "hub"  # hub | local
+    name: str = MISSING  # hub dataset id
+    files: dict = field(default_factory=dict)  # local: {split: path} in the hub schema (json/jsonl/csv/parquet)
+    split: list = field(default_factory=lambda: [0.7, 0.1, 0.2])  # pooled train/val/test fractions (IMDb)
+    seed: int = 123  # shuffle seed of the pooled split (Raschka's)
+
+
+@dataclass
+class ArchConfig:
+    """Size of a randomly initialised transformer (model.pretrained=false)."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 2
+    intermediate: int = 128
+
+
+@dataclass
+class LeNetConfig:
+    name: str = "lenet"
+    epochs: int = 20
     batch_size: int = 32
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: ImageDataConfig = field(default_factory=ImageDataConfig)
+
+
+@dataclass
+class TransformerConfig:
+    name: str = MISSING
+    hub_name: str = MISSING  # checkpoint id for pretrained=true
+    pretrained: bool = True  # false: architecture from its config class at `arch` size, random init
+    vocab: str = MISSING  # vocabulary file for the offline tokenizer (pretrained=false)
+    arch: ArchConfig = field(default_factory=ArchConfig)
+    max_length: int = 512
+    epochs: int = 3
+    batch_size: int = 12
+    eval_batch_size: int = 64
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: TextDataConfig = field(default_factory=TextDataConfig)
+
+
+@dataclass
+class QAConfig(TransformerConfig):
+    doc_stride: int = 128
+    n_best: int = 20
+    max_answer_length: int = 30
 
 
 @dataclass
@@ -97,12 +143,12 @@ class LoggerConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = MISSING
+    model: Any = MISSING  # one of the model schemas below, chosen by the model option's defaults
     format: FormatConfig = MISSING
     scaling: ScalingConfig = MISSING
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    experiment: str = "default"
+    experiment_name: str = "default"  # groups records and tables; experiment presets set it
     seed: int = 0
     device: str = "auto"
     results_dir: str = "results/runs"
@@ -110,7 +156,11 @@ class Config:
 
 
 def register_schema() -> None:
-    ConfigStore.instance().store(name="base_config", node=Config)
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    store.store(group="model", name="lenet_schema", node=LeNetConfig)
+    store.store(group="model", name="classifier_schema", node=TransformerConfig)
+    store.store(group="model", name="qa_schema", node=QAConfig)
 
 
 register_schema()
@@ -127,6 +177,9 @@ def check(cfg: DictConfig) -> None:
     _choice(cfg.model.name, MODELS, "model")
     _choice(cfg.model.data.source, DATA_SOURCES[cfg.model.name], "model.data.source")
     _choice(cfg.model.optimizer.name, OPTIMIZERS, "model.optimizer.name")
+    _choice(cfg.model.optimizer.schedule, SCHEDULES, "model.optimizer.schedule")
+    if cfg.model.name != "lenet":
+        _check_text_model(cfg.model)
     _choice(cfg.format.name, tuple(FORMAT_MODES), "format")
     cfg.format.mode = str(cfg.format.mode).lower()
     _choice(cfg.format.mode, FORMAT_MODES[cfg.format.name], f"format.mode (for format={cfg.format.name})")
@@ -146,3 +199,16 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"train.max_steps={cfg.train.max_steps} must be >= 1 (or null for no cap)")
     if cfg.scaling.loss_scaling != "none" and cfg.scaling.init_scale <= 0:
         raise ConfigError(f"scaling.init_scale={cfg.scaling.init_scale} must be > 0")
+
+
+def _check_text_model(model: DictConfig) -> None:
+    if model.data.source == "local" and not model.data.files:
+        raise ConfigError("model.data.source=local needs model.data.files ({split: path})")
+    if model.name == "distilbert" and (len(model.data.split) != 3 or abs(sum(model.data.split) - 1) > 1e-9):
+        raise ConfigError(f"model.data.split={list(model.data.split)} must be 3 fractions summing to 1")
+    if min(model.arch.layers, model.arch.hidden, model.arch.heads, model.arch.intermediate) < 1 \
+            or model.arch.hidden % model.arch.heads:
+        raise ConfigError("model.arch sizes must be >= 1, with hidden divisible by heads")
+    if model.name == "bert_base" and not 0 < model.doc_stride < model.max_length // 2:
+        raise ConfigError(f"model.doc_stride={model.doc_stride} must be in (0, max_length/2 = {model.max_length // 2}):"
+                          " the window must hold the question, the stride and new context")

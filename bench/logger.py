@@ -21,7 +21,7 @@ class NullLogger:
 
 
 class WandbLogger:
-    """One W&B run per cell: id = the cell path, group = experiment, tags = format/mode/backend/scaling."""
+    """One W&B run per cell: id = the cell path, group = experiment_name, tags = format/mode/backend/scaling."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, config: dict, tags: list[str]):
         import wandb
@@ -30,7 +30,7 @@ class WandbLogger:
         mode = cfg.logger.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         self.run = wandb.init(
             project=cfg.logger.project, entity=cfg.logger.entity, mode=mode, dir=str(run_dir),
-            group=cfg.experiment, job_type=cfg.model.name, tags=tags, name=cfg.cell.replace("/", ":"),
+            group=cfg.experiment_name, job_type=cfg.model.name, tags=tags, name=cfg.cell.replace("/", ":"),
             id=cfg.cell.replace("/", "-"), resume="allow", config=config, reinit="finish_previous",
         )
 

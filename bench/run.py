@@ -24,8 +24,8 @@ from bench.precision import Precision, PrecisionError
 from bench.record import MetricsLog, write_json_atomic
 from bench.scaling import LossScaler, PerTensorScale
 from bench.tasks import build_task
-from bench.train import build_optimizer, train
-from bench.unit import unit_cross_entropy, unit_scale
+from bench.train import build_optimizer, build_schedule, total_steps, train
+from bench.unit import unit_scale_task
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +93,16 @@ def run_cell(cfg: DictConfig) -> dict:
         memory.reset()
         task = build_task(cfg.model, device, cfg.seed)
         if cfg.scaling.name == "unit":
-            unit_scale(task.model)
-            task.criterion = unit_cross_entropy
+            record["numerics"]["unit_conversion"] = unit_scale_task(task, preserve=cfg.model.get("pretrained", False))
         precision.prepare(task.model)
         optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters())
-        outcome = train(task, precision, scaler, optimizer, cfg.train, device, log_row, label=cfg.cell)
+        schedule = build_schedule(cfg.model.optimizer.schedule, optimizer, total_steps(task, cfg.train))
+        outcome = train(task, precision, scaler, optimizer, schedule, cfg.train, device, log_row, label=cfg.cell)
         metrics = task.evaluate(task.model, precision.inputs)
         record["memory"]["peak_bytes"] = memory.peak_bytes()
         record["metrics"] = {**metrics, "final_train_loss": outcome.final_loss}
+        if outcome.per_epoch:
+            record["metrics"]["per_epoch"] = outcome.per_epoch
         record["timing"] = outcome.timing()
         record["numerics"]["diverged_at_step"] = outcome.diverged_at_step
         if outcome.diverged_at_step is None:

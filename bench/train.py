@@ -26,6 +26,13 @@ def build_optimizer(cfg: DictConfig, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+def build_schedule(name: str, optimizer: torch.optim.Optimizer, total_steps: int):
+    """none: constant lr; linear: decay to 0 over the run (BERT's fine-tuning recipe, no warm-up)."""
+    if name == "linear":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / max(1, total_steps)))
+    return None
+
+
 @dataclass
 class TrainOutcome:
     steps: int = 0
@@ -34,6 +41,7 @@ class TrainOutcome:
     step_s: list[float] = field(default_factory=list)
     final_loss: float | None = None
     diverged_at_step: int | None = None
+    per_epoch: list[dict] = field(default_factory=list)  # the task's validation metrics after each epoch
 
     def timing(self) -> dict:
         return {
@@ -44,18 +52,22 @@ class TrainOutcome:
         }
 
 
-def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch.optim.Optimizer,
+def total_steps(task: Task, cfg: DictConfig) -> int:
+    total = task.steps_per_epoch * cfg.epochs
+    return total if cfg.max_steps is None else min(total, cfg.max_steps)
+
+
+def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch.optim.Optimizer, schedule,
           cfg: DictConfig, device: torch.device, log: Callable[[dict], None], label: str = "") -> TrainOutcome:
     """Train `task.model` for cfg.epochs (at most cfg.max_steps steps); stop at the first non-finite loss.
 
-    `log` receives a metrics dict every cfg.log_every steps (telemetry is sampled on those steps).
-    Timing covers the loop only (data, forward, backward, step), synchronised on accelerators.
+    `log` receives a metrics dict every cfg.log_every steps (telemetry is sampled on those steps) and
+    the task's validation metrics after each epoch. Timing covers the loop (data, forward, backward,
+    step, per-epoch validation, as Raschka's timing does), synchronised on accelerators.
     """
     model, out = task.model, TrainOutcome()
     params = [p for p in model.parameters() if p.requires_grad]
-    total = task.steps_per_epoch * cfg.epochs
-    if cfg.max_steps is not None:
-        total = min(total, cfg.max_steps)
+    total = total_steps(task, cfg)
     model.train()
     progress = tqdm(total=total, desc=label, unit="step", leave=False, mininterval=1.0)
     synchronize(device)
@@ -69,7 +81,7 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
             precision.telemetry.sampling = sampled
             with precision.autocast():
                 outputs, targets = task.forward(model, batch, precision.inputs)
-                loss = task.criterion(outputs, targets)
+                loss = task.compute_loss(outputs, targets)
             out.final_loss = loss.item()
             if not math.isfinite(out.final_loss):
                 out.diverged_at_step = out.steps
@@ -80,6 +92,8 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
             stepped = scaler.step(optimizer, params)
             if stepped:
                 precision.after_step(model, optimizer)
+            if schedule is not None:
+                schedule.step()
             synchronize(device)
             out.step_s.append(time.perf_counter() - step_start)
             out.samples += task.batch_size
@@ -90,7 +104,14 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
             out.steps += 1
             progress.update()
             progress.set_postfix(loss=f"{out.final_loss:.4f}", refresh=False)
-        if out.diverged_at_step is not None or out.steps >= total:
+        if out.diverged_at_step is not None:
+            break
+        if task.validate is not None:
+            with precision.autocast():
+                metrics = task.validate(model, precision.inputs)
+            out.per_epoch.append({"epoch": epoch, **metrics})
+            log({"step": out.steps, "epoch": epoch, **metrics})
+        if out.steps >= total:
             break
     synchronize(device)
     out.train_s = time.perf_counter() - start

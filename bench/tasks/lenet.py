@@ -103,4 +103,6 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
             correct += (logits.argmax(1) == y_test[start:start + 1024]).sum().item()
         return {"test_accuracy": correct / len(y_test), "test_examples": len(y_test)}
 
-    return Task(model, train_batches, forward, F.cross_entropy, evaluate, batch_size, n_batches)
+    return Task(model=model, train_batches=train_batches, forward=forward,
+                loss=lambda logits, y, cross_entropy: cross_entropy(logits, y), evaluate=evaluate,
+                batch_size=batch_size, steps_per_epoch=n_batches)
