@@ -9,13 +9,22 @@ import pytest
 from bench.config import ConfigError, check
 from tests.conftest import CONF
 
-GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ("model", "format", "scaling", "logger")}
+GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml"))
+          for g in ("model", "format", "scaling", "logger", "experiment")}
+
+
+# Options that extend another one (a tiny model, a Lightning-style format alias, MindSpore's scalers).
+ALIASES = {"distilbert_tiny": "distilbert", "bert_tiny": "bert_base", "fp16-true": "fp16", "bf16-true": "bf16",
+           "mindspore_fixed": "static", "mindspore_dynamic": "dynamic"}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_group_option_composes(make_cfg, group, option):
     cfg = make_cfg(f"{group}={option}")
-    assert cfg[group].name == option
+    if group == "experiment":
+        assert cfg.experiment_name == option
+    else:
+        assert cfg[group].name == ALIASES.get(option, option)
     check(cfg)
 
 
@@ -34,6 +43,10 @@ def test_mode_true_is_accepted_despite_yaml_booleans(make_cfg, mode_override):
     (["format.backend=fast"], "auto, native, emulated"),
     (["device=tpu"], "auto, cpu, cuda, xla"),
     (["train.max_steps=0"], ">= 1"),
+    (["model=bert_tiny", "model.doc_stride=60"], "doc_stride"),
+    (["model=distilbert_tiny", "model.data.split=[0.5,0.5]"], "3 fractions"),
+    (["model=distilbert_tiny", "model.data.source=digits"], "hub, local"),
+    (["model.data.source=local"], "digits, hub"),
 ])
 def test_bad_choices_and_combinations_name_the_valid_ones(make_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -49,6 +62,7 @@ def _bench(tmp_path, *args):
     (["format=fp12"], ["bf16", "fp16", "fp32", "fp8", "tf32"]),
     (["scaling=magic"], ["dynamic", "none", "static"]),
     (["format.nosuchkey=1"], ["nosuchkey"]),
+    (["model.doc_stride=64"], ["doc_stride"]),  # a BERT-only key on LeNet
 ])
 def test_unknown_options_exit_nonzero_and_write_nothing(tmp_path, args, valid):
     out = _bench(tmp_path, *args)
