@@ -1,0 +1,50 @@
+"""Download and cache every hub model and dataset the configs name, once, for compute nodes without internet.
+
+    python -m bench.prepare            # or: make prepare
+
+Caches go where the Hugging Face libraries put them (HF_HOME, default ~/.cache/huggingface); point
+HF_HOME at a shared filesystem before running this on a login node, then set HF_HOME to the same path
+and HF_HUB_OFFLINE=1 / HF_DATASETS_OFFLINE=1 on the compute nodes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hydra import compose, initialize_config_dir
+
+from bench.config import DATA_DIR
+
+CONF = DATA_DIR.parents[1] / "conf"
+HUB_MODELS = {"distilbert": "AutoModelForSequenceClassification", "bert_base": "AutoModelForQuestionAnswering"}
+
+
+def hub_assets() -> tuple[list[tuple[str, str]], list[str]]:
+    """(transformers class, checkpoint) pairs and dataset ids named by the model configs."""
+    models, data = [], []
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for option in ("lenet", *HUB_MODELS):
+            cfg = compose("config", overrides=[f"model={option}"]).model
+            data.append(cfg.data.name)
+            if option in HUB_MODELS:
+                models.append((HUB_MODELS[option], cfg.hub_name))
+    return models, data
+
+
+def main() -> int:
+    import datasets
+    import transformers
+
+    models, data = hub_assets()
+    for cls, name in models:
+        print(f"model {name}", file=sys.stderr)
+        transformers.AutoTokenizer.from_pretrained(name)
+        getattr(transformers, cls).from_pretrained(name)
+    for name in data:
+        print(f"dataset {name}", file=sys.stderr)
+        datasets.load_dataset(name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
