@@ -1,9 +1,10 @@
-"""Records -> tables. `python -m bench.aggregate RESULTS_DIR [--out DIR]`
+"""Records -> one DataFrame -> paper-style tables and plots.
 
-Reads every result.json under RESULTS_DIR (a corrupt one is reported by name and skipped), builds
-one row per cell, writes `<out>/<experiment>/cells.md` and `cells.csv`, and prints the Markdown.
-Speed-up is against the fp32 cell of the same experiment, model, scaling method and seed. Time and
-memory of emulated cells measure the emulation, not the format: they carry a dagger and a footnote.
+    python -m bench.aggregate SOURCE... [--out DIR] [--experiment NAME] [--no-plots]
+
+SOURCE is a results directory (every result.json below it) or wandb://entity/project[/group] (the runs'
+summaries, which hold the same records, pulled through wandb.Api). A corrupt or partial record is
+reported by name and skipped. Tables go to <out>/<experiment>/ (see bench/tables.py), plots beside them.
 """
 
 from __future__ import annotations
@@ -12,118 +13,177 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from bench.record import RecordError, read_record
+from bench.record import RECORD_KEYS, RecordError, read_record
 from bench.tasks import PRIMARY_METRIC
 
-SETTING_ORDER = ["32-true", "tf32", "16-mixed", "16-true", "bf16-mixed", "bf16-true", "fp8-mixed"]
+SETTING_ORDER = ["64-true", "32-true", "tf32", "16-mixed", "16-true", "bf16-mixed", "bf16-true", "fp8-mixed"]
 SCALING_ORDER = ["none", "static", "dynamic", "per_tensor", "unit"]
-EMULATED_MARK = "†"
-FOOTNOTE = (f"{EMULATED_MARK} emulated in FP32 on this device: its time and memory measure the emulation, "
-            "not the format (never a hardware speed-up).")
+CELL_KEYS = ["experiment", "model", "task", "setting", "scaling", "backend"]
+TENSOR_CLASSES = ("weights", "activations", "gradients")
+QUANT_FIELDS = ("underflow", "subnormal", "overflow")
+SUMMED = ["value", "train_s", "step_median_s", "samples_per_s", "peak_bytes", "skipped_steps", "overflow_steps",
+          "final_loss_scale", *(f"{c}_{f}" for c in TENSOR_CLASSES for f in QUANT_FIELDS)]
 
 
-def load_records(root: Path) -> tuple[list[dict], list[str]]:
-    """All valid records under `root`, and one message per record that could not be read."""
+def load_directory(root: Path) -> tuple[list[dict], list[str]]:
+    """All valid records under `root` (each with its directory under "_dir"), and one message per bad one."""
     records, problems = [], []
     for path in sorted(Path(root).rglob("result.json")):
         try:
-            records.append(read_record(path))
+            records.append(read_record(path) | {"_dir": str(path.parent)})
         except RecordError as e:
             problems.append(str(e))
     return records, problems
 
 
+def load_wandb(source: str, api=None) -> tuple[list[dict], list[str]]:
+    """wandb://entity/project[/group]: each run's summary is the record its cell wrote (bench/logger.py)."""
+    parts = source.removeprefix("wandb://").strip("/").split("/")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"{source}: expected wandb://entity/project[/group]")
+    if api is None:
+        import wandb
+
+        api = wandb.Api()
+    filters = {"group": parts[2]} if len(parts) == 3 else {}
+    records, problems = [], []
+    for run in api.runs(f"{parts[0]}/{parts[1]}", filters=filters):
+        summary = dict(run.summary)
+        missing = [k for k in RECORD_KEYS if k not in summary]
+        if missing:
+            problems.append(f"{source}: run {run.id} lacks {', '.join(missing)}")
+            continue
+        records.append({k: summary[k] for k in (*RECORD_KEYS, "traceback") if k in summary} | {"_dir": None})
+    return records, problems
+
+
+def load_sources(sources: list[str], api=None) -> tuple[list[dict], list[str]]:
+    records, problems = [], []
+    for source in sources:
+        if str(source).startswith("wandb://"):
+            found, bad = load_wandb(str(source), api)
+        elif Path(source).is_dir():
+            found, bad = load_directory(Path(source))
+        else:
+            found, bad = [], [f"{source}: not a directory or wandb:// source"]
+        records += found
+        problems += bad
+    return records, problems
+
+
+def task_of(model_cfg: dict) -> str:
+    """The task a record measured: published figures match on it (fixtures and digits never match)."""
+    data = model_cfg["data"]
+    if data["source"] == "hub":
+        return {"ylecun/mnist": "mnist", "stanfordnlp/imdb": "imdb", "rajpurkar/squad": "squad_v1.1"}.get(
+            data["name"], data["name"])
+    return {"lenet": "digits", "distilbert": "imdb_fixture", "bert_base": "squad_fixture"}[model_cfg["name"]]
+
+
+def _number(value):
+    """Record values as floats (non-finite values are stored as strings in strict JSON)."""
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    return np.nan if value is None else value
+
+
 def to_frame(records: list[dict]) -> pd.DataFrame:
+    """One row per record."""
     rows = []
     for r in records:
-        cfg, env, numerics = r["config"], r["env"], r["numerics"]
+        cfg, env, numerics, metrics = r["config"], r["env"], r["numerics"], r["metrics"]
         precision = env.get("precision", {})
         model = cfg["model"]["name"]
-        rows.append({
-            "experiment": cfg["experiment_name"], "model": model, "setting": precision.get("setting"),
-            "scaling": cfg["scaling"]["name"], "seed": cfg["seed"], "backend": precision.get("backend"),
-            "device": env.get("device_name"), "status": r["status"],
-            "diverged_at_step": numerics.get("diverged_at_step"),
-            "metric": PRIMARY_METRIC.get(model), "value": r["metrics"].get(PRIMARY_METRIC.get(model)),
-            "train_s": r["timing"].get("train_s"), "step_median_s": r["timing"].get("step_median_s"),
-            "peak_bytes": r["memory"].get("peak_bytes"), "skipped_steps": numerics.get("skipped_steps"),
-            "final_loss_scale": numerics.get("final_loss_scale"),
-        })
+        metric = PRIMARY_METRIC.get(model)
+        quant = numerics.get("quantisation") or {}
+        pretrained = cfg["model"].get("pretrained", True)
+        row = {
+            "experiment": cfg["experiment_name"], "model": model,
+            "task": task_of(cfg["model"]) + ("" if pretrained else "_scratch"),
+            "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
+            "backend": precision.get("backend"), "device": env.get("device_name"), "status": r["status"],
+            "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
+            "metric": metric, "value": _number(metrics.get(metric)),
+            "exact_match": _number(metrics.get("exact_match")), "f1": _number(metrics.get("f1")),
+            "steps": _number(r["timing"].get("steps")), "train_s": _number(r["timing"].get("train_s")), "step_median_s": _number(r["timing"].get("step_median_s")),
+            "samples_per_s": _number(r["timing"].get("samples_per_s")),
+            "peak_bytes": _number(r["memory"].get("peak_bytes")),
+            "skipped_steps": _number(numerics.get("skipped_steps")),
+            "overflow_steps": _number(numerics.get("overflow_steps")),
+            "final_loss_scale": _number(numerics.get("final_loss_scale")),
+            "loss_scale_history": (numerics.get("loss_scale") or {}).get("history"),
+            "dir": r.get("_dir"),
+        }
+        for c in TENSOR_CLASSES:
+            for f in QUANT_FIELDS:
+                row[f"{c}_{f}"] = _number((quant.get(c) or {}).get(f"{f}_fraction"))
+        rows.append(row)
     frame = pd.DataFrame(rows)
     if frame.empty:
         return frame
     frame["setting"] = pd.Categorical(frame["setting"], SETTING_ORDER, ordered=True)
     frame["scaling"] = pd.Categorical(frame["scaling"], SCALING_ORDER, ordered=True)
-    keys = ["experiment", "model", "scaling", "seed"]
-    baseline = frame[frame["setting"] == "32-true"][keys + ["train_s"]].rename(columns={"train_s": "fp32_s"})
-    frame = frame.merge(baseline, on=keys, how="left")
-    frame["speedup_vs_fp32"] = frame["fp32_s"] / frame["train_s"]
-    return frame.drop(columns="fp32_s").sort_values(["experiment", "model", "setting", "scaling", "seed"])
+    return frame.sort_values([*CELL_KEYS, "seed"]).reset_index(drop=True)
 
 
-def _fmt(value, pattern: str, emulated: bool = False) -> str:
-    if value is None or pd.isna(value):
-        return "–"
-    return pattern.format(value) + (f" {EMULATED_MARK}" if emulated else "")
+def summarise(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell: mean, std (sample, ddof=1) and n over seeds, status counts, ratios to 32-true.
+
+    Means skip runs without a value (a failed run has no metric); status counts keep every run visible.
+    Ratios compare mean train time and peak memory with the 32-true cell of the same experiment, model,
+    task and scaling method (on the same device), the published tables' convention.
+    """
+    groups = frame.groupby(CELL_KEYS, observed=True, sort=True)
+    cells = groups[SUMMED].mean()
+    for column in ("value", "train_s", "peak_bytes", "exact_match", "f1"):
+        cells[f"{column}_std"] = groups[column].std(ddof=1)
+        cells[f"{column}_n"] = groups[column].count()
+    cells["exact_match"] = groups["exact_match"].mean()
+    cells["f1"] = groups["f1"].mean()
+    cells["metric"] = groups["metric"].first()
+    cells["runs"] = groups.size()
+    for status in ("ok", "diverged", "failed"):
+        cells[status] = groups["status"].apply(lambda s, st=status: int((s == st).sum()))
+    cells["device"] = groups["device"].first()
+    cells = cells.reset_index()
+    base_keys = ["experiment", "model", "task", "scaling"]
+    base = cells[cells["setting"] == "32-true"][base_keys + ["train_s", "peak_bytes"]]
+    base = base.rename(columns={"train_s": "fp32_train_s", "peak_bytes": "fp32_peak_bytes"})
+    base = base.groupby(base_keys, observed=True).first().reset_index()  # native and emulated fp32 are one thing
+    cells = cells.merge(base, on=base_keys, how="left")
+    cells["speedup_vs_fp32"] = cells["fp32_train_s"] / cells["train_s"]
+    cells["memory_ratio_vs_fp32"] = cells["peak_bytes"] / cells["fp32_peak_bytes"]
+    return cells.drop(columns=["fp32_train_s", "fp32_peak_bytes"])
 
 
-def cells_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """The human-readable table: one row per cell."""
-    rows = []
-    for _, r in frame.iterrows():
-        emulated = r["backend"] == "emulated"
-        status = r["status"] if r["status"] != "diverged" else f"diverged@{int(r['diverged_at_step'])}"
-        metric = r["metric"] or "metric"
-        value = r["value"] * 100 if metric.endswith("accuracy") and r["value"] is not None else r["value"]
-        rows.append({
-            "model": r["model"], "format": r["setting"], "scaling": r["scaling"], "seed": r["seed"],
-            "backend": r["backend"], "status": status,
-            metric.replace("test_accuracy", "test acc (%)"): _fmt(value, "{:.2f}"),
-            "train time (s)": _fmt(r["train_s"], "{:.2f}", emulated),
-            "speed-up vs fp32": _fmt(r["speedup_vs_fp32"], "{:.2f}×", emulated),
-            "peak memory (MiB)": _fmt(r["peak_bytes"] / 2**20 if r["peak_bytes"] else None, "{:.0f}", emulated),
-            "skipped steps": _fmt(r["skipped_steps"], "{:.0f}"),
-        })
-    return pd.DataFrame(rows)
+def main(argv: list[str] | None = None, api=None) -> int:
+    from bench import plots, tables
 
-
-def write_tables(frame: pd.DataFrame, out: Path) -> dict[str, str]:
-    """Write cells.md / cells.csv per experiment under `out`; return the Markdown per experiment."""
-    written = {}
-    for experiment, part in frame.groupby("experiment", sort=True):
-        directory = out / str(experiment)
-        directory.mkdir(parents=True, exist_ok=True)
-        part.to_csv(directory / "cells.csv", index=False)
-        table = cells_table(part)
-        markdown = table.to_markdown(index=False, disable_numparse=True)
-        if (part["backend"] == "emulated").any():
-            markdown += "\n\n" + FOOTNOTE
-        (directory / "cells.md").write_text(f"# {experiment}\n\n{markdown}\n")
-        written[str(experiment)] = markdown
-    return written
-
-
-def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.aggregate", description=__doc__.splitlines()[0])
-    parser.add_argument("sources", nargs="+", type=Path, help="results directories holding */result.json")
-    parser.add_argument("--out", type=Path, default=Path("results/tables"), help="where tables go")
+    parser.add_argument("sources", nargs="+", help="results directories or wandb://entity/project[/group]")
+    parser.add_argument("--out", type=Path, default=Path("results/tables"), help="where tables and plots go")
+    parser.add_argument("--experiment", help="only this experiment_name")
+    parser.add_argument("--no-plots", action="store_true", help="tables only")
     args = parser.parse_args(argv)
-    records, problems = [], []
-    for source in args.sources:
-        if not source.is_dir():
-            parser.error(f"{source} is not a directory")
-        found, bad = load_records(source)
-        records += found
-        problems += bad
+    records, problems = load_sources(args.sources, api)
     for problem in problems:
         print(f"skipped: {problem}", file=sys.stderr)
-    if not records:
-        print(f"no valid records under {', '.join(map(str, args.sources))}", file=sys.stderr)
+    frame = to_frame(records)
+    if args.experiment and not frame.empty:
+        frame = frame[frame["experiment"] == args.experiment]
+    if frame.empty:
+        print(f"no valid records in {', '.join(args.sources)}", file=sys.stderr)
         return 1
-    for experiment, markdown in write_tables(to_frame(records), args.out).items():
-        print(f"## {experiment} ({args.out / experiment})\n\n{markdown}\n")
+    for experiment, runs in frame.groupby("experiment", sort=True):
+        directory = args.out / str(experiment)
+        cells = summarise(runs)
+        written = tables.write_all(runs, cells, directory)
+        if not args.no_plots:
+            plots.write_all(runs, cells, directory)
+        print(f"## {experiment} ({directory})\n\n{written['scaling_grid']}\n")
     return 0
 
 

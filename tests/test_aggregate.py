@@ -1,39 +1,180 @@
-"""The aggregator: one row per cell, speed-up against fp32, emulated figures marked, corrupt files reported."""
+"""Tables and plots from records the test writes, checked against values computed by hand."""
 
 import json
+import re
+from pathlib import Path
 
-import pandas as pd
+import pytest
 
-from bench.aggregate import EMULATED_MARK, main
-from bench.run import run_cell
+from bench.aggregate import load_wandb, main, summarise, to_frame
+from bench.record import write_json_atomic
+
+MiB = 2**20
 
 
-def test_table_from_real_records_with_a_corrupt_one(make_cfg, tmp_path, capsys):
-    records = {fmt: run_cell(make_cfg(f"format={fmt}", "train.max_steps=3", "device=cpu",
-                                      "format.backend=emulated" if fmt != "fp32" else "format.backend=auto"))
-               for fmt in ("fp32", "fp8")}
-    corrupt = tmp_path / "default" / "lenet" / "fp16-mixed" / "none" / "seed0" / "result.json"
+def record(model="lenet", fmt="fp32", mode="true", setting="32-true", scaling="none", seed=0, status="ok",
+           metrics=None, train_s=10.0, peak=100 * MiB, backend="native", data=None, pretrained=True):
+    data = data or ({"source": "digits", "name": "ylecun/mnist"} if model == "lenet" else
+                    {"source": "local", "name": {"distilbert": "stanfordnlp/imdb", "bert_base": "rajpurkar/squad"}[model]})
+    return {
+        "status": status, "reason": None if status == "ok" else status,
+        "config": {"experiment_name": "t", "seed": seed, "model": {"name": model, "data": data, "pretrained": pretrained},
+                   "format": {"name": fmt, "mode": mode}, "scaling": {"name": scaling}},
+        "env": {"device_name": "cpu-x", "precision": {"setting": setting, "backend": backend}},
+        "metrics": metrics if metrics is not None else {}, "timing": {"train_s": train_s, "steps": 30},
+        "memory": {"peak_bytes": peak},
+        "numerics": {"skipped_steps": 0, "final_loss_scale": 1.0, "diverged_at_step": 5 if status == "diverged" else None,
+                     "loss_scale": {"history": [[0, 1.0]]},
+                     "quantisation": {"gradients": {"underflow_fraction": 0.01 * seed, "subnormal_fraction": 0.0,
+                                                    "overflow_fraction": 0.0}}},
+    }
+
+
+def write(root: Path, rec: dict) -> None:
+    cfg = rec["config"]
+    d = root / cfg["model"]["name"] / rec["env"]["precision"]["setting"] / cfg["scaling"]["name"] / f"seed{cfg['seed']}"
+    write_json_atomic(d / "result.json", rec)
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.0 / (s + 1)}) + "\n" for s in range(0, 30, 10))
+                                     + '{"step": 30, "lo')  # a torn last line, as after a kill
+
+
+RECORDS = [
+    record(seed=0, metrics={"test_accuracy": 0.90}, train_s=10), record(seed=1, metrics={"test_accuracy": 0.92}, train_s=12),
+    record(seed=2, metrics={"test_accuracy": 0.94}, train_s=14),
+    # fp8: seed 2 missing
+    record(fmt="fp8", mode="mixed", setting="fp8-mixed", seed=0, metrics={"test_accuracy": 0.80}, train_s=20,
+           backend="emulated"),
+    record(fmt="fp8", mode="mixed", setting="fp8-mixed", seed=1, metrics={"test_accuracy": 0.84}, train_s=22,
+           backend="emulated"),
+    # 16-mixed dynamic: one diverged, one ok
+    record(fmt="fp16", mode="mixed", setting="16-mixed", scaling="dynamic", seed=0, status="diverged",
+           metrics={"test_accuracy": 0.10}, backend="emulated"),
+    record(fmt="fp16", mode="mixed", setting="16-mixed", scaling="dynamic", seed=1, metrics={"test_accuracy": 0.90},
+           backend="emulated"),
+    # bf16 static: failed, no metrics
+    record(fmt="bf16", mode="mixed", setting="bf16-mixed", scaling="static", status="failed"),
+    # SQuAD cells
+    record(model="bert_base", seed=0, metrics={"exact_match": 80.0, "f1": 88.0}),
+    record(model="bert_base", seed=1, metrics={"exact_match": 82.0, "f1": 89.0}),
+    record(model="bert_base", scaling="unit", seed=0, metrics={"exact_match": 79.0, "f1": 87.0}),
+]
+
+
+@pytest.fixture
+def results(tmp_path):
+    root = tmp_path / "runs"
+    for rec in RECORDS:
+        write(root, rec)
+    corrupt = root / "lenet" / "corrupt" / "result.json"
     corrupt.parent.mkdir(parents=True)
-    corrupt.write_text('{"status": "ok", "config": ')
+    corrupt.write_text('{"status": "ok", "config": {')
+    return root, corrupt
+
+
+def _row(markdown: str, *needles) -> str:
+    rows = [line for line in markdown.splitlines() if line.startswith("|") and all(n in line for n in needles)]
+    assert len(rows) == 1, (needles, rows)
+    return rows[0]
+
+
+def test_tables_hold_the_hand_computed_statistics(results, tmp_path, capsys):
+    root, corrupt = results
     out = tmp_path / "tables"
-    assert main([str(tmp_path), "--out", str(out)]) == 0
-    captured = capsys.readouterr()
-    assert str(corrupt) in captured.err and "unreadable" in captured.err
+    assert main([str(root), "--out", str(out)]) == 0
+    assert str(corrupt) in capsys.readouterr().err
 
-    csv = pd.read_csv(out / "default" / "cells.csv")
-    assert sorted(csv["setting"]) == ["32-true", "fp8-mixed"]
-    fp8 = csv[csv["setting"] == "fp8-mixed"].iloc[0]
-    expected = records["fp32"]["timing"]["train_s"] / records["fp8"]["timing"]["train_s"]
-    assert abs(fp8["speedup_vs_fp32"] - expected) < 1e-9
-    assert fp8["value"] == records["fp8"]["metrics"]["test_accuracy"]
+    grid = (out / "t" / "scaling_grid.md").read_text()
+    # 32-true none: 90, 92, 94 -> mean 92.00, sample std 2.00, n 3
+    assert "92.00 ± 2.00 (n=3)" in _row(grid, "lenet", "32-true")
+    # fp8 none (seed 2 missing): 80, 84 -> mean 82.00, sample std sqrt(8) = 2.83, n 2
+    assert "82.00 ± 2.83 (n=2)" in _row(grid, "lenet", "fp8-mixed †")
+    # 16-mixed dynamic: diverged run still counted and marked
+    assert "50.00 ± 56.57 (n=2) [1 diverged]" in _row(grid, "lenet", "| 16-mixed")
+    assert "– [1 failed]" in _row(grid, "lenet", "bf16-mixed")
+    body = [line for line in grid.splitlines() if line.startswith("| lenet") or line.startswith("| bert")]
+    assert len(body) == 5  # one row per (model, setting): 4 LeNet settings + 1 BERT
 
-    markdown = (out / "default" / "cells.md").read_text()
-    table_rows = [line for line in markdown.splitlines() if line.startswith("| lenet")]
-    assert len(table_rows) == 2
-    fp8_row = next(r for r in table_rows if "fp8-mixed" in r)
-    assert fp8_row.count(EMULATED_MARK) == 3 and "emulated" in fp8_row  # time, speed-up, memory
-    assert EMULATED_MARK not in next(r for r in table_rows if "32-true" in r)
-    assert f"{records['fp8']['metrics']['test_accuracy'] * 100:.2f}" in fp8_row
+    precision = (out / "t" / "precision.md").read_text()
+    fp8 = _row(precision, "fp8-mixed", "none")
+    assert "0.57×†" in fp8  # 12 s / mean(20, 22) s
+    assert "21.0 ± 1.4 (n=2)†" in fp8
+    assert "1.00×" in _row(precision, "lenet", "32-true", "none")
+
+    squad = (out / "t" / "squad.md").read_text()
+    assert "81.00 / 88.50" in _row(squad, "bert_base", "32-true")
+    assert "79.00 / 87.00" in _row(squad, "bert_base", "32-true")
+
+    numerics = (out / "t" / "numerics.md").read_text()
+    assert "1% / 0%" in _row(numerics, "lenet", "32-true", "none")  # mean underflow of 0, 1, 2 % = 1 %
+
+    cells = (out / "t" / "cells.csv").read_text().splitlines()
+    assert len(cells) == 1 + 6  # header + six cells
+
+
+def test_latex_is_balanced_and_uses_booktabs(results, tmp_path):
+    root, _ = results
+    main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"])
+    for tex in (tmp_path / "tables" / "t").glob("*.tex"):
+        text = tex.read_text()
+        for env in ("table", "tabular"):
+            assert text.count(rf"\begin{{{env}}}") == text.count(rf"\end{{{env}}}") == 1, tex
+        assert text.index(r"\toprule") < text.index(r"\midrule") < text.index(r"\bottomrule"), tex
+        assert "_" not in re.sub(r"\\_", "", text.replace(r"\begin", "").replace(r"\end", "")), tex
+        columns = re.search(r"\\begin\{tabular\}\{(l+)\}", text).group(1)
+        for line in text.split(r"\midrule")[1].split(r"\bottomrule")[0].strip().splitlines():
+            assert line.count(" & ") == len(columns) - 1, line
+
+
+def test_every_plot_is_written_and_not_empty(results, tmp_path):
+    root, _ = results
+    main([str(root), "--out", str(tmp_path / "tables")])
+    for model in ("lenet", "bert_base"):
+        for kind in ("metric_vs_time", "heatmap", "loss_curves", "loss_scale"):
+            for ext in ("png", "svg"):
+                path = tmp_path / "tables" / "t" / f"{model}_{kind}.{ext}"
+                assert path.stat().st_size > 1000, path
+
+
+def test_ours_beside_published_where_model_task_and_setting_match(tmp_path):
+    root = tmp_path / "runs"
+    write(root, record(model="distilbert", fmt="bf16", mode="true", setting="bf16-true", seed=0,
+                       metrics={"test_accuracy": 0.92}, data={"source": "hub", "name": "stanfordnlp/imdb"}))
+    write(root, record(model="distilbert", fmt="bf16", mode="true", setting="bf16-true", seed=1,
+                       metrics={"test_accuracy": 0.93}, data={"source": "local", "name": "stanfordnlp/imdb"}))
+    main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"])
+    table = (tmp_path / "tables" / "t" / "vs_published.md").read_text()
+    row = _row(table, "raschka2023", "bf16-true")
+    assert "92.69" in row and "92.00 (n=1)" in row and "-0.69" in row  # the fixture run does not match
+    assert "native / cpu-x" in row
+
+
+class FakeRun:
+    def __init__(self, rec, i):
+        self.id, self.summary = f"run{i}", rec
+
+
+class FakeApi:
+    """Stands in for wandb.Api(): same `runs(path, filters)` interface, summaries hold the records."""
+
+    def __init__(self, records):
+        self.records, self.calls = records, []
+
+    def runs(self, path, filters=None):
+        self.calls.append((path, filters))
+        return [FakeRun(r, i) for i, r in enumerate(self.records)]
+
+
+def test_a_wandb_source_gives_the_same_cells_as_local_records(results):
+    root, _ = results
+    api = FakeApi(RECORDS + [{"status": "ok"}])
+    found, problems = load_wandb("wandb://me/precision-bench/t", api=api)
+    assert api.calls == [("me/precision-bench", {"group": "t"})]
+    assert len(found) == len(RECORDS) and problems == ["wandb://me/precision-bench/t: run run11 lacks reason, config, env, metrics, timing, memory, numerics"]
+    from bench.aggregate import load_directory
+
+    local, _ = load_directory(root)
+    columns = ["model", "setting", "scaling", "backend", "value", "value_std", "value_n", "train_s", "ok", "failed"]
+    assert summarise(to_frame(found))[columns].equals(summarise(to_frame(local))[columns])
 
 
 def test_no_records_is_an_error(tmp_path, capsys):

@@ -1,0 +1,207 @@
+"""Paper-style tables from the per-run frame and the per-cell summary (bench/aggregate.py).
+
+Written to <out>/<experiment>/, each as Markdown, LaTeX (booktabs) and CSV:
+- precision: Raschka's table, one row per setting (and scaling method): time, speed-up vs 32-true, peak memory,
+  memory ratio, primary metric as mean ± std (n);
+- scaling_grid: rows = format setting, columns = scaling method, cells = the primary metric, failures marked;
+- squad: the Unit Scaling paper's layout, rows = model x setting, columns = scaling method, cells = EM / F1;
+- numerics: skipped steps, final loss scale, underflow / subnormal / overflow fractions per tensor class;
+- vs_published: ours beside every published figure whose model, task and setting match a cell;
+plus runs.csv (one row per run) and cells.csv (the numeric summary).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from bench.aggregate import SCALING_ORDER, TENSOR_CLASSES
+
+PUBLISHED = Path(__file__).parent / "reference" / "published.yaml"
+EMULATED = "†"
+NOTES = {
+    "emulated": f"{EMULATED} emulated in FP32: time and memory measure the emulation on this device, not the format.",
+    "std": "mean ± sample standard deviation over seeds (n runs with a value).",
+}
+PERCENT_METRICS = {"test_accuracy"}
+
+
+def _scaled(metric: str | None, value):
+    """Accuracy as a percentage; EM/F1 already are points."""
+    return value * 100 if metric in PERCENT_METRICS and value is not None and not pd.isna(value) else value
+
+
+def fmt_stat(mean, std, n, digits: int = 2) -> str:
+    if n == 0 or pd.isna(mean):
+        return "–"
+    if n == 1 or pd.isna(std):
+        return f"{mean:.{digits}f} (n=1)"
+    return f"{mean:.{digits}f} ± {std:.{digits}f} (n={n})"
+
+
+def status_note(cell) -> str:
+    """Empty when every run was ok; otherwise the counts of the others."""
+    parts = [f"{int(cell[s])} {s}" for s in ("diverged", "failed") if cell[s]]
+    return ", ".join(parts)
+
+
+def _metric_text(cell) -> str:
+    metric = cell["metric"]
+    text = fmt_stat(_scaled(metric, cell["value"]), _scaled(metric, cell["value_std"]), cell["value_n"])
+    note = status_note(cell)
+    return f"{text} [{note}]" if note else text
+
+
+def _setting_label(cell) -> str:
+    return f"{cell['setting']}{' ' + EMULATED if cell['backend'] == 'emulated' else ''}"
+
+
+def precision_table(cells: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for _, c in cells.iterrows():
+        emulated = EMULATED if c["backend"] == "emulated" else ""
+        rows.append({
+            "model": c["model"], "setting": _setting_label(c), "scaling": c["scaling"],
+            "train time (s)": fmt_stat(c["train_s"], c["train_s_std"], c["train_s_n"], 1) + emulated,
+            "speed-up vs 32-true": "–" if pd.isna(c["speedup_vs_fp32"]) else f"{c['speedup_vs_fp32']:.2f}×{emulated}",
+            "peak memory (MiB)": "–" if pd.isna(c["peak_bytes"]) else f"{c['peak_bytes'] / 2**20:.0f}{emulated}",
+            "memory ratio": "–" if pd.isna(c["memory_ratio_vs_fp32"]) else f"{c['memory_ratio_vs_fp32']:.2f}{emulated}",
+            (c["metric"] or "metric"): _metric_text(c),
+        })
+    return pd.DataFrame(rows).fillna("")
+
+
+def scaling_grid(cells: pd.DataFrame) -> pd.DataFrame:
+    present = [s for s in SCALING_ORDER if s in set(cells["scaling"].astype(str))]
+    rows = []
+    for (model, setting, backend), part in cells.groupby(["model", "setting", "backend"], observed=True, sort=True):
+        row = {"model": model, "setting": _setting_label(part.iloc[0]), "metric": part.iloc[0]["metric"]}
+        by_scaling = {str(c["scaling"]): c for _, c in part.iterrows()}
+        for scaling in present:
+            row[scaling] = _metric_text(by_scaling[scaling]) if scaling in by_scaling else ""
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def squad_table(cells: pd.DataFrame) -> pd.DataFrame:
+    qa = cells[cells["metric"] == "f1"]
+    present = [s for s in SCALING_ORDER if s in set(qa["scaling"].astype(str))]
+    rows = []
+    for (model, setting, backend), part in qa.groupby(["model", "setting", "backend"], observed=True, sort=True):
+        row = {"model": model, "setting": _setting_label(part.iloc[0])}
+        by_scaling = {str(c["scaling"]): c for _, c in part.iterrows()}
+        for scaling in present:
+            c = by_scaling.get(scaling)
+            if c is None:
+                row[scaling] = ""
+            elif c["exact_match_n"] == 0:
+                row[scaling] = f"– [{status_note(c)}]"
+            else:
+                note = status_note(c)
+                row[scaling] = f"{c['exact_match']:.2f} / {c['f1']:.2f}" + (f" [{note}]" if note else "")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def numerics_table(cells: pd.DataFrame) -> pd.DataFrame:
+    def pct(v):
+        return "–" if pd.isna(v) else f"{100 * v:.3g}%"
+
+    rows = []
+    for _, c in cells.iterrows():
+        row = {"model": c["model"], "setting": _setting_label(c), "scaling": c["scaling"],
+               "skipped steps": "–" if pd.isna(c["skipped_steps"]) else f"{c['skipped_steps']:.1f}",
+               "final loss scale": "–" if pd.isna(c["final_loss_scale"]) else f"{c['final_loss_scale']:g}"}
+        for tc in TENSOR_CLASSES:
+            row[f"{tc} underflow / overflow"] = f"{pct(c[f'{tc}_underflow'])} / {pct(c[f'{tc}_overflow'])}"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def published_rows() -> list[dict]:
+    data = yaml.safe_load(PUBLISHED.read_text())
+    return [r | {"citation": data["sources"][r["source"]]} for r in data["results"]]
+
+
+PUBLISHED_COLUMNS = ["source", "model", "task", "setting", "our scaling", "metric", "published", "ours", "difference",
+                     "published time (min)", "our time (min)", "our backend / device", "note"]
+
+
+def published_table(cells: pd.DataFrame) -> pd.DataFrame:
+    """Ours beside every published figure of the same model, task and setting (and scaling, if it names one)."""
+    rows = []
+    for pub in published_rows():
+        match = cells[(cells["model"] == pub["model"]) & (cells["task"] == pub["task"])
+                      & (cells["setting"].astype(str) == pub["setting"])]
+        if "scaling" in pub:
+            match = match[match["scaling"].astype(str) == pub["scaling"]]
+        for _, c in match.iterrows():
+            metric = pub["metric"]
+            n = c["value_n"] if metric == c["metric"] else c[f"{metric}_n"]
+            ours = _scaled(metric, c["value"] if metric == c["metric"] else c[metric])
+            std = _scaled(metric, c["value_std"] if metric == c["metric"] else c[f"{metric}_std"])
+            rows.append({
+                "source": pub["source"], "model": pub["model"], "task": pub["task"], "setting": pub["setting"],
+                "our scaling": c["scaling"], "metric": metric, "published": f"{pub['value']:.2f}",
+                "ours": fmt_stat(ours, std, n), "difference": "–" if pd.isna(ours) else f"{ours - pub['value']:+.2f}",
+                "published time (min)": pub.get("train_min", "–"),
+                "our time (min)": "–" if pd.isna(c["train_s"]) else f"{c['train_s'] / 60:.2f}",
+                "our backend / device": f"{c['backend']} / {c['device']}",
+                "note": pub.get("note", ""),
+            })
+    return pd.DataFrame(rows, columns=PUBLISHED_COLUMNS)
+
+
+_LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}", "±": r"$\pm$",
+                  "×": r"$\times$", EMULATED: r"$^\dagger$", "–": "--"}
+
+
+def _latex_cell(value) -> str:
+    return "".join(_LATEX_ESCAPES.get(ch, ch) for ch in str(value))
+
+
+def to_latex(table: pd.DataFrame, caption: str) -> str:
+    """A booktabs table: \\toprule, header, \\midrule, rows, \\bottomrule, inside table and tabular."""
+    header = " & ".join(_latex_cell(c) for c in table.columns) + r" \\"
+    body = [" & ".join(_latex_cell(v) for v in row) + r" \\" for row in table.itertuples(index=False)]
+    return "\n".join([r"\begin{table}[ht]", r"\centering", r"\small",
+                      r"\begin{tabular}{" + "l" * len(table.columns) + "}", r"\toprule", header, r"\midrule",
+                      *body, r"\bottomrule", r"\end{tabular}", r"\caption{" + _latex_cell(caption) + "}",
+                      r"\end{table}", ""])
+
+
+def to_markdown(table: pd.DataFrame, notes: list[str]) -> str:
+    text = table.to_markdown(index=False, disable_numparse=True) if not table.empty else "(no matching cells)"
+    return text + "".join(f"\n\n{n}" for n in notes)
+
+
+CAPTIONS = {
+    "precision": "Time, memory and the primary metric per precision setting",
+    "scaling_grid": "Primary metric per format setting (rows) and scaling method (columns)",
+    "squad": "SQuAD v1.1 exact match / F1 per model and setting (rows) and scaling method (columns)",
+    "numerics": "Numerics health per cell: skipped steps, final loss scale, underflow / overflow fractions",
+    "vs_published": "Ours beside the published figures for the same model, task and setting",
+}
+
+
+def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[str, str]:
+    """Write every table (md, tex, csv) plus runs.csv and cells.csv; return the Markdown per table."""
+    directory.mkdir(parents=True, exist_ok=True)
+    runs.drop(columns=["loss_scale_history"]).to_csv(directory / "runs.csv", index=False)
+    cells.to_csv(directory / "cells.csv", index=False)
+    built = {"precision": precision_table(cells), "scaling_grid": scaling_grid(cells),
+             "numerics": numerics_table(cells), "vs_published": published_table(cells)}
+    if (cells["metric"] == "f1").any():
+        built["squad"] = squad_table(cells)
+    notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
+    markdown = {}
+    for name, table in built.items():
+        markdown[name] = to_markdown(table, notes)
+        (directory / f"{name}.md").write_text(f"# {CAPTIONS[name]}\n\n{markdown[name]}\n")
+        (directory / f"{name}.tex").write_text(to_latex(table, CAPTIONS[name]))
+        table.to_csv(directory / f"{name}.csv", index=False)
+    return markdown
+
