@@ -19,6 +19,9 @@ MARKERS = dict(zip(SCALING_ORDER, "os^Dv"))
 
 
 def _save(fig, directory: Path, name: str) -> list[Path]:
+    for ax in fig.axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, ncol=3)
     paths = [directory / f"{name}.png", directory / f"{name}.svg"]
     for path in paths:
         fig.savefig(path, bbox_inches="tight", dpi=120)
@@ -43,7 +46,6 @@ def metric_vs_time(cells: pd.DataFrame, model: str, directory: Path) -> list[Pat
     ax.set_xlabel("train time (s); hollow = emulated")
     ax.set_ylabel(part["metric"].iloc[0])
     ax.set_title(f"{model}: {part['metric'].iloc[0]} vs train time")
-    ax.legend(fontsize=7, ncol=2)
     return _save(fig, directory, f"{model}_metric_vs_time")
 
 
@@ -93,7 +95,6 @@ def loss_curves(runs: pd.DataFrame, model: str, directory: Path) -> list[Path]:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(f"{model}: training loss per cell")
-    ax.legend(fontsize=6, ncol=3)
     return _save(fig, directory, f"{model}_loss_curves")
 
 
@@ -109,7 +110,6 @@ def loss_scale_trajectories(runs: pd.DataFrame, model: str, directory: Path) -> 
     ax.set_xlabel("step")
     ax.set_ylabel("loss scale")
     ax.set_title(f"{model}: loss-scale trajectories (static and dynamic)")
-    ax.legend(fontsize=6, ncol=3)
     return _save(fig, directory, f"{model}_loss_scale")
 
 
