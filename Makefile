@@ -8,17 +8,18 @@ TABLES  ?= results/tables
 FORMATS ?= fp32,tf32,fp16,bf16,fp8
 SCALINGS ?= none,static,dynamic,per_tensor,unit
 EXPERIMENT ?=
+LAUNCHER ?= local
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
-.PHONY: help setup test test-slow sweep tables prepare clean
+.PHONY: help setup test test-slow sweep tables prepare sync chaos clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "  variables: TORCH=$(TORCH) RESULTS=$(RESULTS) TABLES=$(TABLES) FORMATS=$(FORMATS)"
 	@echo "             SCALINGS=$(SCALINGS) EXPERIMENT=$(EXPERIMENT) (a conf/experiment/ preset: smoke,"
-	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet)"
+	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet) LAUNCHER=$(LAUNCHER)"
 
 setup: $(STAMP) ## create .venv and install the package (torch pinned to TORCH)
 
@@ -34,11 +35,12 @@ test: setup ## the fast offline test suite (slow tests excluded)
 test-slow: setup ## only the slow end-to-end tests
 	$(PY) -m pytest -m slow
 
-sweep: setup ## LeNet x FORMATS x SCALINGS on the offline digits (or EXPERIMENT=<preset>), then the tables
+sweep: setup ## LeNet x FORMATS x SCALINGS on the digits (or EXPERIMENT=<preset>; LAUNCHER=local|submitit_local|slurm)
 ifeq ($(EXPERIMENT),)
-	$(PY) -m bench.run -m model=lenet format=$(FORMATS) scaling=$(SCALINGS) seed=0 results_dir=$(RESULTS)
+	$(PY) -m bench.run -m hydra/launcher=$(LAUNCHER) model=lenet format=$(FORMATS) scaling=$(SCALINGS) seed=0 \
+		results_dir=$(RESULTS)
 else
-	$(PY) -m bench.run -m experiment=$(EXPERIMENT) results_dir=$(RESULTS)
+	$(PY) -m bench.run -m hydra/launcher=$(LAUNCHER) experiment=$(EXPERIMENT) results_dir=$(RESULTS)
 endif
 	$(MAKE) --no-print-directory tables
 
@@ -47,6 +49,12 @@ tables: setup ## Markdown + CSV tables from the records under RESULTS
 
 prepare: setup ## download and cache the hub models and datasets once (needs internet; see README)
 	$(PY) -m bench.prepare
+
+sync: setup ## upload the offline W&B runs under RESULTS (needs WANDB_API_KEY)
+	find $(RESULTS) -type d -name 'offline-run-*' -exec $(VENV)/bin/wandb sync {} +
+
+chaos: setup ## kill, crash, diverge and corrupt cells of a small sweep; re-run until complete; check the records
+	$(PY) -m bench.chaos
 
 clean: ## remove the virtual environment and caches (records are kept)
 	rm -rf $(VENV) .pytest_cache

@@ -131,6 +131,8 @@ class TrainConfig:
     max_steps: Optional[int] = None  # caps optimiser steps (smoke runs)
     loss_multiplier: float = 1.0  # on the loss before backward, divided out of the FP32 grads (stress tests)
     log_every: int = 10  # metrics.jsonl line and telemetry sample every N steps
+    checkpoint_every: Optional[int] = None  # also checkpoint every N steps (always on SIGUSR2/SIGTERM)
+    keep_checkpoint: bool = False  # keep the final checkpoint (weights, optimiser) after a finished run
 
 
 @dataclass
@@ -153,6 +155,8 @@ class Config:
     device: str = "auto"
     results_dir: str = "results/runs"
     cell: str = MISSING  # derived: where this cell's record goes under results_dir
+    retry_failed: bool = False  # re-run cells whose record says failed or diverged (ok cells never re-run)
+    fail_fast: bool = False  # re-raise a cell's exception (stops a sweep) instead of recording and going on
 
 
 def register_schema() -> None:
@@ -195,6 +199,8 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"train.loss_multiplier={cfg.train.loss_multiplier} must be finite and > 0")
     if cfg.train.epochs < 1:
         raise ConfigError(f"train.epochs={cfg.train.epochs} must be >= 1")
+    if cfg.train.checkpoint_every is not None and cfg.train.checkpoint_every < 1:
+        raise ConfigError(f"train.checkpoint_every={cfg.train.checkpoint_every} must be >= 1 (or null)")
     if cfg.train.max_steps is not None and cfg.train.max_steps < 1:
         raise ConfigError(f"train.max_steps={cfg.train.max_steps} must be >= 1 (or null for no cap)")
     if cfg.scaling.loss_scaling != "none" and cfg.scaling.init_scale <= 0:

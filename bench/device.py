@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import platform
 import socket
 import subprocess
@@ -137,6 +138,7 @@ def describe(device: torch.device) -> dict:
         "cuda_version": torch.version.cuda,
         "python_version": platform.python_version(),
         "hostname": socket.gethostname(),
+        "pid": os.getpid(),
         "git_commit": _git_commit(),
     }
 

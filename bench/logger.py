@@ -21,9 +21,10 @@ class NullLogger:
 
 
 class WandbLogger:
-    """One W&B run per cell: id = the cell path, group = experiment_name, tags = format/mode/backend/scaling."""
+    """One W&B run per cell: id = the run's identity hash, group = experiment_name, job_type = model,
+    tags = format / mode / backend / scaling, name = the cell path; resumed when the cell resumes."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, config: dict, tags: list[str]):
+    def __init__(self, cfg: DictConfig, run_dir: Path, config: dict, tags: list[str], identity: str):
         import wandb
 
         self._wandb = wandb
@@ -31,7 +32,7 @@ class WandbLogger:
         self.run = wandb.init(
             project=cfg.logger.project, entity=cfg.logger.entity, mode=mode, dir=str(run_dir),
             group=cfg.experiment_name, job_type=cfg.model.name, tags=tags, name=cfg.cell.replace("/", ":"),
-            id=cfg.cell.replace("/", "-"), resume="allow", config=config, reinit="finish_previous",
+            id=identity, resume="allow", config=config, reinit="finish_previous",
         )
 
     def log(self, row: dict) -> None:
@@ -67,11 +68,11 @@ class _SafeLogger:
         self._call("finish", record)
 
 
-def open_logger(cfg: DictConfig, run_dir: Path, config: dict, tags: list[str]):
+def open_logger(cfg: DictConfig, run_dir: Path, config: dict, tags: list[str], identity: str):
     if cfg.logger.name == "none":
         return NullLogger()
     try:
-        return _SafeLogger(WandbLogger(cfg, run_dir, config, tags))
+        return _SafeLogger(WandbLogger(cfg, run_dir, config, tags, identity))
     except Exception as e:  # noqa: BLE001
         log.warning("W&B could not start (%s); continuing with the local record only", e)
         return NullLogger()

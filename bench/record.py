@@ -6,6 +6,7 @@ The schema is documented in results/README.md. Non-finite floats are written as 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -42,11 +43,24 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 
 
 class MetricsLog:
-    """Appends one JSON line per logged step; a reader skips a torn last line after a kill."""
+    """Appends one JSON line per logged step; a reader skips a torn last line after a kill.
 
-    def __init__(self, path: Path):
+    Resuming at step k keeps the complete lines of steps before k and drops the rest (the torn line
+    and anything logged after the checkpoint): the resumed run logs those again.
+    """
+
+    def __init__(self, path: Path, resume_step: int | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] < resume_step:
+                        kept.append(line + "\n")
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue
         self._file = open(path, "w")
+        self._file.writelines(kept)
 
     def __call__(self, row: dict) -> None:
         self._file.write(json.dumps(_finite_json(row), allow_nan=False) + "\n")
@@ -71,3 +85,26 @@ def read_record(path: Path) -> dict:
     if record["status"] not in STATUSES:
         raise RecordError(f"{path}: status {record['status']!r} is not one of {', '.join(STATUSES)}")
     return record
+
+
+# Config keys that do not change what a run computes: they never enter its identity.
+NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "device")
+NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
+
+
+def run_id(config: dict) -> str:
+    """A run's identity: a hash of its semantic config (not paths, logging or checkpoint knobs)."""
+    semantic = {k: v for k, v in config.items() if k not in NON_SEMANTIC}
+    semantic["train"] = {k: v for k, v in config["train"].items() if k not in NON_SEMANTIC_TRAIN}
+    return hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def previous_record(run_dir: Path) -> tuple[dict | None, str | None]:
+    """The record already in `run_dir` (None if there is none), and a message if it is unreadable."""
+    path = Path(run_dir) / "result.json"
+    if not path.exists():
+        return None, None
+    try:
+        return read_record(path), None
+    except RecordError as e:
+        return None, str(e)

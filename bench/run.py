@@ -19,9 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from bench import device as devices
 from bench.config import ConfigError, check
-from bench.logger import open_logger
+from bench.checkpoint import Checkpointer
+from bench.logger import NullLogger, open_logger
 from bench.precision import Precision, PrecisionError
-from bench.record import MetricsLog, write_json_atomic
+from bench.record import MetricsLog, previous_record, run_id, write_json_atomic
 from bench.scaling import LossScaler, PerTensorScale
 from bench.tasks import build_task
 from bench.train import build_optimizer, build_schedule, total_steps, train
@@ -66,28 +67,50 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def finished_record(cfg: DictConfig, config: dict | None = None) -> dict | None:
+    """The record that makes this cell done (so it is skipped), or None when it must run.
+
+    ok records are final; failed and diverged ones count as done unless retry_failed=true. A corrupt
+    record is reported and the cell re-runs. A record of a *different* configuration at the same place
+    is refused rather than overwritten.
+    """
+    config = config or OmegaConf.to_container(cfg, resolve=True)
+    run_dir = Path(cfg.results_dir) / cfg.cell
+    record, problem = previous_record(run_dir)
+    if problem:
+        log.warning("%s; the cell runs again", problem)
+    if record is None:
+        return None
+    if record.get("run_id") != run_id(config):
+        raise ConfigError(f"{run_dir} holds a record of a different configuration (run_id {record.get('run_id')}, "
+                          f"this one {run_id(config)}): use another experiment_name or results_dir, or delete it")
+    if record["status"] == "ok" or not cfg.retry_failed:
+        return record
+    return None
+
+
 def run_cell(cfg: DictConfig) -> dict:
     """Train and evaluate one cell; write `<results_dir>/<cell>/result.json`; return the record.
 
-    Raises ConfigError (before anything is written) for a bad config. Any other failure is
-    recorded as status=failed with the error and the traceback tail.
+    Raises ConfigError (before anything is written) for a bad config. A cell with a finished record is
+    skipped (its record is returned with "skipped": true). Any other failure is recorded as
+    status=failed with the error and the traceback tail.
     """
     device, precision = preflight(cfg)
-    run_dir = Path(cfg.results_dir) / cfg.cell
     config = OmegaConf.to_container(cfg, resolve=True)
+    done = finished_record(cfg, config)
+    if done is not None:
+        log.info("%s: skipped, already recorded as %s", cfg.cell, done["status"])
+        return done | {"skipped": True}
+    run_dir = Path(cfg.results_dir) / cfg.cell
+    identity = run_id(config)
     tags = [cfg.format.name, cfg.format.mode, precision.backend, cfg.scaling.name]
-    logger = open_logger(cfg, run_dir, config, tags)
-    metrics_log = MetricsLog(run_dir / "metrics.jsonl")
     memory = devices.PeakMemory(device)
     scaler = build_scaler(cfg)
-    record = {"status": "failed", "reason": None, "config": config,
+    record = {"status": "failed", "reason": None, "run_id": identity, "config": config,
               "env": devices.describe(device) | {"precision": precision.describe()},
               "metrics": {}, "timing": {}, "memory": {"peak_bytes": None, "measures": memory.measures}, "numerics": {}}
-
-    def log_row(row: dict) -> None:
-        metrics_log(row)
-        logger.log(row)
-
+    logger, metrics_log = NullLogger(), None
     try:
         seed_everything(cfg.seed)
         memory.reset()
@@ -97,7 +120,20 @@ def run_cell(cfg: DictConfig) -> dict:
         precision.prepare(task.model)
         optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters())
         schedule = build_schedule(cfg.model.optimizer.schedule, optimizer, total_steps(task, cfg.train))
-        outcome = train(task, precision, scaler, optimizer, schedule, cfg.train, device, log_row, label=cfg.cell)
+        with Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint) as checkpointer:
+            resume = checkpointer.restore(task.model, optimizer, scaler, schedule)
+            if resume:
+                precision.telemetry.load_state(resume.pop("telemetry"))
+                log.info("%s: resuming from its checkpoint at step %d", cfg.cell, resume["steps"])
+            metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume["steps"] if resume else None)
+            logger = open_logger(cfg, run_dir, config, tags, identity)
+
+            def log_row(row: dict) -> None:
+                metrics_log(row)
+                logger.log(row)
+
+            outcome = train(task, precision, scaler, optimizer, schedule, cfg.train, device, log_row,
+                            label=cfg.cell, checkpointer=checkpointer, resume=resume)
         metrics = task.evaluate(task.model, precision.inputs)
         record["memory"]["peak_bytes"] = memory.peak_bytes()
         record["metrics"] = {**metrics, "final_train_loss": outcome.final_loss}
@@ -115,7 +151,8 @@ def run_cell(cfg: DictConfig) -> dict:
         record["traceback"] = traceback.format_exc()[-4000:]
     finally:
         record["numerics"] |= scaler.state() | {"quantisation": precision.telemetry.summary()}
-        metrics_log.close()
+        if metrics_log is not None:
+            metrics_log.close()
         write_json_atomic(run_dir / "result.json", record)
         logger.finish(record)
     log.info("%s: %s %s", cfg.cell, record["status"], record["reason"] or record["metrics"])
@@ -129,10 +166,11 @@ def main(cfg: DictConfig) -> str:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    if record["status"] == "failed" and not _in_multirun():
-        print(f"run failed: {record['reason']}", file=sys.stderr)
+    if record["status"] == "failed" and (cfg.fail_fast or not _in_multirun()):
+        # SystemExit passes through Hydra's launcher, so with fail_fast a sweep stops here
+        print(record.get("traceback", "") if cfg.fail_fast else "", f"run failed: {record['reason']}", file=sys.stderr)
         sys.exit(1)
-    return record["status"]
+    return {"status": record["status"], "skipped": record.get("skipped", False)}
 
 
 def _in_multirun() -> bool:

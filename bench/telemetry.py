@@ -59,6 +59,13 @@ class QuantTelemetry:
         self._step = self._zeros()
         return fractions
 
+    def state(self) -> dict:
+        """Run totals, for a checkpoint."""
+        return {"run": self._run, "amax": self.amax, "scales": self.scales}
+
+    def load_state(self, state: dict) -> None:
+        self._run, self.amax, self.scales = state["run"], state["amax"], state["scales"]
+
     def summary(self) -> dict[str, dict[str, float] | None]:
         """Run-level fractions per class over all sampled steps (None: the class was never quantised)."""
         out = {}

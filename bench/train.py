@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from bench.checkpoint import Checkpointer
 from bench.device import synchronize
 from bench.precision import Precision
 from bench.scaling import LossScaler
@@ -35,6 +36,8 @@ def build_schedule(name: str, optimizer: torch.optim.Optimizer, total_steps: int
 
 @dataclass
 class TrainOutcome:
+    """What the loop measured; also the loop's position, so that a checkpoint can resume it."""
+
     steps: int = 0
     samples: int = 0
     train_s: float = 0.0
@@ -42,6 +45,8 @@ class TrainOutcome:
     final_loss: float | None = None
     diverged_at_step: int | None = None
     per_epoch: list[dict] = field(default_factory=list)  # the task's validation metrics after each epoch
+    epoch: int = 0  # position: the epoch in progress...
+    position: int = 0  # ...and the batches of it already consumed
 
     def timing(self) -> dict:
         return {
@@ -58,22 +63,36 @@ def total_steps(task: Task, cfg: DictConfig) -> int:
 
 
 def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch.optim.Optimizer, schedule,
-          cfg: DictConfig, device: torch.device, log: Callable[[dict], None], label: str = "") -> TrainOutcome:
+          cfg: DictConfig, device: torch.device, log: Callable[[dict], None], label: str = "",
+          checkpointer: Checkpointer | None = None, resume: dict | None = None) -> TrainOutcome:
     """Train `task.model` for cfg.epochs (at most cfg.max_steps steps); stop at the first non-finite loss.
 
     `log` receives a metrics dict every cfg.log_every steps (telemetry is sampled on those steps) and
     the task's validation metrics after each epoch. Timing covers the loop (data, forward, backward,
-    step, per-epoch validation, as Raschka's timing does), synchronised on accelerators.
+    step, per-epoch validation, as Raschka's timing does), synchronised on accelerators; a resumed run
+    adds the time of its earlier segments. `resume` is the loop state a checkpoint restored; with a
+    `checkpointer`, the loop saves at step boundaries.
     """
-    model, out = task.model, TrainOutcome()
+    model = task.model
     params = [p for p in model.parameters() if p.requires_grad]
     total = total_steps(task, cfg)
+    out = TrainOutcome(**resume) if resume else TrainOutcome()
+
+    def loop_state() -> dict:
+        return asdict(out) | {"train_s": out.train_s + time.perf_counter() - segment_start,
+                              "telemetry": precision.telemetry.state()}
+
+    def save() -> None:
+        checkpointer.save(model, optimizer, scaler, schedule, loop_state())
+
     model.train()
-    progress = tqdm(total=total, desc=label, unit="step", leave=False, mininterval=1.0)
+    progress = tqdm(total=total, initial=out.steps, desc=label, unit="step", leave=False, mininterval=1.0)
     synchronize(device)
-    start = time.perf_counter()
-    for epoch in range(cfg.epochs):
-        for batch in task.train_batches(epoch):
+    segment_start = time.perf_counter()
+    for epoch in range(out.epoch, cfg.epochs):
+        for index, batch in enumerate(task.train_batches(epoch)):
+            if index < out.position:
+                continue  # replaying the epoch's batch stream up to where the checkpoint left it
             if out.steps >= total:
                 break
             step_start = time.perf_counter()
@@ -102,19 +121,26 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
                      "stepped": stepped, "skipped_steps": scaler.skipped_steps, "step_s": out.step_s[-1],
                      "quantisation": precision.telemetry.end_step()})
             out.steps += 1
+            out.epoch, out.position = epoch, index + 1
             progress.update()
             progress.set_postfix(loss=f"{out.final_loss:.4f}", refresh=False)
+            if checkpointer:
+                checkpointer.after_step(out.steps, save)
         if out.diverged_at_step is not None:
             break
-        if task.validate is not None:
+        if task.validate is not None and out.position > 0:
             with precision.autocast():
                 metrics = task.validate(model, precision.inputs)
             out.per_epoch.append({"epoch": epoch, **metrics})
             log({"step": out.steps, "epoch": epoch, **metrics})
+        out.epoch, out.position = epoch + 1, 0
         if out.steps >= total:
             break
     synchronize(device)
-    out.train_s = time.perf_counter() - start
+    out.train_s += time.perf_counter() - segment_start
     progress.close()
     precision.telemetry.sampling = False
+    if checkpointer:
+        checkpointer.finish(lambda: checkpointer.save(model, optimizer, scaler, schedule,
+                                                      asdict(out) | {"telemetry": precision.telemetry.state()}))
     return out

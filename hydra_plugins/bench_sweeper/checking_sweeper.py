@@ -1,39 +1,87 @@
 """(Lives in the hydra_plugins namespace because Hydra only instantiates sweepers from there.)
 
-Hydra's basic sweeper with two additions: every cell of a sweep is checked before the first one
-trains (a bad combination anywhere in the grid costs nothing), and the sweep ends with a status
-summary and a non-zero exit if any cell failed."""
+Hydra's basic sweeper with three additions:
+- every cell of a sweep is checked before the first one trains (a bad combination anywhere in the
+  grid costs nothing);
+- cells whose record is already finished are not launched at all (on SLURM: no job is submitted),
+  and the log names each one; failed or diverged cells re-run with retry_failed=true;
+- the sweep ends with a status summary and a non-zero exit if any cell (run now or before) failed.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections import Counter
 from typing import Any, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from omegaconf import open_dict
 
 from bench.config import ConfigError
 
-SUMMARY_ORDER = ("ok", "diverged", "failed")
+log = logging.getLogger(__name__)
+STATUSES = ("ok", "diverged", "failed")
 
 
 class CheckingSweeper(BasicSweeper):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.already: Counter = Counter()  # statuses of cells skipped because they were recorded before
+
+    def setup(self, *args, **kwargs) -> None:
+        super().setup(*args, **kwargs)
+        launch = self.launcher.launch
+
+        def launch_unless_empty(batch, initial_job_idx):
+            return launch(batch, initial_job_idx=initial_job_idx) if batch else []  # submitit refuses empty
+
+        self.launcher.launch = launch_unless_empty
+
+    def _compose(self, overrides: Sequence[str]):
+        """A cell's config as its job will see it (without Hydra's own node, which resolves only in the job)."""
+        cfg = self.hydra_context.config_loader.load_sweep_config(master_config=self.config,
+                                                                 sweep_overrides=list(overrides))
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
+
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         from bench.run import preflight  # the runner's own checks, nothing re-implemented
 
         for overrides in batch:
-            cfg = self.hydra_context.config_loader.load_sweep_config(
-                master_config=self.config, sweep_overrides=list(overrides))
             try:
-                preflight(cfg)
+                preflight(self._compose(overrides))
             except ConfigError as e:
                 print(f"config error in cell [{' '.join(overrides)}]: {e}", file=sys.stderr)
                 sys.exit(2)
 
+    def get_job_batch(self) -> Sequence[Sequence[str]]:
+        from bench.run import finished_record
+
+        batch = []
+        for overrides in super().get_job_batch():
+            cfg = self._compose(overrides)
+            try:
+                done = finished_record(cfg)
+            except ConfigError as e:
+                print(f"config error in cell [{' '.join(overrides)}]: {e}", file=sys.stderr)
+                sys.exit(2)
+            if done is None:
+                batch.append(overrides)
+            else:
+                self.already[done["status"]] += 1
+                log.info("skipped %s: already recorded as %s", cfg.cell, done["status"])
+        return batch
+
     def sweep(self, arguments: list[str]) -> Any:
         returns = super().sweep(arguments)
-        statuses = Counter(job.return_value for batch in returns for job in batch)
-        print("sweep: " + ", ".join(f"{statuses.get(s, 0)} {s}" for s in SUMMARY_ORDER), file=sys.stderr)
-        if statuses.get("failed"):
+        ran = Counter(job.return_value["status"] for batch in returns for job in batch)
+        skipped_now = sum(job.return_value.get("skipped", False) for batch in returns for job in batch)
+        total = ran + self.already
+        skipped = sum(self.already.values()) + skipped_now
+        print("sweep: " + ", ".join(f"{total.get(s, 0)} {s}" for s in STATUSES)
+              + f" ({skipped} skipped as already recorded)", file=sys.stderr)
+        if total.get("failed"):
             sys.exit(1)
         return returns

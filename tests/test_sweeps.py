@@ -1,0 +1,149 @@
+"""Sweeps at cluster scale, on one machine: subprocess launcher, skip-finished, failure isolation,
+resume after a kill or a preemption signal, and one offline W&B run per cell."""
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import CONF
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_SILENT": "true"}
+
+
+def bench(tmp_path, *args, wait=True):
+    cmd = [sys.executable, "-m", "bench.run", *args, f"results_dir={tmp_path}"]
+    env = os.environ | OFFLINE
+    if not wait:
+        return subprocess.Popen(cmd, cwd=CONF.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    return subprocess.run(cmd, cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=300)
+
+
+def records(root):
+    return {str(p.parent.relative_to(root)): json.loads(p.read_text()) for p in Path(root).rglob("result.json")}
+
+
+def test_submitit_local_runs_cells_as_subprocesses_and_a_rerun_skips_them(tmp_path):
+    grid = ["-m", "hydra/launcher=submitit_local", "format=fp32,fp16", "scaling=none,static", "train.max_steps=3"]
+    first = bench(tmp_path, *grid)
+    assert first.returncode == 0, first.stderr[-3000:]
+    found = records(tmp_path)
+    assert len(found) == 4 and all(r["status"] == "ok" for r in found.values())
+    pids = {r["env"]["pid"] for r in found.values()}
+    assert len(pids) == 4 and os.getpid() not in pids  # four processes, none of them this one
+    before = {p: p.read_bytes() for p in Path(tmp_path).rglob("result.json")}
+    again = bench(tmp_path, *grid)
+    assert again.returncode == 0 and "4 skipped as already recorded" in again.stderr
+    assert {p: p.read_bytes() for p in Path(tmp_path).rglob("result.json")} == before
+
+
+def test_a_failing_cell_is_recorded_and_the_others_go_on(tmp_path):
+    # the pretrained DistilBERT cannot load offline: its cells raise; the LeNet cells succeed.
+    out = bench(tmp_path, "-m", "model=distilbert,lenet", "format=fp32,fp16", "train.max_steps=3")
+    assert out.returncode == 1
+    assert "sweep: 2 ok, 0 diverged, 2 failed" in out.stderr
+    failed = [r for r in records(tmp_path).values() if r["status"] == "failed"]
+    assert len(failed) == 2 and all(r["reason"].startswith("OSError") and "Traceback" in r["traceback"] for r in failed)
+    skipped = bench(tmp_path, "-m", "model=distilbert,lenet", "format=fp32,fp16", "train.max_steps=3")
+    assert skipped.returncode == 1 and "4 skipped" in skipped.stderr  # a failed record is still a failure
+    retried = bench(tmp_path, "-m", "model=distilbert,lenet", "format=fp32,fp16", "train.max_steps=3",
+                    "retry_failed=true")
+    assert "(2 skipped" in retried.stderr  # the ok cells stay skipped, the failed ones ran again
+
+
+def test_fail_fast_stops_the_sweep_at_the_first_exception(tmp_path):
+    out = bench(tmp_path, "-m", "model=distilbert,lenet", "train.max_steps=3", "fail_fast=true")
+    assert out.returncode != 0 and "OSError" in out.stderr
+    assert [r["status"] for r in records(tmp_path).values()] == ["failed"]  # the digits cell never ran
+
+
+def test_a_corrupt_record_is_reported_and_its_cell_runs_again(tmp_path):
+    assert bench(tmp_path, "-m", "format=fp32,fp16", "train.max_steps=3").returncode == 0
+    corrupt = next(Path(tmp_path).rglob("fp16-mixed/none/seed0/result.json"))
+    corrupt.write_text('{"status": "ok", "conf')
+    out = bench(tmp_path, "-m", "format=fp32,fp16", "train.max_steps=3")
+    assert out.returncode == 0 and str(corrupt) in out.stdout + out.stderr and "1 skipped" in out.stderr
+    assert json.loads(corrupt.read_text())["status"] == "ok"
+
+
+def _final_weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGUSR2])
+def test_an_interrupted_run_resumes_to_bitwise_the_same_weights(tmp_path, how):
+    args = ["format=fp32", "train.checkpoint_every=40", "train.keep_checkpoint=true", "train.max_steps=600"]
+    reference_dir, interrupted_dir = tmp_path / "reference", tmp_path / "interrupted"
+    assert bench(reference_dir, *args).returncode == 0
+    cell = next(reference_dir.rglob("result.json")).parent
+    proc = bench(interrupted_dir, *args, wait=False)
+    checkpoint = interrupted_dir / cell.relative_to(reference_dir) / "checkpoint.pt"
+    deadline = time.time() + 120
+    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run finished before it could be interrupted"
+    proc.send_signal(how)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0 and not (checkpoint.parent / "result.json").exists()
+    stopped_at = torch.load(checkpoint, weights_only=False)["loop"]["steps"]
+    assert 0 < stopped_at < 600
+    resumed = bench(interrupted_dir, *args)
+    assert resumed.returncode == 0
+    assert f"resuming from its checkpoint at step {stopped_at}" in resumed.stdout + resumed.stderr
+    reference, result = _final_weights(cell), _final_weights(checkpoint.parent)
+    assert all(torch.equal(reference[k], result[k]) for k in reference)
+    steps = [json.loads(line)["step"] for line in (checkpoint.parent / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) == list(range(0, 600, 10))  # no step lost or logged twice
+    ours, theirs = (json.loads((d / "result.json").read_text()) for d in (checkpoint.parent, cell))
+    assert ours["metrics"] == theirs["metrics"] and ours["timing"]["steps"] == 600
+
+
+def _wandb_records(path: Path) -> list:
+    """Records of an offline .wandb file: wandb's LevelDB-style log (7-byte header, 32 KiB blocks)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, out, pending = path.read_bytes(), 7, [], b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            out.append(record)
+            pending = b""
+    return out
+
+
+def test_each_cell_gets_its_own_offline_wandb_run_with_config_and_summary(tmp_path):
+    out = bench(tmp_path, "-m", "logger=wandb", "format=fp32,fp8", "train.max_steps=3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for cell, record in records(tmp_path).items():
+        runs = list((Path(tmp_path) / cell / "wandb").glob("offline-run-*/*.wandb"))
+        assert len(runs) == 1, cell
+        logged = _wandb_records(runs[0])
+        run = next(r.run for r in logged if r.WhichOneof("record_type") == "run")
+        assert run.run_id == record["run_id"] and run.run_group == "default" and run.job_type == "lenet"
+        assert set(run.tags) == {record["config"]["format"]["name"], record["config"]["format"]["mode"],
+                                 record["env"]["precision"]["backend"], "none"}
+        config = {i.key: json.loads(i.value_json) for i in run.config.update}
+        assert config["format"] == record["config"]["format"] and config["seed"] == 0
+        summary = {}
+        for r in logged:
+            if r.WhichOneof("record_type") == "summary":
+                summary |= {i.key: i.value_json for i in r.summary.update if i.key}
+        assert json.loads(summary["status"]) == "ok" and json.loads(summary["run_id"]) == record["run_id"]
+    assert not list(CONF.parent.glob("wandb"))  # nothing in the repository root
