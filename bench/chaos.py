@@ -1,0 +1,123 @@
+"""`make chaos`: a small CPU sweep under fire, re-run until complete, then every record checked.
+
+    python -m bench.chaos [--results DIR] [--seed N]
+
+- the grid (8 LeNet cells, checkpointing every 25 steps) is SIGKILLed at random moments, again and
+  again, and re-launched each time: finished cells must be skipped, killed ones resumed;
+- after the first kill one finished record is corrupted: the next launch must report and re-run it;
+- one cell raises (the pretrained DistilBERT cannot load offline) and one diverges (lr 1e8);
+then: every cell has exactly one valid record with the expected status, and no checkpoint or temporary
+file is left behind. Prints the counts; exits non-zero if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from bench.record import RecordError, read_record
+
+ROOT = Path(__file__).resolve().parents[1]
+GRID = ["format=fp32,fp16,bf16,fp8", "scaling=none,dynamic", "train.max_steps=600", "train.checkpoint_every=25"]
+RAISING = ["model=distilbert", "train.max_steps=5"]
+DIVERGING = ["format=tf32", "model.optimizer.lr=1e8", "train.max_steps=200"]
+ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def launch(results: Path, overrides: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "bench.run", "-m", "experiment_name=chaos", f"results_dir={results}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=os.environ | ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def run_under_fire(results: Path, rng: random.Random, counts: Counter) -> None:
+    """Launch the grid, kill it at a random moment, repeat until a launch finishes by itself."""
+    while True:
+        counts["launches"] += 1
+        proc = launch(results, GRID)
+        deadline = time.time() + rng.uniform(3.0, 12.0)
+        while proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            counts["kills"] += 1
+            if counts["corrupted"] == 0:
+                finished = sorted(results.rglob("result.json"))
+                if finished:
+                    victim = rng.choice(finished)
+                    victim.write_text(victim.read_text()[: len(victim.read_text()) // 2])
+                    counts["corrupted"] += 1
+                    print(f"corrupted {victim}", file=sys.stderr)
+            continue
+        if proc.returncode != 0:
+            raise SystemExit(f"the grid sweep exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        return
+
+
+def run_grid_once_more_skips_everything(results: Path) -> bool:
+    proc = launch(results, GRID)
+    _, err = proc.communicate()
+    return proc.returncode == 0 and "(8 skipped as already recorded)" in err
+
+
+def check(results: Path) -> tuple[Counter, list[str]]:
+    """Status counts and every problem found: one valid record per cell, nothing left behind."""
+    problems, statuses = [], Counter()
+    cells = sorted({p.parent for p in results.rglob("result.json")} | {p.parent for p in results.rglob("*.tmp")})
+    for cell in cells:
+        found = list(cell.glob("result.json"))
+        if len(found) != 1:
+            problems.append(f"{cell}: {len(found)} records")
+            continue
+        try:
+            statuses[read_record(found[0])["status"]] += 1
+        except RecordError as e:
+            problems.append(str(e))
+        leftovers = [p.name for p in cell.iterdir() if p.name == "checkpoint.pt" or p.name.endswith(".tmp")]
+        if leftovers:
+            problems.append(f"{cell}: left behind {leftovers}")
+    expected = Counter({"ok": 8, "failed": 1, "diverged": 1})
+    if statuses != expected:
+        problems.append(f"statuses {dict(statuses)}, expected {dict(expected)}")
+    return statuses, problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, help="where the chaos records go (default: a fresh temp dir)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    results = args.results or Path(tempfile.mkdtemp(prefix="bench-chaos-"))
+    rng, counts, start = random.Random(args.seed), Counter(), time.time()
+    run_under_fire(results, rng, counts)
+    for overrides, expected_rc in ((RAISING, 1), (DIVERGING, 0)):
+        for _ in range(2):  # the second launch must skip the recorded cell and report the same outcome
+            proc = launch(results, overrides)
+            proc.wait()
+            counts["launches"] += 1
+            if proc.returncode != expected_rc:
+                raise SystemExit(f"{overrides} exited {proc.returncode}, expected {expected_rc}")
+    statuses, problems = check(results)
+    if not run_grid_once_more_skips_everything(results):
+        problems.append("a complete grid was not skipped when launched again")
+    print(f"chaos: {counts['launches']} launches, {counts['kills']} SIGKILLs, {counts['corrupted']} corrupted record; "
+          f"records: {statuses['ok']} ok, {statuses['diverged']} diverged, {statuses['failed']} failed; "
+          f"{len(problems)} problems; {time.time() - start:.0f} s ({results})")
+    for problem in problems:
+        print(f"  {problem}", file=sys.stderr)
+    if not problems and args.results is None:
+        shutil.rmtree(results)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
