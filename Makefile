@@ -12,7 +12,7 @@ LAUNCHER ?= local
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
-.PHONY: help setup test test-slow sweep tables prepare sync chaos clean
+.PHONY: help setup test test-slow sweep tables bench prepare sync chaos clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -46,6 +46,10 @@ endif
 
 tables: setup ## Markdown + CSV tables from the records under RESULTS
 	$(PY) -m bench.aggregate $(RESULTS) --out $(TABLES)
+
+bench: setup ## measure harness overhead, emulation cost, native speed (on CUDA), aggregation; JSON to results/bench/
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(PY) -m bench.benchmark --out results/bench
 
 prepare: setup ## download and cache the hub models and datasets once (needs internet; see README)
 	$(PY) -m bench.prepare

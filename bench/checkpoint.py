@@ -77,14 +77,14 @@ class Checkpointer:
         optimizer.load_state_dict(state["optimizer"])
         if schedule is not None:
             schedule.load_state_dict(state["schedule"])
-        scaler.__dict__.update(state["scaler"])
+        scaler.load_state_dict(state["scaler"])
         _set_rng_state(state["rng"])
         return state["loop"]
 
     def save(self, model, optimizer, scaler: LossScaler, schedule, loop: dict) -> None:
         state = {"run_id": self.run_id, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "schedule": schedule.state_dict() if schedule is not None else None,
-                 "scaler": dict(scaler.__dict__), "rng": _rng_state(), "loop": loop}
+                 "scaler": scaler.state_dict(), "rng": _rng_state(), "loop": loop}
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.path)

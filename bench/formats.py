@@ -51,13 +51,18 @@ class ElementFormat:
     def min_subnormal(self) -> float:
         return 2.0 ** (self.emin - self.man_bits)
 
-    def overflows(self, x: torch.Tensor) -> torch.Tensor:
-        """Where RNE would carry |x| past max: beyond max + half an ulp, or on that tie when max's last
+    def rounding_edges(self) -> list[float]:
+        """Magnitudes where RNE's outcome changes class (exact in float32), for telemetry's bucketize:
+        |x| <= e0: zero stays zero; <= e1 = min_sub/2: rounds to zero (the tie goes to even 0);
+        <= e2: lands subnormal (below min_normal - min_sub/2, whose tie rounds up to min_normal);
+        <= e3: normal; beyond: overflow, i.e. past max + half an ulp, or on that tie when max's last
         mantissa bit is odd (IEEE formats; E4M3's max 1.110b * 2^8 is even, so its tie rounds to max)."""
         half_ulp = 2.0 ** (self.emax - self.man_bits - 1)
         max_is_odd = int(self.max / (2 * half_ulp)) % 2 == 1
-        boundary = self.max + half_ulp
-        return x.abs() >= boundary if max_is_odd else x.abs() > boundary
+        edges = torch.tensor([0.0, self.min_subnormal / 2, self.min_normal - self.min_subnormal / 2,
+                              self.max + half_ulp], dtype=torch.float32)
+        below = torch.nextafter(edges, torch.zeros_like(edges))
+        return [0.0, edges[1].item(), below[2].item(), (below[3] if max_is_odd else edges[3]).item()]
 
 
 def _ieee(name, exp_bits, man_bits, dtype) -> ElementFormat:

@@ -67,14 +67,12 @@ class TensorSite:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scaler is None:
-            rounded = quantise_value(x, self.spec, self.overflow, self.ftz)
-            self.telemetry.observe(self.tensor_class, x, rounded, self.spec)
-            return rounded
+            self.telemetry.observe(self.tensor_class, x, self.spec)
+            return quantise_value(x, self.spec, self.overflow, self.ftz)
         scale = self.scaler.scale_for(x)
         scaled = x * scale
-        rounded = quantise_value(scaled, self.spec, self.overflow, self.ftz)
-        self.telemetry.observe(self.tensor_class, scaled, rounded, self.spec)
-        return rounded / scale
+        self.telemetry.observe(self.tensor_class, scaled, self.spec)
+        return quantise_value(scaled, self.spec, self.overflow, self.ftz) / scale
 
 
 class _Cast(torch.autograd.Function):

@@ -10,6 +10,7 @@ import logging
 import random
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -24,7 +25,7 @@ from bench.logger import NullLogger, open_logger
 from bench.precision import Precision, PrecisionError
 from bench.record import MetricsLog, previous_record, run_id, write_json_atomic
 from bench.scaling import LossScaler, PerTensorScale
-from bench.tasks import build_task
+from bench.tasks import Task, build_task
 from bench.train import build_optimizer, build_schedule, total_steps, train
 from bench.unit import unit_scale_task
 
@@ -67,6 +68,30 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@dataclass
+class Cell:
+    """Everything one cell trains with, built from its config."""
+
+    task: Task
+    scaler: LossScaler
+    optimizer: torch.optim.Optimizer
+    schedule: object
+    unit_conversion: dict | None
+
+
+def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
+    """Seed, build the task, unit-scale it if asked, apply the precision, build optimiser, schedule, scaler."""
+    seed_everything(cfg.seed)
+    task = build_task(cfg.model, precision.device, cfg.seed)
+    conversion = None
+    if cfg.scaling.name == "unit":
+        conversion = unit_scale_task(task, preserve=cfg.model.get("pretrained", False))
+    precision.prepare(task.model)
+    optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters())
+    schedule = build_schedule(cfg.model.optimizer.schedule, optimizer, total_steps(task, cfg.train))
+    return Cell(task, build_scaler(cfg), optimizer, schedule, conversion)
+
+
 def finished_record(cfg: DictConfig, config: dict | None = None) -> dict | None:
     """The record that makes this cell done (so it is skipped), or None when it must run.
 
@@ -106,20 +131,17 @@ def run_cell(cfg: DictConfig) -> dict:
     identity = run_id(config)
     tags = [cfg.format.name, cfg.format.mode, precision.backend, cfg.scaling.name]
     memory = devices.PeakMemory(device)
-    scaler = build_scaler(cfg)
+    scaler = build_scaler(cfg)  # replaced by the cell's; here so that a failed build still records its state
     record = {"status": "failed", "reason": None, "run_id": identity, "config": config,
               "env": devices.describe(device) | {"precision": precision.describe()},
               "metrics": {}, "timing": {}, "memory": {"peak_bytes": None, "measures": memory.measures}, "numerics": {}}
     logger, metrics_log = NullLogger(), None
     try:
-        seed_everything(cfg.seed)
         memory.reset()
-        task = build_task(cfg.model, device, cfg.seed)
-        if cfg.scaling.name == "unit":
-            record["numerics"]["unit_conversion"] = unit_scale_task(task, preserve=cfg.model.get("pretrained", False))
-        precision.prepare(task.model)
-        optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters())
-        schedule = build_schedule(cfg.model.optimizer.schedule, optimizer, total_steps(task, cfg.train))
+        cell = build_cell(cfg, precision)
+        task, scaler, optimizer, schedule = cell.task, cell.scaler, cell.optimizer, cell.schedule
+        if cell.unit_conversion is not None:
+            record["numerics"]["unit_conversion"] = cell.unit_conversion
         with Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint) as checkpointer:
             resume = checkpointer.restore(task.model, optimizer, scaler, schedule)
             if resume:

@@ -86,7 +86,8 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
         checkpointer.save(model, optimizer, scaler, schedule, loop_state())
 
     model.train()
-    progress = tqdm(total=total, initial=out.steps, desc=label, unit="step", leave=False, mininterval=1.0)
+    progress = tqdm(total=total, initial=out.steps, desc=label, unit="step", leave=False, mininterval=1.0,
+                    disable=None)  # a bar on terminals, none in logs
     synchronize(device)
     segment_start = time.perf_counter()
     for epoch in range(out.epoch, cfg.epochs):
@@ -108,7 +109,7 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
             optimizer.zero_grad(set_to_none=True)
             scaler.scale_loss(loss).backward()
             precision.after_backward(model)
-            stepped = scaler.step(optimizer, params)
+            stepped = scaler.step(optimizer, params, check=sampled)
             if stepped:
                 precision.after_step(model, optimizer)
             if schedule is not None:
@@ -120,10 +121,10 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
                 log({"step": out.steps, "epoch": epoch, "loss": out.final_loss, "loss_scale": scaler.scale,
                      "stepped": stepped, "skipped_steps": scaler.skipped_steps, "step_s": out.step_s[-1],
                      "quantisation": precision.telemetry.end_step()})
+                progress.set_postfix(loss=f"{out.final_loss:.4f}", refresh=False)
             out.steps += 1
             out.epoch, out.position = epoch, index + 1
             progress.update()
-            progress.set_postfix(loss=f"{out.final_loss:.4f}", refresh=False)
             if checkpointer:
                 checkpointer.after_step(out.steps, save)
         if out.diverged_at_step is not None:

@@ -48,7 +48,7 @@ def test_static_skips_and_counts_overflowing_steps_and_never_changes_scale():
     for g in (1.0, INF, 1.0, NAN):
         p.grad = torch.full((3,), g * 2048.0)
         scaler.step(opt, [p])
-    assert scaler.skipped_steps == 2 and scaler.overflow_steps == 2 and scaler.scale == 2048.0
+    assert scaler.skipped_steps == 2 and scaler.state()["overflow_steps"] == 2 and scaler.scale == 2048.0
     # the two clean steps applied lr * unscaled grad (1.0) each: 0 - 2 * 0.1
     assert torch.allclose(p.detach(), torch.full((3,), -0.2))
 
@@ -57,7 +57,10 @@ def test_none_never_skips_but_counts_overflow():
     p, opt = _param()
     scaler = LossScaler("none")
     p.grad = torch.full((3,), INF)
-    assert scaler.step(opt, [p]) and scaler.skipped_steps == 0 and scaler.overflow_steps == 1
+    assert scaler.step(opt, [p]) and scaler.skipped_steps == 0
+    p.grad = torch.full((3,), 1.0)
+    scaler.step(opt, [p])
+    assert scaler.state()["overflow_steps"] == 1 and scaler.state()["skipped_steps"] == 0
 
 
 def test_sixteen_bit_gradients_are_unscaled_where_grad_scaler_refuses():

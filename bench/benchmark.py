@@ -1,0 +1,298 @@
+"""`make bench`: is the harness free, is the emulation cheap, are native formats as fast as promised?
+
+    python -m bench.benchmark [--out results/bench] [--quick]
+
+Writes results/bench/<device>-<date>.json: {"device", "env", "rows": [{"metric", "value", "unit", "target"}]}
+and prints the rows as a table. Every timing is the median of repeats after a warm-up, alternating the
+things compared, in one process:
+- harness_ratio.<model>.<format>: steps/s of bench's training loop / a bare hand-written loop over the
+  same model, batches and format (telemetry off in both; it is measured on its own below). Target >= 0.97.
+- emulation_ratio.<model>.<format>: step time of an emulated format / fp32, same loop and model.
+  Target <= 2.0 for fp8 on CPU. telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off
+  (target <= 1.5).
+- peer_ratio.bert_tiny.<peer>: step time of unit-scaling's simulate_fp8 and of torchao float8 training
+  with emulate=True / ours (fp8, same bare loop). Target > 1 (ours faster). On the small BERT, where every
+  matmul is an nn.Linear for all three (torchao converts Linear layers only).
+- native rows, on a CUDA device only: per model and format at the papers' batch sizes, step time,
+  samples/s, tokens/s, peak memory, MFU against the device's dense peak for the dtype (6 x parameters x
+  tokens FLOPs per step), speed-up vs fp32 (TF32 off) and vs tf32.
+- aggregate_s.10k: reading, summarising and tabulating 10,000 synthetic records. Target <= 5 s.
+- quantise_ns.<format>: nanoseconds per value of bench.formats.quantise on 2^20 float32 values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import datasets
+import torch
+from hydra import compose, initialize_config_dir
+from tabulate import tabulate
+
+from bench import device as devices
+from bench.formats import quantise
+from bench.run import build_cell, preflight
+from bench.train import train
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+NO_TELEMETRY = 10**9  # train.log_every that never samples within a measurement
+
+
+def cell_config(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=["results_dir=/tmp/bench-unused", *overrides])
+
+
+def make_cell(*overrides: str):
+    cfg = cell_config(*overrides)
+    _, precision = preflight(cfg)
+    return cfg, precision, build_cell(cfg, precision)
+
+
+def batches(cell, steps: int) -> list:
+    """The same `steps` batches for every loop compared (cycling epochs as needed)."""
+    out, epoch = [], 0
+    while len(out) < steps:
+        out += list(cell.task.train_batches(epoch))
+        epoch += 1
+    return out[:steps]
+
+
+def bare_loop(model, task, precision, optimizer, data) -> None:
+    """What a user would write by hand: forward, loss, backward, step."""
+    for batch in data:
+        with precision.autocast():
+            outputs, targets = task.forward(model, batch, precision.inputs)
+            loss = task.compute_loss(outputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+
+def our_loop(cfg, precision, cell, data):
+    """bench's training loop over `data`, set up here so that the timed call is the loop alone."""
+    task = copy.copy(cell.task)
+    task.train_batches = lambda epoch: iter(data)
+    task.steps_per_epoch = len(data)
+    train_cfg = copy.deepcopy(cfg.train)
+    train_cfg.epochs, train_cfg.max_steps = 1, len(data)
+    return lambda: train(task, precision, cell.scaler, cell.optimizer, None, train_cfg, precision.device,
+                         lambda row: None)
+
+
+def timed(fn, device) -> float:
+    devices.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    devices.synchronize(device)
+    return time.perf_counter() - start
+
+
+def alternate(fns: dict, device, repeats: int) -> dict[str, float]:
+    """Median seconds of each function, run in turn `repeats` times after one warm-up round."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(timed(fn, device))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def row(metric: str, value, unit: str, target: str | None = None) -> dict:
+    return {"metric": metric, "value": value, "unit": unit, "target": target}
+
+
+MODELS = {"lenet": ["model=lenet"], "bert_tiny": ["model=bert_tiny"]}
+
+
+def harness_rows(steps: int, repeats: int) -> list[dict]:
+    rows = []
+    for model, model_args in MODELS.items():
+        for fmt in ("fp32", "fp8"):
+            cfg, precision, ours = make_cell(*model_args, f"format={fmt}", f"train.log_every={NO_TELEMETRY}")
+            _, _, bare = make_cell(*model_args, f"format={fmt}")
+            data = batches(ours, steps)
+            t = alternate({"ours": our_loop(cfg, precision, ours, data),
+                           "bare": lambda: bare_loop(bare.task.model, bare.task, precision, bare.optimizer, data)},
+                          precision.device, repeats)
+            rows.append(row(f"harness_ratio.{model}.{fmt}", t["bare"] / t["ours"], "ours/bare steps per s", ">= 0.97"))
+    return rows
+
+
+EMULATED = {"tf32": ["format=tf32"], "fp16": ["format=fp16"], "bf16": ["format=bf16", "format.backend=emulated"],
+            "fp8": ["format=fp8"], "fp8+per_tensor": ["format=fp8", "scaling=per_tensor"]}
+
+
+def emulation_rows(steps: int, repeats: int) -> list[dict]:
+    rows = []
+    for model, model_args in MODELS.items():
+        variants = {"fp32": ["format=fp32"], **EMULATED, "fp8+telemetry": ["format=fp8"]}
+        loops, device = {}, None
+        for name, args in variants.items():
+            log_every = 1 if name == "fp8+telemetry" else NO_TELEMETRY
+            cfg, precision, cell = make_cell(*model_args, *args, f"train.log_every={log_every}")
+            data = batches(cell, steps)
+            loops[name] = our_loop(cfg, precision, cell, data)
+            device = precision.device
+        t = alternate(loops, device, repeats)
+        for name in (*EMULATED, "fp8+telemetry"):
+            target = "<= 2.0" if name == "fp8" and device.type == "cpu" else None
+            rows.append(row(f"emulation_ratio.{model}.{name}", t[name] / t["fp32"], "x fp32 step time", target))
+        rows.append(row(f"telemetry_ratio.{model}.fp8", t["fp8+telemetry"] / t["fp8"], "x fp8 step time", "<= 1.5"))
+    return rows
+
+
+def peer_rows(steps: int, repeats: int) -> list[dict]:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from unit_scaling.transforms import simulate_fp8
+
+    _, precision, ours = make_cell("model=bert_tiny", "format=fp8")
+    _, fp32, base = make_cell("model=bert_tiny", "format=fp32")
+    data = batches(ours, steps)
+    peers = {"unit_scaling_simulate_fp8": simulate_fp8(copy.deepcopy(base.task.model)),
+             "torchao_float8_emulate": convert_to_float8_training(copy.deepcopy(base.task.model),
+                                                                  config=Float8LinearConfig(emulate=True))}
+    loops = {"ours": lambda: bare_loop(ours.task.model, ours.task, precision, ours.optimizer, data)}
+    for name, model in peers.items():
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loops[name] = lambda model=model, optimizer=optimizer: bare_loop(model, base.task, fp32, optimizer, data)
+    t = alternate(loops, precision.device, repeats)
+    return [row(f"peer_ratio.bert_tiny.{name}", t[name] / t["ours"], "peer/ours step time", "> 1") for name in peers]
+
+
+# Dense peak TFLOP/s per dtype, from the vendors' datasheets (SXM parts).
+PEAK_TFLOPS = {"H100": {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+               "H200": {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+               "A100": {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}}
+NATIVE_FORMATS = {"fp32": ["format=fp32"], "tf32": ["format=tf32"], "16-mixed": ["format=fp16"],
+                  "16-true": ["format=fp16-true"], "bf16-mixed": ["format=bf16"], "bf16-true": ["format=bf16-true"],
+                  "fp8": ["format=fp8", "scaling=per_tensor"]}
+PAPER_SHAPES = {"distilbert": (["model=distilbert_tiny", "model.arch.layers=6", "model.arch.hidden=768",
+                                "model.arch.heads=12", "model.arch.intermediate=3072", "model.batch_size=12"], 512),
+                "bert_base": (["model=bert_tiny", "model.arch.layers=12", "model.arch.hidden=768", "model.arch.heads=12",
+                               "model.arch.intermediate=3072", "model.batch_size=12"], 384)}
+
+
+def synthetic_batch(template: dict, batch_size: int, seq_len: int, vocab: int) -> dict:
+    """A full-length batch shaped like the task's: random token ids, all-ones masks, the template's targets."""
+    def fill(key, value):
+        if value.dim() == 1:
+            return value[:1].repeat(batch_size)
+        if key == "input_ids":
+            return torch.randint(0, vocab, (batch_size, seq_len), device=value.device)
+        return torch.full((batch_size, seq_len), int(key == "attention_mask"), dtype=value.dtype, device=value.device)
+
+    return {key: fill(key, value) for key, value in template.items()}
+
+
+def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: dict = NATIVE_FORMATS) -> list[dict]:
+    """Native formats at the papers' shapes (random init, synthetic token batches of full length)."""
+    rows = []
+    for model, (args, seq_len) in shapes.items():
+        step_s = {}
+        for name, fmt_args in formats.items():
+            cfg, precision, cell = make_cell(*args, *fmt_args, f"model.max_length={seq_len}", "format.backend=native",
+                                             "device=auto")
+            template = next(iter(cell.task.train_batches(0)))
+            batch = synthetic_batch(template, cfg.model.batch_size, seq_len, cell.task.model.config.vocab_size)
+            data = [batch] * steps
+            memory = devices.PeakMemory(precision.device)
+            memory.reset()
+            seconds = alternate({name: lambda: bare_loop(cell.task.model, cell.task, precision, cell.optimizer, data)},
+                                precision.device, repeats)[name] / steps
+            step_s[name] = seconds
+            params = sum(p.numel() for p in cell.task.model.parameters())
+            tokens = cfg.model.batch_size * seq_len
+            dtype = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}.get(name, name)
+            peak = next((p[dtype] for gpu, p in PEAK_TFLOPS.items()
+                         if gpu in devices.describe(precision.device)["device_name"] and dtype in p), None)
+            rows += [row(f"native.{model}.{name}.step_s", seconds, "s", None),
+                     row(f"native.{model}.{name}.samples_per_s", cfg.model.batch_size / seconds, "samples/s", None),
+                     row(f"native.{model}.{name}.tokens_per_s", tokens / seconds, "tokens/s", None),
+                     row(f"native.{model}.{name}.peak_memory", memory.peak_bytes(), "bytes", None),
+                     row(f"native.{model}.{name}.mfu", 6 * params * tokens / seconds / (peak * 1e12) if peak else None,
+                         f"of {peak} TFLOP/s" if peak else "unknown peak", None)]
+        for name, seconds in step_s.items():
+            for baseline in ("fp32", "tf32"):
+                if baseline in step_s:
+                    rows.append(row(f"native.{model}.{name}.speedup_vs_{baseline}", step_s[baseline] / seconds, "x", None))
+    return rows
+
+
+def aggregate_rows(n: int = 10_000) -> list[dict]:
+    from bench.aggregate import load_directory, summarise, to_frame
+    from bench.record import write_json_atomic
+    from bench.tables import write_all
+
+    _, precision, _ = make_cell("train.max_steps=1")
+    template = {"status": "ok", "reason": None, "run_id": "x",
+                "config": {"experiment_name": "bench", "seed": 0, "model": {"name": "lenet", "data": {"source": "digits"}},
+                           "format": {"name": "fp32", "mode": "true"}, "scaling": {"name": "none"}},
+                "env": {"device_name": "cpu", "precision": precision.describe()},
+                "metrics": {"test_accuracy": 0.9}, "timing": {"train_s": 1.0, "steps": 10},
+                "memory": {"peak_bytes": 1}, "numerics": {"skipped_steps": 0, "final_loss_scale": 1.0}}
+    settings = ["32-true", "tf32", "16-mixed", "16-true", "bf16-mixed", "bf16-true", "fp8-mixed"]
+    scalings = ["none", "static", "dynamic", "per_tensor", "unit"]
+    root = Path(tempfile.mkdtemp(prefix="bench-agg-"))
+    try:
+        for i in range(n):
+            record = copy.deepcopy(template)
+            record["config"]["seed"] = i // (len(settings) * len(scalings))
+            record["config"]["scaling"]["name"] = scalings[i % len(scalings)]
+            record["env"]["precision"]["setting"] = settings[(i // len(scalings)) % len(settings)]
+            record["metrics"]["test_accuracy"] = 0.9 + (i % 7) / 100
+            write_json_atomic(root / f"r{i}" / "result.json", record)
+        start = time.perf_counter()
+        runs = to_frame(load_directory(root)[0])
+        write_all(runs, summarise(runs), root / "tables")
+        seconds = time.perf_counter() - start
+    finally:
+        shutil.rmtree(root)
+    return [row("aggregate_s.10k", seconds, "s", "<= 5")]
+
+
+def quantise_rows() -> list[dict]:
+    x = torch.randn(2**20) * 100
+    rows = []
+    for fmt in ("tf32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2"):
+        seconds = alternate({fmt: lambda fmt=fmt: quantise(x, fmt)}, torch.device("cpu"), 5)[fmt]
+        rows.append(row(f"quantise_ns.{fmt}", seconds / x.numel() * 1e9, "ns/value", None))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.benchmark", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/bench"))
+    parser.add_argument("--quick", action="store_true", help="few steps and repeats (a smoke test of the benchmark)")
+    args = parser.parse_args(argv)
+    datasets.disable_progress_bars()
+    steps, repeats = (5, 1) if args.quick else (100, 5)
+    device = devices.select_device("auto")
+    rows = harness_rows(steps, repeats) + emulation_rows(steps, repeats) + peer_rows(steps, repeats)
+    if device.type == "cuda":
+        rows += native_rows(steps=10 if not args.quick else 2, repeats=repeats)
+    rows += aggregate_rows(200 if args.quick else 10_000) + quantise_rows()
+    env = devices.describe(device)
+    name = re.sub(r"[^A-Za-z0-9]+", "-", f"{device.type}-{env['device_name']}").strip("-").lower()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{name}-{dt.date.today().isoformat()}.json"
+    path.write_text(json.dumps({"device": name, "env": env, "rows": rows}, indent=2) + "\n")
+    print(tabulate([[r["metric"], f"{r['value']:.4g}" if isinstance(r["value"], float) else r["value"], r["unit"],
+                     r["target"] or ""] for r in rows], headers=["metric", "value", "unit", "target"]))
+    print(f"\nwritten to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

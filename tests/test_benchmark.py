@@ -1,0 +1,43 @@
+"""`make bench` runs end to end (in its quick mode) and writes the promised JSON; the CUDA-only native rows
+run here on the CPU for the formats the CPU has, at a tiny shape. No test asserts on a timing."""
+
+import json
+
+import pytest
+
+from bench import benchmark
+
+
+@pytest.mark.slow
+def test_quick_benchmark_writes_every_row_family(tmp_path):
+    assert benchmark.main(["--quick", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    assert data["device"].startswith("cpu") and "torch_version" in data["env"]
+    metrics = {r["metric"] for r in data["rows"]}
+    for expected in ("harness_ratio.lenet.fp32", "harness_ratio.bert_tiny.fp8", "emulation_ratio.lenet.fp8",
+                     "telemetry_ratio.lenet.fp8", "peer_ratio.bert_tiny.unit_scaling_simulate_fp8",
+                     "peer_ratio.bert_tiny.torchao_float8_emulate", "aggregate_s.10k", "quantise_ns.fp8_e4m3"):
+        assert expected in metrics
+    assert all(set(r) == {"metric", "value", "unit", "target"} and r["value"] > 0 for r in data["rows"])
+
+
+def test_native_rows_measure_what_the_device_runs_natively():
+    shapes = {"tiny": (["model=bert_tiny", "model.batch_size=4", "model.doc_stride=8"], 32)}
+    rows = {r["metric"]: r for r in benchmark.native_rows(steps=2, repeats=1, shapes=shapes,
+                                                          formats={"fp32": ["format=fp32"]})}
+    assert rows["native.tiny.fp32.samples_per_s"]["value"] > 0
+    assert rows["native.tiny.fp32.tokens_per_s"]["value"] == pytest.approx(rows["native.tiny.fp32.samples_per_s"]["value"] * 32)
+    assert rows["native.tiny.fp32.speedup_vs_fp32"]["value"] == 1.0
+    assert rows["native.tiny.fp32.mfu"]["value"] is None  # a CPU has no entry in the peak table
+
+
+def test_synthetic_batch_keeps_the_task_shape():
+    import torch
+
+    template = {"input_ids": torch.ones(2, 7, dtype=torch.long), "attention_mask": torch.ones(2, 7, dtype=torch.long),
+                "token_type_ids": torch.zeros(2, 7, dtype=torch.long), "start_positions": torch.tensor([3, 4])}
+    batch = benchmark.synthetic_batch(template, 5, 16, vocab=30)
+    assert batch["input_ids"].shape == (5, 16) and int(batch["input_ids"].max()) < 30
+    assert batch["attention_mask"].all() and not batch["token_type_ids"].any()
+    assert batch["start_positions"].tolist() == [3] * 5
