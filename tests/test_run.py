@@ -86,3 +86,30 @@ def test_hub_mnist_loader_converts_the_hub_schema(make_cfg, monkeypatch):
     record = run_cell(make_cfg("model.data.source=hub", "train.max_steps=2"))
     assert asked == ["ylecun/mnist"] and record["status"] == "ok", record.get("traceback")
     assert record["metrics"]["test_examples"] == 20
+
+
+def test_an_unreachable_wandb_never_fails_a_run(make_cfg, monkeypatch):
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("no route to the W&B server")
+
+    monkeypatch.setattr("bench.logger.WandbLogger", unreachable)
+    assert run_cell(make_cfg("logger=wandb", "train.max_steps=2"))["status"] == "ok"
+
+
+def test_a_logger_failing_mid_run_is_switched_off(make_cfg, monkeypatch):
+    calls = []
+
+    class Flaky:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def log(self, row):
+            calls.append(row["step"])
+            raise TimeoutError("W&B stopped answering")
+
+        def finish(self, record):
+            calls.append("finish")
+
+    monkeypatch.setattr("bench.logger.WandbLogger", Flaky)
+    record = run_cell(make_cfg("logger=wandb", "train.max_steps=25"))
+    assert record["status"] == "ok" and calls == [0]  # the first failure turns the logger off
