@@ -43,7 +43,7 @@ class WandbLogger:
             if record is not None:
                 self.run.summary.update(record)
         finally:
-            self.run.finish(exit_code=0 if record is None or record["status"] != "failed" else 1)
+            self.run.finish(exit_code=1 if record is None or record["status"] == "failed" else 0)
 
 
 class _SafeLogger:

@@ -171,18 +171,22 @@ def run_cell(cfg: DictConfig) -> dict:
     except Exception as e:  # noqa: BLE001 - recorded, then reported by the caller
         record["reason"] = f"{type(e).__name__}: {e}"
         record["traceback"] = traceback.format_exc()[-4000:]
+    except BaseException:
+        # Interrupted (Ctrl-C, exit): no record, so that the next launch resumes from the checkpoint.
+        logger.finish(None)
+        raise
     finally:
-        record["numerics"] |= scaler.state() | {"quantisation": precision.telemetry.summary()}
         if metrics_log is not None:
             metrics_log.close()
-        write_json_atomic(run_dir / "result.json", record)
-        logger.finish(record)
+    record["numerics"] |= scaler.state() | {"quantisation": precision.telemetry.summary()}
+    write_json_atomic(run_dir / "result.json", record)
+    logger.finish(record)
     log.info("%s: %s %s", cfg.cell, record["status"], record["reason"] or record["metrics"])
     return record
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> str:
+def main(cfg: DictConfig) -> dict:
     try:
         record = run_cell(cfg)
     except ConfigError as e:

@@ -130,6 +130,7 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
         if out.diverged_at_step is not None:
             break
         if task.validate is not None and out.position > 0:
+            precision.telemetry.sampling = False  # validation is not training: nothing to count
             with precision.autocast():
                 metrics = task.validate(model, precision.inputs)
             out.per_epoch.append({"epoch": epoch, **metrics})
@@ -139,9 +140,9 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
             break
     synchronize(device)
     out.train_s += time.perf_counter() - segment_start
+    segment_start = time.perf_counter()  # counted: a final checkpoint adds no time
     progress.close()
     precision.telemetry.sampling = False
     if checkpointer:
-        checkpointer.finish(lambda: checkpointer.save(model, optimizer, scaler, schedule,
-                                                      asdict(out) | {"telemetry": precision.telemetry.state()}))
+        checkpointer.finish(save)
     return out

@@ -113,3 +113,14 @@ def test_a_logger_failing_mid_run_is_switched_off(make_cfg, monkeypatch):
     monkeypatch.setattr("bench.logger.WandbLogger", Flaky)
     record = run_cell(make_cfg("logger=wandb", "train.max_steps=25"))
     assert record["status"] == "ok" and calls == [0]  # the first failure turns the logger off
+
+
+def test_an_interrupted_run_leaves_no_record_so_it_resumes(make_cfg, tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("bench.run.train", interrupted)
+    cfg = make_cfg("train.max_steps=2")
+    with pytest.raises(KeyboardInterrupt):
+        run_cell(cfg)
+    assert not (Path(tmp_path) / cfg.cell / "result.json").exists()
