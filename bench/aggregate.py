@@ -18,11 +18,11 @@ import pandas as pd
 
 from bench.record import RECORD_KEYS, RecordError, read_record
 from bench.tasks import PRIMARY_METRIC
+from bench.telemetry import TENSOR_CLASSES
 
 SETTING_ORDER = ["64-true", "32-true", "tf32", "16-mixed", "16-true", "bf16-mixed", "bf16-true", "fp8-mixed"]
 SCALING_ORDER = ["none", "static", "dynamic", "per_tensor", "unit"]
 CELL_KEYS = ["experiment", "model", "task", "setting", "scaling", "backend"]
-TENSOR_CLASSES = ("weights", "activations", "gradients")
 QUANT_FIELDS = ("underflow", "subnormal", "overflow")
 SUMMED = ["value", "train_s", "step_median_s", "samples_per_s", "peak_bytes", "skipped_steps", "overflow_steps",
           "final_loss_scale", *(f"{c}_{f}" for c in TENSOR_CLASSES for f in QUANT_FIELDS)]

@@ -17,7 +17,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from bench.aggregate import SCALING_ORDER, TENSOR_CLASSES
+from bench.aggregate import SCALING_ORDER
+from bench.telemetry import TENSOR_CLASSES
 
 PUBLISHED = Path(__file__).parent / "reference" / "published.yaml"
 EMULATED = "†"

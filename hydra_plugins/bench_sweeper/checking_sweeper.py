@@ -19,9 +19,9 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import open_dict
 
 from bench.config import ConfigError
+from bench.record import STATUSES
 
 log = logging.getLogger(__name__)
-STATUSES = ("ok", "diverged", "failed")
 
 
 class CheckingSweeper(BasicSweeper):
