@@ -99,18 +99,22 @@ class OpCasts:
     """The rounding sites of one emulated matmul/conv under a recipe."""
 
     def __init__(self, recipe: Recipe, site):
+        """One site per tensor stream, so that a delayed per-tensor scale keeps each stream's own amax history."""
         sixteen = recipe.sixteen_bit_kernel
-        self.activation = site("activations", recipe.inputs)
-        self.weight = site("weights", recipe.inputs)
+
+        def returned_gradient():  # a 16-bit kernel writes the gradients it returns in 16 bits
+            return site("gradients", recipe.inputs) if sixteen else None
+
+        self.activation, self.grad_activation = site("activations", recipe.inputs), returned_gradient()
+        self.weight, self.grad_weight = site("weights", recipe.inputs), returned_gradient()
+        self.bias = site("weights", recipe.inputs) if sixteen else None
+        self.grad_bias = returned_gradient()
         self.grad_output = site("gradients", recipe.grads)
-        self.grad_returned = site("gradients", recipe.inputs) if sixteen else None
         self.output = site("activations", recipe.inputs) if sixteen else None
-        self.round_bias = sixteen
 
     def inputs(self, x, weight, bias):
-        return (cast(x, self.activation, self.grad_returned),
-                cast(weight, self.weight, self.grad_returned),
-                cast(bias, self.weight, self.grad_returned) if self.round_bias else bias)
+        return (cast(x, self.activation, self.grad_activation), cast(weight, self.weight, self.grad_weight),
+                cast(bias, self.bias, self.grad_bias))
 
     def result(self, y):
         return cast(y, self.output, self.grad_output)

@@ -99,3 +99,16 @@ def test_backend_decisions_are_explicit(monkeypatch):
         Precision("tf32", "true", "native", None, False, CPU)
     with pytest.raises(PrecisionError, match="no native path on cpu"):
         Precision("fp8", "mixed", "native", None, False, CPU)
+
+
+def test_every_tensor_stream_has_its_own_site():
+    """A delayed per-tensor scale must see one stream's amaxes only: weight and bias, and the three
+    gradients a 16-bit kernel returns, never share a history."""
+    layer, _ = _linear_and_input()
+    Precision("fp16", "mixed", "emulated", None, False, CPU, per_tensor=lambda *_: None).prepare(layer)
+    c = layer.casts
+    sites = [c.activation, c.weight, c.bias, c.grad_activation, c.grad_weight, c.grad_bias, c.grad_output, c.output]
+    assert len({id(s) for s in sites}) == len(sites)
+    fp8 = nn.Linear(4, 4)
+    Precision("fp8", "mixed", "emulated", None, False, CPU).prepare(fp8)
+    assert fp8.casts.bias is None and fp8.casts.grad_weight is None  # FP8 GEMMs keep bias and outputs wide
