@@ -39,8 +39,8 @@ class QuantTelemetry:
         self.sampling = False
         self._step = self._zeros()
         self._run = {c: dict.fromkeys(_COUNTS, 0) for c in TENSOR_CLASSES}
-        self.amax: dict[str, list[float]] = {c: [] for c in TENSOR_CLASSES}
-        self.scales: dict[str, list[float]] = {c: [] for c in TENSOR_CLASSES}
+        # per class, running bounds of per-tensor scaling's amax and scale: {"amax_min": ..., "amax_max": ..., ...}
+        self.bounds: dict[str, dict[str, float]] = {c: {} for c in TENSOR_CLASSES}
 
     @staticmethod
     def _zeros() -> dict[str, list]:
@@ -53,9 +53,12 @@ class QuantTelemetry:
         self._step[tensor_class].append(category_counts(x, spec))
 
     def observe_scale(self, tensor_class: str, amax: torch.Tensor, scale: torch.Tensor) -> None:
-        if self.sampling:
-            self.amax[tensor_class].append(float(amax))
-            self.scales[tensor_class].append(float(scale))
+        if not self.sampling:
+            return
+        bounds = self.bounds[tensor_class]
+        for name, value in (("amax", float(amax)), ("scale", float(scale))):
+            bounds[f"{name}_min"] = min(value, bounds.get(f"{name}_min", value))
+            bounds[f"{name}_max"] = max(value, bounds.get(f"{name}_max", value))
 
     def end_step(self) -> dict[str, dict[str, float]]:
         """Fractions for this sampled step, per class with data; folds the counts into the run totals."""
@@ -73,10 +76,10 @@ class QuantTelemetry:
 
     def state(self) -> dict:
         """Run totals, for a checkpoint."""
-        return {"run": self._run, "amax": self.amax, "scales": self.scales}
+        return {"run": self._run, "bounds": self.bounds}
 
     def load_state(self, state: dict) -> None:
-        self._run, self.amax, self.scales = state["run"], state["amax"], state["scales"]
+        self._run, self.bounds = state["run"], state["bounds"]
 
     def summary(self) -> dict[str, dict[str, float] | None]:
         """Run-level fractions per class over all sampled steps (None: the class was never quantised)."""
@@ -87,9 +90,6 @@ class QuantTelemetry:
                 **{f"{name}_fraction": counts[name] / total for name in _COUNTS[1:]},
                 "values_sampled": total,
             }
-            if self.amax[c]:
-                out[c] = (out[c] or {}) | {
-                    "amax_max": max(self.amax[c]), "amax_min": min(self.amax[c]),
-                    "scale_max": max(self.scales[c]), "scale_min": min(self.scales[c]),
-                }
+            if self.bounds[c]:
+                out[c] = (out[c] or {}) | self.bounds[c]
         return out
