@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from bench.record import RECORD_KEYS, RecordError, read_record
+from bench.record import RECORD_KEYS, RecordError, check_record, read_record
 from bench.tasks import PRIMARY_METRIC
 from bench.telemetry import TENSOR_CLASSES
 
@@ -51,10 +51,10 @@ def load_wandb(source: str, api=None) -> tuple[list[dict], list[str]]:
     filters = {"group": parts[2]} if len(parts) == 3 else {}
     records, problems = [], []
     for run in api.runs(f"{parts[0]}/{parts[1]}", filters=filters):
-        summary = dict(run.summary)
-        missing = [k for k in RECORD_KEYS if k not in summary]
-        if missing:
-            problems.append(f"{source}: run {run.id} lacks {', '.join(missing)}")
+        try:
+            summary = check_record(dict(run.summary), f"{source}: run {run.id}")
+        except RecordError as e:
+            problems.append(str(e))
             continue
         records.append({k: summary[k] for k in (*RECORD_KEYS, "traceback") if k in summary} | {"_dir": None})
     return records, problems

@@ -74,17 +74,22 @@ class RecordError(ValueError):
     """A result.json that cannot be read or lacks the schema's keys."""
 
 
+def check_record(record, source: str) -> dict:
+    """`record` if it has the schema's keys and a known status; else RecordError naming `source`."""
+    missing = [k for k in RECORD_KEYS if not isinstance(record, dict) or k not in record]
+    if missing:
+        raise RecordError(f"{source} lacks {', '.join(missing)}")
+    if record["status"] not in STATUSES:
+        raise RecordError(f"{source}: status {record['status']!r} is not one of {', '.join(STATUSES)}")
+    return record
+
+
 def read_record(path: Path) -> dict:
     try:
         record = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise RecordError(f"{path}: unreadable record ({e})") from None
-    missing = [k for k in RECORD_KEYS if not isinstance(record, dict) or k not in record]
-    if missing:
-        raise RecordError(f"{path}: record lacks {', '.join(missing)}")
-    if record["status"] not in STATUSES:
-        raise RecordError(f"{path}: status {record['status']!r} is not one of {', '.join(STATUSES)}")
-    return record
+    return check_record(record, f"{path}: record")
 
 
 # Config keys that do not change what a run computes: they never enter its identity.
