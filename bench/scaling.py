@@ -69,7 +69,7 @@ class LossScaler:
         found_inf.zero_()
         return found_inf, inv_scale, count
 
-    def unscale_(self, params) -> torch.Tensor | bool:
+    def unscale_(self, params) -> bool:
         """Divide gradients by the scale in place and flag inf/NaN (GradScaler's fused kernel).
 
         Returns whether any gradient held inf or NaN. Under kind="none" nothing depends on the answer

@@ -46,23 +46,19 @@ class CheckingSweeper(BasicSweeper):
             del cfg["hydra"]
         return cfg
 
-    def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
-        from bench.run import preflight  # the runner's own checks, nothing re-implemented
-
-        for overrides in batch:
-            try:
-                preflight(self._compose(overrides))
-            except ConfigError as e:
-                print(f"config error in cell [{' '.join(overrides)}]: {e}", file=sys.stderr)
-                sys.exit(2)
-
     def get_job_batch(self) -> Sequence[Sequence[str]]:
-        from bench.run import finished_record
+        """Compose each cell once: run the runner's own checks, and drop cells already recorded.
+
+        The whole batch is checked before it is returned, so a bad cell anywhere stops the sweep before any
+        cell trains (exit 2).
+        """
+        from bench.run import finished_record, preflight  # the runner's own checks, nothing re-implemented
 
         batch = []
         for overrides in super().get_job_batch():
             cfg = self._compose(overrides)
             try:
+                preflight(cfg)
                 done = finished_record(cfg)
             except ConfigError as e:
                 print(f"config error in cell [{' '.join(overrides)}]: {e}", file=sys.stderr)
@@ -73,6 +69,9 @@ class CheckingSweeper(BasicSweeper):
                 self.already[done["status"]] += 1
                 log.info("skipped %s: already recorded as %s", cfg.cell, done["status"])
         return batch
+
+    def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
+        """Nothing left to do: get_job_batch composed and checked every cell of the batch."""
 
     def sweep(self, arguments: list[str]) -> Any:
         returns = super().sweep(arguments)
