@@ -24,7 +24,7 @@ SETTING_ORDER = ["64-true", "32-true", "tf32", "16-mixed", "16-true", "bf16-mixe
 SCALING_ORDER = ["none", "static", "dynamic", "per_tensor", "unit"]
 CELL_KEYS = ["experiment", "model", "task", "setting", "scaling", "backend"]
 QUANT_FIELDS = ("underflow", "subnormal", "overflow")
-SUMMED = ["value", "train_s", "step_median_s", "samples_per_s", "peak_bytes", "skipped_steps", "overflow_steps",
+SUMMED = ["value", "exact_match", "f1", "train_s", "step_median_s", "samples_per_s", "peak_bytes", "skipped_steps", "overflow_steps",
           "final_loss_scale", *(f"{c}_{f}" for c in TENSOR_CLASSES for f in QUANT_FIELDS)]
 
 
@@ -141,8 +141,6 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     for column in ("value", "train_s", "peak_bytes", "exact_match", "f1"):
         cells[f"{column}_std"] = groups[column].std(ddof=1)
         cells[f"{column}_n"] = groups[column].count()
-    cells["exact_match"] = groups["exact_match"].mean()
-    cells["f1"] = groups["f1"].mean()
     cells["metric"] = groups["metric"].first()
     cells["runs"] = groups.size()
     for status in ("ok", "diverged", "failed"):
