@@ -72,22 +72,28 @@ class LossScaler:
     def unscale_(self, params) -> bool:
         """Divide gradients by the scale in place and flag inf/NaN (GradScaler's fused kernel).
 
-        Returns whether any gradient held inf or NaN. Under kind="none" nothing depends on the answer
-        during training, so it is counted on the device instead and read once, in state(): no host sync.
+        As GradScaler, one found_inf flag per device is shared by that device's dtype groups, so a step
+        is flagged once however many groups hold inf/NaN. Returns whether any gradient did. Under
+        kind="none" nothing depends on the answer during training, so the step is counted on the device
+        instead and read once, in state(): no host sync.
         """
-        groups = defaultdict(list)
+        groups: dict = defaultdict(lambda: defaultdict(list))
         for p in params:
             if p.grad is not None:
-                groups[(p.grad.device, p.grad.dtype)].append(p.grad)
-        found = []
-        for (device, _), grads in groups.items():
-            found_inf, inv_scale, count = self._flags(device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-            if self.kind == "none":
-                count.add_(found_inf)
-            else:
-                found.append(bool(found_inf.item()))
-        return any(found)
+                groups[p.grad.device][p.grad.dtype].append(p.grad)
+        flags = []
+        for device, by_dtype in groups.items():
+            found_inf, inv_scale, _ = self._flags(device)
+            for grads in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            flags.append(found_inf)
+        if not flags:
+            return False
+        if self.kind == "none":
+            count = self._device_flags[flags[0].device][2]
+            count.add_(flags[0] if len(flags) == 1 else torch.stack([f.to(count.device) for f in flags]).amax(0))
+            return False
+        return any(bool(f.item()) for f in flags)
 
     def step(self, optimizer: torch.optim.Optimizer, params, check: bool = True) -> bool:
         """Unscale, check, then step or skip; update the scale. Returns whether the optimiser stepped.

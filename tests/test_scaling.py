@@ -82,3 +82,19 @@ def test_per_tensor_scale_current_and_delayed():
     assert PerTensorScale(e4m3, pow2=True).scale_for(torch.tensor([3.0])).item() == 128.0  # 149.3 -> 2^7
     assert PerTensorScale(e4m3).scale_for(torch.zeros(2)).item() == 1.0
     assert PerTensorScale(FORMATS["bf16"]).scale_for(torch.tensor([2.0**10])).item() == 2.0**54
+
+
+@pytest.mark.parametrize("kind", ["none", "dynamic"])
+def test_a_step_with_non_finite_gradients_in_two_dtypes_counts_once(kind):
+    """fp32 and bf16 gradients both holding inf in the same step: one overflow step, as GradScaler's one
+    found_inf per device (a count per dtype group would say two)."""
+    p32 = torch.nn.Parameter(torch.zeros(3))
+    p16 = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    optimizer = torch.optim.SGD([p32, p16], lr=0.1)
+    scaler = LossScaler(kind, init_scale=1.0)
+    for g in (INF, 1.0, NAN):
+        p32.grad = torch.full((3,), g)
+        p16.grad = torch.full((3,), g, dtype=torch.bfloat16)
+        scaler.step(optimizer, [p32, p16])
+    assert scaler.state()["overflow_steps"] == 2
+    assert scaler.state()["skipped_steps"] == (2 if kind == "dynamic" else 0)
