@@ -1,7 +1,7 @@
 """BERT-base fine-tuned on SQuAD v1.1 (the Unit Scaling paper's evaluation; google-research/bert's recipe).
 
 max_seq_length 384, doc_stride 128, batch 12, AdamW lr 3e-5 with linear decay, 2 epochs; n-best 20,
-max answer length 30; exact match and F1 on the whole dev set (torchmetrics' SQuAD, offline).
+max answer length 30; exact match and F1 on the whole dev set as the official v1.1 scorer computes them (offline).
 The loss is the mean of the start and end cross-entropies, as BertForQuestionAnswering computes it.
 """
 
@@ -15,8 +15,6 @@ from bench.tasks.squad_processing import (postprocess_predictions, prepare_eval_
                                           squad_scores)
 from bench.tasks.text import batches, build_model, load_splits, load_tokenizer
 
-MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
-
 
 def squad_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
     tokenizer = load_tokenizer(cfg)
@@ -26,19 +24,22 @@ def squad_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
                                batched=True, remove_columns=train.column_names)
     dev_features = dev.map(lambda ex: prepare_eval_features(ex, tokenizer, cfg.max_length, cfg.doc_stride),
                            batched=True, remove_columns=dev.column_names)
-    train_t = {k: torch.tensor(train_features[k]) for k in (*MODEL_INPUTS, "start_positions", "end_positions")}
-    dev_t = {k: torch.tensor(dev_features[k]) for k in MODEL_INPUTS}
+    model_inputs = tuple(tokenizer.model_input_names)  # DistilBERT and RoBERTa take no token_type_ids
+    train_t = {k: torch.tensor(train_features[k]) for k in (*model_inputs, "start_positions", "end_positions")}
+    dev_t = {k: torch.tensor(dev_features[k]) for k in model_inputs}
     arch = cfg.arch
-    model = build_model(cfg, "BertForQuestionAnswering", "BertConfig",
-                        dict(num_hidden_layers=arch.layers, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
-                             num_attention_heads=arch.heads, max_position_embeddings=max(512, cfg.max_length)),
-                        vocab_size=len(tokenizer)).to(device)
+    model, source = build_model(cfg, "AutoModelForQuestionAnswering", "BertForQuestionAnswering", "BertConfig",
+                                dict(num_hidden_layers=arch.layers, hidden_size=arch.hidden,
+                                     intermediate_size=arch.intermediate, num_attention_heads=arch.heads,
+                                     max_position_embeddings=max(512, cfg.max_length)),
+                                vocab_size=len(tokenizer))
+    model = model.to(device)
 
     def train_batches(epoch: int):
         return batches(train_t, cfg.batch_size, torch.Generator().manual_seed(seed * 100_003 + epoch), device)
 
     def forward(model, batch, cast_inputs):
-        out = model(**{k: batch[k] for k in MODEL_INPUTS})
+        out = model(**{k: batch[k] for k in model_inputs})
         return (out.start_logits.float(), out.end_logits.float()), (batch["start_positions"], batch["end_positions"])
 
     def loss(outputs, positions, cross_entropy):
@@ -58,5 +59,5 @@ def squad_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
         return {**squad_scores(dev, predictions), "dev_examples": len(dev), "dev_windows": len(dev_features)}
 
     return Task(model=model, train_batches=train_batches, forward=forward, loss=loss, evaluate=evaluate,
-                batch_size=cfg.batch_size, steps_per_epoch=len(train_features) // cfg.batch_size)
+                batch_size=cfg.batch_size, steps_per_epoch=len(train_features) // cfg.batch_size, source=source)
 

@@ -4,14 +4,19 @@ Pre-processing splits each (question, context) pair into windows of `max_length`
 `doc_stride`, keeping the offset mapping so that token spans map back to characters of the context.
 Post-processing scores every (start, end) pair among the n-best start and end logits of every window
 of an example and keeps the best valid span (inside the context, end >= start, at most
-`max_answer_length` tokens).
+`max_answer_length` tokens). Scoring is the official v1.1 scorer's, as pure functions.
 """
 
 from __future__ import annotations
 
 import collections
+import math
+import re
+import string
 
 import numpy as np
+
+_PUNCTUATION = frozenset(string.punctuation)  # ASCII only, as the official script: unicode punctuation stays a token
 
 
 def _tokenize(examples: dict, tokenizer, max_length: int, doc_stride: int):
@@ -88,13 +93,33 @@ def postprocess_predictions(examples, features, start_logits: np.ndarray, end_lo
     return predictions
 
 
-def squad_scores(examples, predictions: dict[str, str]) -> dict[str, float]:
-    """Exact match and F1 (0-100) with the official normalisation, through torchmetrics (offline)."""
-    from torchmetrics.text import SQuAD
+def normalize_answer(text: str) -> str:
+    """The official v1.1 normalisation: lower case, drop ASCII punctuation, drop articles, squeeze whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
 
-    scores = SQuAD()(
-        [{"prediction_text": predictions[e["id"]], "id": e["id"]} for e in examples],
-        [{"answers": {"text": list(e["answers"]["text"]), "answer_start": list(e["answers"]["answer_start"])},
-          "id": e["id"]} for e in examples],
-    )
-    return {"exact_match": float(scores["exact_match"]), "f1": float(scores["f1"])}
+
+def f1_score(prediction: str, gold: str) -> float:
+    """Token-overlap F1 of evaluate-v1.1.py: 0 when nothing is shared, including when both normalise to nothing
+    (SQuAD 2.0's scorer, and torchmetrics', give 1 there: its no-answer rule, which v1.1 does not have)."""
+    predicted, expected = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    shared = sum((collections.Counter(predicted) & collections.Counter(expected)).values())
+    if shared == 0:
+        return 0.0
+    precision, recall = shared / len(predicted), shared / len(expected)
+    return 2 * precision * recall / (precision + recall)
+
+
+def exact_match_score(prediction: str, gold: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def squad_scores(examples, predictions: dict[str, str]) -> dict[str, float]:
+    """Exact match and F1 (0-100) as the official SQuAD v1.1 scorer (evaluate-v1.1.py) computes them: each
+    example's best score over its gold answers, averaged over examples (summed exactly, in float64)."""
+    exact, f1 = [], []
+    for example in examples:
+        prediction, golds = predictions[example["id"]], list(example["answers"]["text"])
+        exact.append(max(exact_match_score(prediction, gold) for gold in golds))
+        f1.append(max(f1_score(prediction, gold) for gold in golds))
+    return {"exact_match": 100.0 * math.fsum(exact) / len(exact), "f1": 100.0 * math.fsum(f1) / len(f1)}
