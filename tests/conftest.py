@@ -19,3 +19,47 @@ def make_cfg(tmp_path):
             return compose("config", overrides=[f"results_dir={tmp_path}", *overrides])
 
     return _make
+
+
+def _look_pretrained(model, seed: int):
+    """Weights as a trained checkpoint has them, unlike a fresh init: non-zero biases everywhere, LayerNorm
+    weights away from 1, matrices with per-tensor scales other than the init's."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            if "LayerNorm" in name or "layer_norm" in name:
+                p.copy_(0.8 + 0.3 * noise if name.endswith("weight") else 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_((0.03 + 0.04 * torch.rand((), generator=generator)) * noise)
+    return model
+
+
+@pytest.fixture
+def make_checkpoint(tmp_path):
+    """make_checkpoint("bert" | "distilbert") -> a local directory laid out as the hub's checkpoints are
+    (BertForPreTraining / DistilBertForMaskedLM weights, config.json, the shipped WordPiece vocabulary), with
+    weights that look pretrained."""
+    from transformers import (BertConfig, BertForPreTraining, BertTokenizer, DistilBertConfig,
+                              DistilBertForMaskedLM)
+
+    def _make(arch: str, seed: int = 0, **size):
+        tokenizer = BertTokenizer(vocab=str(Path(bench.config.DATA_DIR) / "vocab.txt"), do_lower_case=True)
+        if arch == "bert":
+            config = BertConfig(**{"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2,
+                                   "num_attention_heads": 2, "intermediate_size": 128, **size})
+            model = BertForPreTraining(config)
+        else:
+            config = DistilBertConfig(**{"vocab_size": len(tokenizer), "dim": 64, "n_layers": 2, "n_heads": 2,
+                                         "hidden_dim": 128, **size})
+            model = DistilBertForMaskedLM(config)
+        directory = tmp_path / f"{arch}-checkpoint-{seed}"
+        _look_pretrained(model, seed).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        return directory
+
+    return _make

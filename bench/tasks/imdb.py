@@ -35,10 +35,12 @@ def imdb_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
 
     train_t, val_t, test_t = encode(train), encode(val), encode(test)
     arch = cfg.arch
-    model = build_model(cfg, "DistilBertForSequenceClassification", "DistilBertConfig",
-                        dict(n_layers=arch.layers, dim=arch.hidden, hidden_dim=arch.intermediate, n_heads=arch.heads,
-                             max_position_embeddings=max(512, cfg.max_length)),
-                        vocab_size=len(tokenizer), num_labels=2).to(device)
+    model, source = build_model(cfg, "AutoModelForSequenceClassification", "DistilBertForSequenceClassification",
+                                "DistilBertConfig",
+                                dict(n_layers=arch.layers, dim=arch.hidden, hidden_dim=arch.intermediate,
+                                     n_heads=arch.heads, max_position_embeddings=max(512, cfg.max_length)),
+                                vocab_size=len(tokenizer), num_labels=2)
+    model = model.to(device)
 
     def train_batches(epoch: int):
         generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
@@ -64,6 +66,6 @@ def imdb_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
         loss=lambda logits, labels, cross_entropy: cross_entropy(logits, labels),
         evaluate=lambda model, _: {"test_accuracy": accuracy(model, test_t), "test_examples": len(test)},
         validate=lambda model, _: {"val_accuracy": accuracy(model, val_t)},
-        batch_size=cfg.batch_size, steps_per_epoch=len(train) // cfg.batch_size,
+        batch_size=cfg.batch_size, steps_per_epoch=len(train) // cfg.batch_size, source=source,
     )
 

@@ -1,8 +1,12 @@
 """What the transformer tasks share: tokenizer, datasets and models, from the hub or offline.
 
-model.pretrained=true loads `model.hub_name` through transformers (hub or HF cache);
-model.pretrained=false builds the architecture from its config class, randomly initialised, at the size
-in `model.arch`, with the tokenizer built from `model.vocab` (the repository ships bench/data/vocab.txt).
+model.pretrained=true loads `model.hub_name` (a hub id or a local directory) through transformers' Auto
+classes, so any BERT-family checkpoint works for a task (BERT, DistilBERT, RoBERTa, MiniLM, ...), and
+checks what the load did: only the task head may be freshly initialised, and only other heads (a
+pre-training head, a pooler the task does not use) may be left out; anything else is a ConfigError
+before training. model.pretrained=false builds the architecture from its config class, randomly
+initialised, at the size in `model.arch`, with the tokenizer built from `model.vocab` (the repository
+ships bench/data/vocab.txt).
 data.source=hub loads `data.name` through datasets; local loads `data.files` (json/jsonl/csv/parquet in
 the hub schema) through datasets' file loaders.
 """
@@ -36,16 +40,77 @@ def load_splits(data: DictConfig) -> datasets.DatasetDict:
     return datasets.load_dataset(_LOADERS[suffixes.pop()], data_files=files)
 
 
-def build_model(cfg: DictConfig, model_class: str, config_class: str, config_kwargs: dict, vocab_size: int,
-                **model_kwargs) -> torch.nn.Module:
-    """`model_class.from_pretrained(hub_name)`, or `model_class(config_class(...))` at `cfg.arch` size."""
+def build_model(cfg: DictConfig, auto_class: str, model_class: str, config_class: str, config_kwargs: dict,
+                vocab_size: int, **model_kwargs) -> tuple[torch.nn.Module, dict]:
+    """(model, what it was built from).
+
+    pretrained: `auto_class.from_pretrained(hub_name)`, checked by `check_loading`. Otherwise
+    `model_class(config_class(...))` at `cfg.arch` size, randomly initialised.
+    """
     import transformers
 
-    cls = getattr(transformers, model_class)
     if cfg.pretrained:
-        return cls.from_pretrained(cfg.hub_name, **model_kwargs)
+        model, loading = getattr(transformers, auto_class).from_pretrained(cfg.hub_name, output_loading_info=True,
+                                                                           **model_kwargs)
+        return model, {"pretrained": True, **checkpoint_source(cfg.hub_name), "architecture": type(model).__name__,
+                       **check_loading(model, loading, cfg.hub_name)}
     config = getattr(transformers, config_class)(vocab_size=vocab_size, **config_kwargs, **model_kwargs)
-    return cls(config)
+    return getattr(transformers, model_class)(config), {"pretrained": False, "architecture": model_class,
+                                                        "size": dict(config_kwargs)}
+
+
+def checkpoint_source(name: str) -> dict:
+    """Where a checkpoint came from: a local directory, or a hub id and the commit of its cached snapshot."""
+    if Path(name).is_dir():
+        return {"checkpoint": name, "path": str(Path(name).resolve()), "commit": None}
+    from transformers.utils import cached_file
+
+    config_path = Path(cached_file(name, "config.json"))
+    commit = config_path.parent.name if config_path.parent.parent.name == "snapshots" else None
+    return {"checkpoint": name, "path": str(config_path.parent), "commit": commit}
+
+
+def check_loading(model: torch.nn.Module, loading: dict, name: str) -> dict:
+    """The task head that was initialised and the checkpoint weights left out; ConfigError if the load is wrong.
+
+    transformers names weights relative to the task model: the base model's under `base_model_prefix`
+    (e.g. `bert.`), the task head's outside it. A missing weight outside the base model is the task head,
+    expected when fine-tuning; a missing weight inside it means the checkpoint is of another architecture
+    or size and the encoder would train from random weights. A checkpoint weight the model does not use is
+    expected when it belongs to a module the task model does not have (a pre-training head, or the pooler
+    that a QA model drops); one that belongs to a module the model has means it was not loaded.
+    """
+    from bench.config import ConfigError
+
+    prefix = model.base_model_prefix
+    base = getattr(model, prefix)
+
+    def in_base(key: str) -> bool:
+        return key.startswith(prefix + ".")
+
+    def belongs_to_a_module_the_model_lacks(key: str) -> bool:
+        owner, rest = (base, key[len(prefix) + 1:]) if in_base(key) else (model, key)
+        return rest.split(".")[0] not in dict(owner.named_children())
+
+    missing = sorted(loading["missing_keys"])
+    unexpected = sorted(loading["unexpected_keys"])
+    problems = []
+    if encoder := [k for k in missing if in_base(k)]:
+        problems.append(f"{len(encoder)} weights of the {type(model).__name__} encoder are missing from the checkpoint"
+                        f" and would be randomly initialised: {', '.join(encoder[:8])}{' ...' if len(encoder) > 8 else ''}")
+    if unused := [k for k in unexpected if not belongs_to_a_module_the_model_lacks(k)]:
+        problems.append(f"{len(unused)} checkpoint weights were not loaded into modules the model has: "
+                        f"{', '.join(unused[:8])}{' ...' if len(unused) > 8 else ''}")
+    if loading.get("mismatched_keys"):
+        problems.append(f"weights with mismatched shapes: {loading['mismatched_keys']}")
+    if loading.get("error_msgs"):
+        problems.append("; ".join(map(str, loading["error_msgs"])))
+    if problems:
+        raise ConfigError(f"checkpoint {name!r} does not fit {type(model).__name__}: " + "; ".join(problems)
+                          + ". Name a checkpoint of a BERT-family architecture for this task, or set"
+                            " model.pretrained=false to train from a random initialisation on purpose.")
+    return {"initialised_head": [k for k in missing if not in_base(k)],
+            "discarded": [k for k in unexpected if belongs_to_a_module_the_model_lacks(k)]}
 
 
 def batches(tensors: dict[str, torch.Tensor], batch_size: int, generator: torch.Generator | None,
