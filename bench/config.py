@@ -56,6 +56,7 @@ class ScalingConfig:
     history_len: int = 16  # per_tensor delayed: amaxes remembered
     margin: int = 0  # per_tensor: s = (max / amax) / 2^margin
     pow2: bool = False  # per_tensor: round s down to a power of two
+    conversion_tolerance: float = 1e-4  # unit, pretrained: largest relative output change the conversion may make
 
 
 @dataclass
@@ -203,6 +204,8 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"train.checkpoint_every={cfg.train.checkpoint_every} must be >= 1 (or null)")
     if cfg.train.max_steps is not None and cfg.train.max_steps < 1:
         raise ConfigError(f"train.max_steps={cfg.train.max_steps} must be >= 1 (or null for no cap)")
+    if not cfg.scaling.conversion_tolerance > 0:
+        raise ConfigError(f"scaling.conversion_tolerance={cfg.scaling.conversion_tolerance} must be > 0")
     if cfg.scaling.loss_scaling != "none" and cfg.scaling.init_scale <= 0:
         raise ConfigError(f"scaling.init_scale={cfg.scaling.init_scale} must be > 0")
 

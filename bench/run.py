@@ -27,7 +27,7 @@ from bench.record import MetricsLog, previous_record, run_id, write_json_atomic
 from bench.scaling import LossScaler, PerTensorScale
 from bench.tasks import Task, build_task
 from bench.train import build_optimizer, build_schedule, total_steps, train
-from bench.unit import unit_scale_task
+from bench.unit import ConversionError, unit_scale_task
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     task = build_task(cfg.model, precision.device, cfg.seed)
     conversion = None
     if cfg.scaling.name == "unit":
-        conversion = unit_scale_task(task, preserve=cfg.model.get("pretrained", False))
+        conversion = unit_scale_task(task, preserve=cfg.model.get("pretrained", False),
+                                     tolerance=cfg.scaling.conversion_tolerance)
     precision.prepare(task.model)
     optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters())
     schedule = build_schedule(cfg.model.optimizer.schedule, optimizer, total_steps(task, cfg.train))
@@ -140,6 +141,8 @@ def run_cell(cfg: DictConfig) -> dict:
         memory.reset()
         cell = build_cell(cfg, precision)
         task, scaler, optimizer, schedule = cell.task, cell.scaler, cell.optimizer, cell.schedule
+        if task.source is not None:
+            record["model_source"] = task.source
         if cell.unit_conversion is not None:
             record["numerics"]["unit_conversion"] = cell.unit_conversion
         with Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint) as checkpointer:
@@ -168,7 +171,11 @@ def run_cell(cfg: DictConfig) -> dict:
         else:
             record["status"] = "diverged"
             record["reason"] = f"non-finite loss ({outcome.final_loss}) at step {outcome.diverged_at_step}"
+    except ConfigError:
+        raise  # a setup problem found while building the cell (e.g. a checkpoint that does not fit): no record
     except Exception as e:  # noqa: BLE001 - recorded, then reported by the caller
+        if isinstance(e, ConversionError):
+            record["numerics"]["unit_conversion"] = e.measured
         record["reason"] = f"{type(e).__name__}: {e}"
         record["traceback"] = traceback.format_exc()[-4000:]
     except BaseException:

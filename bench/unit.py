@@ -1,20 +1,24 @@
 """Unit scaling (Blake, Orr, Luschi, "Unit Scaling", ICML 2023) as a model transform.
 
 Two uses. From scratch (`preserve=False`): fresh unit-variance weights, every op scaled. A pretrained
-checkpoint (`preserve=True`): each matmul's weight is divided by its forward scale alpha, so
-alpha * x (W/alpha)^T = x W^T reproduces the pretrained output, and with alpha = beta the input
-gradient too; activations keep their forward (scale 1) and scale only their backward; embeddings and
-LayerNorm are kept as they are (they stay in higher precision). Residual adds are not re-weighted:
-sqrt(1-tau) x + sqrt(tau) f(x) would change the pretrained function. `unit_scale_task` measures how
-far the converted model's outputs are from the original on a batch and returns it for the record.
+checkpoint (`preserve=True`): each matmul's weight *and bias* are divided by its forward scale alpha, so
+alpha * (x (W/alpha)^T + b/alpha) = x W^T + b reproduces the pretrained output; activations keep their
+forward (scale 1) and scale only their backward; embeddings and LayerNorm are kept as they are (they stay
+in higher precision). Residual adds are not re-weighted: sqrt(1-tau) x + sqrt(tau) f(x) would change the
+pretrained function. `unit_scale_task` compares every layer's output of the converted model with the
+original's on a training batch and refuses a conversion that changed the function (ConversionError).
 
 Every op is scaled so that, at initialisation, its output and its input gradient have unit variance
 when its inputs do: weights are initialised N(0, 1), a matmul/conv multiplies its output by
 alpha = fan_in^-1/2 in the forward pass and its input gradient by beta = fan_out^-1/2 in the backward
-pass, constrained to one shared value by their geometric mean (the paper's rule for ops on the
-non-residual path, which keeps forward and backward within sqrt(max/min fan)^1/2 of unit scale);
-the weight gradient is scaled by batch^-1/2. Nonlinearities get the paper's fixed factors, and the
-loss is unit_scaling's cross-entropy (no 1/batch in the backward pass). No loss scale is needed.
+pass; the weight gradient is scaled by batch^-1/2. Which ops constrain alpha and beta to one shared value
+follows unit-scaling's `unit_scale` transform ("unconstraining of all operations after the final residual
+layer"): ops inside the model's stack of residual blocks (an nn.ModuleList, as Hugging Face encoders keep
+them) use the geometric mean, so their output std is (fan_in/fan_out)^1/4 and their input-gradient std
+its inverse; every other op (all of LeNet, which has no residual adds; a transformer's pooler and task
+head, which follow the last residual add) is unconstrained, with output and input-gradient std 1.
+Nonlinearities get the paper's fixed factors, and the loss is unit_scaling's cross-entropy (no 1/batch in
+the backward pass). No loss scale is needed.
 
 The scale primitives (`scale_fwd`, `scale_bwd`, `scale_elementwise`, `apply_constraint`) and the
 cross-entropy come from the `unit-scaling` package; its Linear calls F.linear internally, so the
@@ -24,6 +28,7 @@ precision's rounding sites (`CastOp`) between the scaling and the matmul.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -37,7 +42,7 @@ from unit_scaling.scale import scale_bwd, scale_fwd
 
 from bench.precision import CastOp
 
-CONSTRAINT = "gmean"
+RESIDUAL_CONSTRAINT = "gmean"  # ops with a residual add after them; unit-scaling leaves the rest unconstrained
 # (forward, backward) factors from the paper. ReLU on N(0, 1): output std sqrt(1/2 - 1/(2 pi)) = 0.584
 # -> x1.713, half the gradients pass -> x sqrt(2). GELU: 1.701 / 1.481.
 ACTIVATION_SCALES = {"relu": (1.713, math.sqrt(2.0)), "gelu": (1.701, 1.481)}
@@ -50,26 +55,34 @@ def _unit_init(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def _linear_output_scale(weight: torch.Tensor) -> float:
+def _linear_scales(weight: torch.Tensor, constraint: str | None) -> tuple[float, float]:
+    """(output scale alpha, input-gradient scale beta)."""
     fan_out, fan_in = weight.shape
-    return apply_constraint(CONSTRAINT, fan_in**-0.5, fan_out**-0.5)[0]
+    return apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
 
 
-def _conv_scales(weight: torch.Tensor, stride, groups: int) -> tuple[float, float]:
+def _conv_scales(weight: torch.Tensor, stride, groups: int, constraint: str | None) -> tuple[float, float]:
     out_channels, in_per_group, kh, kw = weight.shape
     fan_in = in_per_group * kh * kw
     grad_fan = out_channels * kh * kw / (stride[0] * stride[1] * groups)
-    return apply_constraint(CONSTRAINT, fan_in**-0.5, grad_fan**-0.5)
+    return apply_constraint(constraint, fan_in**-0.5, grad_fan**-0.5)
 
 
 class UnitLinear(CastOp, nn.Linear):
-    """y = alpha * x W^T + b, grad_x * beta, grad_W * batch^-1/2, alpha = beta = (fan_in * fan_out)^-1/4."""
+    """y = alpha * (x W^T + b), grad_x * beta, grad_W * batch^-1/2.
+
+    constraint=None: alpha = fan_in^-1/2, beta = fan_out^-1/2; "gmean": alpha = beta = (fan_in * fan_out)^-1/4.
+    """
+
+    def __init__(self, *args, constraint: str | None = None, **kwargs):
+        self.constraint = constraint
+        super().__init__(*args, **kwargs)
 
     def reset_parameters(self) -> None:
         _unit_init(self)
 
     def forward(self, x):
-        output_scale = grad_input_scale = _linear_output_scale(self.weight)
+        output_scale, grad_input_scale = _linear_scales(self.weight, self.constraint)
         grad_weight_scale = (x.numel() // self.in_features) ** -0.5
         x = scale_bwd(x, grad_input_scale)
         weight = scale_bwd(self.weight, grad_weight_scale)
@@ -84,11 +97,15 @@ class UnitConv2d(CastOp, nn.Conv2d):
     the weight gradient sums over batch * H_out * W_out positions.
     """
 
+    def __init__(self, *args, constraint: str | None = None, **kwargs):
+        self.constraint = constraint
+        super().__init__(*args, **kwargs)
+
     def reset_parameters(self) -> None:
         _unit_init(self)
 
     def forward(self, x):
-        output_scale, grad_input_scale = _conv_scales(self.weight, self.stride, self.groups)
+        output_scale, grad_input_scale = _conv_scales(self.weight, self.stride, self.groups, self.constraint)
         positions = x.shape[0] * math.prod(
             (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
             for size, pad, dil, k, stride in zip(x.shape[-2:], self.padding, self.dilation, self.kernel_size,
@@ -143,27 +160,27 @@ PARAMETER_FREE = (nn.Flatten, nn.Identity, nn.Dropout, nn.Tanh)
 
 @torch.no_grad()
 def _carry_weights(new: nn.Module, old: nn.Module, output_scale: float) -> nn.Module:
-    """Pretrained conversion: W' = W / alpha so that alpha * (x W'^T) = x W^T."""
+    """Pretrained conversion: W' = W / alpha and b' = b / alpha, so that alpha * (x W'^T + b') = x W^T + b."""
     new.weight.copy_(old.weight / output_scale)
     if old.bias is not None:
-        new.bias.copy_(old.bias)
+        new.bias.copy_(old.bias / output_scale)
     return new
 
 
-def _unit_module(module: nn.Module, preserve: bool) -> nn.Module | None:
+def _unit_module(module: nn.Module, preserve: bool, constraint: str | None) -> nn.Module | None:
     """The unit-scaled replacement of `module`, `module` itself where it is kept, or None to recurse into it."""
     kind = type(module)
     if kind is nn.Linear:
         new = UnitLinear(module.in_features, module.out_features, module.bias is not None,
-                         device=module.weight.device)
-        return _carry_weights(new, module, _linear_output_scale(module.weight)) if preserve else new
+                         device=module.weight.device, constraint=constraint)
+        return _carry_weights(new, module, _linear_scales(module.weight, constraint)[0]) if preserve else new
     if kind is nn.Conv2d:
         if module.padding_mode != "zeros" or isinstance(module.padding, str):
             raise NotImplementedError("unit scaling supports Conv2d with numeric zero padding only")
         new = UnitConv2d(module.in_channels, module.out_channels, module.kernel_size, module.stride,
                          module.padding, module.dilation, module.groups, module.bias is not None,
-                         device=module.weight.device)
-        scale = _conv_scales(module.weight, module.stride, module.groups)[0]
+                         device=module.weight.device, constraint=constraint)
+        scale = _conv_scales(module.weight, module.stride, module.groups, constraint)[0]
         return _carry_weights(new, module, scale) if preserve else new
     if kind is nn.ReLU:
         return UnitReLU(preserve)
@@ -179,16 +196,18 @@ def _unit_module(module: nn.Module, preserve: bool) -> nn.Module | None:
     raise NotImplementedError(f"unit scaling has no rule for {kind.__name__}")
 
 
-def unit_scale(model: nn.Module, preserve: bool = False) -> nn.Module:
+def unit_scale(model: nn.Module, preserve: bool = False, _constraint: str | None = None) -> nn.Module:
     """Replace, in place, Linear / Conv2d / ReLU / GELU / MaxPool2d by their unit-scaled versions.
 
     preserve=False: fresh unit-variance weights (training from scratch). preserve=True: keep the
-    pretrained function (weights rescaled, activations scaled in the backward pass only).
+    pretrained function (weights and biases rescaled, activations scaled in the backward pass only).
+    Ops inside an nn.ModuleList (the stack of residual blocks) are constrained to the geometric mean;
+    ops outside it are unconstrained (see the module docstring).
     """
     for name, child in model.named_children():
-        replacement = _unit_module(child, preserve)
+        replacement = _unit_module(child, preserve, _constraint)
         if replacement is None:
-            unit_scale(child, preserve)
+            unit_scale(child, preserve, RESIDUAL_CONSTRAINT if isinstance(child, nn.ModuleList) else _constraint)
         elif replacement is not child:
             setattr(model, name, replacement)
     return model
@@ -199,27 +218,116 @@ def unit_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return U.cross_entropy(logits, targets)
 
 
-def _flat(outputs) -> torch.Tensor:
-    return torch.cat([o.flatten() for o in outputs]) if isinstance(outputs, tuple) else outputs.flatten()
+class ConversionError(RuntimeError):
+    """A pretrained conversion whose measured output change exceeds the tolerance: the cell must not train."""
+
+    def __init__(self, message: str, measured: dict):
+        super().__init__(message)
+        self.measured = measured  # what was measured, for the failed cell's record
 
 
-def unit_scale_task(task, preserve: bool) -> dict:
-    """Unit-scale `task.model` and its loss; with `preserve`, measure the output change on one training batch."""
+def _tensors(value) -> list[torch.Tensor]:
+    """The floating-point tensors in a module's output (a tensor, a tuple, or a Hugging Face ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _relative_difference(before: torch.Tensor, after: torch.Tensor) -> float:
+    """max |after - before| / max |before| (0 when both are zero), in float64."""
+    before, after = before.double(), after.double()
+    scale = before.abs().max().item()
+    diff = (after - before).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def _flat(value) -> torch.Tensor | None:
+    tensors = _tensors(value)
+    return torch.cat([t.detach().flatten() for t in tensors]) if tensors else None
+
+
+@contextlib.contextmanager
+def _each_layer(model: nn.Module, on_output):
+    """Within the block, on_output(name, flat output) is called once per module (its first call), in execution order."""
+    seen: set[str] = set()
+
+    def hook(name):
+        def fire(_module, _inputs, output):
+            flat = _flat(output)
+            if flat is not None and name not in seen:
+                seen.add(name)
+                on_output(name, flat)
+        return fire
+
+    handles = [m.register_forward_hook(hook(name or "<model>")) for name, m in model.named_modules()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def conversion_difference(reference: nn.Module, converted: nn.Module, forward) -> dict:
+    """Compare the task outputs and every layer's output of `converted` with `reference`.
+
+    forward(model) -> the task's outputs for one fixed batch. Layers are matched by module name (the
+    conversion swaps modules in place, so names are kept) and listed in execution order; both models run
+    in eval mode (no dropout). Only the reference's layer outputs are held in memory.
+    """
+    modes = reference.training, converted.training
+    reference.eval(), converted.eval()
+    kept: dict[str, torch.Tensor] = {}
+    layers: dict[str, float] = {}
+
+    def compare(name, after):
+        before = kept.pop(name, None)
+        if before is not None and before.shape == after.shape:
+            layers[name] = _relative_difference(before, after)
+
+    with torch.no_grad():
+        with _each_layer(reference, kept.__setitem__):
+            y0 = _flat(forward(reference))
+        with _each_layer(converted, compare):
+            y1 = _flat(forward(converted))
+    reference.train(modes[0]), converted.train(modes[1])
+    worst = max(layers, key=layers.get) if layers else None
+    return {"max_abs_output_diff": (y1.double() - y0.double()).abs().max().item(),
+            "max_rel_output_diff": _relative_difference(y0, y1),
+            "max_rel_layer_diff": layers[worst] if worst else 0.0, "worst_layer": worst,
+            "layers_compared": len(layers), "layer_diffs": layers}
+
+
+def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4) -> dict:
+    """Unit-scale `task.model` and its loss; with `preserve`, check the conversion kept the function.
+
+    The check runs one training batch through the original and the converted model and compares the
+    task outputs and every layer's output; a relative difference above `tolerance` anywhere raises
+    ConversionError naming the first layer (in execution order) where it appears.
+    """
     if not preserve:
         unit_scale(task.model)
         task.cross_entropy = unit_cross_entropy
         return {"preserve_function": False, "why": "fresh unit-variance init (model.pretrained=false or no checkpoint)"}
-    reference = copy.deepcopy(task.model).eval()
+    reference = copy.deepcopy(task.model)
     batch = next(iter(task.train_batches(0)))
     unit_scale(task.model, preserve=True)
     task.cross_entropy = unit_cross_entropy
-    was_training = task.model.training
-    task.model.eval()
-    with torch.no_grad():
-        before = _flat(task.forward(reference, batch, lambda x: x)[0])
-        after = _flat(task.forward(task.model, batch, lambda x: x)[0])
-    task.model.train(was_training)
-    max_abs = (after - before).abs().max().item()
-    return {"preserve_function": True, "max_abs_output_diff": max_abs,
-            "max_rel_output_diff": max_abs / max(before.abs().max().item(), 1e-30),
-            "measured_on": "one training batch, eval mode (no dropout), FP32, before training"}
+    measured = conversion_difference(reference, task.model,
+                                     lambda model: task.forward(model, batch, lambda x: x)[0])
+    layer_diffs = measured.pop("layer_diffs")
+    result = {"preserve_function": True, **measured, "tolerance": tolerance,
+              "measured_on": "one training batch, eval mode (no dropout), FP32, before training; "
+                             "rel = max|after - before| / max|before| per layer and for the task outputs"}
+    first_bad = next((name for name, d in layer_diffs.items() if d > tolerance), None)
+    if first_bad is not None or result["max_rel_output_diff"] > tolerance:
+        where = (f"first at layer {first_bad!r} (relative difference {layer_diffs[first_bad]:.3g})"
+                 if first_bad else "in the task outputs")
+        raise ConversionError(
+            f"unit-scaling conversion changed the pretrained model's function: task outputs differ by "
+            f"{result['max_rel_output_diff']:.3g} (relative), {where}; tolerance "
+            f"scaling.conversion_tolerance={tolerance:g}", result | {"first_layer_over_tolerance": first_bad})
+    return result

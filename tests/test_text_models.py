@@ -23,8 +23,10 @@ def _record(cfg, tmp_path):
     ("bert_tiny", "tf32", "per_tensor"),
 ])
 def test_short_runs_write_complete_records(make_cfg, tmp_path, model, fmt, scaling):
+    """Emulated on every machine (on a CPU with AMX-FP16, `auto` runs 16-true natively, where Adam's eps
+    underflows in fp16 and the run diverges at step 1, as it should)."""
     record = _record(make_cfg(f"model={model}", f"format={fmt}", f"scaling={scaling}", "train.max_steps=3",
-                              "device=cpu"), tmp_path)
+                              "device=cpu", "format.backend=emulated"), tmp_path)
     assert record["status"] == "ok", record.get("traceback")
     metrics = record["metrics"]
     if model == "bert_tiny":
@@ -56,18 +58,103 @@ def test_imdb_hub_path_pools_labelled_splits_like_raschka(make_cfg, tmp_path, mo
     assert list(again["text"]) == list(test["text"])  # the split is fixed by its seed
 
 
-def test_unit_conversion_of_a_pretrained_checkpoint_keeps_its_function(make_cfg, tmp_path):
-    """A checkpoint saved locally stands in for the hub: from_pretrained reads the directory."""
-    from transformers import BertConfig, BertForQuestionAnswering, BertTokenizer
-
-    checkpoint = tmp_path / "checkpoint"
-    tokenizer = BertTokenizer(vocab=str(DATA_DIR / "vocab.txt"))
-    torch.manual_seed(0)
-    BertForQuestionAnswering(BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, intermediate_size=128)).save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
-    cfg = make_cfg("model=bert_tiny", "model.pretrained=true", f"model.hub_name={checkpoint}", "scaling=unit",
-                   "train.max_steps=2")
-    conversion = _record(cfg, tmp_path)["numerics"]["unit_conversion"]
-    assert conversion["preserve_function"] is True
+@pytest.mark.parametrize("model,arch", [("bert_tiny", "bert"), ("distilbert_tiny", "bert"),
+                                        ("distilbert_tiny", "distilbert"), ("bert_tiny", "distilbert")])
+def test_unit_conversion_of_a_pretrained_checkpoint_keeps_its_function(make_cfg, make_checkpoint, tmp_path, model,
+                                                                       arch):
+    """A hub-layout checkpoint with non-zero biases and LayerNorm weights != 1, loaded from a local directory
+    as from the hub: every layer's output and the task outputs stay within float rounding after conversion."""
+    cfg = make_cfg(f"model={model}", "model.pretrained=true", f"model.hub_name={make_checkpoint(arch)}",
+                   "scaling=unit", "train.max_steps=2")
+    record = _record(cfg, tmp_path)
+    conversion = record["numerics"]["unit_conversion"]
     assert conversion["max_rel_output_diff"] < 1e-5, conversion
+    assert record["status"] == "ok", record.get("reason")
+    assert conversion["preserve_function"] is True and conversion["layers_compared"] > 20
+    assert conversion["max_rel_layer_diff"] < 1e-5, conversion
+
+
+def test_a_conversion_that_changes_the_function_fails_the_cell_naming_the_layer(make_cfg, make_checkpoint, tmp_path,
+                                                                                 monkeypatch):
+    """The conversion as it was (bias kept while the output is multiplied by alpha) must not be recorded ok."""
+    import bench.unit
+
+    def carry_weight_only(new, old, output_scale):
+        with torch.no_grad():
+            new.weight.copy_(old.weight / output_scale)
+            new.bias.copy_(old.bias)
+        return new
+
+    monkeypatch.setattr(bench.unit, "_carry_weights", carry_weight_only)
+    cfg = make_cfg("model=bert_tiny", "model.pretrained=true", f"model.hub_name={make_checkpoint('bert')}",
+                   "scaling=unit", "train.max_steps=2")
+    record = _record(cfg, tmp_path)
+    assert record["status"] == "failed" and "ConversionError" in record["reason"]
+    assert "bert.encoder.layer.0.attention.self.query" in record["reason"] and "conversion_tolerance" in record["reason"]
+    conversion = record["numerics"]["unit_conversion"]
+    assert conversion["max_rel_output_diff"] > 1e-2
+    assert conversion["first_layer_over_tolerance"] == "bert.encoder.layer.0.attention.self.query"
+
+
+@pytest.mark.parametrize("model,arch,architecture,head", [
+    ("distilbert_tiny", "distilbert", "DistilBertForSequenceClassification",
+     ["classifier.bias", "classifier.weight", "pre_classifier.bias", "pre_classifier.weight"]),
+    ("distilbert_tiny", "bert", "BertForSequenceClassification", ["classifier.bias", "classifier.weight"]),
+    ("bert_tiny", "bert", "BertForQuestionAnswering", ["qa_outputs.bias", "qa_outputs.weight"]),
+    ("bert_tiny", "distilbert", "DistilBertForQuestionAnswering", ["qa_outputs.bias", "qa_outputs.weight"]),
+])
+def test_any_bert_family_checkpoint_loads_into_each_task_and_the_record_names_it(make_cfg, make_checkpoint, tmp_path,
+                                                                                 model, arch, architecture, head):
+    checkpoint = make_checkpoint(arch)
+    record = _record(make_cfg(f"model={model}", "model.pretrained=true", f"model.hub_name={checkpoint}",
+                              "train.max_steps=2"), tmp_path)
+    assert record["status"] == "ok", record.get("reason")
+    source = record["model_source"]
+    assert source["pretrained"] is True and source["checkpoint"] == str(checkpoint)
+    assert source["path"] == str(checkpoint.resolve()) and source["architecture"] == architecture
+    assert source["initialised_head"] == head
+    assert source["discarded"] and all(k.startswith(("cls.", "vocab_", "bert.pooler.")) for k in source["discarded"])
+
+
+def test_the_loaded_weights_are_the_checkpoints(make_cfg, make_checkpoint):
+    """Not only the names: the encoder's tensors equal the checkpoint's, bit for bit."""
+    from transformers import BertForPreTraining
+
+    from bench.tasks.squad import squad_task
+
+    checkpoint = make_checkpoint("bert")
+    cfg = make_cfg("model=bert_tiny", "model.pretrained=true", f"model.hub_name={checkpoint}")
+    task = squad_task(cfg.model, torch.device("cpu"), 0)
+    saved = BertForPreTraining.from_pretrained(checkpoint).bert.state_dict()
+    loaded = task.model.bert.state_dict()
+    assert set(loaded) <= set(saved)
+    assert all(torch.equal(loaded[k], saved[k]) for k in loaded)
+
+
+def test_a_checkpoint_of_another_architecture_is_a_config_error_naming_the_weights(make_cfg, make_checkpoint,
+                                                                                   tmp_path):
+    """DistilBERT weights under a BERT config.json (a mislabelled or converted-wrong checkpoint): no record."""
+    import shutil
+
+    from bench.config import ConfigError
+
+    bert, distil = make_checkpoint("bert"), make_checkpoint("distilbert")
+    shutil.copy(distil / "model.safetensors", bert / "model.safetensors")
+    cfg = make_cfg("model=distilbert_tiny", "model.pretrained=true", f"model.hub_name={bert}", "train.max_steps=2")
+    with pytest.raises(ConfigError, match=r"encoder are missing from the checkpoint.*bert\.embeddings"):
+        run_cell(cfg)
+    assert not (Path(tmp_path) / cfg.cell / "result.json").exists()
+
+
+def test_a_checkpoint_with_more_layers_than_its_config_is_a_config_error(make_cfg, make_checkpoint, tmp_path):
+    """Weights the model has a module for but did not load (here a third layer) are refused too."""
+    import json as json_
+
+    from bench.config import ConfigError
+
+    checkpoint = make_checkpoint("bert", num_hidden_layers=3)  # fixture's size, one layer more
+    config = json_.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json_.dumps(config | {"num_hidden_layers": 2}))
+    cfg = make_cfg("model=bert_tiny", "model.pretrained=true", f"model.hub_name={checkpoint}", "train.max_steps=2")
+    with pytest.raises(ConfigError, match=r"not loaded into modules the model has: bert\.encoder\.layer\.2"):
+        run_cell(cfg)

@@ -1,4 +1,6 @@
-"""Unit scaling: unit-variance outputs and input gradients at initialisation, per layer type; the transform."""
+"""Unit scaling: output and input-gradient scales at initialisation, per layer type and model shape; the transform."""
+
+import copy
 
 import pytest
 import torch
@@ -15,19 +17,97 @@ def _stds(layer, x):
     return y.std().item(), x.grad.std().item()
 
 
-@pytest.mark.parametrize("name,layer,shape", [
-    ("linear 400->120", UnitLinear(400, 120), (512, 400)),
-    ("linear 84->10", UnitLinear(84, 10), (512, 84)),
-    ("conv 1->6 5x5", UnitConv2d(1, 6, 5), (64, 1, 32, 32)),
-    ("conv 6->16 5x5", UnitConv2d(6, 16, 5), (64, 6, 14, 14)),
-    ("conv 16->32 3x3 stride 2", UnitConv2d(16, 32, 3, stride=2, padding=1), (32, 16, 16, 16)),
-    ("relu", UnitReLU(), (4096, 64)),
-    ("max-pool 2x2", UnitMaxPool2d(2), (64, 6, 28, 28)),
-])
-def test_output_and_input_gradient_have_unit_scale_at_init(name, layer, shape):
+def _predicted(layer, shape) -> tuple[float, float]:
+    """(output std, input-gradient std) the docstring claims: 1 and 1 unconstrained; (fan_in/fan_out)^1/4 and
+    its inverse under the geometric-mean constraint. A convolution's input pixels near the border receive fewer
+    than k*k/stride^2 gradient terms: its input-gradient std is further multiplied by the root of the mean
+    coverage (counted with a transposed convolution of ones), as the scale does not correct for borders."""
+    if isinstance(layer, UnitLinear):
+        fan_in, fan_out, border = layer.in_features, layer.out_features, 1.0
+    else:
+        kh, kw = layer.kernel_size
+        fan_in = layer.in_channels * kh * kw
+        fan_out = layer.out_channels * kh * kw / (layer.stride[0] * layer.stride[1])
+        out = nn.functional.conv2d(torch.zeros(1, 1, *shape[-2:]), torch.zeros(1, 1, kh, kw), stride=layer.stride,
+                                   padding=layer.padding)
+        coverage = nn.functional.conv_transpose2d(torch.ones_like(out), torch.ones(1, 1, kh, kw), stride=layer.stride,
+                                                  padding=layer.padding, output_padding=_output_padding(layer, shape))
+        border = (coverage.mean().item() * layer.stride[0] * layer.stride[1] / (kh * kw)) ** 0.5
+    ratio = (fan_in / fan_out) ** 0.25 if layer.constraint == "gmean" else 1.0
+    return ratio, border / ratio
+
+
+def _output_padding(layer, shape) -> tuple[int, int]:
+    """What conv_transpose2d needs to give back the input's size."""
+    return tuple((size + 2 * p - k) % s for size, p, k, s in zip(shape[-2:], layer.padding, layer.kernel_size,
+                                                                  layer.stride))
+
+
+# Every matmul/conv shape of the three models. LeNet has no residual adds, so unit-scaling's transform leaves all of
+# its ops unconstrained; in BERT-base and DistilBERT the ops inside the encoder blocks are constrained and the pooler
+# and task heads (after the last residual add) are not.
+MODEL_SHAPES = [
+    ("lenet conv 1->6 5x5", UnitConv2d(1, 6, 5), (64, 1, 32, 32)),
+    ("lenet conv 6->16 5x5", UnitConv2d(6, 16, 5), (64, 6, 14, 14)),
+    ("lenet fc 400->120", UnitLinear(400, 120), (512, 400)),
+    ("lenet fc 120->84", UnitLinear(120, 84), (512, 120)),
+    ("lenet fc 84->10", UnitLinear(84, 10), (512, 84)),
+    ("bert attention 768->768", UnitLinear(768, 768, constraint="gmean"), (256, 768)),
+    ("bert ffn 768->3072", UnitLinear(768, 3072, constraint="gmean"), (256, 768)),
+    ("bert ffn 3072->768", UnitLinear(3072, 768, constraint="gmean"), (256, 3072)),
+    ("bert pooler / distilbert pre_classifier 768->768", UnitLinear(768, 768), (256, 768)),
+    ("bert qa_outputs 768->2", UnitLinear(768, 2), (4096, 768)),
+    ("distilbert classifier 768->2", UnitLinear(768, 2), (4096, 768)),
+    ("conv 16->32 3x3 stride 2, constrained", UnitConv2d(16, 32, 3, stride=2, padding=1, constraint="gmean"),
+     (32, 16, 16, 16)),
+]
+
+
+@pytest.mark.parametrize("name,layer,shape", MODEL_SHAPES, ids=[m[0] for m in MODEL_SHAPES])
+def test_output_and_input_gradient_std_are_as_stated_for_every_model_shape(name, layer, shape):
     torch.manual_seed(0)
+    layer.reset_parameters()  # built at collection, from whatever state the global generator had then
     out_std, grad_std = _stds(layer, torch.randn(shape))
+    want_out, want_grad = _predicted(layer, shape)
+    assert out_std == pytest.approx(want_out, rel=0.1), (name, out_std)
+    assert grad_std == pytest.approx(want_grad, rel=0.1), (name, grad_std)
+
+
+@pytest.mark.parametrize("name,layer", [("relu", UnitReLU()), ("max-pool 2x2", UnitMaxPool2d(2))])
+def test_activations_keep_unit_scale(name, layer):
+    torch.manual_seed(0)
+    out_std, grad_std = _stds(layer, torch.randn((64, 6, 28, 28)))
     assert 0.5 <= out_std <= 2 and 0.5 <= grad_std <= 2, (name, out_std, grad_std)
+
+
+def test_transformer_blocks_are_constrained_and_the_head_is_not():
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    model = unit_scale(BertForQuestionAnswering(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                                                           num_attention_heads=2, intermediate_size=64)))
+    constraints = {name: m.constraint for name, m in model.named_modules() if isinstance(m, UnitLinear)}
+    assert constraints.pop("qa_outputs") is None
+    assert constraints and all(name.startswith("bert.encoder.layer.") and c == "gmean"
+                               for name, c in constraints.items())
+
+
+@pytest.mark.parametrize("make_layer,shape", [(lambda: nn.Linear(48, 20), (16, 48)),
+                                              (lambda: nn.Conv2d(3, 8, 3, stride=2, padding=1), (4, 3, 12, 12))])
+@pytest.mark.parametrize("constraint", [None, "gmean"])
+def test_pretrained_conversion_keeps_a_layer_with_bias_exactly(make_layer, shape, constraint):
+    """Weights as trained layers have them (non-zero bias, non-unit variance): the converted layer computes the
+    same function to float rounding, whichever constraint its place in the model gives it."""
+    torch.manual_seed(0)
+    layer = make_layer()
+    with torch.no_grad():
+        layer.weight.mul_(3.0)
+        layer.bias.copy_(torch.randn_like(layer.bias))
+    x = torch.randn(shape)
+    inside_blocks = nn.Sequential(nn.ModuleList([copy.deepcopy(layer)]))  # where a residual stack keeps it
+    converted = unit_scale(inside_blocks if constraint else nn.Sequential(copy.deepcopy(layer)), preserve=True)[0]
+    converted = converted[0] if constraint else converted
+    assert converted.constraint == constraint
+    assert torch.allclose(converted(x), layer(x), rtol=1e-5, atol=1e-6)
 
 
 def test_plain_layers_are_far_from_unit_scale_so_the_test_can_fail():
