@@ -7,13 +7,17 @@ than Enums because Hydra's override grammar parses `format.mode=true` as a boole
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import hashlib
+import json
 import math
-from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from bench.device import DEVICES
 from bench.formats import OVERFLOW_POLICIES
@@ -27,8 +31,59 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 LOGGERS = ("none", "wandb")
 
 DATA_DIR = Path(__file__).resolve().parent / "data"  # shipped vocabulary and fixtures
-OmegaConf.register_new_resolver("lower", lambda v: str(v).lower(), replace=True)
 OmegaConf.register_new_resolver("bench_data", lambda relative: str(DATA_DIR / relative), replace=True)
+
+# Keys a cell's path already spells out; with the non-semantic keys (record.NON_SEMANTIC), never in its variant.
+PATH_KEYS = ("experiment_name", "seed", "format.name", "format.mode")
+VARIANT_MAX = 120  # characters of `key=value,...` before the variant is shortened to its keys and a hash
+
+
+def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[str] = ()) -> str:
+    """Where a cell's record goes under results_dir:
+    `<experiment>/<model option>/<format>-<mode>/<scaling option>/seed<k>[,<key>=<value>,...]`.
+
+    The options are the config-group choices as typed (`bert_tiny`, `mindspore_fixed`), falling back to
+    the config's names where Hydra's choices are not at hand. Every other semantic key overridden on the
+    command line or by a sweep (`format.backend=native`, `model.optimizer.lr=1e-3`) is appended with its
+    resolved value, sorted, as Hydra's override_dirname does: each swept value gets its own directory.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from bench.record import NON_SEMANTIC, NON_SEMANTIC_TRAIN
+
+    choices = choices or {}
+    excluded = set(PATH_KEYS) | set(NON_SEMANTIC) | {f"train.{k}" for k in NON_SEMANTIC_TRAIN}
+    variant = {}
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group
+        if key in choices or key in excluded or key.split(".")[0] in NON_SEMANTIC or override.is_delete():
+            continue  # a group (spelled out by the path) or a key that does not change what the run computes
+        value = OmegaConf.select(cfg, key, default=None)
+        variant[key] = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) \
+            else value
+    path = (f"{cfg.experiment_name}/{choices.get('model', cfg.model.name)}/{cfg.format.name}-{str(cfg.format.mode).lower()}"
+            f"/{choices.get('scaling', cfg.scaling.name)}/seed{cfg.seed}")
+    if not variant:
+        return path
+    text = ",".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in sorted(variant.items()))
+    text = text.replace("/", "%2F").replace(" ", "")
+    if len(text) > VARIANT_MAX:
+        text = ",".join(sorted(variant)) + ",hash=" + hashlib.sha256(text.encode()).hexdigest()[:8]
+    return f"{path},{text}"
+
+
+def _cell_resolver(*, _root_: DictConfig) -> str:
+    """`cell: ${bench_cell:}`: in a Hydra job, from this job's choices and overrides (Hydra sets its
+    HydraConfig before it resolves the job's directory); composed outside a job, from the config alone."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra = _root_.hydra if "hydra" in _root_ else (HydraConfig.get() if HydraConfig.initialized() else None)
+    if hydra is None:
+        return cell_path(_root_)
+    return cell_path(_root_, dict(hydra.runtime.choices), list(hydra.overrides.task))
+
+
+OmegaConf.register_new_resolver("bench_cell", _cell_resolver, replace=True)
 
 
 class ConfigError(ValueError):
@@ -163,9 +218,10 @@ class Config:
 def register_schema() -> None:
     store = ConfigStore.instance()
     store.store(name="base_config", node=Config)
-    store.store(group="model", name="lenet_schema", node=LeNetConfig)
-    store.store(group="model", name="classifier_schema", node=TransformerConfig)
-    store.store(group="model", name="qa_schema", node=QAConfig)
+    # Outside the `model` group: model yamls extend them (`/lenet_schema@_here_`), but they are not models.
+    store.store(name="lenet_schema", node=LeNetConfig)
+    store.store(name="classifier_schema", node=TransformerConfig)
+    store.store(name="qa_schema", node=QAConfig)
 
 
 register_schema()
@@ -177,8 +233,28 @@ def _choice(value, valid, key: str) -> str:
     return value
 
 
+def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
+    """Keys that no schema declares, however they got in (Hydra's `+key=value` adds keys past the schema),
+    each with the nearest declared key as a suggestion."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return []
+    known = [f.name for f in dataclasses.fields(schema)]
+    found = []
+    for key in node.keys():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            found.append(f"{path}{key}" + (f" (did you mean {path}{close[0]}?)" if close else ""))
+        elif isinstance(child := node._get_node(key), DictConfig) and not child._is_missing() and not child._is_none():
+            found += unknown_keys(child, f"{path}{key}.")
+    return found
+
+
 def check(cfg: DictConfig) -> None:
-    """Validate choices and combinations; normalise `format.mode`. Raises ConfigError."""
+    """Validate keys, choices and combinations; normalise `format.mode`. Raises ConfigError."""
+    if unknown := unknown_keys(cfg):
+        raise ConfigError(f"unknown config key{'s' * (len(unknown) > 1)}: {', '.join(unknown)}; every key is"
+                          " documented in conf/README.md")
     _choice(cfg.model.name, MODELS, "model")
     _choice(cfg.model.data.source, DATA_SOURCES[cfg.model.name], "model.data.source")
     _choice(cfg.model.optimizer.name, OPTIMIZERS, "model.optimizer.name")

@@ -85,3 +85,54 @@ def test_existing_records_survive_a_rejected_run(tmp_path):
     before = record.read_bytes()
     assert _bench(tmp_path, "train.max_steps=2", "format.overflow=wrap").returncode == 2
     assert record.read_bytes() == before
+
+
+def test_every_swept_value_gets_its_own_cell_and_a_rerun_skips_them_all(tmp_path):
+    """Keys outside the path (the learning rate) and options that share a method name (mindspore_fixed is a
+    static scaler) used to land in one directory, and the second cell aborted the sweep."""
+    grid = ["-m", "scaling=static,mindspore_fixed", "model.optimizer.lr=0.01,0.001", "train.max_steps=2"]
+    first = _bench(tmp_path, *grid)
+    assert first.returncode == 0, first.stderr[-2000:]
+    cells = sorted(str(p.parent.relative_to(tmp_path)) for p in Path(tmp_path).rglob("result.json"))
+    assert cells == [f"default/lenet/fp32-true/{s}/seed0,model.optimizer.lr={lr},train.max_steps=2"
+                     for s in ("mindspore_fixed", "static") for lr in ("0.001", "0.01")]
+    again = _bench(tmp_path, *grid)
+    assert again.returncode == 0 and "(4 skipped as already recorded)" in again.stderr, again.stderr[-2000:]
+
+
+def test_cells_that_would_share_a_place_stop_the_sweep_before_any_trains(tmp_path):
+    out = _bench(tmp_path, "-m", "format=fp32,fp16", "cell=one/place", "train.max_steps=2")
+    assert out.returncode == 2 and "would write to the same place (one/place)" in out.stderr, out.stderr[-2000:]
+    assert not list(Path(tmp_path).rglob("result.json"))
+
+
+def test_the_same_configuration_spelled_twice_runs_once(tmp_path):
+    out = _bench(tmp_path, "-m", "format=fp16-true,fp16", "format.mode=true", "train.max_steps=2")
+    assert out.returncode == 0 and "the same configuration as" in out.stdout + out.stderr, out.stderr[-2000:]
+    assert len(list(Path(tmp_path).rglob("result.json"))) == 1
+
+
+@pytest.mark.parametrize("args", [["-m", "experiment=smok"], ["experiment=smok"]])
+def test_an_unknown_preset_is_an_error_naming_the_valid_ones(tmp_path, args):
+    out = _bench(tmp_path, *args)
+    assert out.returncode != 0 and all(name in out.stderr for name in GROUPS["experiment"]), out.stderr[-2000:]
+    assert not list(Path(tmp_path).rglob("result.json"))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["+train.max_step=5"], "train.max_step (did you mean train.max_steps?)"),
+    (["+model.foo=1"], "unknown config key: model.foo"),
+    (["-m", "+format.rounding=stochastic"], "unknown config key: format.rounding"),
+])
+def test_keys_that_no_schema_declares_are_rejected_however_they_are_added(tmp_path, args, message):
+    out = _bench(tmp_path, *args)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    assert not list(Path(tmp_path).rglob("result.json"))
+
+
+def test_help_lists_only_real_models_and_schemas_are_not_choices(tmp_path):
+    shown = subprocess.run([sys.executable, "-m", "bench.run", "--help"], cwd=CONF.parent, capture_output=True,
+                           text=True).stdout
+    assert "model: bert_base, bert_tiny, distilbert, distilbert_tiny, lenet\n" in shown and "schema" not in shown
+    out = _bench(tmp_path, "model=lenet_schema")
+    assert out.returncode != 0 and "Could not find 'model/lenet_schema'" in out.stderr

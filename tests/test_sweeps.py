@@ -67,7 +67,7 @@ def test_fail_fast_stops_the_sweep_at_the_first_exception(tmp_path):
 
 def test_a_corrupt_record_is_reported_and_its_cell_runs_again(tmp_path):
     assert bench(tmp_path, "-m", "format=fp32,fp16", "train.max_steps=3").returncode == 0
-    corrupt = next(Path(tmp_path).rglob("fp16-mixed/none/seed0/result.json"))
+    corrupt = next(Path(tmp_path).rglob("fp16-mixed/none/seed0,train.max_steps=3/result.json"))
     corrupt.write_text('{"status": "ok", "conf')
     out = bench(tmp_path, "-m", "format=fp32,fp16", "train.max_steps=3")
     assert out.returncode == 0 and str(corrupt) in out.stdout + out.stderr and "1 skipped" in out.stderr

@@ -16,10 +16,10 @@ from collections import Counter
 from typing import Any, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
-from bench.config import ConfigError
-from bench.record import STATUSES
+from bench.config import ConfigError, cell_path
+from bench.record import STATUSES, run_id
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,13 @@ class CheckingSweeper(BasicSweeper):
         self.launcher.launch = launch_unless_empty
 
     def _compose(self, overrides: Sequence[str]):
-        """A cell's config as its job will see it (without Hydra's own node, which resolves only in the job)."""
+        """A cell's config as its job will see it: its path resolved from its own choices and overrides, then
+        without Hydra's own node (which resolves only in the job)."""
         cfg = self.hydra_context.config_loader.load_sweep_config(master_config=self.config,
                                                                  sweep_overrides=list(overrides))
         with open_dict(cfg):
+            if OmegaConf.is_interpolation(cfg, "cell"):  # as config.yaml derives it, unless overridden
+                cfg.cell = cell_path(cfg, dict(cfg.hydra.runtime.choices), list(cfg.hydra.overrides.task))
             del cfg["hydra"]
         return cfg
 
@@ -54,16 +57,23 @@ class CheckingSweeper(BasicSweeper):
         """
         from bench.run import finished_record, preflight  # the runner's own checks, nothing re-implemented
 
-        batch = []
+        batch, places = [], {}
         for overrides in super().get_job_batch():
             cfg = self._compose(overrides)
             try:
                 preflight(cfg)
+                identity = run_id(OmegaConf.to_container(cfg, resolve=True))
+                if places.setdefault(cfg.cell, (identity, overrides))[0] != identity:
+                    raise ConfigError(f"cell [{' '.join(places[cfg.cell][1])}] would write to the same place "
+                                      f"({cfg.cell}) with another configuration")
                 done = finished_record(cfg)
             except ConfigError as e:
                 print(f"config error in cell [{' '.join(overrides)}]: {e}", file=sys.stderr)
                 sys.exit(2)
-            if done is None:
+            if places[cfg.cell][1] is not overrides:
+                log.info("skipped [%s]: the same configuration as [%s]", " ".join(overrides),
+                         " ".join(places[cfg.cell][1]))
+            elif done is None:
                 batch.append(overrides)
             else:
                 self.already[done["status"]] += 1
