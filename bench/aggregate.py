@@ -3,26 +3,35 @@
     python -m bench.aggregate SOURCE... [--out DIR] [--experiment NAME] [--no-plots]
 
 SOURCE is a results directory (every result.json below it) or wandb://entity/project[/group] (the runs'
-summaries, which hold the same records, pulled through wandb.Api). A corrupt or partial record is
-reported by name and skipped. Tables go to <out>/<experiment>/ (see bench/tables.py), plots beside them.
+summaries, which hold the same records, pulled through wandb.Api). A corrupt, partial or malformed record
+is reported by name and skipped; a record found twice (the same run_id) counts once. Tables go to
+<out>/<experiment>/ (see bench/tables.py), plots beside them.
+
+A cell is one configuration over seeds: runs that differ in anything that changes what they compute
+(steps, learning rate, data, model size, a format or scaling knob) are never averaged together, and a
+speed-up compares a cell only with the 32-true cell of otherwise the same configuration. Means and spreads
+are over the runs that finished (status ok); diverged and failed runs are counted beside them.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from bench.record import RECORD_KEYS, RecordError, check_record, read_record
+from bench.record import RECORD_KEYS, RecordError, check_record, config_hash, read_record, semantic_config
 from bench.tasks import PRIMARY_METRIC
 from bench.telemetry import TENSOR_CLASSES
 
 SETTING_ORDER = ["64-true", "32-true", "tf32", "16-mixed", "16-true", "bf16-mixed", "bf16-true", "fp8-mixed"]
 SCALING_ORDER = ["none", "static", "dynamic", "per_tensor", "unit"]
-CELL_KEYS = ["experiment", "model", "task", "setting", "scaling", "backend"]
+CELL_KEYS = ["experiment", "model", "task", "model_label", "setting", "scaling", "backend", "variant"]
+# Keys a cell's row already names (setting, scaling, model) or that never differ between its runs (seed).
+LABELLED = {"experiment_name", "seed", "format.name", "format.mode", "format.backend", "scaling.name", "model.name"}
 QUANT_FIELDS = ("underflow", "subnormal", "overflow")
 SUMMED = ["value", "exact_match", "f1", "train_s", "step_median_s", "samples_per_s", "peak_bytes", "skipped_steps", "overflow_steps",
           "final_loss_scale", *(f"{c}_{f}" for c in TENSOR_CLASSES for f in QUANT_FIELDS)]
@@ -37,6 +46,54 @@ def load_directory(root: Path) -> tuple[list[dict], list[str]]:
         except RecordError as e:
             problems.append(str(e))
     return records, problems
+
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
+    return flat
+
+
+def model_label(model_cfg: dict) -> str:
+    """The model as configured, for tables and plots: name, size or checkpoint, and the data it ran on."""
+    name, task = model_cfg["name"], task_of(model_cfg)
+    if name == "lenet":
+        return f"lenet ({task})"
+    if model_cfg.get("pretrained", True):
+        return f"{name} ({model_cfg.get('hub_name', 'pretrained')}, {task})"
+    arch = model_cfg.get("arch") or {}
+    return f"{name} ({arch.get('layers', '?')}L×{arch.get('hidden', '?')} random init, {task})"
+
+
+def variants(frame: pd.DataFrame) -> pd.Series:
+    """For each run, the settings in which it differs from its experiment's usual runs, as `key=value, ...`.
+
+    Keys under format and scaling are compared among runs of the same setting and scaling method; all
+    others among every run of the same experiment and model. The usual value of a key is the one most
+    runs have; where values tie there is none, and every run shows its own.
+    """
+    labels = pd.Series("", index=frame.index)
+    flat = frame["_settings"]
+    for keys, part in frame.groupby(["experiment", "model_label"], sort=False):
+        within = part.groupby(["setting", "scaling"], observed=True, sort=False)
+        for group in [part] + [g for _, g in within]:
+            per_run = pd.DataFrame(list(flat[group.index]), index=group.index)
+            own = [c for c in per_run.columns
+                   if (c.split(".")[0] in ("format", "scaling")) == (group is not part) and c not in LABELLED]
+            for column in own:
+                values = per_run[column].map(lambda v: json.dumps(v, default=str))
+                counts = values.value_counts()
+                if len(counts) < 2:
+                    continue
+                usual = counts.index[0] if counts.iloc[0] > counts.iloc[1] else None
+                for index in values.index[values != usual]:
+                    item = f"{column}={per_run.at[index, column]}"
+                    labels[index] = f"{labels[index]}, {item}" if labels[index] else item
+    return labels
 
 
 def load_wandb(source: str, api=None) -> tuple[list[dict], list[str]]:
@@ -91,18 +148,26 @@ def _number(value):
 
 
 def to_frame(records: list[dict]) -> pd.DataFrame:
-    """One row per record."""
-    rows = []
+    """One row per record (the first of several with the same run_id)."""
+    rows, seen = [], set()
     for r in records:
+        if r.get("run_id") is not None:
+            if r["run_id"] in seen:
+                continue
+            seen.add(r["run_id"])
         cfg, env, numerics, metrics = r["config"], r["env"], r["numerics"], r["metrics"]
         precision = env.get("precision", {})
         model = cfg["model"]["name"]
         metric = PRIMARY_METRIC.get(model)
         quant = numerics.get("quantisation") or {}
         pretrained = cfg["model"].get("pretrained", True)
+        semantic = semantic_config(cfg)
         row = {
-            "experiment": cfg["experiment_name"], "model": model,
+            "experiment": cfg["experiment_name"], "model": model, "model_label": model_label(cfg["model"]),
             "task": task_of(cfg["model"]) + ("" if pretrained else "_scratch"),
+            "config_id": config_hash({k: v for k, v in semantic.items() if k != "seed"}),
+            "baseline_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format")}),
+            "_settings": _flatten(semantic),
             "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
             "backend": precision.get("backend"), "device": env.get("device_name"), "status": r["status"],
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
@@ -126,35 +191,39 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
         return frame
     frame["setting"] = pd.Categorical(frame["setting"], SETTING_ORDER, ordered=True)
     frame["scaling"] = pd.Categorical(frame["scaling"], SCALING_ORDER, ordered=True)
-    return frame.sort_values([*CELL_KEYS, "seed"]).reset_index(drop=True)
+    frame["variant"] = variants(frame)
+    return frame.drop(columns="_settings").sort_values([*CELL_KEYS, "seed"]).reset_index(drop=True)
 
 
 def summarise(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per cell: mean, std (sample, ddof=1) and n over seeds, status counts, ratios to 32-true.
+    """One row per cell (one configuration over seeds): mean, std (sample, ddof=1) and n over the runs that
+    finished, status counts over all of them, ratios to 32-true.
 
-    Means skip runs without a value (a failed run has no metric); status counts keep every run visible.
-    Ratios compare mean train time and peak memory with the 32-true cell of the same experiment, model,
-    task and scaling method (on the same device), the published tables' convention.
+    Ratios compare mean train time and peak memory with the 32-true cell of the same configuration apart
+    from the format (same experiment, model, data, steps, scaling method and its knobs, on the same device),
+    the published tables' convention; a cell without such a baseline gets none.
     """
-    groups = frame.groupby(CELL_KEYS, observed=True, sort=True)
-    cells = groups[SUMMED].mean()
+    keys = [*CELL_KEYS, "config_id"]
+    groups = frame.groupby(keys, observed=True, sort=True)
+    finished = frame[frame["status"] == "ok"].groupby(keys, observed=True, sort=True)
+    cells = finished[SUMMED].mean().reindex(groups.size().index)
     for column in ("value", "train_s", "peak_bytes", "exact_match", "f1"):
-        cells[f"{column}_std"] = groups[column].std(ddof=1)
-        cells[f"{column}_n"] = groups[column].count()
+        cells[f"{column}_std"] = finished[column].std(ddof=1)
+        cells[f"{column}_n"] = finished[column].count().reindex(cells.index, fill_value=0)
     cells["metric"] = groups["metric"].first()
     cells["runs"] = groups.size()
     for status in ("ok", "diverged", "failed"):
         cells[status] = groups["status"].apply(lambda s, st=status: int((s == st).sum()))
     cells["device"] = groups["device"].first()
+    cells["baseline_id"] = groups["baseline_id"].first()
     cells = cells.reset_index()
-    base_keys = ["experiment", "model", "task", "scaling"]
-    base = cells[cells["setting"] == "32-true"][base_keys + ["train_s", "peak_bytes"]]
+    base = cells[cells["setting"] == "32-true"][["baseline_id", "train_s", "peak_bytes"]]
     base = base.rename(columns={"train_s": "fp32_train_s", "peak_bytes": "fp32_peak_bytes"})
-    base = base.groupby(base_keys, observed=True).first().reset_index()  # native and emulated fp32 are one thing
-    cells = cells.merge(base, on=base_keys, how="left")
+    base = base.groupby("baseline_id").first().reset_index()  # native and emulated fp32 are one thing
+    cells = cells.merge(base, on="baseline_id", how="left")
     cells["speedup_vs_fp32"] = cells["fp32_train_s"] / cells["train_s"]
     cells["memory_ratio_vs_fp32"] = cells["peak_bytes"] / cells["fp32_peak_bytes"]
-    return cells.drop(columns=["fp32_train_s", "fp32_peak_bytes"])
+    return cells.drop(columns=["fp32_train_s", "fp32_peak_bytes", "baseline_id", "config_id"])
 
 
 def main(argv: list[str] | None = None, api=None) -> int:

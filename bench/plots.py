@@ -1,9 +1,12 @@
 """Plots beside the tables (PNG and SVG): metric vs train time, format x scaling heatmap, loss curves and
-loss-scale trajectories. Emulated cells are drawn hollow: their time is the emulation's, not the format's."""
+loss-scale trajectories, one set per model as configured and per settings variant, in the tables' units.
+Emulated cells are drawn hollow: their time is the emulation's, not the format's. A cell with diverged or
+failed runs is crossed: its point is the mean of the runs that finished."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -14,6 +17,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from bench.aggregate import SCALING_ORDER  # noqa: E402
+from bench.tables import PERCENT_METRICS, _scaled  # noqa: E402
 
 MARKERS = dict(zip(SCALING_ORDER, "os^Dv"))
 
@@ -29,44 +33,55 @@ def _save(fig, directory: Path, name: str) -> list[Path]:
     return paths
 
 
-def metric_vs_time(cells: pd.DataFrame, model: str, directory: Path) -> list[Path]:
-    part = cells[cells["model"] == model]
+def _metric_label(part: pd.DataFrame) -> str:
+    metric = part["metric"].iloc[0]
+    return f"{metric} (%)" if metric in PERCENT_METRICS else str(metric)
+
+
+def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     settings = list(dict.fromkeys(part["setting"].astype(str)))
     colours = dict(zip(settings, plt.cm.tab10.colors))
     for _, c in part.iterrows():
         emulated = c["backend"] == "emulated"
         colour = colours[str(c["setting"])]
-        ax.scatter(c["train_s"], c["value"], marker=MARKERS.get(str(c["scaling"]), "o"), s=60,
+        value, spread = _scaled(c["metric"], c["value"]), _scaled(c["metric"], c["value_std"])
+        ax.errorbar(c["train_s"], value, yerr=None if pd.isna(spread) else spread, xerr=None if pd.isna(
+            c["train_s_std"]) else c["train_s_std"], fmt="none", ecolor=colour, elinewidth=0.8, capsize=2)
+        ax.scatter(c["train_s"], value, marker=MARKERS.get(str(c["scaling"]), "o"), s=60,
                    facecolors="none" if emulated else colour, edgecolors=colour, linewidths=1.5)
+        if c["diverged"] or c["failed"]:
+            ax.scatter(c["train_s"], value, marker="x", s=90, color="red", linewidths=1.2)
     for setting in settings:
         ax.scatter([], [], color=colours[setting], label=setting)
     for scaling in dict.fromkeys(part["scaling"].astype(str)):
         ax.scatter([], [], marker=MARKERS.get(scaling, "o"), facecolors="none", edgecolors="grey", label=scaling)
-    ax.set_xlabel("train time (s); hollow = emulated")
-    ax.set_ylabel(part["metric"].iloc[0])
-    ax.set_title(f"{model}: {part['metric'].iloc[0]} vs train time")
-    return _save(fig, directory, f"{model}_metric_vs_time")
+    if (part["diverged"] + part["failed"]).any():
+        ax.scatter([], [], marker="x", color="red", label="some runs diverged/failed")
+    ax.set_xlabel("train time (s), mean ± std over seeds; hollow = emulated")
+    ax.set_ylabel(_metric_label(part))
+    ax.set_title(f"{title}: {part['metric'].iloc[0]} vs train time", fontsize=9)
+    return _save(fig, directory, f"{name}_metric_vs_time")
 
 
-def heatmap(cells: pd.DataFrame, model: str, directory: Path) -> list[Path]:
-    part = cells[cells["model"] == model]
+def heatmap(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[Path]:
     labels = [f"{s}{' †' if b == 'emulated' else ''}" for s, b in
               dict.fromkeys(zip(part["setting"].astype(str), part["backend"]))]
     rows = list(dict.fromkeys(zip(part["setting"].astype(str), part["backend"])))
     columns = [s for s in SCALING_ORDER if s in set(part["scaling"].astype(str))]
     grid = np.full((len(rows), len(columns)), np.nan)
     for _, c in part.iterrows():
-        grid[rows.index((str(c["setting"]), c["backend"])), columns.index(str(c["scaling"]))] = c["value"]
+        grid[rows.index((str(c["setting"]), c["backend"])), columns.index(str(c["scaling"]))] = _scaled(c["metric"],
+                                                                                                      c["value"])
     fig, ax = plt.subplots(figsize=(1.4 * len(columns) + 2, 0.5 * len(rows) + 1.5))
     image = ax.imshow(grid, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(columns)), columns)
     ax.set_yticks(range(len(rows)), labels)
     for (i, j), v in np.ndenumerate(grid):
         ax.text(j, i, "–" if np.isnan(v) else f"{v:.3g}", ha="center", va="center", color="w", fontsize=8)
-    fig.colorbar(image, ax=ax, label=part["metric"].iloc[0])
-    ax.set_title(f"{model}: {part['metric'].iloc[0]} by format and scaling")
-    return _save(fig, directory, f"{model}_heatmap")
+    fig.colorbar(image, ax=ax, label=_metric_label(part))
+    ax.set_title(f"{title}: {part['metric'].iloc[0]} by format and scaling", fontsize=9)
+    return _save(fig, directory, f"{name}_heatmap")
 
 
 def _losses(run_dir: str | None) -> tuple[list[int], list[float]]:
@@ -85,22 +100,31 @@ def _losses(run_dir: str | None) -> tuple[list[int], list[float]]:
     return steps, losses
 
 
-def loss_curves(runs: pd.DataFrame, model: str, directory: Path) -> list[Path]:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for _, r in runs[runs["model"] == model].iterrows():
-        steps, losses = _losses(r["dir"])
-        if steps:
-            ax.plot(steps, losses, lw=1, label=f"{r['setting']}/{r['scaling']}/s{r['seed']}")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(f"{model}: training loss per cell")
-    return _save(fig, directory, f"{model}_loss_curves")
+def loss_curves(runs: pd.DataFrame, title: str, directory: Path, name: str) -> list[Path]:
+    """One panel per scaling method, one colour per setting, one thin line per seed."""
+    scalings = [str(x) for x in dict.fromkeys(runs["scaling"].astype(str))]
+    colours = dict(zip(dict.fromkeys(runs["setting"].astype(str)), plt.cm.tab10.colors))
+    fig, axes = plt.subplots(1, len(scalings), figsize=(3.2 * len(scalings) + 1, 3.6), sharey=True, squeeze=False)
+    for ax, scaling in zip(axes[0], scalings):
+        labelled = set()
+        for _, r in runs[runs["scaling"].astype(str) == scaling].iterrows():
+            steps, losses = _losses(r["dir"])
+            setting = str(r["setting"])
+            if steps:
+                ax.plot(steps, losses, lw=0.8, color=colours[setting],
+                        label=None if setting in labelled else setting)
+                labelled.add(setting)
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(scaling, fontsize=9)
+    axes[0][0].set_ylabel("training loss")
+    fig.suptitle(f"{title}: training loss (one line per seed)", fontsize=9)
+    return _save(fig, directory, f"{name}_loss_curves")
 
 
-def loss_scale_trajectories(runs: pd.DataFrame, model: str, directory: Path) -> list[Path]:
+def loss_scale_trajectories(runs: pd.DataFrame, title: str, directory: Path, name: str) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4))
-    for _, r in runs[runs["model"] == model].iterrows():
+    for _, r in runs.iterrows():
         history = r["loss_scale_history"]
         if history and str(r["scaling"]) in ("static", "dynamic"):
             steps = [h[0] for h in history] + [r["steps"]]  # hold the last scale to the end of the run
@@ -109,16 +133,20 @@ def loss_scale_trajectories(runs: pd.DataFrame, model: str, directory: Path) -> 
     ax.set_yscale("log", base=2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss scale")
-    ax.set_title(f"{model}: loss-scale trajectories (static and dynamic)")
-    return _save(fig, directory, f"{model}_loss_scale")
+    ax.set_title(f"{title}: loss-scale trajectories (static and dynamic)", fontsize=9)
+    return _save(fig, directory, f"{name}_loss_scale")
 
 
 def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> list[Path]:
+    """Per model and settings variant: `<model>[_<variant>]_<plot>.png`/`.svg`."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
-    for model in dict.fromkeys(runs["model"]):
-        paths += metric_vs_time(cells, model, directory)
-        paths += heatmap(cells, model, directory)
-        paths += loss_curves(runs, model, directory)
-        paths += loss_scale_trajectories(runs, model, directory)
+    for (model, label, variant), part in cells.groupby(["model", "model_label", "variant"], sort=False):
+        name = model + (f"_{re.sub(r'[^A-Za-z0-9.=-]+', '_', variant)}" if variant else "")
+        title = f"{label}{f' [{variant}]' if variant else ''}"
+        its_runs = runs[(runs["model_label"] == label) & (runs["variant"] == variant)]
+        paths += metric_vs_time(part, title, directory, name)
+        paths += heatmap(part, title, directory, name)
+        paths += loss_curves(its_runs, title, directory, name)
+        paths += loss_scale_trajectories(its_runs, title, directory, name)
     return paths

@@ -74,13 +74,46 @@ class RecordError(ValueError):
     """A result.json that cannot be read or lacks the schema's keys."""
 
 
+# What the aggregator reads, as (dotted path, accepted types); numbers may also be null or "nan"/"inf"/"-inf".
+REQUIRED_FIELDS = (("config.experiment_name", str), ("config.seed", int), ("config.model.name", str),
+                   ("config.model.data.source", str), ("config.format.name", str), ("config.scaling.name", str),
+                   ("env.precision", dict), ("metrics", dict), ("timing", dict), ("memory", dict), ("numerics", dict))
+NUMERIC_FIELDS = ("timing.train_s", "timing.steps", "timing.step_median_s", "timing.samples_per_s", "memory.peak_bytes",
+                  "numerics.skipped_steps", "numerics.overflow_steps", "numerics.final_loss_scale")
+
+
+def _field(record: dict, path: str):
+    value = record
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(path)
+        value = value[part]
+    return value
+
+
 def check_record(record, source: str) -> dict:
-    """`record` if it has the schema's keys and a known status; else RecordError naming `source`."""
+    """`record` if it has the schema's keys and types and a known status; else RecordError naming `source`
+    and the problem (an older schema, a hand-edited value)."""
     missing = [k for k in RECORD_KEYS if not isinstance(record, dict) or k not in record]
     if missing:
         raise RecordError(f"{source} lacks {', '.join(missing)}")
     if record["status"] not in STATUSES:
         raise RecordError(f"{source}: status {record['status']!r} is not one of {', '.join(STATUSES)}")
+    for path, kind in REQUIRED_FIELDS:
+        try:
+            value = _field(record, path)
+        except KeyError:
+            raise RecordError(f"{source} lacks {path}") from None
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+            raise RecordError(f"{source}: {path} is {value!r}, expected {kind.__name__}")
+    for path in NUMERIC_FIELDS:
+        try:
+            value = _field(record, path)
+        except KeyError:
+            continue
+        if not (value is None or value in ("nan", "inf", "-inf")
+                or isinstance(value, (int, float)) and not isinstance(value, bool)):
+            raise RecordError(f"{source}: {path} is {value!r}, expected a number")
     return record
 
 
@@ -97,11 +130,21 @@ NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "d
 NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
 
 
-def run_id(config: dict) -> str:
-    """A run's identity: a hash of its semantic config (not paths, logging or checkpoint knobs)."""
+def semantic_config(config: dict) -> dict:
+    """The part of a config that changes what a run computes (not paths, logging or checkpoint knobs)."""
     semantic = {k: v for k, v in config.items() if k not in NON_SEMANTIC}
-    semantic["train"] = {k: v for k, v in config["train"].items() if k not in NON_SEMANTIC_TRAIN}
-    return hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    if "train" in config:
+        semantic["train"] = {k: v for k, v in config["train"].items() if k not in NON_SEMANTIC_TRAIN}
+    return semantic
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_id(config: dict) -> str:
+    """A run's identity: a hash of its semantic config."""
+    return config_hash(semantic_config(config))
 
 
 def previous_record(run_dir: Path) -> tuple[dict | None, str | None]:

@@ -59,12 +59,21 @@ def _setting_label(cell) -> str:
     return f"{cell['setting']}{' ' + EMULATED if cell['backend'] == 'emulated' else ''}"
 
 
+def _identity(cell, cells: pd.DataFrame) -> dict:
+    """The columns that say which cell a row is: the model as configured and, where cells of the table differ
+    in more than format and scaling, what this one does differently."""
+    columns = {"model": cell["model_label"]}
+    if cells["variant"].astype(bool).any():
+        columns["settings"] = cell["variant"] or "usual"
+    return columns
+
+
 def precision_table(cells: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for _, c in cells.iterrows():
         emulated = EMULATED if c["backend"] == "emulated" else ""
         rows.append({
-            "model": c["model"], "setting": _setting_label(c), "scaling": c["scaling"],
+            **_identity(c, cells), "setting": _setting_label(c), "scaling": c["scaling"],
             "train time (s)": fmt_stat(c["train_s"], c["train_s_std"], c["train_s_n"], 1) + emulated,
             "speed-up vs 32-true": "–" if pd.isna(c["speedup_vs_fp32"]) else f"{c['speedup_vs_fp32']:.2f}×{emulated}",
             "peak memory (MiB)": "–" if pd.isna(c["peak_bytes"]) else f"{c['peak_bytes'] / 2**20:.0f}{emulated}",
@@ -77,8 +86,8 @@ def precision_table(cells: pd.DataFrame) -> pd.DataFrame:
 def scaling_grid(cells: pd.DataFrame) -> pd.DataFrame:
     present = [s for s in SCALING_ORDER if s in set(cells["scaling"].astype(str))]
     rows = []
-    for (model, setting, backend), part in cells.groupby(["model", "setting", "backend"], observed=True, sort=True):
-        row = {"model": model, "setting": _setting_label(part.iloc[0]), "metric": part.iloc[0]["metric"]}
+    for _, part in cells.groupby(["model_label", "variant", "setting", "backend"], observed=True, sort=True):
+        row = {**_identity(part.iloc[0], cells), "setting": _setting_label(part.iloc[0]), "metric": part.iloc[0]["metric"]}
         by_scaling = {str(c["scaling"]): c for _, c in part.iterrows()}
         for scaling in present:
             row[scaling] = _metric_text(by_scaling[scaling]) if scaling in by_scaling else ""
@@ -90,8 +99,8 @@ def squad_table(cells: pd.DataFrame) -> pd.DataFrame:
     qa = cells[cells["metric"] == "f1"]
     present = [s for s in SCALING_ORDER if s in set(qa["scaling"].astype(str))]
     rows = []
-    for (model, setting, backend), part in qa.groupby(["model", "setting", "backend"], observed=True, sort=True):
-        row = {"model": model, "setting": _setting_label(part.iloc[0])}
+    for _, part in qa.groupby(["model_label", "variant", "setting", "backend"], observed=True, sort=True):
+        row = {**_identity(part.iloc[0], qa), "setting": _setting_label(part.iloc[0])}
         by_scaling = {str(c["scaling"]): c for _, c in part.iterrows()}
         for scaling in present:
             c = by_scaling.get(scaling)
@@ -112,7 +121,7 @@ def numerics_table(cells: pd.DataFrame) -> pd.DataFrame:
 
     rows = []
     for _, c in cells.iterrows():
-        row = {"model": c["model"], "setting": _setting_label(c), "scaling": c["scaling"],
+        row = {**_identity(c, cells), "setting": _setting_label(c), "scaling": c["scaling"],
                "skipped steps": "–" if pd.isna(c["skipped_steps"]) else f"{c['skipped_steps']:.1f}",
                "final loss scale": "–" if pd.isna(c["final_loss_scale"]) else f"{c['final_loss_scale']:g}"}
         for tc in TENSOR_CLASSES:

@@ -88,8 +88,8 @@ def test_tables_hold_the_hand_computed_statistics(results, tmp_path, capsys):
     assert "92.00 ± 2.00 (n=3)" in _row(grid, "lenet", "32-true")
     # fp8 none (seed 2 missing): 80, 84 -> mean 82.00, sample std sqrt(8) = 2.83, n 2
     assert "82.00 ± 2.83 (n=2)" in _row(grid, "lenet", "fp8-mixed †")
-    # 16-mixed dynamic: diverged run still counted and marked
-    assert "50.00 ± 56.57 (n=2) [1 diverged]" in _row(grid, "lenet", "| 16-mixed")
+    # 16-mixed dynamic: the diverged run is counted beside the mean, not averaged into it (90 alone)
+    assert "90.00 (n=1) [1 diverged]" in _row(grid, "lenet", "| 16-mixed")
     assert "– [1 failed]" in _row(grid, "lenet", "bf16-mixed")
     body = [line for line in grid.splitlines() if line.startswith("| lenet") or line.startswith("| bert")]
     assert len(body) == 5  # one row per (model, setting): 4 LeNet settings + 1 BERT
@@ -182,3 +182,61 @@ def test_no_records_is_an_error(tmp_path, capsys):
     (tmp_path / "x" / "result.json").write_text(json.dumps({"status": "weird"}))
     assert main([str(tmp_path), "--out", str(tmp_path / "t")]) == 1
     assert "no valid records" in capsys.readouterr().err
+
+
+def _with(rec: dict, **config) -> dict:
+    """`rec` with extra config sections (e.g. train={...}), as a run with other settings writes them."""
+    rec["config"] |= config
+    return rec
+
+
+def test_runs_of_other_settings_are_never_averaged_or_compared_as_if_alike(tmp_path):
+    """The README's 50-step single-cell example after a full sweep: its own row, labelled, no speed-up against a
+    full-length baseline; and two learning rates stay two cells."""
+    root = tmp_path / "runs"
+    full = {"max_steps": None, "loss_multiplier": 1.0}
+    recs = [_with(record(seed=s, metrics={"test_accuracy": a}, train_s=10), train=full) for s, a in ((0, .9), (1, .92))]
+    recs.append(_with(record(fmt="fp16", mode="true", setting="16-true", metrics={"test_accuracy": 0.25}, train_s=0.02,
+                             backend="emulated"), train={"max_steps": 50, "loss_multiplier": 1.0}))
+    recs.append(_with(record(fmt="fp16", mode="mixed", setting="16-mixed", metrics={"test_accuracy": 0.91}, train_s=20,
+                             backend="emulated"), train=full))
+    for rec in recs:
+        d = root / rec["config"]["format"]["mode"] / rec["env"]["precision"]["setting"] / f"seed{rec['config']['seed']}"
+        write_json_atomic(d / "result.json", rec)
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    precision = (tmp_path / "tables" / "t" / "precision.md").read_text()
+    short = _row(precision, "16-true")
+    assert "train.max_steps=50" in short and "| –" in short.split("×")[0]  # no speed-up without a like baseline
+    assert "0.50×†" in _row(precision, "16-mixed")  # 10 s / 20 s against the same-length 32-true
+    baseline = _row(precision, "| lenet", "| 32-true")
+    assert "91.00 ± 1.41 (n=2)" in baseline and "usual" in baseline
+
+
+def test_malformed_records_are_reported_by_file_and_the_rest_aggregated(tmp_path, capsys):
+    root = tmp_path / "runs"
+    write(root, record(metrics={"test_accuracy": 0.9}))
+    bad_time = record(fmt="fp8", mode="mixed", setting="fp8-mixed", metrics={"test_accuracy": 0.8})
+    bad_time["timing"]["train_s"] = "fast"
+    write(root, bad_time)
+    old_schema = record(scaling="static", metrics={"test_accuracy": 0.8})
+    del old_schema["config"]["model"]["data"]
+    write(root, old_schema)
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    err = capsys.readouterr().err
+    assert "fp8-mixed/none/seed0/result.json: record: timing.train_s is 'fast', expected a number" in err
+    assert "32-true/static/seed0/result.json: record lacks config.model.data" in err
+    assert "92" not in (tmp_path / "tables" / "t" / "scaling_grid.md").read_text().split("fp8")[0]
+
+
+def test_models_are_labelled_as_configured_and_a_record_found_twice_counts_once(tmp_path):
+    root = tmp_path / "runs"
+    tiny = record(model="bert_base", metrics={"exact_match": 10.0, "f1": 15.0}, pretrained=False)
+    tiny["config"]["model"]["arch"] = {"layers": 2, "hidden": 64}
+    tiny["run_id"] = "same"
+    write(root, tiny)
+    write_json_atomic(root / "copy" / "result.json", tiny)  # the same run under another path
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    squad = (tmp_path / "tables" / "t" / "squad.md").read_text()
+    assert "bert_base (2L×64 random init, squad_fixture)" in _row(squad, "32-true")
+    cells = (tmp_path / "tables" / "t" / "cells.csv").read_text()
+    assert ",1,1,0,0," in cells.replace(".0,", ",")  # runs 1, ok 1: the copy is not a second seed
