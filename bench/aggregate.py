@@ -173,7 +173,8 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
             "metric": metric, "value": _number(metrics.get(metric)),
             "exact_match": _number(metrics.get("exact_match")), "f1": _number(metrics.get("f1")),
-            "steps": _number(r["timing"].get("steps")), "train_s": _number(r["timing"].get("train_s")), "step_median_s": _number(r["timing"].get("step_median_s")),
+            "steps": _number(r["timing"].get("steps")), "train_s": _number(r["timing"].get("train_s")),
+            "disturbed": bool((r["timing"].get("conditions") or {}).get("disturbed")), "step_median_s": _number(r["timing"].get("step_median_s")),
             "samples_per_s": _number(r["timing"].get("samples_per_s")),
             "peak_bytes": _number(r["memory"].get("peak_bytes")),
             "skipped_steps": _number(numerics.get("skipped_steps")),
@@ -199,7 +200,7 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per cell (one configuration over seeds): mean, std (sample, ddof=1) and n over the runs that
     finished, status counts over all of them, ratios to 32-true.
 
-    Ratios compare mean train time and peak memory with the 32-true cell of the same configuration apart
+    Ratios compare median train time and mean peak memory with the 32-true cell of the same configuration apart
     from the format (same experiment, model, data, steps, scaling method and its knobs, on the same device),
     the published tables' convention; a cell without such a baseline gets none.
     """
@@ -210,6 +211,10 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     for column in ("value", "train_s", "peak_bytes", "exact_match", "f1"):
         cells[f"{column}_std"] = finished[column].std(ddof=1)
         cells[f"{column}_n"] = finished[column].count().reindex(cells.index, fill_value=0)
+    # a time is the median over seeds, with its range: one slow, disturbed seed does not move it
+    cells["train_s"] = finished["train_s"].median()
+    cells["train_s_min"], cells["train_s_max"] = finished["train_s"].min(), finished["train_s"].max()
+    cells["disturbed"] = groups["disturbed"].any()
     cells["metric"] = groups["metric"].first()
     cells["runs"] = groups.size()
     for status in ("ok", "diverged", "failed"):

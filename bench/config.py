@@ -208,6 +208,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     experiment_name: str = "default"  # groups records and tables; experiment presets set it
     seed: int = 0
+    threads: Optional[int] = 1  # torch intra-op CPU threads; null = torch's default (one per core)
     device: str = "auto"
     results_dir: str = "results/runs"
     cell: str = MISSING  # derived: where this cell's record goes under results_dir
@@ -274,6 +275,8 @@ def check(cfg: DictConfig) -> None:
     _choice(cfg.logger.name, LOGGERS, "logger")
     if not (cfg.train.loss_multiplier > 0 and math.isfinite(cfg.train.loss_multiplier)):
         raise ConfigError(f"train.loss_multiplier={cfg.train.loss_multiplier} must be finite and > 0")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ConfigError(f"threads={cfg.threads} must be >= 1 (or null for torch's default, one per core)")
     if cfg.train.epochs < 1:
         raise ConfigError(f"train.epochs={cfg.train.epochs} must be >= 1")
     if cfg.train.checkpoint_every is not None and cfg.train.checkpoint_every < 1:

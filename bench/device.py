@@ -12,6 +12,7 @@ import os
 import platform
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,13 +123,84 @@ class PeakMemory:
         return None
 
 
+def _cpu_busy_seconds() -> float | None:
+    """Seconds the whole machine's CPUs have been busy (not idle or waiting for I/O), from /proc/stat."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+@functools.cache
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class TimingConditions:
+    """What a timing was measured under, so a reader can trust it or discount it.
+
+    Records torch's intra-op threads, the CPU model and how many cores this process may use, the 1-minute
+    load average before and after, and the share of the machine's CPU time other processes used while it
+    ran (from /proc/stat, minus this process's own CPU time). A timing is `disturbed` when this process's
+    threads plus the cores other processes kept busy exceeded the cores there are by more than a quarter
+    core: they competed for the CPU. On CUDA it adds the GPU's clocks and the other processes using it.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def start(self) -> None:
+        self._load = os.getloadavg()[0]
+        self._busy = _cpu_busy_seconds()
+        self._own = time.process_time()
+        self._wall = time.perf_counter()
+        self._gpu = self._gpu_state()
+
+    def finish(self) -> dict:
+        wall = time.perf_counter() - self._wall
+        cores = len(os.sched_getaffinity(0))
+        threads = torch.get_num_threads()
+        busy = _cpu_busy_seconds()
+        others = None
+        if busy is not None and self._busy is not None and wall > 0:
+            others = max(0.0, (busy - self._busy) - (time.process_time() - self._own)) / wall  # cores kept busy
+        conditions = {
+            "threads": threads, "cpu_model": _cpu_model(), "cores": cores,
+            "load_before": round(self._load, 2), "load_after": round(os.getloadavg()[0], 2),
+            "other_processes_cores": None if others is None else round(others, 2),
+            "disturbed": others is not None and threads + others > cores + 0.25,
+        }
+        if self.device.type == "cuda":
+            conditions["gpu_before"], conditions["gpu_after"] = self._gpu, self._gpu_state()
+        return conditions
+
+    def _gpu_state(self) -> dict | None:
+        if self.device.type != "cuda":
+            return None
+        state = {}
+        for key, read in (("clock_mhz", torch.cuda.clock_rate), ("other_processes", torch.cuda.list_gpu_processes)):
+            try:  # both need pynvml; without it the record says so
+                state[key] = read(self.device)
+            except Exception as e:  # noqa: BLE001
+                state[key] = f"unavailable ({type(e).__name__})"
+        return state
+
+
 def describe(device: torch.device) -> dict:
     """The environment facts every record carries."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
     else:
-        name, cc = (platform.processor() or platform.machine()), None
+        name, cc = _cpu_model(), None
     return {
         "device_type": device.type,
         "device_name": name,

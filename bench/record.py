@@ -6,6 +6,8 @@ The schema is documented in results/README.md. Non-finite floats are written as 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -15,6 +17,7 @@ from pathlib import Path
 
 RECORD_KEYS = ("status", "reason", "config", "env", "metrics", "timing", "memory", "numerics")
 STATUSES = ("ok", "diverged", "failed")
+IN_FLIGHT = "in_flight"  # not a record's status: what a sweep reports for a cell another process is training
 
 
 def _finite_json(value):
@@ -156,3 +159,35 @@ def previous_record(run_dir: Path) -> tuple[dict | None, str | None]:
         return read_record(path), None
     except RecordError as e:
         return None, str(e)
+
+
+LOCK_NAME = ".lock"
+
+
+@contextlib.contextmanager
+def cell_lock(run_dir: Path):
+    """Yields whether this process now holds the cell's lock (an flock on `<run_dir>/.lock`, non-blocking).
+
+    One process trains a cell at a time, whichever sweep or SLURM job started it. The kernel releases the
+    lock when its process exits, however it exits (SIGKILL, OOM, node reboot), so a dead job never leaves a
+    cell locked; the file itself may stay and means nothing. Linux NFS clients carry flock to the server.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / LOCK_NAME, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def in_flight(run_dir: Path) -> bool:
+    """Whether another process holds the cell's lock now (without creating anything)."""
+    if not (Path(run_dir) / LOCK_NAME).exists():
+        return False
+    with cell_lock(Path(run_dir)) as mine:
+        return not mine

@@ -23,7 +23,7 @@ from bench.config import ConfigError, check
 from bench.checkpoint import Checkpointer
 from bench.logger import NullLogger, open_logger
 from bench.precision import Precision, PrecisionError
-from bench.record import MetricsLog, previous_record, run_id, write_json_atomic
+from bench.record import IN_FLIGHT, MetricsLog, cell_lock, previous_record, run_id, write_json_atomic
 from bench.scaling import LossScaler, PerTensorScale
 from bench.tasks import Task, build_task
 from bench.train import build_optimizer, build_schedule, total_steps, train
@@ -80,7 +80,10 @@ class Cell:
 
 
 def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
-    """Seed, build the task, unit-scale it if asked, apply the precision, build optimiser, schedule, scaler."""
+    """Set threads, seed, build the task, unit-scale it if asked, apply the precision, build optimiser, schedule,
+    scaler."""
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     task = build_task(cfg.model, precision.device, cfg.seed)
     conversion = None
@@ -119,19 +122,32 @@ def run_cell(cfg: DictConfig) -> dict:
     """Train and evaluate one cell; write `<results_dir>/<cell>/result.json`; return the record.
 
     Raises ConfigError (before anything is written) for a bad config. A cell with a finished record is
-    skipped (its record is returned with "skipped": true). Any other failure is recorded as
-    status=failed with the error and the traceback tail.
+    skipped (its record is returned with "skipped": true), and so is a cell another process is training
+    now (status "in_flight"). Any other failure is recorded as status=failed with the error and the
+    traceback tail.
     """
     device, precision = preflight(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
-    done = finished_record(cfg, config)
-    if done is not None:
+    if (done := finished_record(cfg, config)) is not None:
         log.info("%s: skipped, already recorded as %s", cfg.cell, done["status"])
         return done | {"skipped": True}
+    with cell_lock(Path(cfg.results_dir) / cfg.cell) as mine:
+        if not mine:
+            log.warning("%s: skipped, another process is training it now", cfg.cell)
+            return {"status": IN_FLIGHT, "skipped": True}
+        if (done := finished_record(cfg, config)) is not None:  # finished while this process was starting
+            log.info("%s: skipped, already recorded as %s", cfg.cell, done["status"])
+            return done | {"skipped": True}
+        return _train_cell(cfg, config, device, precision)
+
+
+def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: Precision) -> dict:
+    """run_cell's work once the cell is this process's to train."""
     run_dir = Path(cfg.results_dir) / cfg.cell
     identity = run_id(config)
     tags = [cfg.format.name, cfg.format.mode, precision.backend, cfg.scaling.name]
     memory = devices.PeakMemory(device)
+    conditions = devices.TimingConditions(device)
     scaler = build_scaler(cfg)  # replaced by the cell's; here so that a failed build still records its state
     record = {"status": "failed", "reason": None, "run_id": identity, "config": config,
               "env": devices.describe(device) | {"precision": precision.describe()},
@@ -157,14 +173,16 @@ def run_cell(cfg: DictConfig) -> dict:
                 metrics_log(row)
                 logger.log(row)
 
+            conditions.start()
             outcome = train(task, precision, scaler, optimizer, schedule, cfg.train, device, log_row,
                             label=cfg.cell, checkpointer=checkpointer, resume=resume)
+            timing_conditions = conditions.finish()
         metrics = task.evaluate(task.model, precision.inputs)
         record["memory"]["peak_bytes"] = memory.peak_bytes()
         record["metrics"] = {**metrics, "final_train_loss": outcome.final_loss}
         if outcome.per_epoch:
             record["metrics"]["per_epoch"] = outcome.per_epoch
-        record["timing"] = outcome.timing()
+        record["timing"] = outcome.timing() | {"conditions": timing_conditions}
         record["numerics"]["diverged_at_step"] = outcome.diverged_at_step
         if outcome.diverged_at_step is None:
             record["status"] = "ok"

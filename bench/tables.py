@@ -22,8 +22,12 @@ from bench.telemetry import TENSOR_CLASSES
 
 PUBLISHED = Path(__file__).parent / "reference" / "published.yaml"
 EMULATED = "†"
+DISTURBED = "‡"
 NOTES = {
     "emulated": f"{EMULATED} emulated in FP32: time and memory measure the emulation on this device, not the format.",
+    "disturbed": f"{DISTURBED} timing disturbed: other processes kept more cores busy than this run's threads left "
+                 "free (timing.conditions in the record).",
+    "time": "train time: median over the seeds that finished [min–max] (n); speed-up: the 32-true median over this one.",
     "std": "mean ± sample standard deviation over seeds (n runs with a value).",
 }
 PERCENT_METRICS = {"test_accuracy"}
@@ -32,6 +36,14 @@ PERCENT_METRICS = {"test_accuracy"}
 def _scaled(metric: str | None, value):
     """Accuracy as a percentage; EM/F1 already are points."""
     return value * 100 if metric in PERCENT_METRICS and value is not None and not pd.isna(value) else value
+
+
+def fmt_time(cell) -> str:
+    n = cell["train_s_n"]
+    if n == 0 or pd.isna(cell["train_s"]):
+        return "–"
+    spread = "" if n == 1 else f" [{cell['train_s_min']:.1f}–{cell['train_s_max']:.1f}]"
+    return f"{cell['train_s']:.1f}{spread} (n={n}){DISTURBED if cell['disturbed'] else ''}"
 
 
 def fmt_stat(mean, std, n, digits: int = 2) -> str:
@@ -74,7 +86,7 @@ def precision_table(cells: pd.DataFrame) -> pd.DataFrame:
         emulated = EMULATED if c["backend"] == "emulated" else ""
         rows.append({
             **_identity(c, cells), "setting": _setting_label(c), "scaling": c["scaling"],
-            "train time (s)": fmt_stat(c["train_s"], c["train_s_std"], c["train_s_n"], 1) + emulated,
+            "train time (s)": fmt_time(c) + emulated,
             "speed-up vs 32-true": "–" if pd.isna(c["speedup_vs_fp32"]) else f"{c['speedup_vs_fp32']:.2f}×{emulated}",
             "peak memory (MiB)": "–" if pd.isna(c["peak_bytes"]) else f"{c['peak_bytes'] / 2**20:.0f}{emulated}",
             "memory ratio": "–" if pd.isna(c["memory_ratio_vs_fp32"]) else f"{c['memory_ratio_vs_fp32']:.2f}{emulated}",
@@ -207,9 +219,10 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
     if (cells["metric"] == "f1").any():
         built["squad"] = squad_table(cells)
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
+    timing_notes = [NOTES["time"]] + ([NOTES["disturbed"]] if cells["disturbed"].any() else [])
     markdown = {}
     for name, table in built.items():
-        markdown[name] = to_markdown(table, notes)
+        markdown[name] = to_markdown(table, notes + (timing_notes if name == "precision" else []))
         (directory / f"{name}.md").write_text(f"# {CAPTIONS[name]}\n\n{markdown[name]}\n")
         (directory / f"{name}.tex").write_text(to_latex(table, CAPTIONS[name]))
         table.to_csv(directory / f"{name}.csv", index=False)

@@ -97,7 +97,7 @@ def test_tables_hold_the_hand_computed_statistics(results, tmp_path, capsys):
     precision = (out / "t" / "precision.md").read_text()
     fp8 = _row(precision, "fp8-mixed", "none")
     assert "0.57×†" in fp8  # 12 s / mean(20, 22) s
-    assert "21.0 ± 1.4 (n=2)†" in fp8
+    assert "21.0 [20.0–22.0] (n=2)†" in fp8  # median [min–max] over seeds
     assert "1.00×" in _row(precision, "lenet", "32-true", "none")
 
     squad = (out / "t" / "squad.md").read_text()
@@ -240,3 +240,17 @@ def test_models_are_labelled_as_configured_and_a_record_found_twice_counts_once(
     assert "bert_base (2L×64 random init, squad_fixture)" in _row(squad, "32-true")
     cells = (tmp_path / "tables" / "t" / "cells.csv").read_text()
     assert ",1,1,0,0," in cells.replace(".0,", ",")  # runs 1, ok 1: the copy is not a second seed
+
+
+def test_a_cell_whose_timing_was_disturbed_is_flagged(tmp_path):
+    root = tmp_path / "runs"
+    quiet = record(seed=0, metrics={"test_accuracy": 0.9}, train_s=10)
+    loud = record(seed=1, metrics={"test_accuracy": 0.9}, train_s=30)
+    for rec, disturbed in ((quiet, False), (loud, True)):
+        rec["timing"]["conditions"] = {"threads": 1, "cores": 2, "other_processes_cores": 1.9 if disturbed else 0.0,
+                                       "disturbed": disturbed}
+        write(root, rec)
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    precision = (tmp_path / "tables" / "t" / "precision.md").read_text()
+    assert "20.0 [10.0–30.0] (n=2)‡" in _row(precision, "| lenet", "| 32-true")
+    assert "‡ timing disturbed" in precision

@@ -124,3 +124,23 @@ def test_an_interrupted_run_leaves_no_record_so_it_resumes(make_cfg, tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         run_cell(cfg)
     assert not (Path(tmp_path) / cfg.cell / "result.json").exists()
+
+
+def test_threads_are_set_part_of_the_identity_and_the_timing_conditions_recorded(make_cfg, tmp_path):
+    import torch
+
+    from bench.record import run_id
+    from omegaconf import OmegaConf
+
+    records = {}
+    for threads in (1, 2):
+        cfg = make_cfg(f"threads={threads}", "train.max_steps=3", f"results_dir={tmp_path}/t{threads}")
+        run_cell(cfg)
+        records[threads] = (json.loads((Path(cfg.results_dir) / cfg.cell / "result.json").read_text()),
+                            run_id(OmegaConf.to_container(cfg, resolve=True)))
+    for threads, (record, _) in records.items():
+        conditions = record["timing"]["conditions"]
+        assert conditions["threads"] == threads and conditions["cores"] >= 1
+        assert isinstance(conditions["disturbed"], bool) and conditions["other_processes_cores"] >= 0
+    assert records[1][1] != records[2][1]  # the thread count changes reduction order: another run
+    torch.set_num_threads(1)

@@ -147,3 +147,19 @@ def test_each_cell_gets_its_own_offline_wandb_run_with_config_and_summary(tmp_pa
                 summary |= {i.key: i.value_json for i in r.summary.update if i.key}
         assert json.loads(summary["status"]) == "ok" and json.loads(summary["run_id"]) == record["run_id"]
     assert not list(CONF.parent.glob("wandb"))  # nothing in the repository root
+
+
+def test_two_sweeps_into_one_directory_at_once_train_each_cell_once(tmp_path):
+    grid = ["-m", "format=fp32,fp16", "scaling=none,static", "train.max_steps=300"]  # long enough that they overlap
+    first = bench(tmp_path, *grid, wait=False)
+    deadline = time.time() + 120
+    while not list(Path(tmp_path).rglob(".lock")) and time.time() < deadline:
+        time.sleep(0.05)  # the first sweep is training its first cell
+    second = bench(tmp_path, *grid, wait=False)
+    outputs = [p.communicate(timeout=300)[0] for p in (first, second)]
+    assert first.returncode == 0 and second.returncode == 0, outputs
+    both = "\n".join(outputs)
+    trained = [line.split(" - ")[1].split(":")[0] for line in both.splitlines() if ": ok {" in line]
+    assert len(trained) == 4 and len(set(trained)) == 4, trained  # four cells, each trained by one sweep
+    assert "another process is training it now" in both
+    assert len(records(tmp_path)) == 4

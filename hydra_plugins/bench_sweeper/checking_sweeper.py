@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import OmegaConf, open_dict
 
 from bench.config import ConfigError, cell_path
-from bench.record import STATUSES, run_id
+from bench.record import IN_FLIGHT, STATUSES, in_flight, run_id
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class CheckingSweeper(BasicSweeper):
             if places[cfg.cell][1] is not overrides:
                 log.info("skipped [%s]: the same configuration as [%s]", " ".join(overrides),
                          " ".join(places[cfg.cell][1]))
+            elif done is None and in_flight(Path(cfg.results_dir) / cfg.cell):
+                self.already[IN_FLIGHT] += 1
+                log.warning("skipped %s: another process is training it now", cfg.cell)
             elif done is None:
                 batch.append(overrides)
             else:
@@ -85,12 +89,15 @@ class CheckingSweeper(BasicSweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         returns = super().sweep(arguments)
-        ran = Counter(job.return_value["status"] for batch in returns for job in batch)
-        skipped_now = sum(job.return_value.get("skipped", False) for batch in returns for job in batch)
-        total = ran + self.already
-        skipped = sum(self.already.values()) + skipped_now
+        launched = [job.return_value for batch in returns for job in batch]
+        total = Counter(r["status"] for r in launched) + self.already
+        busy = total.pop(IN_FLIGHT, 0)
+        skipped = sum(n for status, n in self.already.items() if status != IN_FLIGHT) \
+            + sum(r.get("skipped", False) and r["status"] != IN_FLIGHT for r in launched)
         print("sweep: " + ", ".join(f"{total.get(s, 0)} {s}" for s in STATUSES)
-              + f" ({skipped} skipped as already recorded)", file=sys.stderr)
+              + f" ({skipped} skipped as already recorded)"
+              + (f"; {busy} in flight in another process, not run here (run again once it ends)" if busy else ""),
+              file=sys.stderr)
         if total.get("failed"):
             sys.exit(1)
         return returns
