@@ -5,7 +5,8 @@
 - the grid (8 LeNet cells, checkpointing every 25 steps) is SIGKILLed at random moments, again and
   again, and re-launched each time: finished cells must be skipped, killed ones resumed;
 - after the first kill one finished record is corrupted: the next launch must report and re-run it;
-- one cell raises (the pretrained DistilBERT cannot load offline) and one diverges (lr 1e8);
+- one cell raises (its checkpoint's weights file is truncated, as by a broken download) and one diverges
+  (lr 1e8);
 then: every cell has exactly one valid record with the expected status, and no checkpoint or temporary
 file is left behind. Prints the counts; exits non-zero if any check fails.
 """
@@ -27,9 +28,29 @@ from bench.record import RecordError, read_record
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = ["format=fp32,fp16,bf16,fp8", "scaling=none,dynamic", "train.max_steps=600", "train.checkpoint_every=25"]
-RAISING = ["model=distilbert", "train.max_steps=5"]
 DIVERGING = ["format=tf32", "model.optimizer.lr=1e8", "train.max_steps=200"]
 ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def truncated_checkpoint(directory: Path) -> Path:
+    """A BERT checkpoint directory whose weights file is cut in half (a broken download): loading it raises."""
+    from transformers import BertConfig, BertForQuestionAnswering, BertTokenizer
+
+    from bench.config import DATA_DIR
+
+    tokenizer = BertTokenizer(vocab=str(DATA_DIR / "vocab.txt"))
+    BertForQuestionAnswering(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=64)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return directory
+
+
+def raising_cell(directory: Path) -> list[str]:
+    """Overrides of a cell that raises while it builds its model (recorded as failed, not a config error)."""
+    return ["model=bert_tiny", "model.pretrained=true", f"model.hub_name={truncated_checkpoint(directory)}",
+            "train.max_steps=5"]
 
 
 def launch(results: Path, overrides: list[str]) -> subprocess.Popen:
@@ -99,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     results = args.results or Path(tempfile.mkdtemp(prefix="bench-chaos-"))
     rng, counts, start = random.Random(args.seed), Counter(), time.time()
     run_under_fire(results, rng, counts)
-    for overrides, expected_rc in ((RAISING, 1), (DIVERGING, 0)):
+    raising = raising_cell(Path(tempfile.mkdtemp(prefix="bench-chaos-checkpoint-")))
+    for overrides, expected_rc in ((raising, 1), (DIVERGING, 0)):
         for _ in range(2):  # the second launch must skip the recorded cell and report the same outcome
             proc = launch(results, overrides)
             proc.wait()

@@ -35,6 +35,12 @@ def main() -> int:
     import datasets
     import transformers
 
+    from bench import hub
+
+    if not hub.reachable():
+        print(f"make prepare downloads from the Hugging Face hub, which cannot be reached from here "
+              f"(or HF_HUB_OFFLINE=1 is set). Run it where there is internet; {hub.FIXES}.", file=sys.stderr)
+        return 2
     models, data = hub_assets()
     for cls, name in models:
         print(f"model {name}", file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import sys
 import traceback
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from bench.config import ConfigError, check
 from bench.checkpoint import Checkpointer
 from bench.logger import NullLogger, open_logger
 from bench.precision import Precision, PrecisionError
-from bench.record import IN_FLIGHT, MetricsLog, cell_lock, previous_record, run_id, write_json_atomic
+from bench.record import IN_FLIGHT, LOCK_NAME, MetricsLog, cell_lock, previous_record, run_id, write_json_atomic
 from bench.scaling import LossScaler, PerTensorScale
 from bench.tasks import Task, build_task
 from bench.train import build_optimizer, build_schedule, total_steps, train
@@ -216,12 +217,28 @@ def main(cfg: DictConfig) -> dict:
         record = run_cell(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        _remove_setup_leftovers(Path(cfg.results_dir), cfg.cell)
         sys.exit(2)
     if record["status"] == "failed" and (cfg.fail_fast or not _in_multirun()):
         # SystemExit passes through Hydra's launcher, so with fail_fast a sweep stops here
         print(record.get("traceback", "") if cfg.fail_fast else "", f"run failed: {record['reason']}", file=sys.stderr)
         sys.exit(1)
     return {"status": record["status"], "skipped": record.get("skipped", False)}
+
+
+SETUP_FILES = {".hydra", "run.log", LOCK_NAME}  # what Hydra and the lock leave in a cell directory before training
+
+
+def _remove_setup_leftovers(results_dir: Path, cell: str) -> None:
+    """After a config error, remove the cell's directory if it holds nothing but set-up files, and its parents up
+    to results_dir while they are empty: bad input leaves no empty run directories (and never touches a record)."""
+    run_dir = results_dir / cell
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= SETUP_FILES:
+        shutil.rmtree(run_dir)
+        for parent in run_dir.parents:
+            if parent == results_dir or not parent.is_relative_to(results_dir) or any(parent.iterdir()):
+                break
+            parent.rmdir()
 
 
 def _in_multirun() -> bool:

@@ -8,7 +8,7 @@ import pytest
 
 from bench.run import run_cell
 
-STRESS = ["format=fp16", "format.backend=emulated", f"train.loss_multiplier={2.0**-16}", "train.max_steps=300"]
+STRESS = ["format=fp16", "format.backend=emulated", f"train.loss_multiplier={2.0**-16}", "train.max_steps=600"]
 
 
 @pytest.fixture(scope="module")

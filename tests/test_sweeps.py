@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.chaos import raising_cell
 from tests.conftest import CONF
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_SILENT": "true"}
@@ -45,24 +46,32 @@ def test_submitit_local_runs_cells_as_subprocesses_and_a_rerun_skips_them(tmp_pa
     assert {p: p.read_bytes() for p in Path(tmp_path).rglob("result.json")} == before
 
 
-def test_a_failing_cell_is_recorded_and_the_others_go_on(tmp_path):
-    # the pretrained DistilBERT cannot load offline: its cells raise; the LeNet cells succeed.
-    out = bench(tmp_path, "-m", "model=distilbert,lenet", "format=fp32,fp16", "train.max_steps=3")
+def _raising_grid(tmp_path, good) -> list[str]:
+    """A truncated checkpoint (its cells raise while building) and a good one (its cells succeed)."""
+    truncated = raising_cell(tmp_path / "truncated")[2].split("=", 1)[1]
+    return ["-m", "model=bert_tiny", "model.pretrained=true", f"model.hub_name={truncated},{good}",
+            "train.max_steps=3"]
+
+
+def test_a_failing_cell_is_recorded_and_the_others_go_on(tmp_path, make_checkpoint):
+    results = tmp_path / "runs"
+    grid = [*_raising_grid(tmp_path, make_checkpoint("bert")), "format=fp32,fp16"]
+    out = bench(results, *grid)
     assert out.returncode == 1
-    assert "sweep: 2 ok, 0 diverged, 2 failed" in out.stderr
-    failed = [r for r in records(tmp_path).values() if r["status"] == "failed"]
-    assert len(failed) == 2 and all(r["reason"].startswith("OSError") and "Traceback" in r["traceback"] for r in failed)
-    skipped = bench(tmp_path, "-m", "model=distilbert,lenet", "format=fp32,fp16", "train.max_steps=3")
+    assert "sweep: 2 ok, 0 diverged, 2 failed" in out.stderr, out.stderr[-2000:]
+    failed = [r for r in records(results).values() if r["status"] == "failed"]
+    assert len(failed) == 2 and all("Traceback" in r["traceback"] for r in failed), [r["reason"] for r in failed]
+    skipped = bench(results, *grid)
     assert skipped.returncode == 1 and "4 skipped" in skipped.stderr  # a failed record is still a failure
-    retried = bench(tmp_path, "-m", "model=distilbert,lenet", "format=fp32,fp16", "train.max_steps=3",
-                    "retry_failed=true")
+    retried = bench(results, *grid, "retry_failed=true")
     assert "(2 skipped" in retried.stderr  # the ok cells stay skipped, the failed ones ran again
 
 
-def test_fail_fast_stops_the_sweep_at_the_first_exception(tmp_path):
-    out = bench(tmp_path, "-m", "model=distilbert,lenet", "train.max_steps=3", "fail_fast=true")
-    assert out.returncode != 0 and "OSError" in out.stderr
-    assert [r["status"] for r in records(tmp_path).values()] == ["failed"]  # the digits cell never ran
+def test_fail_fast_stops_the_sweep_at_the_first_exception(tmp_path, make_checkpoint):
+    results = tmp_path / "runs"
+    out = bench(results, *_raising_grid(tmp_path, make_checkpoint("bert")), "fail_fast=true")
+    assert out.returncode != 0 and "Traceback" in out.stderr
+    assert [r["status"] for r in records(results).values()] == ["failed"]  # the good checkpoint's cell never ran
 
 
 def test_a_corrupt_record_is_reported_and_its_cell_runs_again(tmp_path):

@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from bench.tasks.base import Task
-from bench.tasks.text import batches, build_model, load_splits, load_tokenizer
+from bench.tasks.text import batches, build_model, load_splits, load_tokenizer, require_hub
 
 
 def pooled_split(splits: datasets.DatasetDict, fractions, seed: int) -> tuple[datasets.Dataset, ...]:
@@ -25,6 +25,7 @@ def pooled_split(splits: datasets.DatasetDict, fractions, seed: int) -> tuple[da
 
 
 def imdb_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
+    require_hub(cfg)
     tokenizer = load_tokenizer(cfg)
     train, val, test = pooled_split(load_splits(cfg.data), list(cfg.data.split), cfg.data.seed)
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from bench import hub
 from bench.tasks.base import Task
 
 
@@ -71,6 +72,7 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
     if cfg.data.source == "digits":
         x_train, y_train, x_test, y_test = load_digits(cfg.data.test_fraction)
     else:
+        hub.require(data=[cfg.data.name])
         x_train, y_train, x_test, y_test = load_mnist(cfg.data.name)
     x_train, y_train, x_test, y_test = (t.to(device) for t in (x_train, y_train, x_test, y_test))
     model = LeNet5().to(device)

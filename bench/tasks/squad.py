@@ -13,10 +13,11 @@ from omegaconf import DictConfig
 from bench.tasks.base import Task
 from bench.tasks.squad_processing import (postprocess_predictions, prepare_eval_features, prepare_train_features,
                                           squad_scores)
-from bench.tasks.text import batches, build_model, load_splits, load_tokenizer
+from bench.tasks.text import batches, build_model, load_splits, load_tokenizer, require_hub
 
 
 def squad_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
+    require_hub(cfg)
     tokenizer = load_tokenizer(cfg)
     splits = load_splits(cfg.data)
     train, dev = splits["train"], splits["validation"]

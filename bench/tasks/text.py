@@ -13,13 +13,22 @@ the hub schema) through datasets' file loaders.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import datasets
 import torch
 from omegaconf import DictConfig
 
+from bench import hub
+
 _LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def require_hub(cfg: DictConfig) -> None:
+    """Fail fast, naming the fixes, when the checkpoint or dataset must come from an unreachable hub."""
+    hub.require(models=[cfg.hub_name] if cfg.pretrained else [],
+                data=[cfg.data.name] if cfg.data.source == "hub" else [])
 
 
 def load_tokenizer(cfg: DictConfig):
@@ -31,6 +40,8 @@ def load_tokenizer(cfg: DictConfig):
 
 
 def load_splits(data: DictConfig) -> datasets.DatasetDict:
+    if not sys.stderr.isatty():
+        datasets.disable_progress_bars()  # no `Map:` bars in sweep logs and SLURM output
     if data.source == "hub":
         return datasets.load_dataset(data.name)
     files = {split: str(path) for split, path in data.files.items()}
