@@ -21,12 +21,15 @@ help: ## list the targets
 	@echo "             SCALINGS=$(SCALINGS) EXPERIMENT=$(EXPERIMENT) (a conf/experiment/ preset: smoke,"
 	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet) LAUNCHER=$(LAUNCHER)"
 
-setup: $(STAMP) ## create .venv and install the package (torch pinned to TORCH)
+setup: $(STAMP) ## create .venv and install the package (torch pinned to TORCH; torchao too where there is a GPU)
+
+# A machine with an NVIDIA GPU also gets the FP8 extra (torchao), so that native FP8 runs where it can.
+EXTRAS  ?= dev$(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ,fp8-gpu)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==$(TORCH)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[$(EXTRAS)]'
 	touch $@
 
 test: setup ## the fast offline test suite (slow tests excluded)

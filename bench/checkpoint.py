@@ -6,10 +6,13 @@ with the timings and metrics gathered so far. The data order of an epoch is a pu
 (seed, epoch), so replaying the epoch's batch generator up to the saved position restores the data
 stream exactly; on CPU in fp32 the resumed run ends with bitwise the same weights.
 
-Saved every `train.checkpoint_every` steps, and on SIGUSR2 / SIGTERM (what SLURM and submitit send
-before a timeout or preemption): the handler only sets a flag, the loop saves at the next step
-boundary, then hands the signal to the previous handler (submitit's requeue, or the default exit).
-Writes are atomic (temporary file + rename).
+Saved every `train.checkpoint_every` steps, on SIGUSR2 / SIGTERM (what SLURM and submitit send before a
+timeout or preemption) and on SIGINT (Ctrl-C): the handler only sets a flag, the loop saves at the next step
+boundary, hands the signal to the previous handler (submitit requeues on SIGUSR2; the default handlers
+exit or raise KeyboardInterrupt) and, if that handler returns (submitit only logs SIGTERM), stops the cell
+itself: the next launch resumes from the checkpoint. When training ends a final checkpoint is saved, so
+that a pre-emption during a long evaluation resumes at the evaluation; the runner deletes it once the
+record is written (unless keep). Writes are atomic (temporary file + rename).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from bench.scaling import LossScaler
 
-PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 CHECKPOINT_NAME = "checkpoint.pt"
 
 
@@ -96,13 +99,16 @@ class Checkpointer:
             signum, self.preempted = self.preempted, None
             previous = self._previous.get(signum, signal.SIG_DFL)
             signal.signal(signum, previous)
-            os.kill(os.getpid(), signum)  # submitit's handler requeues; the default one exits
+            os.kill(os.getpid(), signum)  # submitit's SIGUSR2 handler requeues; the default ones exit or raise
+            raise SystemExit(128 + signum)  # the previous handler returned: stop here, resumable
         elif self.every and step % self.every == 0:
             save()
 
     def finish(self, save) -> None:
-        """At the end of training: keep a final checkpoint if asked, else delete the one in progress."""
-        if self.keep:
-            save()
-        else:
+        """At the end of training: save, so that a pre-emption during the evaluation does not retrain."""
+        save()
+
+    def remove(self) -> None:
+        """Once the record is written: delete the checkpoint unless asked to keep it."""
+        if not self.keep:
             self.path.unlink(missing_ok=True)

@@ -50,6 +50,11 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def torchao_available() -> bool:
+    """torchao runs native FP8 training on CUDA (`make setup` installs it where there is a GPU)."""
+    return importlib.util.find_spec("torchao") is not None
+
+
 @dataclass(frozen=True)
 class NativeSupport:
     available: bool  # the device can run the format natively at all
@@ -66,7 +71,7 @@ def native_support(fmt: str, device: torch.device) -> NativeSupport:
         need = {"tf32": (8, 0), "fp16": (7, 0), "bf16": (8, 0), "fp8": (8, 9)}[fmt]
         has = cc >= need
         why = f"compute capability {cc[0]}.{cc[1]} {'>=' if has else '<'} {need[0]}.{need[1]}"
-        if fmt == "fp8" and has and not importlib.util.find_spec("torchao"):
+        if fmt == "fp8" and has and not torchao_available():
             return NativeSupport(False, False, why + ", but torchao is not installed (pip install '.[fp8-gpu]')")
         available = has or fmt in ("fp16", "bf16")  # older GPUs still run 16-bit kernels, slowly
         return NativeSupport(available, has, why)
@@ -207,12 +212,22 @@ def describe(device: torch.device) -> dict:
         "compute_capability": cc,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_version": torch.__version__,
+        "torchao_version": _version("torchao"),
         "cuda_version": torch.version.cuda,
         "python_version": platform.python_version(),
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
         "git_commit": _git_commit(),
     }
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 @functools.cache

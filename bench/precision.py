@@ -201,8 +201,13 @@ class Precision:
                                      "per-tensor scales); valid: format.backend=auto or emulated")
             self.native, self.why = False, f"per-tensor scaling of {fmt} needs emulation ({support.why})"
         if self.native and fmt == "fp8" and per_tensor is None:
-            raise PrecisionError("native FP8 (torchao) always scales per tensor; use scaling=per_tensor, "
-                                 "or format.backend=emulated to study unscaled FP8")
+            # torchao's FP8 recipes scale every tensor themselves: FP8 without per-tensor scales (scaling=none,
+            # static, dynamic, unit) exists only as emulation, so `auto` emulates it and says why.
+            if backend == "native":
+                raise PrecisionError("native FP8 (torchao) always scales per tensor; use scaling=per_tensor, "
+                                     "or format.backend=auto or emulated to study FP8 without per-tensor scales")
+            self.native, self.why = False, ("FP8 without per-tensor scales exists only as emulation: native FP8 "
+                                            f"(torchao tensorwise) scales every tensor itself ({support.why})")
         self.flags = set_fp32_precision(tf32=(fmt == "tf32"))
         self.telemetry = QuantTelemetry()
         self.dtype = TORCH_DTYPES.get(fmt)

@@ -30,11 +30,18 @@ def _finite_json(value):
     return value
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
     """Write to a temporary file in the same directory, fsync, then rename: old or new, never torn."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a shared results folder needs the umask's mode
         with os.fdopen(fd, "w") as f:
             json.dump(_finite_json(obj), f, indent=2, allow_nan=False)
             f.flush()

@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import shutil
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +35,21 @@ from bench.unit import ConversionError, unit_scale_task
 log = logging.getLogger(__name__)
 
 
-def preflight(cfg: DictConfig) -> tuple[torch.device, Precision]:
-    """Every check that can fail before training: choices, combinations, device support."""
+class DeviceError(ConfigError):
+    """This machine's device cannot run the cell (no GPU, no native path for the format)."""
+
+
+def preflight(cfg: DictConfig, device_checks: bool = True) -> tuple[torch.device, Precision] | None:
+    """Every check that can fail before training: choices and combinations, then (unless `device_checks` is
+    off, as for cells that will run on other machines) what the device here supports."""
     check(cfg)
+    if not device_checks:
+        return None
     try:
         device = devices.select_device(cfg.device)
         return device, build_precision(cfg, device)
     except (ValueError, PrecisionError) as e:
-        raise ConfigError(str(e)) from None
+        raise DeviceError(str(e)) from None
 
 
 def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
@@ -127,7 +136,13 @@ def run_cell(cfg: DictConfig) -> dict:
     now (status "in_flight"). Any other failure is recorded as status=failed with the error and the
     traceback tail.
     """
-    device, precision = preflight(cfg)
+    try:
+        device, precision = preflight(cfg)
+    except DeviceError as e:
+        if not os.environ.get("SLURM_JOB_ID"):
+            raise  # here, before anything starts: exit 2
+        # on a compute node the device is decided where the cell runs; a node that cannot run it is a result
+        return _record_device_failure(cfg, e)
     config = OmegaConf.to_container(cfg, resolve=True)
     if (done := finished_record(cfg, config)) is not None:
         log.info("%s: skipped, already recorded as %s", cfg.cell, done["status"])
@@ -142,6 +157,16 @@ def run_cell(cfg: DictConfig) -> dict:
         return _train_cell(cfg, config, device, precision)
 
 
+def _record_device_failure(cfg: DictConfig, error: DeviceError) -> dict:
+    config = OmegaConf.to_container(cfg, resolve=True)
+    record = {"status": "failed", "reason": f"DeviceError: {error}", "run_id": run_id(config), "config": config,
+              "env": devices.describe(torch.device("cpu")) | {"precision": {}}, "metrics": {}, "timing": {},
+              "memory": {}, "numerics": {}}
+    write_json_atomic(Path(cfg.results_dir) / cfg.cell / "result.json", record)
+    log.error("%s: failed on this node: %s", cfg.cell, error)
+    return record
+
+
 def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: Precision) -> dict:
     """run_cell's work once the cell is this process's to train."""
     run_dir = Path(cfg.results_dir) / cfg.cell
@@ -149,6 +174,7 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
     tags = [cfg.format.name, cfg.format.mode, precision.backend, cfg.scaling.name]
     memory = devices.PeakMemory(device)
     conditions = devices.TimingConditions(device)
+    checkpointer = Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint)
     scaler = build_scaler(cfg)  # replaced by the cell's; here so that a failed build still records its state
     record = {"status": "failed", "reason": None, "run_id": identity, "config": config,
               "env": devices.describe(device) | {"precision": precision.describe()},
@@ -162,7 +188,7 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
             record["model_source"] = task.source
         if cell.unit_conversion is not None:
             record["numerics"]["unit_conversion"] = cell.unit_conversion
-        with Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint) as checkpointer:
+        with checkpointer:
             resume = checkpointer.restore(task.model, optimizer, scaler, schedule)
             if resume:
                 precision.telemetry.load_state(resume.pop("telemetry"))
@@ -170,15 +196,18 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
             metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume["steps"] if resume else None)
             logger = open_logger(cfg, run_dir, config, tags, identity)
 
+            progress = ProgressLine(run_dir / "run.log", total_steps(task, cfg.train))
+
             def log_row(row: dict) -> None:
                 metrics_log(row)
                 logger.log(row)
+                progress(row)
 
             conditions.start()
             outcome = train(task, precision, scaler, optimizer, schedule, cfg.train, device, log_row,
                             label=cfg.cell, checkpointer=checkpointer, resume=resume)
             timing_conditions = conditions.finish()
-        metrics = task.evaluate(task.model, precision.inputs)
+            metrics = task.evaluate(task.model, precision.inputs)  # inside: pre-empted here, it resumes here
         record["memory"]["peak_bytes"] = memory.peak_bytes()
         record["metrics"] = {**metrics, "final_train_loss": outcome.final_loss}
         if outcome.per_epoch:
@@ -198,7 +227,7 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
         record["reason"] = f"{type(e).__name__}: {e}"
         record["traceback"] = traceback.format_exc()[-4000:]
     except BaseException:
-        # Interrupted (Ctrl-C, exit): no record, so that the next launch resumes from the checkpoint.
+        # Interrupted (Ctrl-C, pre-emption, exit): no record, so that the next launch resumes from the checkpoint.
         logger.finish(None)
         raise
     finally:
@@ -206,15 +235,42 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
             metrics_log.close()
     record["numerics"] |= scaler.state() | {"quantisation": precision.telemetry.summary()}
     write_json_atomic(run_dir / "result.json", record)
+    if record["status"] != "failed":  # a failed cell keeps its checkpoint: retry_failed=true resumes it
+        checkpointer.remove()
     logger.finish(record)
     log.info("%s: %s %s", cfg.cell, record["status"], record["reason"] or record["metrics"])
     return record
+
+
+class ProgressLine:
+    """One line per log step in the cell's run.log (step, loss, loss scale, steps/s, ETA), with or without a
+    terminal; the console keeps tqdm's bar."""
+
+    def __init__(self, path: Path, total: int):
+        self.path, self.total, self.last = path, total, None
+
+    def __call__(self, row: dict) -> None:
+        if "loss" not in row:
+            return
+        now = time.perf_counter()
+        rate = None
+        if self.last is not None and row["step"] > self.last[0]:
+            rate = (row["step"] - self.last[0]) / (now - self.last[1])
+        self.last = (row["step"], now)
+        eta = f"{(self.total - row['step']) / rate:.0f} s" if rate else "?"
+        with open(self.path, "a") as f:
+            f.write(f"[progress] step {row['step']}/{self.total} loss {row['loss']:.4g} scale {row['loss_scale']:g} "
+                    f"{f'{rate:.1f}' if rate else '?'} steps/s ETA {eta}\n")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> dict:
     try:
         record = run_cell(cfg)
+    except KeyboardInterrupt:
+        print(f"interrupted: {cfg.cell} (its checkpoint is saved at the last step boundary); run the same command "
+              "again to resume it", file=sys.stderr)
+        sys.exit(130)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         _remove_setup_leftovers(Path(cfg.results_dir), cfg.cell)

@@ -6,7 +6,7 @@ import transformers
 from bench import prepare
 
 
-def test_prepare_fetches_every_configured_model_and_dataset(monkeypatch):
+def test_prepare_fetches_every_configured_model_and_dataset(monkeypatch, hub_answers):
     fetched = []
     record = lambda kind: (lambda name, *a, **k: fetched.append((kind, name)))  # noqa: E731
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", record("tokenizer"))

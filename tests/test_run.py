@@ -67,7 +67,7 @@ def test_fp32_digits_default_reaches_97_percent(make_cfg):
     assert record["metrics"]["test_accuracy"] >= 0.97
 
 
-def test_hub_mnist_loader_converts_the_hub_schema(make_cfg, monkeypatch):
+def test_hub_mnist_loader_converts_the_hub_schema(make_cfg, monkeypatch, hub_answers):
     """data.source=hub goes through datasets.load_dataset by name; here a stand-in returns MNIST's schema."""
     import datasets
     import numpy as np
@@ -144,3 +144,36 @@ def test_threads_are_set_part_of_the_identity_and_the_timing_conditions_recorded
         assert isinstance(conditions["disturbed"], bool) and conditions["other_processes_cores"] >= 0
     assert records[1][1] != records[2][1]  # the thread count changes reduction order: another run
     torch.set_num_threads(1)
+
+
+def test_a_device_the_cell_cannot_use_fails_at_once_here_and_is_recorded_on_a_compute_node(make_cfg, tmp_path,
+                                                                                          monkeypatch):
+    """device=cuda on a machine without a GPU: a config error where the user typed it; in a SLURM job, where the
+    login node could not know what the node has, a failed record naming the reason."""
+    from bench.run import DeviceError
+
+    cfg = make_cfg("device=cuda", "train.max_steps=2")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(DeviceError, match="no CUDA device is visible"):
+        run_cell(cfg)
+    assert not list(Path(tmp_path).rglob("result.json"))
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    record = run_cell(cfg)
+    assert record["status"] == "failed" and "no CUDA device is visible" in record["reason"]
+    assert read_record(Path(tmp_path) / cfg.cell / "result.json")["status"] == "failed"
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o002, 0o664)])
+def test_records_get_the_permissions_the_umask_gives_new_files(tmp_path, umask, mode):
+    """A shared results folder: the team reads each other's records (mkstemp alone would make them 0600)."""
+    import os
+    import stat
+
+    from bench.record import write_json_atomic
+
+    old = os.umask(umask)
+    try:
+        write_json_atomic(tmp_path / "result.json", {"status": "ok"})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "result.json").stat().st_mode) == mode

@@ -87,7 +87,7 @@ def _final_weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGUSR2])
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT])
 def test_an_interrupted_run_resumes_to_bitwise_the_same_weights(tmp_path, how):
     args = ["format=fp32", "train.checkpoint_every=40", "train.keep_checkpoint=true", "train.max_steps=600"]
     reference_dir, interrupted_dir = tmp_path / "reference", tmp_path / "interrupted"
@@ -100,8 +100,11 @@ def test_an_interrupted_run_resumes_to_bitwise_the_same_weights(tmp_path, how):
         time.sleep(0.005)
     assert proc.poll() is None, "the run finished before it could be interrupted"
     proc.send_signal(how)
-    proc.wait(timeout=60)
+    output = proc.communicate(timeout=60)[0]
     assert proc.returncode != 0 and not (checkpoint.parent / "result.json").exists()
+    if how == signal.SIGINT:  # Ctrl-C: one line saying what stopped and how to resume, no traceback
+        assert "interrupted: default/lenet" in output and "run the same command again" in output
+        assert "Traceback" not in output
     stopped_at = torch.load(checkpoint, weights_only=False)["loop"]["steps"]
     assert 0 < stopped_at < 600
     resumed = bench(interrupted_dir, *args)
@@ -172,3 +175,57 @@ def test_two_sweeps_into_one_directory_at_once_train_each_cell_once(tmp_path):
     assert len(trained) == 4 and len(set(trained)) == 4, trained  # four cells, each trained by one sweep
     assert "another process is training it now" in both
     assert len(records(tmp_path)) == 4
+
+
+def test_a_signal_handler_that_returns_does_not_keep_the_cell_training(tmp_path):
+    """submitit's SIGTERM handler only logs: after the checkpoint the cell stops all the same (SIGKILL would
+    otherwise end it mid-step)."""
+    from bench.checkpoint import Checkpointer
+
+    logged = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: logged.append("bypassed"))
+    try:
+        saved = []
+        with Checkpointer(tmp_path, "id", None, False) as checkpointer:
+            os.kill(os.getpid(), signal.SIGTERM)
+            with pytest.raises(SystemExit) as stop:
+                checkpointer.after_step(7, lambda: saved.append(7))
+        assert saved == [7] and logged == ["bypassed"] and stop.value.code == 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_checkpoint_outlives_the_final_evaluation_and_goes_with_the_record(make_cfg, tmp_path, monkeypatch):
+    """A pre-emption during a long evaluation (BERT on SQuAD's dev set) must not retrain from step 0."""
+    import bench.run
+
+    seen = {}
+    build = bench.run.build_task
+
+    def build_watching(*args):
+        task = build(*args)
+        evaluate = task.evaluate
+
+        def watched(model, inputs):
+            seen["checkpoint during evaluation"] = any(Path(tmp_path).rglob("checkpoint.pt"))
+            return evaluate(model, inputs)
+
+        task.evaluate = watched
+        return task
+
+    monkeypatch.setattr(bench.run, "build_task", build_watching)
+    record = bench.run.run_cell(make_cfg("train.max_steps=20"))
+    assert record["status"] == "ok" and seen == {"checkpoint during evaluation": True}
+    assert not any(Path(tmp_path).rglob("checkpoint.pt"))  # keep_checkpoint=false: gone once the record is written
+
+
+def test_a_cell_killed_during_its_final_evaluation_resumes_there_without_retraining(tmp_path):
+    args = ["train.max_steps=200", "train.keep_checkpoint=true"]
+    assert bench(tmp_path, *args).returncode == 0
+    record = next(Path(tmp_path).rglob("result.json"))
+    first = json.loads(record.read_text())
+    record.unlink()  # as if the job was killed while evaluating: the final checkpoint is there, no record
+    again = bench(tmp_path, *args)
+    assert again.returncode == 0 and "resuming from its checkpoint at step 200" in again.stdout + again.stderr
+    second = json.loads(record.read_text())
+    assert second["metrics"] == first["metrics"] and second["timing"]["steps"] == 200

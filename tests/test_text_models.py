@@ -43,7 +43,7 @@ def test_tiny_distilbert_learns_the_fixture_sentiment(make_cfg, tmp_path):
     assert [e["epoch"] for e in record["metrics"]["per_epoch"]] == [0, 1, 2]
 
 
-def test_imdb_hub_path_pools_labelled_splits_like_raschka(make_cfg, tmp_path, monkeypatch):
+def test_imdb_hub_path_pools_labelled_splits_like_raschka(make_cfg, tmp_path, monkeypatch, hub_answers):
     rows = datasets.load_dataset("json", data_files=str(DATA_DIR / "fixtures/imdb_tiny.jsonl"))["train"]
     hub = datasets.DatasetDict({"train": rows.select(range(200)), "test": rows.select(range(200, 400)),
                                 "unsupervised": rows.select(range(50))})

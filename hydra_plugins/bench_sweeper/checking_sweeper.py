@@ -2,7 +2,8 @@
 
 Hydra's basic sweeper with three additions:
 - every cell of a sweep is checked before the first one trains (a bad combination anywhere in the
-  grid costs nothing);
+  grid costs nothing); what the device supports is checked here only when the cells run on this machine
+  (not for SLURM, whose nodes decide for themselves);
 - cells whose record is already finished are not launched at all (on SLURM: no job is submitted),
   and the log names each one; failed or diverged cells re-run with retry_failed=true;
 - the sweep ends with a status summary and a non-zero exit if any cell (run now or before) failed.
@@ -32,6 +33,8 @@ class CheckingSweeper(BasicSweeper):
 
     def setup(self, *args, **kwargs) -> None:
         super().setup(*args, **kwargs)
+        # SLURM cells run on compute nodes: what their device supports is decided there, not on the login node
+        self._cells_run_here = "Slurm" not in type(self.launcher).__name__
         launch = self.launcher.launch
 
         def launch_unless_empty(batch, initial_job_idx):
@@ -62,7 +65,7 @@ class CheckingSweeper(BasicSweeper):
         for overrides in super().get_job_batch():
             cfg = self._compose(overrides)
             try:
-                preflight(cfg)
+                preflight(cfg, device_checks=self._cells_run_here)
                 identity = run_id(OmegaConf.to_container(cfg, resolve=True))
                 if places.setdefault(cfg.cell, (identity, overrides))[0] != identity:
                     raise ConfigError(f"cell [{' '.join(places[cfg.cell][1])}] would write to the same place "

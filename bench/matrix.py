@@ -1,0 +1,80 @@
+"""What `format.backend=auto` decides on each device a cluster may have: `python -m bench.matrix`.
+
+The decision is `bench.precision.Precision`'s, asked on simulated devices (the CPU's flags, a CUDA compute
+capability, whether torchao is installed, an XLA device), so the table below is what the code does, not a
+description of it. The README carries the table; a test keeps the two equal and checks every decision
+against the rules written out by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from unittest import mock
+
+import torch
+
+from bench import device as devices
+from bench.precision import FORMAT_MODES, Precision
+from bench.scaling import SCALING_METHODS
+
+# name -> (device type, CPU flags, CUDA compute capability, torchao installed)
+PROFILES = {
+    "CPU without 16-bit units": ("cpu", (), None, False),
+    "CPU with avx512_bf16": ("cpu", ("avx512_bf16",), None, False),
+    "CPU with AMX (bf16, fp16)": ("cpu", ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"), None, False),
+    "V100 (7.0)": ("cuda", (), (7, 0), True),
+    "A100 (8.0)": ("cuda", (), (8, 0), True),
+    "H100 (9.0) without torchao": ("cuda", (), (9, 0), False),
+    "H100 (9.0) with torchao": ("cuda", (), (9, 0), True),
+    "B200 (10.0) with torchao": ("cuda", (), (10, 0), True),
+    "TPU (torch_xla)": ("xla", (), None, False),
+}
+SETTINGS = [(fmt, mode) for fmt, modes in FORMAT_MODES.items() for mode in modes]
+
+
+@contextlib.contextmanager
+def simulated(profile: str):
+    """Within the block, bench.device answers as the named device would; yields its torch.device."""
+    kind, flags, capability, torchao = PROFILES[profile]
+    with mock.patch.object(devices, "_cpu_flags", lambda: frozenset(flags)), \
+            mock.patch.object(devices, "torchao_available", lambda: torchao), \
+            mock.patch.object(torch.cuda, "is_available", lambda: kind == "cuda"), \
+            mock.patch.object(torch.cuda, "get_device_capability", lambda *_: capability):
+        yield torch.device(kind)
+
+
+def decide(profile: str, fmt: str, mode: str, scaling: str) -> tuple[str, str]:
+    """(native | emulated, why) for one cell under format.backend=auto on a simulated device."""
+    per_tensor = (lambda tensor_class, spec: None) if scaling == "per_tensor" else None
+    with simulated(profile) as device:
+        precision = Precision(fmt, mode, "auto", None, False, device, per_tensor)
+    return precision.backend, precision.why
+
+
+def _setting(fmt: str, mode: str) -> str:
+    return {"fp32": "32-true", "tf32": "tf32", "fp8": "fp8-mixed"}.get(fmt, f"{fmt.replace('fp16', '16')}-{mode}")
+
+
+def _summary(decisions: dict[str, str]) -> str:
+    """One table cell: the backend, and the scaling methods that differ from the rest."""
+    backends = set(decisions.values())
+    if len(backends) == 1:
+        return backends.pop()
+    per_tensor = decisions["per_tensor"]
+    return f"{per_tensor} with per_tensor, else {'emulated' if per_tensor == 'native' else 'native'}"
+
+
+def markdown() -> str:
+    """The table: one row per device, one column per format setting."""
+    header = "| device | " + " | ".join(_setting(f, m) for f, m in SETTINGS) + " |"
+    lines = [header, "|" + "---|" * (len(SETTINGS) + 1)]
+    for profile in PROFILES:
+        cells = [_summary({s: decide(profile, f, m, s)[0] for s in SCALING_METHODS}) for f, m in SETTINGS]
+        lines.append(f"| {profile} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown())
+    sys.exit(0)

@@ -1,0 +1,83 @@
+"""The device matrix: what format.backend=auto decides on every device a cluster may have, checked against the
+rules written out by hand, kept equal to the README's table, and no cell of any grid refused on any device."""
+
+import itertools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.config import check
+from bench.matrix import PROFILES, SETTINGS, decide, markdown, simulated
+from bench.run import build_precision
+from bench.scaling import SCALING_METHODS
+from tests.conftest import CONF
+
+README = CONF.parent / "README.md"
+
+
+def expected(profile: str, fmt: str, scaling: str) -> tuple[str, str]:
+    """The rules, independently of bench/device.py: (backend, a phrase the reason must contain)."""
+    kind, flags, capability, torchao = PROFILES[profile]
+    if fmt == "fp32":
+        return "native", "FP32 is native everywhere"
+    if fmt == "fp8":
+        if kind != "cuda" or capability < (8, 9):
+            return "emulated", {"cpu": "no fp8 compute path", "xla": "bf16 only", "cuda": "< 8.9"}[kind]
+        if not torchao:
+            return "emulated", "torchao is not installed"
+        return ("native", ">= 8.9") if scaling == "per_tensor" else ("emulated", "exists only as emulation")
+    if kind == "cpu":
+        fast = {"tf32": False, "fp16": bool({"avx512_fp16", "amx_fp16"} & set(flags)),
+                "bf16": bool({"avx512_bf16", "amx_bf16"} & set(flags))}[fmt]
+    elif kind == "cuda":
+        fast = capability >= {"tf32": (8, 0), "fp16": (7, 0), "bf16": (8, 0)}[fmt]
+    else:
+        fast = fmt == "bf16"
+    if fast and scaling == "per_tensor":
+        return "emulated", "per-tensor scaling of"
+    return ("native", "") if fast else ("emulated", "")
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_every_decision_follows_the_rules(profile):
+    for (fmt, mode), scaling in itertools.product(SETTINGS, SCALING_METHODS):
+        backend, why = decide(profile, fmt, mode, scaling)
+        want, reason = expected(profile, fmt, scaling)
+        assert (backend, reason in why) == (want, True), (profile, fmt, mode, scaling, backend, why)
+
+
+def test_the_readme_shows_the_table_the_code_makes():
+    assert markdown() in README.read_text(), "README's device matrix is stale: paste `python -m bench.matrix`"
+
+
+def _grids() -> dict[str, list[dict]]:
+    """Every cell of the default `make sweep` grid and of every preset, as {group: option} choices."""
+    makefile = (CONF.parent / "Makefile").read_text()
+    default = {key: next(line.split("?=")[1].strip() for line in makefile.splitlines()
+                         if line.startswith(var) and "?=" in line)
+               for key, var in (("format", "FORMATS"), ("scaling", "SCALINGS"))}
+    grids = {"default": [default | {"model": "lenet"}]}
+    for preset in sorted((CONF / "experiment").glob("*.yaml")):
+        params = yaml.safe_load(preset.read_text())["hydra"]["sweeper"]["params"]
+        grids[preset.stem] = [{k: str(v) for k, v in params.items()} | {"experiment": preset.stem}]
+    cells = {}
+    for name, (grid,) in grids.items():
+        keys = list(grid)
+        cells[name] = [dict(zip(keys, values)) for values in itertools.product(*(str(grid[k]).split(",")
+                                                                                   for k in keys))]
+    return cells
+
+
+def test_no_cell_of_any_grid_is_refused_on_any_device(make_cfg):
+    composed = []
+    for name, cells in _grids().items():
+        for cell in cells:
+            cfg = make_cfg(*(f"{k}={v}" for k, v in cell.items()))
+            check(cfg)
+            composed.append((name, cell, cfg))
+    assert len(composed) > 100
+    for profile in PROFILES:
+        with simulated(profile) as device:
+            for name, cell, cfg in composed:
+                build_precision(cfg, device)  # raises PrecisionError for a refused cell
