@@ -229,3 +229,35 @@ def test_a_cell_killed_during_its_final_evaluation_resumes_there_without_retrain
     assert again.returncode == 0 and "resuming from its checkpoint at step 200" in again.stdout + again.stderr
     second = json.loads(record.read_text())
     assert second["metrics"] == first["metrics"] and second["timing"]["steps"] == 200
+
+
+def _submitit_jobs() -> list[int]:
+    """PIDs of submitit's local job processes (python -m submitit.core._submit ...)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"submitit.core._submit" in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_job_that_ends_without_a_result_fails_its_cell_and_the_sweep_finishes(tmp_path):
+    """As scancel, an out-of-memory kill or a node failure: the sweep waits for the others, prints its summary
+    with that cell failed, exits 1; the next launch completes the cell with exactly one record."""
+    grid = ["-m", "hydra/launcher=submitit_local", "format=fp32,fp16", "train.max_steps=400"]
+    proc = bench(tmp_path, *grid, wait=False)
+    deadline = time.time() + 120
+    while not (list(Path(tmp_path).rglob(".lock")) and _submitit_jobs()) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # training
+    victim = _submitit_jobs()[0]
+    os.kill(victim, signal.SIGKILL)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 1, output[-3000:]
+    assert "sweep: 1 ok, 0 diverged, 1 failed" in output and "ended without a result" in output, output[-3000:]
+    assert len(records(tmp_path)) == 1  # the killed cell wrote nothing
+    again = bench(tmp_path, *grid)
+    assert again.returncode == 0 and "sweep: 2 ok" in again.stderr, again.stderr[-3000:]
+    assert len(records(tmp_path)) == 2

@@ -6,11 +6,13 @@ Hydra's basic sweeper with three additions:
   (not for SLURM, whose nodes decide for themselves);
 - cells whose record is already finished are not launched at all (on SLURM: no job is submitted),
   and the log names each one; failed or diverged cells re-run with retry_failed=true;
-- the sweep ends with a status summary and a non-zero exit if any cell (run now or before) failed.
+- the sweep ends with a status summary and a non-zero exit if any cell (run now or before) failed,
+  including a SLURM job that ended without a result (cancelled, killed), which no longer ends the sweep.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections import Counter
@@ -26,6 +28,38 @@ from bench.record import IN_FLIGHT, STATUSES, in_flight, run_id
 log = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def _jobs_without_a_result_count_as_failed():
+    """hydra-submitit-launcher collects `[job.results()[0] for job in jobs]`: one job that ends without a result
+    (scancel, out of memory, node failure, hard time-out) raises UncompletedJobError there, and the sweep dies
+    without waiting for the others or printing its summary. Within this block such a job instead returns a
+    failed outcome; it writes no record, so the next launch runs the cell again (from its checkpoint)."""
+    try:
+        import submitit
+        from submitit.core.utils import UncompletedJobError
+    except ImportError:  # the local launcher needs neither
+        yield
+        return
+    from hydra.core.utils import JobReturn, JobStatus
+
+    results = submitit.Job.results
+
+    def results_or_failure(job):
+        try:
+            return results(job)
+        except UncompletedJobError as e:
+            reason = f"job {job.job_id} ended without a result ({job.state}): {str(e).splitlines()[0]}"
+            log.error("%s", reason)
+            return [JobReturn(status=JobStatus.COMPLETED,
+                              _return_value={"status": "failed", "reason": reason, "skipped": False})]
+
+    submitit.Job.results = results_or_failure
+    try:
+        yield
+    finally:
+        submitit.Job.results = results
+
+
 class CheckingSweeper(BasicSweeper):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -38,7 +72,10 @@ class CheckingSweeper(BasicSweeper):
         launch = self.launcher.launch
 
         def launch_unless_empty(batch, initial_job_idx):
-            return launch(batch, initial_job_idx=initial_job_idx) if batch else []  # submitit refuses empty
+            if not batch:
+                return []  # submitit refuses an empty array
+            with _jobs_without_a_result_count_as_failed():
+                return launch(batch, initial_job_idx=initial_job_idx)
 
         self.launcher.launch = launch_unless_empty
 
