@@ -168,6 +168,13 @@ def set_fp32_precision(tf32: bool) -> dict[str, str]:
     }
 
 
+def torchao_float8_config():
+    """The native FP8 recipe: torchao's tensorwise float8 training (tests run it with emulate=True on CPU)."""
+    from torchao.float8 import Float8LinearConfig
+
+    return Float8LinearConfig.from_recipe_name("tensorwise")
+
+
 class Precision:
     """A run's format decisions, made once: native or emulated, which sites round, TF32 flags."""
 
@@ -209,6 +216,7 @@ class Precision:
             self.native, self.why = False, ("FP8 without per-tensor scales exists only as emulation: native FP8 "
                                             f"(torchao tensorwise) scales every tensor itself ({support.why})")
         self.flags = set_fp32_precision(tf32=(fmt == "tf32"))
+        self.fp8_modules = None  # native FP8: which Linear layers torchao converted and which it left alone
         self.telemetry = QuantTelemetry()
         self.dtype = TORCH_DTYPES.get(fmt)
 
@@ -232,12 +240,17 @@ class Precision:
             return model
         if self.native:
             if self.format == "fp8":
-                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+                from torchao.float8 import convert_to_float8_training
 
-                config = Float8LinearConfig.from_recipe_name("tensorwise")
-                return convert_to_float8_training(
-                    model, config=config,
+                model = convert_to_float8_training(
+                    model, config=torchao_float8_config(),
                     module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+                self.fp8_modules = {
+                    "converted": [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"],
+                    "kept_in_high_precision": [n for n, m in model.named_modules()
+                                               if type(m) in (nn.Linear, nn.Conv2d)],
+                }
+                return model
             return model.to(self.dtype) if self.mode == "true" else model
         for module in model.modules():
             emulated = _EMULATED.get(type(module))
@@ -292,4 +305,5 @@ class Precision:
             "fp32_precision_flags": self.flags,
             "native_recipe": "torchao float8 tensorwise (per-tensor dynamic scaling)"
             if self.native and self.format == "fp8" else None,
+            "fp8_modules": self.fp8_modules,
         }

@@ -100,10 +100,28 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     if cfg.scaling.name == "unit":
         conversion = unit_scale_task(task, preserve=cfg.model.get("pretrained", False),
                                      tolerance=cfg.scaling.conversion_tolerance)
+    flops = step_flops_by_module(task) if precision.native and precision.format == "fp8" else None
     precision.prepare(task.model)
+    if flops is not None:  # how much of a training step torchao's filter actually put in FP8
+        root = type(task.model).__name__
+        converted = sum(flops.get(f"{root}.{name}", 0) for name in precision.fp8_modules["converted"])
+        precision.fp8_modules["converted_flop_share"] = converted / flops["Global"] if flops["Global"] else None
     optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters())
     schedule = build_schedule(cfg.model.optimizer.schedule, optimizer, total_steps(task, cfg.train))
     return Cell(task, build_scaler(cfg), optimizer, schedule, conversion)
+
+
+def step_flops_by_module(task: Task) -> dict[str, int]:
+    """FLOPs of one training step (forward and backward on the first batch) by module, as FlopCounterMode names
+    them (`<root class>.<name>`, and "Global"); the random streams are left as they were."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.random.fork_rng(), counter:
+        outputs, targets = task.forward(task.model, next(iter(task.train_batches(0))), lambda x: x)
+        task.compute_loss(outputs, targets).backward()
+    task.model.zero_grad(set_to_none=True)
+    return {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
 
 
 def finished_record(cfg: DictConfig, config: dict | None = None) -> dict | None:
@@ -183,6 +201,7 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
     try:
         memory.reset()
         cell = build_cell(cfg, precision)
+        record["env"]["precision"] = precision.describe()  # now with what prepare() did to the model
         task, scaler, optimizer, schedule = cell.task, cell.scaler, cell.optimizer, cell.schedule
         if task.source is not None:
             record["model_source"] = task.source
