@@ -12,7 +12,7 @@ LAUNCHER ?= local
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
-.PHONY: help setup test test-slow sweep tables bench prepare sync chaos clean
+.PHONY: help setup test test-slow sweep tables bench prepare sync chaos doctor clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -62,6 +62,9 @@ sync: setup ## upload the offline W&B runs under RESULTS (needs WANDB_API_KEY)
 
 chaos: setup ## kill, crash, diverge and corrupt cells of a small sweep; re-run until complete; check the records
 	$(PY) -m bench.chaos
+
+doctor: setup ## self-test of this node: device, one step per native path, W&B, HF cache, SLURM (< 2 min)
+	$(PY) -m bench.doctor
 
 clean: ## remove the virtual environment and caches (records are kept)
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,140 @@
+"""`make doctor`: a self-test to run on a new node before a sweep (well under 2 minutes).
+
+    python -m bench.doctor
+
+Prints the device and its flags; for every precision setting the device claims to run natively, one training
+step of a tiny model (pass/fail and step time), with fp32 checked against float64 so that TF32 is provably
+off; whether W&B is online, offline or unreachable; which presets have their Hugging Face models and
+datasets cached; the SLURM variables in the environment. Exits 1 if a path the device claims fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import time
+
+import torch
+from hydra import compose, initialize_config_dir
+from tabulate import tabulate
+from torch import nn
+
+from bench import device as devices
+from bench import hub
+from bench.config import DATA_DIR
+from bench.matrix import SETTINGS
+from bench.precision import Precision, set_fp32_precision
+
+CONF = DATA_DIR.parents[1] / "conf"
+
+
+def fp32_is_ieee(device: torch.device) -> tuple[bool, str]:
+    """A 512x512 matmul with TF32 off against float64: TF32 (10-bit mantissa inputs) would miss by ~1e-3."""
+    set_fp32_precision(tf32=False)
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(512, 512, generator=generator) for _ in range(2))
+    ours = (a.to(device) @ b.to(device)).cpu().double()
+    error = ((ours - a.double() @ b.double()).abs().max() / (a.double() @ b.double()).abs().max()).item()
+    return error < 1e-5, f"max relative error vs float64 {error:.1e}"
+
+
+def one_step(fmt: str, mode: str, device: torch.device) -> tuple[bool, str]:
+    """Two training steps of a tiny MLP natively in (fmt, mode); the second is timed."""
+    per_tensor = (lambda tensor_class, spec: None) if fmt == "fp8" else None
+    try:
+        precision = Precision(fmt, mode, "native", None, False, device, per_tensor)
+        torch.manual_seed(0)
+        model = precision.prepare(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16)).to(device))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = torch.randn(32, 64, device=device), torch.randint(0, 16, (32,), device=device)
+        for _ in range(2):
+            start = time.perf_counter()
+            with precision.autocast():
+                loss = nn.functional.cross_entropy(model(precision.inputs(x)).float(), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            devices.synchronize(device)
+            elapsed = time.perf_counter() - start
+        if not torch.isfinite(loss):
+            return False, f"loss {loss.item()}"
+        return True, f"{1e3 * elapsed:.2f} ms a step"
+    except Exception as e:  # noqa: BLE001 - the point is to report it
+        return False, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def precision_rows(device: torch.device) -> tuple[list[list[str]], bool]:
+    rows, healthy = [], True
+    ok, detail = fp32_is_ieee(device)
+    rows.append(["32-true (TF32 off)", "native", "pass" if ok else "FAIL", detail])
+    healthy &= ok
+    for fmt, mode in SETTINGS:
+        if fmt == "fp32":
+            continue
+        setting = f"{fmt}-{mode}" if fmt in ("fp16", "bf16") else fmt
+        support = devices.native_support(fmt, device)
+        if not support.available:
+            rows.append([setting, "emulated", "–", support.why])
+            continue
+        ok, detail = one_step(fmt, mode, device)
+        rows.append([setting, "native" if support.fast else "native (slow; auto emulates)",
+                     "pass" if ok else "FAIL", f"{detail}; {support.why}"])
+        healthy &= ok
+    return rows, healthy
+
+
+def wandb_state() -> str:
+    if os.environ.get("WANDB_MODE") in ("offline", "disabled"):
+        return f"{os.environ['WANDB_MODE']} (WANDB_MODE)"
+    if not os.environ.get("WANDB_API_KEY"):
+        return "offline (no WANDB_API_KEY: runs are kept locally; `make sync` uploads them later)"
+    try:
+        socket.create_connection(("api.wandb.ai", 443), timeout=3).close()
+    except OSError as e:
+        return f"unreachable ({type(e).__name__}): runs go offline, `make sync` later"
+    return "online"
+
+
+def preset_rows() -> list[list[str]]:
+    """For every preset and the default: whether its hub models and datasets are cached here."""
+    reachable = hub.reachable()
+    rows = []
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for preset in [None, *sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))]:
+            cfg = compose("config", overrides=[f"experiment={preset}"] if preset else [])
+            model = cfg.model
+            needs = [("model", model.hub_name)] if model.get("pretrained") else []
+            needs += [("dataset", model.data.name)] if model.data.source == "hub" else []
+            missing = [name for kind, name in needs
+                       if not (hub.model_cached(name) if kind == "model" else hub.dataset_cached(name))]
+            state = "nothing to download" if not needs else ("cached" if not missing else
+                                                            f"not cached: {', '.join(missing)}")
+            if missing:
+                state += " (the hub answers: it downloads)" if reachable else " (hub unreachable: `make prepare`)"
+            rows.append([preset or "default (make sweep)", state])
+    return rows
+
+
+def main() -> int:
+    device = devices.select_device("auto")
+    described = devices.describe(device)
+    flags = sorted(devices._cpu_flags() & {"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512f"})
+    print(f"device: {device.type}, {described['device_name']}"
+          + (f", compute capability {described['compute_capability']}" if described["compute_capability"] else "")
+          + f"; CPU flags: {', '.join(flags) or 'no 16-bit units'}; torch {described['torch_version']}, "
+          f"torchao {described['torchao_version'] or 'not installed'}")
+    rows, healthy = precision_rows(device)
+    print(tabulate(rows, headers=["setting", "path here", "step", "detail"], tablefmt="github"))
+    print(f"\nW&B: {wandb_state()}")
+    print(tabulate(preset_rows(), headers=["preset", "Hugging Face cache"], tablefmt="github"))
+    slurm = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_")}
+    print(f"\nSLURM: {', '.join(f'{k}={v}' for k, v in slurm.items()) or 'no SLURM_* variables (not in a job)'}; "
+          f"sacct {'found' if shutil.which('sacct') else 'not found (submitit needs it to see jobs end)'}")
+    print(f"\ndoctor: {'every native path this device claims works' if healthy else 'a native path FAILED'}")
+    return 0 if healthy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
