@@ -4,7 +4,9 @@ PYTHON  ?= python3
 VENV    ?= .venv
 TORCH   ?= 2.13.0
 RESULTS ?= results/runs
-TABLES  ?= results/tables
+# Tables go to an ignored directory: `make sweep` never rewrites committed files (`make default-tables` does).
+TABLES  ?= results/local/tables
+SEEDS   ?= 0
 FORMATS ?= fp32,tf32,fp16,bf16,fp8
 SCALINGS ?= none,static,dynamic,per_tensor,unit
 EXPERIMENT ?=
@@ -12,12 +14,12 @@ LAUNCHER ?= local
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
-.PHONY: help setup test test-slow sweep tables bench prepare sync chaos doctor clean
+.PHONY: help setup test test-slow sweep tables default-tables bench prepare sync chaos doctor clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
-	@echo "  variables: TORCH=$(TORCH) RESULTS=$(RESULTS) TABLES=$(TABLES) FORMATS=$(FORMATS)"
+	@echo "  variables: TORCH=$(TORCH) RESULTS=$(RESULTS) TABLES=$(TABLES) SEEDS=$(SEEDS) FORMATS=$(FORMATS)"
 	@echo "             SCALINGS=$(SCALINGS) EXPERIMENT=$(EXPERIMENT) (a conf/experiment/ preset: smoke,"
 	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet) LAUNCHER=$(LAUNCHER)"
 
@@ -40,15 +42,19 @@ test-slow: setup ## only the slow end-to-end tests
 
 sweep: setup ## LeNet x FORMATS x SCALINGS on the digits (or EXPERIMENT=<preset>; LAUNCHER=local|submitit_local|slurm)
 ifeq ($(EXPERIMENT),)
-	$(PY) -m bench.run -m hydra/launcher=$(LAUNCHER) model=lenet format=$(FORMATS) scaling=$(SCALINGS) seed=0 \
+	$(PY) -m bench.run -m hydra/launcher=$(LAUNCHER) model=lenet format=$(FORMATS) scaling=$(SCALINGS) seed=$(SEEDS) \
 		results_dir=$(RESULTS)
 else
 	$(PY) -m bench.run -m hydra/launcher=$(LAUNCHER) experiment=$(EXPERIMENT) results_dir=$(RESULTS)
 endif
 	$(MAKE) --no-print-directory tables
 
-tables: setup ## Markdown + CSV tables from the records under RESULTS
+tables: setup ## Markdown + CSV tables from the records under RESULTS (into TABLES; prints the headline table)
 	$(PY) -m bench.aggregate $(RESULTS) --out $(TABLES)
+
+default-tables: setup ## regenerate the committed results/tables/default from a fresh default sweep
+	rm -rf results/runs/committed
+	$(MAKE) --no-print-directory sweep RESULTS=results/runs/committed TABLES=results/tables
 
 bench: setup ## measure harness overhead, emulation cost, native speed (on CUDA), aggregation; JSON to results/bench/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'

@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -275,6 +276,7 @@ def check(cfg: DictConfig) -> None:
     _choice(cfg.logger.name, LOGGERS, "logger")
     if not (cfg.train.loss_multiplier > 0 and math.isfinite(cfg.train.loss_multiplier)):
         raise ConfigError(f"train.loss_multiplier={cfg.train.loss_multiplier} must be finite and > 0")
+    check_results_dir(Path(cfg.results_dir))
     if cfg.threads is not None and cfg.threads < 1:
         raise ConfigError(f"threads={cfg.threads} must be >= 1 (or null for torch's default, one per core)")
     if cfg.train.epochs < 1:
@@ -287,6 +289,17 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"scaling.conversion_tolerance={cfg.scaling.conversion_tolerance} must be > 0")
     if cfg.scaling.loss_scaling != "none" and cfg.scaling.init_scale <= 0:
         raise ConfigError(f"scaling.init_scale={cfg.scaling.init_scale} must be > 0")
+
+
+def check_results_dir(path: Path) -> None:
+    """Records must be writable there: the nearest existing directory on the way must accept new files."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"results_dir={path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"results_dir={path}: {existing} is not writable by this user")
 
 
 def _check_text_model(model: DictConfig) -> None:

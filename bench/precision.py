@@ -193,6 +193,8 @@ class Precision:
         support = native_support(fmt, device)
         if fmt == "fp32":
             self.native, self.why = True, support.why
+            if per_tensor is not None:
+                self.why += "; scaling=per_tensor does nothing here: FP32 quantises no tensor (a baseline cell)"
         elif backend == "native":
             if not support.available:
                 raise PrecisionError(f"format.backend=native but {fmt} has no native path on {device.type}: "

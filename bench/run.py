@@ -213,7 +213,8 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
                 precision.telemetry.load_state(resume.pop("telemetry"))
                 log.info("%s: resuming from its checkpoint at step %d", cfg.cell, resume["steps"])
             metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume["steps"] if resume else None)
-            logger = open_logger(cfg, run_dir, config, tags, identity)
+            # W&B groups by what ran (setting, native/emulated), not by what was asked (backend: auto)
+            logger = open_logger(cfg, run_dir, config | {"precision": record["env"]["precision"]}, tags, identity)
 
             progress = ProgressLine(run_dir / "run.log", total_steps(task, cfg.train))
 

@@ -91,6 +91,8 @@ def precision_table(cells: pd.DataFrame) -> pd.DataFrame:
             "peak memory (MiB)": "–" if pd.isna(c["peak_bytes"]) else f"{c['peak_bytes'] / 2**20:.0f}{emulated}",
             "memory ratio": "–" if pd.isna(c["memory_ratio_vs_fp32"]) else f"{c['memory_ratio_vs_fp32']:.2f}{emulated}",
             (c["metric"] or "metric"): _metric_text(c),
+            "Δ vs 32-true": "–" if pd.isna(c["value_vs_fp32"]) else
+            f"{_scaled(c['metric'], c['value_vs_fp32']):+.2f}",
         })
     return pd.DataFrame(rows).fillna("")
 

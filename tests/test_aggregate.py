@@ -98,6 +98,7 @@ def test_tables_hold_the_hand_computed_statistics(results, tmp_path, capsys):
     fp8 = _row(precision, "fp8-mixed", "none")
     assert "0.57×†" in fp8  # 12 s / mean(20, 22) s
     assert "21.0 [20.0–22.0] (n=2)†" in fp8  # median [min–max] over seeds
+    assert "| -10.00 " in fp8  # accuracy change against 32-true: 82 - 92
     assert "1.00×" in _row(precision, "lenet", "32-true", "none")
 
     squad = (out / "t" / "squad.md").read_text()

@@ -136,3 +136,11 @@ def test_help_lists_only_real_models_and_schemas_are_not_choices(tmp_path):
     assert "model: bert_base, bert_tiny, distilbert, distilbert_tiny, lenet\n" in shown and "schema" not in shown
     out = _bench(tmp_path, "model=lenet_schema")
     assert out.returncode != 0 and "Could not find 'model/lenet_schema'" in out.stderr
+
+
+def test_an_unusable_results_dir_stops_a_sweep_before_anything_starts(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = subprocess.run([sys.executable, "-m", "bench.run", "-m", "format=fp32,fp16", f"results_dir={blocker}/runs"],
+                         capture_output=True, text=True, cwd=CONF.parent, timeout=120)
+    assert out.returncode == 2 and f"results_dir={blocker}/runs: {blocker} is not a directory" in out.stderr

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import OmegaConf, open_dict
 
-from bench.config import ConfigError, cell_path
+from bench.config import ConfigError, cell_path, check_results_dir
 from bench.record import IN_FLIGHT, STATUSES, in_flight, run_id
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,11 @@ class CheckingSweeper(BasicSweeper):
         """Nothing left to do: get_job_batch composed and checked every cell of the batch."""
 
     def sweep(self, arguments: list[str]) -> Any:
+        try:  # Hydra's basic sweeper creates the sweep directory before it composes any cell
+            check_results_dir(Path(self.config.results_dir))
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            sys.exit(2)
         returns = super().sweep(arguments)
         launched = [job.return_value for batch in returns for job in batch]
         total = Counter(r["status"] for r in launched) + self.already
