@@ -10,7 +10,7 @@ SEEDS   ?= 0
 FORMATS ?= fp32,tf32,fp16,bf16,fp8
 SCALINGS ?= none,static,dynamic,per_tensor,unit
 EXPERIMENT ?=
-LAUNCHER ?= local
+LAUNCHER ?= parallel
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
@@ -40,7 +40,7 @@ test: setup ## the fast offline test suite (slow tests excluded)
 test-slow: setup ## only the slow end-to-end tests
 	$(PY) -m pytest -m slow
 
-sweep: setup ## LeNet x FORMATS x SCALINGS on the digits (or EXPERIMENT=<preset>; LAUNCHER=local|submitit_local|slurm)
+sweep: setup ## LeNet x FORMATS x SCALINGS on the digits (or EXPERIMENT=<preset>; LAUNCHER=parallel|local|submitit_local|slurm)
 ifeq ($(EXPERIMENT),)
 	$(PY) -m bench.run -m hydra/launcher=$(LAUNCHER) model=lenet format=$(FORMATS) scaling=$(SCALINGS) seed=$(SEEDS) \
 		results_dir=$(RESULTS)
