@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from bench.aggregate import SCALING_ORDER  # noqa: E402
-from bench.tables import PERCENT_METRICS, _scaled  # noqa: E402
+from bench.tables import PERCENT_METRICS, scaled  # noqa: E402
 
 MARKERS = dict(zip(SCALING_ORDER, "os^Dv"))
 
@@ -45,7 +45,7 @@ def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -
     for _, c in part.iterrows():
         emulated = c["backend"] == "emulated"
         colour = colours[str(c["setting"])]
-        value, spread = _scaled(c["metric"], c["value"]), _scaled(c["metric"], c["value_std"])
+        value, spread = scaled(c["metric"], c["value"]), scaled(c["metric"], c["value_std"])
         ax.errorbar(c["train_s"], value, yerr=None if pd.isna(spread) else spread, xerr=None if pd.isna(
             c["train_s_std"]) else c["train_s_std"], fmt="none", ecolor=colour, elinewidth=0.8, capsize=2)
         ax.scatter(c["train_s"], value, marker=MARKERS.get(str(c["scaling"]), "o"), s=60,
@@ -71,7 +71,7 @@ def heatmap(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[
     columns = [s for s in SCALING_ORDER if s in set(part["scaling"].astype(str))]
     grid = np.full((len(rows), len(columns)), np.nan)
     for _, c in part.iterrows():
-        grid[rows.index((str(c["setting"]), c["backend"])), columns.index(str(c["scaling"]))] = _scaled(c["metric"],
+        grid[rows.index((str(c["setting"]), c["backend"])), columns.index(str(c["scaling"]))] = scaled(c["metric"],
                                                                                                       c["value"])
     fig, ax = plt.subplots(figsize=(1.4 * len(columns) + 2, 0.5 * len(rows) + 1.5))
     image = ax.imshow(grid, cmap="viridis", aspect="auto")

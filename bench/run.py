@@ -43,8 +43,11 @@ def preflight(cfg: DictConfig, device_checks: bool = True) -> tuple[torch.device
     """Every check that can fail before training: choices and combinations, then (unless `device_checks` is
     off, as for cells that will run on other machines) what the device here supports."""
     check(cfg)
-    if not device_checks:
-        return None
+    return device_preflight(cfg) if device_checks else None
+
+
+def device_preflight(cfg: DictConfig) -> tuple[torch.device, Precision]:
+    """The device this machine offers for the cell, and the precision decided on it; DeviceError if it cannot."""
     try:
         device = devices.select_device(cfg.device)
         return device, build_precision(cfg, device)
@@ -154,17 +157,18 @@ def run_cell(cfg: DictConfig) -> dict:
     now (status "in_flight"). Any other failure is recorded as status=failed with the error and the
     traceback tail.
     """
-    try:
-        device, precision = preflight(cfg)
-    except DeviceError as e:
-        if not os.environ.get("SLURM_JOB_ID"):
-            raise  # here, before anything starts: exit 2
-        # on a compute node the device is decided where the cell runs; a node that cannot run it is a result
-        return _record_device_failure(cfg, e)
+    check(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
     if (done := finished_record(cfg, config)) is not None:
         log.info("%s: skipped, already recorded as %s", cfg.cell, done["status"])
         return done | {"skipped": True}
+    try:
+        device, precision = device_preflight(cfg)
+    except DeviceError as e:
+        if not os.environ.get("SLURM_JOB_ID"):
+            raise  # here, before anything starts: exit 2
+        # on a compute node the device is decided where the cell runs; a node that cannot run it is a result
+        return _record_device_failure(cfg, config, e)
     with cell_lock(Path(cfg.results_dir) / cfg.cell) as mine:
         if not mine:
             log.warning("%s: skipped, another process is training it now", cfg.cell)
@@ -175,8 +179,7 @@ def run_cell(cfg: DictConfig) -> dict:
         return _train_cell(cfg, config, device, precision)
 
 
-def _record_device_failure(cfg: DictConfig, error: DeviceError) -> dict:
-    config = OmegaConf.to_container(cfg, resolve=True)
+def _record_device_failure(cfg: DictConfig, config: dict, error: DeviceError) -> dict:
     record = {"status": "failed", "reason": f"DeviceError: {error}", "run_id": run_id(config), "config": config,
               "env": devices.describe(torch.device("cpu")) | {"precision": {}}, "metrics": {}, "timing": {},
               "memory": {}, "numerics": {}}

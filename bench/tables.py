@@ -33,7 +33,7 @@ NOTES = {
 PERCENT_METRICS = {"test_accuracy"}
 
 
-def _scaled(metric: str | None, value):
+def scaled(metric: str | None, value):
     """Accuracy as a percentage; EM/F1 already are points."""
     return value * 100 if metric in PERCENT_METRICS and value is not None and not pd.isna(value) else value
 
@@ -62,7 +62,7 @@ def status_note(cell) -> str:
 
 def _metric_text(cell) -> str:
     metric = cell["metric"]
-    text = fmt_stat(_scaled(metric, cell["value"]), _scaled(metric, cell["value_std"]), cell["value_n"])
+    text = fmt_stat(scaled(metric, cell["value"]), scaled(metric, cell["value_std"]), cell["value_n"])
     note = status_note(cell)
     return f"{text} [{note}]" if note else text
 
@@ -92,7 +92,7 @@ def precision_table(cells: pd.DataFrame) -> pd.DataFrame:
             "memory ratio": "–" if pd.isna(c["memory_ratio_vs_fp32"]) else f"{c['memory_ratio_vs_fp32']:.2f}{emulated}",
             (c["metric"] or "metric"): _metric_text(c),
             "Δ vs 32-true": "–" if pd.isna(c["value_vs_fp32"]) else
-            f"{_scaled(c['metric'], c['value_vs_fp32']):+.2f}",
+            f"{scaled(c['metric'], c['value_vs_fp32']):+.2f}",
         })
     return pd.DataFrame(rows).fillna("")
 
@@ -164,8 +164,8 @@ def published_table(cells: pd.DataFrame) -> pd.DataFrame:
         for _, c in match.iterrows():
             metric = pub["metric"]
             n = c["value_n"] if metric == c["metric"] else c[f"{metric}_n"]
-            ours = _scaled(metric, c["value"] if metric == c["metric"] else c[metric])
-            std = _scaled(metric, c["value_std"] if metric == c["metric"] else c[f"{metric}_std"])
+            ours = scaled(metric, c["value"] if metric == c["metric"] else c[metric])
+            std = scaled(metric, c["value_std"] if metric == c["metric"] else c[f"{metric}_std"])
             rows.append({
                 "source": pub["source"], "model": pub["model"], "task": pub["task"], "setting": pub["setting"],
                 "our scaling": c["scaling"], "metric": metric, "published": f"{pub['value']:.2f}",

@@ -122,10 +122,10 @@ class ScaledActivation(nn.Module):
     def __init__(self, fn, output_scale: float, grad_scale: float):
         super().__init__()
         self.output_scale, self.grad_scale = output_scale, grad_scale
-        self._scaled = scale_elementwise(fn, output_scale, grad_scale, constraint=None)
+        self.scaled = scale_elementwise(fn, output_scale, grad_scale, constraint=None)
 
     def forward(self, x):
-        return self._scaled(x)
+        return self.scaled(x)
 
     def extra_repr(self) -> str:
         return f"output_scale={self.output_scale:.3f}, grad_scale={self.grad_scale:.3f}"
