@@ -46,8 +46,10 @@ def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -
         emulated = c["backend"] == "emulated"
         colour = colours[str(c["setting"])]
         value, spread = scaled(c["metric"], c["value"]), scaled(c["metric"], c["value_std"])
-        ax.errorbar(c["train_s"], value, yerr=None if pd.isna(spread) else spread, xerr=None if pd.isna(
-            c["train_s_std"]) else c["train_s_std"], fmt="none", ecolor=colour, elinewidth=0.8, capsize=2)
+        time_range = None if c["train_s_n"] < 2 else [[c["train_s"] - c["train_s_min"]],
+                                                          [c["train_s_max"] - c["train_s"]]]
+        ax.errorbar(c["train_s"], value, yerr=None if pd.isna(spread) else spread, xerr=time_range, fmt="none",
+                    ecolor=colour, elinewidth=0.8, capsize=2)
         ax.scatter(c["train_s"], value, marker=MARKERS.get(str(c["scaling"]), "o"), s=60,
                    facecolors="none" if emulated else colour, edgecolors=colour, linewidths=1.5)
         if c["diverged"] or c["failed"]:
@@ -58,8 +60,8 @@ def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -
         ax.scatter([], [], marker=MARKERS.get(scaling, "o"), facecolors="none", edgecolors="grey", label=scaling)
     if (part["diverged"] + part["failed"]).any():
         ax.scatter([], [], marker="x", color="red", label="some runs diverged/failed")
-    ax.set_xlabel("train time (s), mean ± std over seeds; hollow = emulated")
-    ax.set_ylabel(_metric_label(part))
+    ax.set_xlabel("train time (s): median over seeds, bars min–max; hollow = emulated")
+    ax.set_ylabel(f"{_metric_label(part)}, mean ± std over seeds")
     ax.set_title(f"{title}: {part['metric'].iloc[0]} vs train time", fontsize=9)
     return _save(fig, directory, f"{name}_metric_vs_time")
 
