@@ -33,7 +33,8 @@ CELL_KEYS = ["experiment", "model", "task", "model_label", "setting", "scaling",
 # Keys a cell's row already names (setting, scaling, model) or that never differ between its runs (seed).
 LABELLED = {"experiment_name", "seed", "format.name", "format.mode", "format.backend", "scaling.name", "model.name"}
 QUANT_FIELDS = ("underflow", "subnormal", "overflow")
-SUMMED = ["value", "exact_match", "f1", "train_s", "step_median_s", "samples_per_s", "peak_bytes", "skipped_steps", "overflow_steps",
+# Averaged over a cell's finished runs (train time is its median instead: see summarise).
+SUMMED = ["value", "exact_match", "f1", "step_median_s", "samples_per_s", "peak_bytes", "skipped_steps", "overflow_steps",
           "final_loss_scale", *(f"{c}_{f}" for c in TENSOR_CLASSES for f in QUANT_FIELDS)]
 
 
@@ -78,12 +79,13 @@ def variants(frame: pd.DataFrame) -> pd.Series:
     """
     labels = pd.Series("", index=frame.index)
     flat = frame["_settings"]
-    for keys, part in frame.groupby(["experiment", "model_label"], sort=False):
+    for _, part in frame.groupby(["experiment", "model_label"], sort=False):
         within = part.groupby(["setting", "scaling"], observed=True, sort=False)
         for group in [part] + [g for _, g in within]:
             per_run = pd.DataFrame(list(flat[group.index]), index=group.index)
-            own = [c for c in per_run.columns
-                   if (c.split(".")[0] in ("format", "scaling")) == (group is not part) and c not in LABELLED]
+            compares_format_and_scaling = group is not part  # those keys only among runs of one setting/scaling
+            own = [c for c in per_run.columns if c not in LABELLED
+                   and (c.split(".")[0] in ("format", "scaling")) == compares_format_and_scaling]
             for column in own:
                 values = per_run[column].map(lambda v: json.dumps(v, default=str))
                 counts = values.value_counts()

@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from bench import hub
+from bench.config import ConfigError
 
 _LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -91,8 +92,6 @@ def check_loading(model: torch.nn.Module, loading: dict, name: str) -> dict:
     expected when it belongs to a module the task model does not have (a pre-training head, or the pooler
     that a QA model drops); one that belongs to a module the model has means it was not loaded.
     """
-    from bench.config import ConfigError
-
     prefix = model.base_model_prefix
     base = getattr(model, prefix)
 
@@ -106,12 +105,15 @@ def check_loading(model: torch.nn.Module, loading: dict, name: str) -> dict:
     missing = sorted(loading["missing_keys"])
     unexpected = sorted(loading["unexpected_keys"])
     problems = []
+    def listed(keys: list[str]) -> str:
+        return f"{', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
+
     if encoder := [k for k in missing if in_base(k)]:
         problems.append(f"{len(encoder)} weights of the {type(model).__name__} encoder are missing from the checkpoint"
-                        f" and would be randomly initialised: {', '.join(encoder[:8])}{' ...' if len(encoder) > 8 else ''}")
+                        f" and would be randomly initialised: {listed(encoder)}")
     if unused := [k for k in unexpected if not belongs_to_a_module_the_model_lacks(k)]:
         problems.append(f"{len(unused)} checkpoint weights were not loaded into modules the model has: "
-                        f"{', '.join(unused[:8])}{' ...' if len(unused) > 8 else ''}")
+                        f"{listed(unused)}")
     if loading.get("mismatched_keys"):
         problems.append(f"weights with mismatched shapes: {loading['mismatched_keys']}")
     if loading.get("error_msgs"):
