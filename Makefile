@@ -14,11 +14,11 @@ LAUNCHER ?= parallel
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
-.PHONY: help setup test test-slow sweep tables default-tables bench prepare sync chaos doctor clean
+.PHONY: help setup test test-slow test-cluster sweep tables default-tables bench prepare sync chaos doctor clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 	@echo "  variables: TORCH=$(TORCH) RESULTS=$(RESULTS) TABLES=$(TABLES) SEEDS=$(SEEDS) FORMATS=$(FORMATS)"
 	@echo "             SCALINGS=$(SCALINGS) EXPERIMENT=$(EXPERIMENT) (a conf/experiment/ preset: smoke,"
 	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet) LAUNCHER=$(LAUNCHER)"
@@ -39,6 +39,10 @@ test: setup ## the fast offline test suite (slow tests excluded)
 
 test-slow: setup ## only the slow end-to-end tests
 	$(PY) -m pytest -m slow
+
+test-cluster: setup ## the SLURM path against a real single-node SLURM (set up here first if none answers; needs root)
+	tests/cluster/slurm_up.sh
+	$(PY) -m pytest -m cluster tests/cluster
 
 sweep: setup ## LeNet x FORMATS x SCALINGS on the digits (or EXPERIMENT=<preset>; LAUNCHER=parallel|local|submitit_local|slurm)
 ifeq ($(EXPERIMENT),)

@@ -221,8 +221,17 @@ def describe(device: torch.device) -> dict:
         "python_version": platform.python_version(),
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
+        "slurm_job": slurm_job(),
         "git_commit": _git_commit(),
     }
+
+
+def slurm_job() -> str | None:
+    """The SLURM job running this process, as squeue and scancel name it (`<array job>_<task>` in an array)."""
+    env = os.environ
+    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID")
 
 
 def _version(package: str) -> str | None:

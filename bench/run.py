@@ -220,6 +220,10 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
             logger = open_logger(cfg, run_dir, config | {"precision": record["env"]["precision"]}, tags, identity)
 
             progress = ProgressLine(run_dir / "run.log", total_steps(task, cfg.train))
+            env = record["env"]
+            progress.note(f"start on {env['hostname']} (pid {env['pid']}"
+                          + (f", SLURM job {env['slurm_job']}" if env["slurm_job"] else "") + "), "
+                          + (f"resuming at step {resume['steps']}" if resume else "from step 0"))
 
             def log_row(row: dict) -> None:
                 metrics_log(row)
@@ -271,6 +275,10 @@ class ProgressLine:
 
     def __init__(self, path: Path, total: int):
         self.path, self.total, self.last = path, total, None
+
+    def note(self, text: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {text}\n")
 
     def __call__(self, row: dict) -> None:
         if "loss" not in row:

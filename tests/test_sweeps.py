@@ -261,3 +261,25 @@ def test_a_job_that_ends_without_a_result_fails_its_cell_and_the_sweep_finishes(
     again = bench(tmp_path, *grid)
     assert again.returncode == 0 and "sweep: 2 ok" in again.stderr, again.stderr[-3000:]
     assert len(records(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("sacct", ["missing", "accounting off"])
+def test_a_slurm_sweep_without_accounting_stops_before_submitting(tmp_path, sacct):
+    """submitit sees a job end only through sacct: without it a cancelled cell would keep the sweep waiting
+    forever, so the sweep refuses to start (exit 2) and submits nothing."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path}/submitted\nexit 1\n")
+    if sacct == "accounting off":
+        (stubs / "sacct").write_text("#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n")
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    cmd = [sys.executable, "-m", "bench.run", "-m", "hydra/launcher=slurm", "format=fp32,bf16",
+           f"results_dir={tmp_path / 'runs'}"]
+    out = subprocess.run(cmd, cwd=CONF.parent, env=os.environ | OFFLINE | {"PATH": str(stubs)}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    expected = "which is not on PATH" if sacct == "missing" else "Slurm accounting storage is disabled"
+    assert "needs SLURM" in out.stderr or "needs sacct" in out.stderr
+    assert expected in out.stderr and "slurmdbd" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "submitted").exists() and not records(tmp_path)

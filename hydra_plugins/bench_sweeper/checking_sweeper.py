@@ -7,13 +7,15 @@ Hydra's basic sweeper with three additions:
 - cells whose record is already finished are not launched at all (on SLURM: no job is submitted),
   and the log names each one; failed or diverged cells re-run with retry_failed=true;
 - the sweep ends with a status summary and a non-zero exit if any cell (run now or before) failed,
-  including a SLURM job that ended without a result (cancelled, killed), which no longer ends the sweep.
+  including a SLURM job that ended without a result (cancelled, killed), which no longer ends the sweep;
+- a SLURM sweep starts only where `sacct` answers (submitit sees a job end only through SLURM accounting).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -58,6 +60,23 @@ def _jobs_without_a_result_count_as_failed():
         yield
     finally:
         submitit.Job.results = results
+
+
+def check_slurm_accounting() -> None:
+    """submitit learns that a job ended (finished, cancelled, killed) only from `sacct`: where accounting is off
+    or sacct is missing, it never sees a cancelled job end and the sweep waits forever. Refuse before submitting."""
+    fix = ("the cluster needs SLURM accounting (slurmdbd, AccountingStorageType=accounting_storage/slurmdbd); "
+           "on one machine, tests/cluster/slurm_up.sh sets one up")
+    try:
+        out = subprocess.run(["sacct", "--noheader", "-X", "--starttime", "now"], capture_output=True, text=True,
+                             timeout=60)
+    except FileNotFoundError:
+        raise ConfigError(f"hydra/launcher=slurm needs SLURM's sacct, which is not on PATH here: {fix}") from None
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"hydra/launcher=slurm: sacct did not answer within 60 s: {fix}") from None
+    if out.returncode != 0:
+        said = (out.stderr.strip() or out.stdout.strip()).splitlines()[:1] or [f"exit {out.returncode}"]
+        raise ConfigError(f"hydra/launcher=slurm needs sacct to answer, and here it fails ({said[0]}): {fix}")
 
 
 class CheckingSweeper(BasicSweeper):
@@ -130,6 +149,8 @@ class CheckingSweeper(BasicSweeper):
     def sweep(self, arguments: list[str]) -> Any:
         try:  # Hydra's basic sweeper creates the sweep directory before it composes any cell
             check_results_dir(Path(self.config.results_dir))
+            if not self._cells_run_here:
+                check_slurm_accounting()
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(2)
