@@ -44,6 +44,12 @@ class ElementFormat:
     torch_dtype: torch.dtype | None  # storage dtype where torch has one (for native paths)
 
     @property
+    def storage_bytes(self) -> float:
+        """Bytes per element where the format is stored: its bits, except TF32, which lives in FP32 storage
+        (only tensor cores read 10 mantissa bits)."""
+        return 4.0 if self.name == "tf32" else (1 + self.exp_bits + self.man_bits) / 8
+
+    @property
     def min_normal(self) -> float:
         return 2.0**self.emin
 

@@ -57,8 +57,10 @@ class TensorSite:
     """Rounds one stream of tensors (say, conv1's weight) to an element format; optionally per-tensor scaled."""
 
     def __init__(self, tensor_class: str, fmt: str, overflow: str | None, ftz: bool,
-                 telemetry: QuantTelemetry, scaler=None):
+                 telemetry: QuantTelemetry, scaler=None, on_output=None):
+        """on_output(input, output, tensor_class, fmt): told of every tensor the site makes (memory accounting)."""
         self.tensor_class = tensor_class
+        self.on_output = on_output
         self.spec = FORMATS[fmt]
         self.overflow = resolve_overflow(self.spec, overflow)
         self.ftz = ftz
@@ -68,11 +70,15 @@ class TensorSite:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scaler is None:
             self.telemetry.observe(self.tensor_class, x, self.spec)
-            return quantise_value(x, self.spec, self.overflow, self.ftz)
-        scale = self.scaler.scale_for(x)
-        scaled = x * scale
-        self.telemetry.observe(self.tensor_class, scaled, self.spec)
-        return quantise_value(scaled, self.spec, self.overflow, self.ftz) / scale
+            rounded = quantise_value(x, self.spec, self.overflow, self.ftz)
+        else:
+            scale = self.scaler.scale_for(x)
+            scaled = x * scale
+            self.telemetry.observe(self.tensor_class, scaled, self.spec)
+            rounded = quantise_value(scaled, self.spec, self.overflow, self.ftz) / scale
+        if self.on_output is not None:
+            self.on_output(x, rounded, self.tensor_class, self.spec.name)
+        return rounded
 
 
 class _Cast(torch.autograd.Function):
@@ -221,6 +227,10 @@ class Precision:
         self.fp8_modules = None  # native FP8: which Linear layers torchao converted and which it left alone
         self.telemetry = QuantTelemetry()
         self.dtype = TORCH_DTYPES.get(fmt)
+        # While bench.memory counts a step: storage -> (tensor class, format, output, input when the rounding
+        # changed nothing) for what the sites make; the tensors are held so that no address is reused within the
+        # step. None otherwise.
+        self.site_outputs: dict | None = None
 
     @property
     def backend(self) -> str:
@@ -234,7 +244,15 @@ class Precision:
 
     def _site(self, tensor_class: str, fmt: str) -> TensorSite:
         scaler = self.per_tensor(tensor_class, FORMATS[fmt]) if self.per_tensor else None
-        return TensorSite(tensor_class, fmt, self.overflow, self.ftz, self.telemetry, scaler)
+        return TensorSite(tensor_class, fmt, self.overflow, self.ftz, self.telemetry, scaler, self._note_output)
+
+    def _note_output(self, x: torch.Tensor, rounded: torch.Tensor, tensor_class: str, fmt: str) -> None:
+        """A native kernel reads an input already in its format as it is: when rounding changed nothing, the
+        output stands for the input's storage (no copy), so that memory accounting counts it once."""
+        if self.site_outputs is not None:
+            unchanged = rounded.dtype == x.dtype and torch.equal(rounded, x)
+            self.site_outputs[rounded.untyped_storage().data_ptr()] = (tensor_class, fmt, rounded,
+                                                                       x if unchanged else None)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Make `model` compute in this precision (in place) and return it."""

@@ -90,6 +90,7 @@ class Cell:
     optimizer: torch.optim.Optimizer
     schedule: object
     unit_conversion: dict | None
+    flops_per_step: int  # forward and backward of one training batch (torch.utils.flop_counter)
 
 
 def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
@@ -103,15 +104,15 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     if cfg.scaling.name == "unit":
         conversion = unit_scale_task(task, preserve=cfg.model.get("pretrained", False),
                                      tolerance=cfg.scaling.conversion_tolerance)
-    flops = step_flops_by_module(task) if precision.native and precision.format == "fp8" else None
+    flops = step_flops_by_module(task)
     precision.prepare(task.model)
-    if flops is not None:  # how much of a training step torchao's filter actually put in FP8
+    if precision.fp8_modules is not None:  # how much of a training step torchao's filter actually put in FP8
         root = type(task.model).__name__
         converted = sum(flops.get(f"{root}.{name}", 0) for name in precision.fp8_modules["converted"])
         precision.fp8_modules["converted_flop_share"] = converted / flops["Global"] if flops["Global"] else None
     optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters())
     schedule = build_schedule(cfg.model.optimizer.schedule, optimizer, total_steps(task, cfg.train))
-    return Cell(task, build_scaler(cfg), optimizer, schedule, conversion)
+    return Cell(task, build_scaler(cfg), optimizer, schedule, conversion, flops["Global"])
 
 
 def step_flops_by_module(task: Task) -> dict[str, int]:
@@ -236,10 +237,11 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
             timing_conditions = conditions.finish()
             metrics = task.evaluate(task.model, precision.inputs)  # inside: pre-empted here, it resumes here
         record["memory"]["peak_bytes"] = memory.peak_bytes()
+        record["memory"]["step"] = outcome.step_memory
         record["metrics"] = {**metrics, "final_train_loss": outcome.final_loss}
         if outcome.per_epoch:
             record["metrics"]["per_epoch"] = outcome.per_epoch
-        record["timing"] = outcome.timing() | {"conditions": timing_conditions}
+        record["timing"] = outcome.timing(cell.flops_per_step, precision.native) | {"conditions": timing_conditions}
         record["numerics"]["diverged_at_step"] = outcome.diverged_at_step
         if outcome.diverged_at_step is None:
             record["status"] = "ok"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -14,6 +15,7 @@ from tqdm import tqdm
 
 from bench.checkpoint import Checkpointer
 from bench.device import synchronize
+from bench.memory import StepMemory
 from bench.precision import Precision
 from bench.scaling import LossScaler
 from bench.tasks.base import Task
@@ -45,15 +47,21 @@ class TrainOutcome:
     final_loss: float | None = None
     diverged_at_step: int | None = None
     per_epoch: list[dict] = field(default_factory=list)  # the task's validation metrics after each epoch
+    step_memory: dict | None = None  # bytes the first step held, by category (bench/memory.py)
     epoch: int = 0  # position: the epoch in progress...
     position: int = 0  # ...and the batches of it already consumed
 
-    def timing(self) -> dict:
+    def timing(self, flops_per_step: int | None = None, native: bool = False) -> dict:
+        """The record's timing; achieved TFLOP/s (FLOPs of a step over its median time) only where the format
+        ran natively: an emulated step's time says nothing about the format's throughput."""
+        median = statistics.median(self.step_s) if self.step_s else None
         return {
             "train_s": self.train_s,
-            "step_median_s": statistics.median(self.step_s) if self.step_s else None,
+            "step_median_s": median,
             "samples_per_s": self.samples / self.train_s if self.train_s > 0 else None,
             "steps": self.steps,
+            "flops_per_step": flops_per_step,
+            "tflop_per_s": flops_per_step / median / 1e12 if native and flops_per_step and median else None,
         }
 
 
@@ -99,7 +107,8 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
             step_start = time.perf_counter()
             sampled = out.steps % cfg.log_every == 0
             precision.telemetry.sampling = sampled
-            with precision.autocast():
+            counting = StepMemory(model, precision) if out.step_memory is None else None  # the first step
+            with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
                 outputs, targets = task.forward(model, batch, precision.inputs)
                 loss = task.compute_loss(outputs, targets)
             out.final_loss = loss.item()
@@ -114,6 +123,8 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
                 precision.after_step(model, optimizer)
             if schedule is not None:
                 schedule.step()
+            if counting:
+                out.step_memory = counting.finish(optimizer)
             synchronize(device)
             out.step_s.append(time.perf_counter() - step_start)
             out.samples += task.batch_size

@@ -1,0 +1,138 @@
+"""What a training step holds, by category, in the bytes the format stores it in (the record's `memory.step`).
+
+A process's peak resident set says little about a format on CPU (mostly the Python/torch runtime) and an
+emulated run holds FP32 everywhere, so the suite also counts, on the run's first real training step:
+- parameters, their gradients and the optimiser state, as stored;
+- every tensor autograd saves for backward during the forward pass (torch.autograd.graph.saved_tensors_hooks),
+  each storage once, parameters excluded (they are counted above); low-precision copies of weights that a
+  kernel saves (autocast's weight cache, FP8 weight casts) are reported apart as `weight_copies`. A tensor
+  counts its own elements; views of one storage count once, at the largest.
+
+Native runs count every tensor at its own dtype (torchao's float8 tensors at their FP8 data plus scale).
+Emulated runs hold FP32 tensors carrying the format's values; each is counted at the width a native run
+would store it in:
+- parameters, gradients and optimiser state: the format's width in "true" modes, FP32 in mixed modes;
+- a saved tensor a rounding site produced: its element format's storage width, except weights in true mode,
+  which are the parameters themselves (a native true run saves the parameter, not a copy);
+- a rounding that changed nothing (the input was already in the format) stands for its input: a native kernel
+  reads such an input as it is, so the tensor is counted once;
+- with 16-bit kernels and no per-tensor scales, a saved FP32 tensor on the model's differentiable path whose
+  every value is a 16-bit value (ReLU or max-pool of a 16-bit output): 16 bits, as a native run computes it;
+- anything else (integer indices, FP32 losses, the output of an FP32 elementwise op): its own size.
+tests/test_memory.py checks that this model of an emulated bf16 run equals the measured bytes of the native
+bf16 run, category by category. The categories' sum bounds the step's peak from above: backward frees saved
+tensors while gradients fill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from bench.formats import FORMATS, quantise_value
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "weight_copies", "activations")
+
+
+def _float8_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """torchao's float8 training tensors carry their FP8 data and scale as attributes."""
+    if type(t) is not torch.Tensor and hasattr(t, "_data") and hasattr(t, "_scale"):
+        return [t._data, t._scale]
+    return None
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    parts = _float8_parts(t)
+    return (parts[0] if parts else t).untyped_storage().data_ptr()
+
+
+def _own_bytes(t: torch.Tensor) -> int:
+    """The tensor's own elements (a view of a larger buffer, such as a batch sliced from its dataset, holds only
+    those for the step's sake)."""
+    parts = _float8_parts(t)
+    return sum(p.numel() * p.element_size() for p in parts) if parts else t.numel() * t.element_size()
+
+
+class StepMemory:
+    """Counts one training step: enter `saving()` around the forward pass, call `finish()` after the optimiser
+    step; `breakdown` then holds bytes per category and their total."""
+
+    def __init__(self, model: nn.Module, precision):
+        self.model, self.precision = model, precision
+        self.params = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
+        self.saved: dict[int, tuple[str, float]] = {}  # storage -> (category, bytes)
+        self.breakdown: dict | None = None
+        emulated = not precision.native and precision.recipe is not None
+        self.stored_format = FORMATS[precision.recipe.inputs] if emulated and precision.mode == "true" else None
+        self.sixteen_bit_values = (FORMATS[precision.recipe.inputs] if emulated and precision.recipe.sixteen_bit_kernel
+                                   and precision.per_tensor is None else None)
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Around the forward pass: record what autograd saves, and (emulated) what the rounding sites make."""
+        self.precision.site_outputs = None if self.precision.native else {}
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield
+        finally:
+            self.precision.site_outputs = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        site = (self.precision.site_outputs or {}).get(key)
+        if site is not None and site[3] is not None:
+            key = _storage_key(site[3])  # a rounding that changed nothing: natively, the input itself is saved
+        if key not in self.params:
+            category, size = self._classify(t, site)
+            if key in self.saved:  # another view of a storage already counted: the larger view counts
+                category, size = max(self.saved[key], (category, size), key=lambda entry: entry[1])
+            self.saved[key] = (category, size)
+        return t
+
+    def _classify(self, t: torch.Tensor, site: tuple | None) -> tuple[str, float]:
+        if site is not None:  # emulated: a rounding site made it
+            tensor_class, fmt = site[:2]
+            if tensor_class == "weights" and self.precision.mode == "true":
+                return "parameters", 0.0  # the parameter itself, already counted
+            category = "weight_copies" if tensor_class == "weights" else "activations"
+            return category, t.numel() * FORMATS[fmt].storage_bytes
+        if self.sixteen_bit_values is not None and t.dtype == torch.float32 and t.grad_fn is not None \
+                and torch.equal(quantise_value(t, self.sixteen_bit_values), t):
+            return "activations", t.numel() * self.sixteen_bit_values.storage_bytes
+        category = "weight_copies" if self._is_weight_copy(t) else "activations"
+        return category, float(_own_bytes(t))
+
+    def _is_weight_copy(self, t: torch.Tensor) -> bool:
+        """Native: a saved tensor of a parameter's shape (or its transpose) holding its values in another dtype."""
+        if _float8_parts(t):
+            return any(tuple(t.shape) in (tuple(p.shape), tuple(p.shape[::-1])) for p in self.params.values())
+        for p in self.params.values():
+            for view in (p, p.t()) if p.dim() == 2 else (p,):
+                if t.dtype != p.dtype and t.shape == view.shape and torch.equal(t, view.detach().to(t.dtype)):
+                    return True
+        return False
+
+    def _stored(self, tensors) -> float:
+        """Bytes of parameters, gradients or optimiser state as the run's format stores them."""
+        total = 0.0
+        for t in tensors:
+            if self.stored_format is not None and t.is_floating_point() and t.dim() > 0:
+                total += t.numel() * self.stored_format.storage_bytes
+            else:
+                total += t.numel() * t.element_size()
+        return total
+
+    def finish(self, optimizer: torch.optim.Optimizer) -> dict:
+        params = list(self.model.parameters())
+        state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        breakdown = {"parameters": self._stored(params),
+                     "gradients": self._stored(p.grad for p in params if p.grad is not None),
+                     "optimizer_state": self._stored(state), "weight_copies": 0.0, "activations": 0.0}
+        for category, size in self.saved.values():
+            if category != "parameters":
+                breakdown[category] += size
+        self.breakdown = {k: int(v) for k, v in breakdown.items()} | {"total": int(sum(breakdown.values()))}
+        self.saved.clear()
+        return self.breakdown

@@ -1,0 +1,92 @@
+"""Memory as the format stores it (bench/memory.py) and FLOPs per step, against hand counts and against native
+runs: on CPU, bf16 autocast and model.to(bfloat16) run natively, so an emulated bf16 run's model can be held
+to what the native run really holds, category by category."""
+
+import pytest
+
+from bench.run import run_cell
+
+B = 32  # LeNet's batch
+LENET_PARAMS = (6 * 25 + 6) + (16 * 6 * 25 + 16) + (400 * 120 + 120) + (120 * 84 + 84) + (84 * 10 + 10)
+WEIGHTS = 6 * 25 + 16 * 6 * 25 + 400 * 120 + 120 * 84 + 84 * 10
+# What LeNet's forward saves for backward, per example: (elements, is it a 16-bit value in a 16-bit run)
+MATMUL_INPUTS = [1 * 32 * 32, 6 * 14 * 14, 400, 120, 84]  # conv1, conv2, fc1, fc2, fc3 (fc2/fc3: ReLU outputs)
+RELU_OUTPUTS = [6 * 28 * 28, 16 * 10 * 10]  # the two conv ReLUs (also the max-pools' inputs)
+POOL_INDICES = [6 * 14 * 14, 16 * 5 * 5]  # int64
+LOSS = 10 * 4 + 8  # log-softmax output (FP32 in every run) and the int64 target, per example
+LOSS_SCALAR = 4  # nll_loss's total weight
+
+
+def step_memory(make_cfg, tmp_path, *overrides) -> dict:
+    results = tmp_path / "-".join(overrides).replace("=", "_")  # a cell's place does not name overrides outside a Hydra run
+    record = run_cell(make_cfg("model=lenet", "train.max_steps=1", f"results_dir={results}", *overrides))
+    assert record["status"] == "ok", record["reason"]
+    return record["memory"]["step"]
+
+
+def test_fp32_lenet_holds_what_a_hand_count_says(make_cfg, tmp_path):
+    counted = step_memory(make_cfg, tmp_path, "format=fp32")
+    activations = B * (4 * sum(MATMUL_INPUTS + RELU_OUTPUTS) + 8 * sum(POOL_INDICES) + LOSS) + LOSS_SCALAR
+    assert counted == {"parameters": 4 * LENET_PARAMS, "gradients": 4 * LENET_PARAMS,
+                       "optimizer_state": 4 * LENET_PARAMS,  # SGD's momentum buffers
+                       "weight_copies": 0, "activations": activations,
+                       "total": 12 * LENET_PARAMS + activations}
+
+
+@pytest.mark.parametrize("mode", ["mixed", "true"])
+def test_emulated_bf16_is_counted_as_native_bf16_holds_it(make_cfg, tmp_path, mode):
+    emulated = step_memory(make_cfg, tmp_path, "format=bf16", f"format.mode={mode}", "format.backend=emulated")
+    native = step_memory(make_cfg, tmp_path, "format=bf16", f"format.mode={mode}", "format.backend=native")
+    assert emulated == native
+    stored = 2 if mode == "true" else 4
+    activations = B * (2 * sum(MATMUL_INPUTS + RELU_OUTPUTS) + 8 * sum(POOL_INDICES) + LOSS) + LOSS_SCALAR
+    assert emulated == {"parameters": stored * LENET_PARAMS, "gradients": stored * LENET_PARAMS,
+                        "optimizer_state": stored * LENET_PARAMS,
+                        "weight_copies": 0 if mode == "true" else 2 * WEIGHTS,  # autocast's bf16 weight cache
+                        "activations": activations, "total": 3 * stored * LENET_PARAMS + activations
+                        + (0 if mode == "true" else 2 * WEIGHTS)}
+
+
+def test_emulated_fp8_counts_what_enters_a_matmul_at_one_byte(make_cfg, tmp_path):
+    """FP8 GEMMs read E4M3 inputs and write FP32: the matmul inputs and weight copies are 1 byte, the ReLU outputs
+    between them stay FP32 (4 bytes), and FP32 master weights, gradients and optimiser state are 4 bytes."""
+    counted = step_memory(make_cfg, tmp_path, "format=fp8")
+    fc_relus = [120, 84]  # fc2's and fc3's inputs are fc1's and fc2's ReLU outputs, saved by the ReLU in FP32
+    activations = B * (1 * sum(MATMUL_INPUTS) + 4 * sum(RELU_OUTPUTS + fc_relus) + 8 * sum(POOL_INDICES) + LOSS) \
+        + LOSS_SCALAR
+    assert counted["weight_copies"] == WEIGHTS
+    assert counted["activations"] == activations
+    assert counted["parameters"] == counted["gradients"] == counted["optimizer_state"] == 4 * LENET_PARAMS
+
+
+def test_flops_per_step_are_lenets_by_hand(make_cfg, tmp_path):
+    """Forward 2·MACs per layer; backward: weight gradients for every layer, input gradients for all but conv1."""
+    forward = [2 * B * 6 * 28 * 28 * 25, 2 * B * 16 * 10 * 10 * 150, 2 * B * 400 * 120, 2 * B * 120 * 84,
+               2 * B * 84 * 10]
+    record = run_cell(make_cfg("model=lenet", "train.max_steps=2", "format=fp32", f"results_dir={tmp_path}/a"))
+    assert record["timing"]["flops_per_step"] == 3 * sum(forward) - forward[0]
+    assert record["timing"]["tflop_per_s"] > 0  # native fp32
+    emulated = run_cell(make_cfg("model=lenet", "train.max_steps=2", "format=fp8", f"results_dir={tmp_path}/b"))
+    assert emulated["timing"]["flops_per_step"] == 3 * sum(forward) - forward[0]
+    assert emulated["timing"]["tflop_per_s"] is None  # an emulated step's time says nothing of FP8's throughput
+
+
+def test_the_raschka_comparison_counts_a_distilbert_step_per_setting():
+    """The command behind results/tables/raschka_memory, on a tiny DistilBERT: true modes hold parameters and
+    gradients at half of 32-true's bytes, mixed modes at 32-true's, and the table sits beside Raschka's GB."""
+    from transformers import DistilBertConfig
+
+    from bench.raschka_memory import SETTINGS, comparison, step_breakdown
+
+    config = DistilBertConfig(vocab_size=100, dim=32, n_layers=1, n_heads=2, hidden_dim=64,
+                              max_position_embeddings=64, num_labels=2)
+    counted = {setting: step_breakdown(setting, config, batch=2, length=16) for setting in SETTINGS}
+    fp32 = counted["32-true"]
+    assert 2 * counted["bf16-true"]["parameters"] == fp32["parameters"] == counted["bf16-mixed"]["parameters"]
+    assert 2 * counted["bf16-true"]["gradients"] == fp32["gradients"] == counted["16-mixed"]["gradients"]
+    assert counted["16-mixed"]["backend"] == "emulated" and fp32["weight_copies"] == 0
+    assert counted["16-mixed"]["weight_copies"] > 0  # the 16-bit weight copies a mixed step saves
+    table = comparison(counted)
+    assert list(table["setting"]) == list(SETTINGS)
+    assert list(table["published memory (GB)"]) == ["5.37", "4.31", "4.46", "2.87"]
+    assert table.loc[0, "modelled vs 32-true"] == "1.00"
