@@ -11,6 +11,11 @@ A cell is one configuration over seeds: runs that differ in anything that change
 (steps, learning rate, data, model size, a format or scaling knob) are never averaged together, and a
 speed-up compares a cell only with the 32-true cell of otherwise the same configuration. Means and spreads
 are over the runs that finished (status ok); diverged and failed runs are counted beside them.
+
+Seeds are paired: the same seed gives every cell the same initial weights and data order, so a cell's
+difference to its 32-true cell is the mean of per-seed differences, with a 95% confidence interval from
+Student's t over those paired seeds (n - 1 degrees of freedom); an interval that excludes 0 is a difference
+the seeds can tell apart from noise.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from bench.record import RECORD_KEYS, RecordError, check_record, config_hash, read_record, semantic_config
 from bench.tasks import PRIMARY_METRIC
@@ -34,7 +40,8 @@ CELL_KEYS = ["experiment", "model", "task", "model_label", "setting", "scaling",
 LABELLED = {"experiment_name", "seed", "format.name", "format.mode", "format.backend", "scaling.name", "model.name"}
 QUANT_FIELDS = ("underflow", "subnormal", "overflow")
 # Averaged over a cell's finished runs (train time is its median instead: see summarise).
-SUMMED = ["value", "exact_match", "f1", "step_median_s", "samples_per_s", "peak_bytes", "skipped_steps", "overflow_steps",
+SUMMED = ["value", "exact_match", "f1", "step_median_s", "samples_per_s", "peak_bytes", "step_bytes", "tflop_per_s",
+          "skipped_steps", "overflow_steps",
           "final_loss_scale", *(f"{c}_{f}" for c in TENSOR_CLASSES for f in QUANT_FIELDS)]
 
 
@@ -179,6 +186,8 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "disturbed": bool((r["timing"].get("conditions") or {}).get("disturbed")), "step_median_s": _number(r["timing"].get("step_median_s")),
             "samples_per_s": _number(r["timing"].get("samples_per_s")),
             "peak_bytes": _number(r["memory"].get("peak_bytes")),
+            "step_bytes": _number((r["memory"].get("step") or {}).get("total")),
+            "tflop_per_s": _number(r["timing"].get("tflop_per_s")),
             "skipped_steps": _number(numerics.get("skipped_steps")),
             "overflow_steps": _number(numerics.get("overflow_steps")),
             "final_loss_scale": _number(numerics.get("final_loss_scale")),
@@ -223,15 +232,48 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
         cells[status] = groups["status"].apply(lambda s, st=status: int((s == st).sum()))
     cells["device"] = groups["device"].first()
     cells["baseline_id"] = groups["baseline_id"].first()
+    cells["value_ci_lo"], cells["value_ci_hi"] = zip(*[t_interval(v) for v in finished["value"].apply(list)
+                                                       .reindex(cells.index, fill_value=[])])
     cells = cells.reset_index()
-    base = cells[cells["setting"] == "32-true"][["baseline_id", "train_s", "peak_bytes", "value"]]
-    base = base.rename(columns={"train_s": "fp32_train_s", "peak_bytes": "fp32_peak_bytes", "value": "fp32_value"})
+    base = cells[cells["setting"] == "32-true"][["baseline_id", "train_s", "peak_bytes", "step_bytes"]]
+    base = base.rename(columns={"train_s": "fp32_train_s", "peak_bytes": "fp32_peak_bytes",
+                                "step_bytes": "fp32_step_bytes"})
     base = base.groupby("baseline_id").first().reset_index()  # native and emulated fp32 are one thing
     cells = cells.merge(base, on="baseline_id", how="left")
     cells["speedup_vs_fp32"] = cells["fp32_train_s"] / cells["train_s"]
     cells["memory_ratio_vs_fp32"] = cells["peak_bytes"] / cells["fp32_peak_bytes"]
-    cells["value_vs_fp32"] = cells["value"] - cells["fp32_value"]
-    return cells.drop(columns=["fp32_train_s", "fp32_peak_bytes", "fp32_value", "baseline_id", "config_id"])
+    cells["step_memory_ratio_vs_fp32"] = cells["step_bytes"] / cells["fp32_step_bytes"]
+    cells = cells.merge(paired_differences(frame), on="config_id", how="left")
+    return cells.drop(columns=["fp32_train_s", "fp32_peak_bytes", "fp32_step_bytes", "baseline_id", "config_id"])
+
+
+def t_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Student's t interval for the mean of `values` (NaN, NaN with fewer than two)."""
+    values = np.asarray([v for v in values if not pd.isna(v)], dtype=float)
+    if len(values) < 2:
+        return np.nan, np.nan
+    half = stats.t.ppf((1 + confidence) / 2, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
+    return values.mean() - half, values.mean() + half
+
+
+def paired_differences(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per cell (config_id): the mean over seeds of (this run's metric - the 32-true run's of the same seed and
+    otherwise the same configuration), over the seeds where both finished; its 95% t interval; and whether that
+    interval excludes 0. A 32-true cell is its own baseline (difference 0, no interval)."""
+    ok = frame[(frame["status"] == "ok") & frame["value"].notna()]
+    baseline = ok[ok["setting"] == "32-true"].drop_duplicates(["baseline_id", "seed"]) \
+        .set_index(["baseline_id", "seed"])["value"]
+    rows = []
+    for config_id, runs in ok.groupby("config_id", sort=False):
+        keys = list(zip(runs["baseline_id"], runs["seed"]))
+        paired = [(v, baseline[k]) for v, k in zip(runs["value"], keys) if k in baseline.index]
+        differences = [v - b for v, b in paired]
+        lo, hi = t_interval(differences)
+        rows.append({"config_id": config_id, "value_vs_fp32": np.mean(differences) if differences else np.nan,
+                     "value_vs_fp32_n": len(differences), "value_vs_fp32_lo": lo, "value_vs_fp32_hi": hi,
+                     "value_vs_fp32_significant": bool(lo > 0 or hi < 0)})
+    return pd.DataFrame(rows, columns=["config_id", "value_vs_fp32", "value_vs_fp32_n", "value_vs_fp32_lo",
+                                       "value_vs_fp32_hi", "value_vs_fp32_significant"])
 
 
 def main(argv: list[str] | None = None, api=None) -> int:

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from bench.aggregate import SCALING_ORDER  # noqa: E402
-from bench.tables import PERCENT_METRICS, scaled  # noqa: E402
+from bench.tables import PERCENT_METRICS, SIGNIFICANT, fmt_difference, scaled  # noqa: E402
 
 MARKERS = dict(zip(SCALING_ORDER, "os^Dv"))
 
@@ -45,10 +45,12 @@ def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -
     for _, c in part.iterrows():
         emulated = c["backend"] == "emulated"
         colour = colours[str(c["setting"])]
-        value, spread = scaled(c["metric"], c["value"]), scaled(c["metric"], c["value_std"])
+        value = scaled(c["metric"], c["value"])
+        interval = None if pd.isna(c["value_ci_lo"]) else [[value - scaled(c["metric"], c["value_ci_lo"])],
+                                                           [scaled(c["metric"], c["value_ci_hi"]) - value]]
         time_range = None if c["train_s_n"] < 2 else [[c["train_s"] - c["train_s_min"]],
                                                           [c["train_s_max"] - c["train_s"]]]
-        ax.errorbar(c["train_s"], value, yerr=None if pd.isna(spread) else spread, xerr=time_range, fmt="none",
+        ax.errorbar(c["train_s"], value, yerr=interval, xerr=time_range, fmt="none",
                     ecolor=colour, elinewidth=0.8, capsize=2)
         ax.scatter(c["train_s"], value, marker=MARKERS.get(str(c["scaling"]), "o"), s=60,
                    facecolors="none" if emulated else colour, edgecolors=colour, linewidths=1.5)
@@ -61,7 +63,7 @@ def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -
     if (part["diverged"] + part["failed"]).any():
         ax.scatter([], [], marker="x", color="red", label="some runs diverged/failed")
     ax.set_xlabel("train time (s): median over seeds, bars min–max; hollow = emulated")
-    ax.set_ylabel(f"{_metric_label(part)}, mean ± std over seeds")
+    ax.set_ylabel(f"{_metric_label(part)}: mean over seeds, bars 95% t interval")
     ax.set_title(f"{title}: {part['metric'].iloc[0]} vs train time", fontsize=9)
     return _save(fig, directory, f"{name}_metric_vs_time")
 
@@ -72,17 +74,21 @@ def heatmap(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[
     rows = list(dict.fromkeys(zip(part["setting"].astype(str), part["backend"])))
     columns = [s for s in SCALING_ORDER if s in set(part["scaling"].astype(str))]
     grid = np.full((len(rows), len(columns)), np.nan)
+    texts = np.full(grid.shape, "–", dtype=object)
     for _, c in part.iterrows():
-        grid[rows.index((str(c["setting"]), c["backend"])), columns.index(str(c["scaling"]))] = scaled(c["metric"],
-                                                                                                      c["value"])
-    fig, ax = plt.subplots(figsize=(1.4 * len(columns) + 2, 0.5 * len(rows) + 1.5))
+        i, j = rows.index((str(c["setting"]), c["backend"])), columns.index(str(c["scaling"]))
+        grid[i, j] = scaled(c["metric"], c["value"])
+        if not np.isnan(grid[i, j]):  # the mean, then the paired difference to 32-true with its 95% interval
+            texts[i, j] = f"{grid[i, j]:.3g}\n{fmt_difference(c).split(' (n=')[0]}{SIGNIFICANT * bool(c['value_vs_fp32_significant'])}"
+    fig, ax = plt.subplots(figsize=(1.6 * len(columns) + 2, 0.7 * len(rows) + 1.5))
     image = ax.imshow(grid, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(columns)), columns)
     ax.set_yticks(range(len(rows)), labels)
-    for (i, j), v in np.ndenumerate(grid):
-        ax.text(j, i, "–" if np.isnan(v) else f"{v:.3g}", ha="center", va="center", color="w", fontsize=8)
+    for (i, j), text in np.ndenumerate(texts):
+        ax.text(j, i, text, ha="center", va="center", color="w", fontsize=6)
     fig.colorbar(image, ax=ax, label=_metric_label(part))
-    ax.set_title(f"{title}: {part['metric'].iloc[0]} by format and scaling", fontsize=9)
+    ax.set_title(f"{title}: {part['metric'].iloc[0]} by format and scaling\n(mean; Δ vs 32-true [95% interval], "
+                 f"{SIGNIFICANT} = excludes 0)", fontsize=9)
     return _save(fig, directory, f"{name}_heatmap")
 
 

@@ -1,8 +1,9 @@
 """Paper-style tables from the per-run frame and the per-cell summary (bench/aggregate.py).
 
 Written to <out>/<experiment>/, each as Markdown, LaTeX (booktabs) and CSV:
-- precision: Raschka's table, one row per setting (and scaling method): time, speed-up vs 32-true, peak memory,
-  memory ratio, primary metric as mean ± std (n);
+- precision: Raschka's table, one row per setting (and scaling method): time, speed-up vs 32-true, modelled
+  memory and its ratio to 32-true, measured peak, TFLOP/s (native), primary metric as mean ± std (n), and the
+  paired difference to 32-true with its 95% confidence interval;
 - scaling_grid: rows = format setting, columns = scaling method, cells = the primary metric, failures marked;
 - squad: the Unit Scaling paper's layout, rows = model x setting, columns = scaling method, cells = EM / F1;
 - numerics: skipped steps, final loss scale, underflow / subnormal / overflow fractions per tensor class;
@@ -23,12 +24,23 @@ from bench.telemetry import TENSOR_CLASSES
 PUBLISHED = Path(__file__).parent / "reference" / "published.yaml"
 EMULATED = "†"
 DISTURBED = "‡"
+SIGNIFICANT = "*"
 NOTES = {
-    "emulated": f"{EMULATED} emulated in FP32: time and memory measure the emulation on this device, not the format.",
+    "emulated": f"{EMULATED} emulated in FP32: time, speed-up and measured peak measure the emulation on this device, "
+                "not the format (modelled memory counts the format's storage either way).",
     "disturbed": f"{DISTURBED} timing disturbed: other processes kept more cores busy than this run's threads left "
                  "free (timing.conditions in the record).",
     "time": "train time: median over the seeds that finished [min–max] (n); speed-up: the 32-true median over this one.",
     "std": "mean ± sample standard deviation over seeds (n runs with a value).",
+    "difference": "Δ vs 32-true: mean of the per-seed differences to the 32-true cell of the same scaling, seed and "
+                  "configuration (seeds are paired: same initial weights and data order) [95% confidence interval, "
+                  f"Student's t over the n paired seeds]; {SIGNIFICANT} marks an interval that excludes 0, a "
+                  "difference the seeds tell apart from noise; without the mark it is not distinguishable from 0.",
+    "memory": "modelled memory: the bytes one training step holds (parameters, gradients, optimiser state, low-"
+              "precision weight copies, activations saved for backward) as the format stores them, counted on the "
+              "run's first step (bench/memory.py), the same for native and emulated runs; measured peak: the "
+              "process's peak resident set on CPU (mostly the Python/torch runtime), max_memory_allocated on CUDA; "
+              "TFLOP/s: FLOPs of a step over its median time, native runs only.",
 }
 PERCENT_METRICS = {"test_accuracy"}
 
@@ -52,6 +64,22 @@ def fmt_stat(mean, std, n, digits: int = 2) -> str:
     if n == 1 or pd.isna(std):
         return f"{mean:.{digits}f} (n=1)"
     return f"{mean:.{digits}f} ± {std:.{digits}f} (n={n})"
+
+
+def fmt_difference(cell) -> str:
+    """The paired difference to 32-true in the metric's units, its interval, and the mark when it excludes 0."""
+    metric, n = cell["metric"], cell["value_vs_fp32_n"]
+    if pd.isna(cell["value_vs_fp32"]) or not n:
+        return "–"
+    text = f"{scaled(metric, cell['value_vs_fp32']):+.2f}"
+    if pd.isna(cell["value_vs_fp32_lo"]):
+        return f"{text} (n={int(n)})" if str(cell["setting"]) != "32-true" else text
+    interval = f" [{scaled(metric, cell['value_vs_fp32_lo']):+.2f}, {scaled(metric, cell['value_vs_fp32_hi']):+.2f}]"
+    return f"{text}{interval} (n={int(n)}){SIGNIFICANT if cell['value_vs_fp32_significant'] else ''}"
+
+
+def fmt_mib(value) -> str:
+    return "–" if pd.isna(value) else f"{value / 2**20:.3g}"
 
 
 def status_note(cell) -> str:
@@ -88,11 +116,13 @@ def precision_table(cells: pd.DataFrame) -> pd.DataFrame:
             **_identity(c, cells), "setting": _setting_label(c), "scaling": c["scaling"],
             "train time (s)": fmt_time(c) + emulated,
             "speed-up vs 32-true": "–" if pd.isna(c["speedup_vs_fp32"]) else f"{c['speedup_vs_fp32']:.2f}×{emulated}",
-            "peak memory (MiB)": "–" if pd.isna(c["peak_bytes"]) else f"{c['peak_bytes'] / 2**20:.0f}{emulated}",
-            "memory ratio": "–" if pd.isna(c["memory_ratio_vs_fp32"]) else f"{c['memory_ratio_vs_fp32']:.2f}{emulated}",
+            "modelled memory (MiB)": fmt_mib(c["step_bytes"]),
+            "memory vs 32-true": "–" if pd.isna(c["step_memory_ratio_vs_fp32"])
+            else f"{c['step_memory_ratio_vs_fp32']:.2f}",
+            "measured peak (MiB)": "–" if pd.isna(c["peak_bytes"]) else f"{c['peak_bytes'] / 2**20:.0f}{emulated}",
+            "TFLOP/s": "–" if pd.isna(c["tflop_per_s"]) else f"{c['tflop_per_s']:.3g}",
             (c["metric"] or "metric"): _metric_text(c),
-            "Δ vs 32-true": "–" if pd.isna(c["value_vs_fp32"]) else
-            f"{scaled(c['metric'], c['value_vs_fp32']):+.2f}",
+            "Δ vs 32-true": fmt_difference(c),
         })
     return pd.DataFrame(rows).fillna("")
 
@@ -221,7 +251,8 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
     if (cells["metric"] == "f1").any():
         built["squad"] = squad_table(cells)
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
-    timing_notes = [NOTES["time"]] + ([NOTES["disturbed"]] if cells["disturbed"].any() else [])
+    timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \
+        + ([NOTES["disturbed"]] if cells["disturbed"].any() else [])
     markdown = {}
     for name, table in built.items():
         markdown[name] = to_markdown(table, notes + (timing_notes if name == "precision" else []))

@@ -98,7 +98,9 @@ def test_tables_hold_the_hand_computed_statistics(results, tmp_path, capsys):
     fp8 = _row(precision, "fp8-mixed", "none")
     assert "0.57×†" in fp8  # 12 s / mean(20, 22) s
     assert "21.0 [20.0–22.0] (n=2)†" in fp8  # median [min–max] over seeds
-    assert "| -10.00 " in fp8  # accuracy change against 32-true: 82 - 92
+    # paired by seed against 32-true: 80 - 90 = -10 and 84 - 92 = -8 -> mean -9.00, sample std sqrt(2), 95% t
+    # interval -9 ± t(0.975, 1) * sqrt(2) / sqrt(2) = -9 ± 12.706; it holds 0: no mark
+    assert "| -9.00 [-21.71, +3.71] (n=2) |" in fp8
     assert "1.00×" in _row(precision, "lenet", "32-true", "none")
 
     squad = (out / "t" / "squad.md").read_text()
@@ -255,3 +257,17 @@ def test_a_cell_whose_timing_was_disturbed_is_flagged(tmp_path):
     precision = (tmp_path / "tables" / "t" / "precision.md").read_text()
     assert "20.0 [10.0–30.0] (n=2)‡" in _row(precision, "| lenet", "| 32-true")
     assert "‡ timing disturbed" in precision
+
+
+def test_a_difference_the_paired_seeds_tell_from_noise_is_marked(tmp_path):
+    """32-true 90 / 92 / 94 against bf16-mixed 85 / 87 / 90 on seeds 0-2: differences -5, -5, -4, mean -4.67,
+    sample std 0.577, 95% interval -4.67 ± t(0.975, 2) * 0.577 / sqrt(3) = -4.67 ± 1.43, which excludes 0. The
+    unpaired means' difference is the same, but its spread (std 2.0 and 2.5 per cell) would hide it."""
+    root = tmp_path / "runs"
+    for seed, (fp32, bf16) in enumerate([(0.90, 0.85), (0.92, 0.87), (0.94, 0.90)]):
+        write(root, record(seed=seed, metrics={"test_accuracy": fp32}))
+        write(root, record(fmt="bf16", mode="mixed", setting="bf16-mixed", seed=seed, metrics={"test_accuracy": bf16}))
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    precision = (tmp_path / "tables" / "t" / "precision.md").read_text()
+    assert "| -4.67 [-6.10, -3.23] (n=3)* |" in _row(precision, "bf16-mixed")
+    assert "excludes 0" in precision
