@@ -129,6 +129,7 @@ class ImageDataConfig:
     source: str = "digits"  # digits (offline) | hub
     name: str = "ylecun/mnist"  # hub dataset id
     test_fraction: float = 0.2  # digits: fixed stratified split
+    val_fraction: float = 0.1  # of the training set: a fixed stratified validation split (0: none)
     augment_shift: int = 0  # random translation of each training batch by up to N pixels
 
 

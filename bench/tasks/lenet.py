@@ -35,7 +35,8 @@ def _standardise(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def load_digits(test_fraction: float) -> tuple[torch.Tensor, ...]:
-    """sklearn's 1,797 8x8 digits, bilinearly upsampled to 32x32, fixed stratified split (random_state=0)."""
+    """sklearn's 1,797 8x8 digits, bilinearly upsampled to 32x32, fixed stratified train/test split
+    (random_state=0); the validation split is carved from train (see split_validation)."""
     from sklearn.datasets import load_digits as sk_digits
     from sklearn.model_selection import train_test_split
 
@@ -47,6 +48,18 @@ def load_digits(test_fraction: float) -> tuple[torch.Tensor, ...]:
                                            stratify=digits.target)
     x_train, x_test = _standardise(images[idx_train], images[idx_test])
     return x_train, labels[idx_train], x_test, labels[idx_test]
+
+
+def split_validation(x: torch.Tensor, y: torch.Tensor, fraction: float) -> tuple[torch.Tensor, ...]:
+    """A fixed stratified validation split of the training set (random_state=0), for every choice made while
+    building the task (augmentation, epochs), so that the test set is never used for one."""
+    from sklearn.model_selection import train_test_split
+
+    if fraction <= 0:
+        return x, y, x[:0], y[:0]
+    idx_train, idx_val = train_test_split(np.arange(len(y)), test_size=fraction, random_state=0,
+                                          stratify=y.numpy())
+    return x[idx_train], y[idx_train], x[idx_val], y[idx_val]
 
 
 def load_mnist(name: str) -> tuple[torch.Tensor, ...]:
@@ -74,7 +87,9 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
     else:
         hub.require(data=[cfg.data.name])
         x_train, y_train, x_test, y_test = load_mnist(cfg.data.name)
-    x_train, y_train, x_test, y_test = (t.to(device) for t in (x_train, y_train, x_test, y_test))
+    x_train, y_train, x_val, y_val = split_validation(x_train, y_train, cfg.data.val_fraction)
+    x_train, y_train, x_val, y_val, x_test, y_test = (t.to(device) for t in (x_train, y_train, x_val, y_val,
+                                                                             x_test, y_test))
     model = LeNet5().to(device)
     n_batches = len(y_train) // batch_size  # drop_last: every step sees a full batch
 
@@ -98,12 +113,18 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
         return model(cast_inputs(x)).float(), y
 
     @torch.no_grad()
-    def evaluate(model, cast_inputs) -> dict:
+    def accuracy(model, cast_inputs, x, y) -> float:
         correct = 0
-        for start in range(0, len(y_test), 1024):
-            logits = model(cast_inputs(x_test[start:start + 1024]))
-            correct += (logits.argmax(1) == y_test[start:start + 1024]).sum().item()
-        return {"test_accuracy": correct / len(y_test), "test_examples": len(y_test)}
+        for start in range(0, len(y), 1024):
+            logits = model(cast_inputs(x[start:start + 1024]))
+            correct += (logits.argmax(1) == y[start:start + 1024]).sum().item()
+        return correct / len(y)
+
+    def evaluate(model, cast_inputs) -> dict:
+        metrics = {"test_accuracy": accuracy(model, cast_inputs, x_test, y_test), "test_examples": len(y_test)}
+        if len(y_val):
+            metrics |= {"val_accuracy": accuracy(model, cast_inputs, x_val, y_val), "val_examples": len(y_val)}
+        return metrics
 
     return Task(model=model, train_batches=train_batches, forward=forward,
                 loss=lambda logits, y, cross_entropy: cross_entropy(logits, y), evaluate=evaluate,
