@@ -6,7 +6,7 @@ TORCH   ?= 2.13.0
 RESULTS ?= results/runs
 # Tables go to an ignored directory: `make sweep` never rewrites committed files (`make default-tables` does).
 TABLES  ?= results/local/tables
-SEEDS   ?= 0
+SEEDS   ?= 0,1,2
 FORMATS ?= fp32,tf32,fp16,bf16,fp8
 SCALINGS ?= none,static,dynamic,per_tensor,unit
 EXPERIMENT ?=
@@ -14,7 +14,7 @@ LAUNCHER ?= parallel
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
-.PHONY: help setup test test-slow test-cluster sweep tables default-tables bench prepare sync chaos doctor clean
+.PHONY: help setup test test-slow test-cluster sweep tables default-tables raschka-memory bench prepare sync chaos doctor clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -59,6 +59,9 @@ tables: setup ## Markdown + CSV tables from the records under RESULTS (into TABL
 default-tables: setup ## regenerate the committed results/tables/default from a fresh default sweep
 	rm -rf results/runs/committed
 	$(MAKE) --no-print-directory sweep RESULTS=results/runs/committed TABLES=results/tables
+
+raschka-memory: setup ## Raschka's DistilBERT memory (A100) beside the modelled step on this CPU (results/tables/raschka_memory)
+	$(PY) -m bench.raschka_memory --out results/tables/raschka_memory
 
 bench: setup ## measure harness overhead, emulation cost, native speed (on CUDA), aggregation; JSON to results/bench/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'

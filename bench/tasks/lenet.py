@@ -51,14 +51,18 @@ def load_digits(test_fraction: float) -> tuple[torch.Tensor, ...]:
 
 
 def split_validation(x: torch.Tensor, y: torch.Tensor, fraction: float) -> tuple[torch.Tensor, ...]:
-    """A fixed stratified validation split of the training set (random_state=0), for every choice made while
-    building the task (augmentation, epochs), so that the test set is never used for one."""
+    """A fixed validation split of the training set (random_state=0), for every choice made while building the
+    task (augmentation, epochs), so that the test set is never used for one. Stratified by label wherever the
+    split can hold every label (not in a few-dozen-image fixture)."""
     from sklearn.model_selection import train_test_split
 
     if fraction <= 0:
         return x, y, x[:0], y[:0]
+    labels = y.numpy()
+    counts = np.bincount(labels)
+    stratifiable = counts[counts > 0].min() >= 2 and round(fraction * len(labels)) >= (counts > 0).sum()
     idx_train, idx_val = train_test_split(np.arange(len(y)), test_size=fraction, random_state=0,
-                                          stratify=y.numpy())
+                                          stratify=labels if stratifiable else None)
     return x[idx_train], y[idx_train], x[idx_val], y[idx_val]
 
 
