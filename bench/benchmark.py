@@ -6,7 +6,8 @@ Writes results/bench/<device>-<date>.json: {"device", "env", "rows": [{"metric",
 and prints the rows as a table. Every timing is the median of repeats after a warm-up, alternating the
 things compared, in one process:
 - harness_ratio.<model>.<format>: steps/s of bench's training loop / a bare hand-written loop over the
-  same model, batches and format (telemetry off in both; it is measured on its own below). Target >= 0.97.
+  same model, batches and format (telemetry and the one-off first-step memory count off in both; each is
+  measured on its own below). Target >= 0.97.
 - emulation_ratio.<model>.<format>: step time of an emulated format / fp32, same loop and model.
   Target <= 2.0 for fp8 on CPU. telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off
   (target <= 1.5).
@@ -16,6 +17,9 @@ things compared, in one process:
 - native rows, on a CUDA device only: per model and format at the papers' batch sizes, step time,
   samples/s, tokens/s, peak memory, MFU against the device's dense peak for the dtype (6 x parameters x
   tokens FLOPs per step), speed-up vs fp32 (TF32 off) and vs tf32.
+- accounting_share.lenet.<format>: what a run's one-off accounting costs (the memory breakdown of its first
+  step, bench/memory.py, plus the FLOP count of one step) as a share of a default LeNet cell's training time
+  (its steps x a plain step's median time). Target <= 0.05.
 - aggregate_s.10k: reading, summarising and tabulating 10,000 synthetic records. Target <= 5 s.
 - quantise_ns.<format>: nanoseconds per value of bench.formats.quantise on 2^20 float32 values.
 """
@@ -23,6 +27,7 @@ things compared, in one process:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime as dt
 import json
@@ -41,8 +46,9 @@ from tabulate import tabulate
 
 from bench import device as devices
 from bench.formats import quantise
-from bench.run import build_cell, preflight
-from bench.train import train
+from bench.memory import StepMemory
+from bench.run import build_cell, preflight, step_flops_by_module
+from bench.train import total_steps, train
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 NO_TELEMETRY = 10**9  # train.log_every that never samples within a measurement
@@ -87,7 +93,7 @@ def our_loop(cfg, precision, cell, data):
     train_cfg = copy.deepcopy(cfg.train)
     train_cfg.epochs, train_cfg.max_steps = 1, len(data)
     return lambda: train(task, precision, cell.scaler, cell.optimizer, None, train_cfg, precision.device,
-                         lambda row: None)
+                         lambda row: None, count_memory=False)  # a one-off per run: accounting_rows times it
 
 
 def timed(fn, device) -> float:
@@ -127,6 +133,33 @@ def harness_rows(steps: int, repeats: int) -> list[dict]:
                            "bare": lambda: bare_loop(bare.task.model, bare.task, precision, bare.optimizer, data)},
                           precision.device, repeats)
             rows.append(row(f"harness_ratio.{model}.{fmt}", t["bare"] / t["ours"], "ours/bare steps per s", ">= 0.97"))
+    return rows
+
+
+def accounting_rows(repeats: int) -> list[dict]:
+    rows = []
+    for fmt in ("fp32", "fp8"):
+        cfg, precision, cell = make_cell("model=lenet", f"format={fmt}")
+        task, model, optimizer = cell.task, cell.task.model, cell.optimizer
+        batch = next(iter(task.train_batches(0)))
+
+        def step(counted: bool):
+            counting = StepMemory(model, precision) if counted else None
+            with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
+                outputs, targets = task.forward(model, batch, precision.inputs)
+                loss = task.compute_loss(outputs, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if counting:
+                counting.finish(optimizer)
+
+        t = alternate({"counted": lambda: step(True), "plain": lambda: step(False),
+                       "flops": lambda: step_flops_by_module(task)}, precision.device, 4 * repeats)
+        once = max(0.0, t["counted"] - t["plain"]) + t["flops"]
+        rows.append(row(f"accounting_s.lenet.{fmt}", once, "s per run (memory breakdown + FLOP count)"))
+        rows.append(row(f"accounting_share.lenet.{fmt}", once / (total_steps(task, cfg.train) * t["plain"]),
+                        "of a default LeNet cell's training time", "<= 0.05"))
     return rows
 
 
@@ -279,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     datasets.disable_progress_bars()
     steps, repeats = (5, 1) if args.quick else (100, 5)
     device = devices.select_device("auto")
-    rows = harness_rows(steps, repeats) + emulation_rows(steps, repeats) + peer_rows(steps, repeats)
+    rows = harness_rows(steps, repeats) + emulation_rows(steps, repeats) + peer_rows(steps, repeats) \
+        + accounting_rows(repeats)
     if device.type == "cuda":
         rows += native_rows(steps=10 if not args.quick else 2, repeats=repeats)
     rows += aggregate_rows(200 if args.quick else 10_000) + quantise_rows()

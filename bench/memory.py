@@ -14,8 +14,9 @@ would store it in:
 - parameters, gradients and optimiser state: the format's width in "true" modes, FP32 in mixed modes;
 - a saved tensor a rounding site produced: its element format's storage width, except weights in true mode,
   which are the parameters themselves (a native true run saves the parameter, not a copy);
-- a rounding that changed nothing (the input was already in the format) stands for its input: a native kernel
-  reads such an input as it is, so the tensor is counted once;
+- a rounding that changed nothing (the input was already in the format), or whose format lives in the input's
+  storage (TF32 in FP32), stands for its input: a native kernel reads such an input as it is, so the tensor is
+  counted once;
 - with 16-bit kernels and no per-tensor scales, a saved FP32 tensor on the model's differentiable path whose
   every value is a 16-bit value (ReLU or max-pool of a 16-bit output): 16 bits, as a native run computes it;
 - anything else (integer indices, FP32 losses, the output of an FP32 elementwise op): its own size.

@@ -247,10 +247,12 @@ class Precision:
         return TensorSite(tensor_class, fmt, self.overflow, self.ftz, self.telemetry, scaler, self._note_output)
 
     def _note_output(self, x: torch.Tensor, rounded: torch.Tensor, tensor_class: str, fmt: str) -> None:
-        """A native kernel reads an input already in its format as it is: when rounding changed nothing, the
-        output stands for the input's storage (no copy), so that memory accounting counts it once."""
+        """A native kernel reads an input as it is when the input is already in its format, or when the format
+        lives in the input's storage (TF32 in FP32): then the output stands for the input's storage (no copy),
+        so that memory accounting counts it once."""
         if self.site_outputs is not None:
-            unchanged = rounded.dtype == x.dtype and torch.equal(rounded, x)
+            unchanged = rounded.dtype == x.dtype and (FORMATS[fmt].storage_bytes == x.element_size()
+                                                      or torch.equal(rounded, x))
             self.site_outputs[rounded.untyped_storage().data_ptr()] = (tensor_class, fmt, rounded,
                                                                        x if unchanged else None)
 

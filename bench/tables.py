@@ -69,11 +69,13 @@ def fmt_stat(mean, std, n, digits: int = 2) -> str:
 def fmt_difference(cell) -> str:
     """The paired difference to 32-true in the metric's units, its interval, and the mark when it excludes 0."""
     metric, n = cell["metric"], cell["value_vs_fp32_n"]
+    if str(cell["setting"]) == "32-true":
+        return "baseline"
     if pd.isna(cell["value_vs_fp32"]) or not n:
         return "–"
     text = f"{scaled(metric, cell['value_vs_fp32']):+.2f}"
     if pd.isna(cell["value_vs_fp32_lo"]):
-        return f"{text} (n={int(n)})" if str(cell["setting"]) != "32-true" else text
+        return f"{text} (n={int(n)})"
     interval = f" [{scaled(metric, cell['value_vs_fp32_lo']):+.2f}, {scaled(metric, cell['value_vs_fp32_hi']):+.2f}]"
     return f"{text}{interval} (n={int(n)}){SIGNIFICANT if cell['value_vs_fp32_significant'] else ''}"
 

@@ -72,14 +72,16 @@ def total_steps(task: Task, cfg: DictConfig) -> int:
 
 def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch.optim.Optimizer, schedule,
           cfg: DictConfig, device: torch.device, log: Callable[[dict], None], label: str = "",
-          checkpointer: Checkpointer | None = None, resume: dict | None = None) -> TrainOutcome:
+          checkpointer: Checkpointer | None = None, resume: dict | None = None,
+          count_memory: bool = True) -> TrainOutcome:
     """Train `task.model` for cfg.epochs (at most cfg.max_steps steps); stop at the first non-finite loss.
 
     `log` receives a metrics dict every cfg.log_every steps (telemetry is sampled on those steps) and
     the task's validation metrics after each epoch. Timing covers the loop (data, forward, backward,
     step, per-epoch validation, as Raschka's timing does), synchronised on accelerators; a resumed run
     adds the time of its earlier segments. `resume` is the loop state a checkpoint restored; with a
-    `checkpointer`, the loop saves at step boundaries.
+    `checkpointer`, the loop saves at step boundaries. `count_memory`: count the first step's memory
+    (bench/memory.py); `make bench` turns it off to time the loop's per-step cost alone.
     """
     model = task.model
     params = [p for p in model.parameters() if p.requires_grad]
@@ -107,7 +109,7 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
             step_start = time.perf_counter()
             sampled = out.steps % cfg.log_every == 0
             precision.telemetry.sampling = sampled
-            counting = StepMemory(model, precision) if out.step_memory is None else None  # the first step
+            counting = StepMemory(model, precision) if count_memory and out.step_memory is None else None
             with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
                 outputs, targets = task.forward(model, batch, precision.inputs)
                 loss = task.compute_loss(outputs, targets)

@@ -47,6 +47,11 @@ def test_emulated_bf16_is_counted_as_native_bf16_holds_it(make_cfg, tmp_path, mo
                         + (0 if mode == "true" else 2 * WEIGHTS)}
 
 
+def test_tf32_holds_what_fp32_holds(make_cfg, tmp_path):
+    """TF32 tensor cores read FP32 storage: no copies, the same bytes as 32-true."""
+    assert step_memory(make_cfg, tmp_path, "format=tf32") == step_memory(make_cfg, tmp_path, "format=fp32")
+
+
 def test_emulated_fp8_counts_what_enters_a_matmul_at_one_byte(make_cfg, tmp_path):
     """FP8 GEMMs read E4M3 inputs and write FP32: the matmul inputs and weight copies are 1 byte, the ReLU outputs
     between them stay FP32 (4 bytes), and FP32 master weights, gradients and optimiser state are 4 bytes."""
