@@ -208,8 +208,9 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
 
 
 def summarise(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per cell (one configuration over seeds): mean, std (sample, ddof=1) and n over the runs that
-    finished, status counts over all of them, ratios to 32-true.
+    """One row per cell (one configuration over seeds): mean, std (sample, ddof=1), n and the mean's 95% t interval
+    over the runs that finished, status counts over all of them, ratios to 32-true, and the paired difference
+    to 32-true (paired_differences).
 
     Ratios compare median train time and mean peak memory with the 32-true cell of the same configuration apart
     from the format (same experiment, model, data, steps, scaling method and its knobs, on the same device),
@@ -259,15 +260,14 @@ def t_interval(values: list[float], confidence: float = 0.95) -> tuple[float, fl
 def paired_differences(frame: pd.DataFrame) -> pd.DataFrame:
     """Per cell (config_id): the mean over seeds of (this run's metric - the 32-true run's of the same seed and
     otherwise the same configuration), over the seeds where both finished; its 95% t interval; and whether that
-    interval excludes 0. A 32-true cell is its own baseline (difference 0, no interval)."""
+    interval excludes 0. A 32-true cell is its own baseline (every difference 0)."""
     ok = frame[(frame["status"] == "ok") & frame["value"].notna()]
     baseline = ok[ok["setting"] == "32-true"].drop_duplicates(["baseline_id", "seed"]) \
         .set_index(["baseline_id", "seed"])["value"]
     rows = []
     for config_id, runs in ok.groupby("config_id", sort=False):
-        keys = list(zip(runs["baseline_id"], runs["seed"]))
-        paired = [(v, baseline[k]) for v, k in zip(runs["value"], keys) if k in baseline.index]
-        differences = [v - b for v, b in paired]
+        pairs = zip(runs["value"], zip(runs["baseline_id"], runs["seed"]))
+        differences = [value - baseline[key] for value, key in pairs if key in baseline.index]
         lo, hi = t_interval(differences)
         rows.append({"config_id": config_id, "value_vs_fp32": np.mean(differences) if differences else np.nan,
                      "value_vs_fp32_n": len(differences), "value_vs_fp32_lo": lo, "value_vs_fp32_hi": hi,

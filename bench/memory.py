@@ -28,14 +28,12 @@ tensors while gradients fill.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from bench.formats import FORMATS, quantise_value
-
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "weight_copies", "activations")
-
 
 def _float8_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
     """torchao's float8 training tensors carry their FP8 data and scale as attributes."""
@@ -56,15 +54,24 @@ def _own_bytes(t: torch.Tensor) -> int:
     return sum(p.numel() * p.element_size() for p in parts) if parts else t.numel() * t.element_size()
 
 
+class SiteOutput(NamedTuple):
+    """What an emulated rounding site made, as a native kernel would hold it."""
+
+    tensor_class: str
+    fmt: str
+    output: torch.Tensor  # held, so that no other tensor takes its address within the step
+    reads_input: torch.Tensor | None  # the input, when a native kernel would read it as it is (no copy)
+
+
 class StepMemory:
     """Counts one training step: enter `saving()` around the forward pass, call `finish()` after the optimiser
-    step; `breakdown` then holds bytes per category and their total."""
+    step for the bytes per category and their total."""
 
     def __init__(self, model: nn.Module, precision):
         self.model, self.precision = model, precision
         self.params = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
         self.saved: dict[int, tuple[str, float]] = {}  # storage -> (category, bytes)
-        self.breakdown: dict | None = None
+        self.made: dict[int, SiteOutput] = {}  # storage -> what a rounding site made there (emulated runs)
         emulated = not precision.native and precision.recipe is not None
         self.stored_format = FORMATS[precision.recipe.inputs] if emulated and precision.mode == "true" else None
         self.sixteen_bit_values = (FORMATS[precision.recipe.inputs] if emulated and precision.recipe.sixteen_bit_kernel
@@ -73,32 +80,40 @@ class StepMemory:
     @contextlib.contextmanager
     def saving(self):
         """Around the forward pass: record what autograd saves, and (emulated) what the rounding sites make."""
-        self.precision.site_outputs = None if self.precision.native else {}
+        self.precision.site_listener = None if self.precision.native else self._site_made
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield
         finally:
-            self.precision.site_outputs = None
+            self.precision.site_listener = None
+            self.made.clear()
+
+    def _site_made(self, x: torch.Tensor, rounded: torch.Tensor, tensor_class: str, fmt: str) -> None:
+        """A native kernel reads an input as it is when the input is already in its format, or when the format
+        lives in the input's storage (TF32 in FP32): then the output stands for the input (no copy)."""
+        in_place = rounded.dtype == x.dtype and (FORMATS[fmt].storage_bytes == x.element_size()
+                                                 or torch.equal(rounded, x))
+        self.made[rounded.untyped_storage().data_ptr()] = SiteOutput(tensor_class, fmt, rounded,
+                                                                     x if in_place else None)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
-        site = (self.precision.site_outputs or {}).get(key)
-        if site is not None and site[3] is not None:
-            key = _storage_key(site[3])  # a rounding that changed nothing: natively, the input itself is saved
-        if key not in self.params:
-            category, size = self._classify(t, site)
-            if key in self.saved:  # another view of a storage already counted: the larger view counts
-                category, size = max(self.saved[key], (category, size), key=lambda entry: entry[1])
-            self.saved[key] = (category, size)
+        site = self.made.get(key)
+        if site is not None and site.reads_input is not None:
+            key = _storage_key(site.reads_input)  # natively, the input itself is saved
+        true_mode_weight = site is not None and site.tensor_class == "weights" and self.precision.mode == "true"
+        if key in self.params or true_mode_weight:
+            return t  # a parameter, counted as one (a native true run's kernels read the 16-bit parameter itself)
+        category, size = self._classify(t, site)
+        if key in self.saved:  # another view of a storage already counted: the larger view counts
+            category, size = max(self.saved[key], (category, size), key=lambda entry: entry[1])
+        self.saved[key] = (category, size)
         return t
 
-    def _classify(self, t: torch.Tensor, site: tuple | None) -> tuple[str, float]:
+    def _classify(self, t: torch.Tensor, site: SiteOutput | None) -> tuple[str, float]:
         if site is not None:  # emulated: a rounding site made it
-            tensor_class, fmt = site[:2]
-            if tensor_class == "weights" and self.precision.mode == "true":
-                return "parameters", 0.0  # the parameter itself, already counted
-            category = "weight_copies" if tensor_class == "weights" else "activations"
-            return category, t.numel() * FORMATS[fmt].storage_bytes
+            category = "weight_copies" if site.tensor_class == "weights" else "activations"
+            return category, t.numel() * FORMATS[site.fmt].storage_bytes
         if self.sixteen_bit_values is not None and t.dtype == torch.float32 and t.grad_fn is not None \
                 and torch.equal(quantise_value(t, self.sixteen_bit_values), t):
             return "activations", t.numel() * self.sixteen_bit_values.storage_bytes
@@ -132,8 +147,6 @@ class StepMemory:
                      "gradients": self._stored(p.grad for p in params if p.grad is not None),
                      "optimizer_state": self._stored(state), "weight_copies": 0.0, "activations": 0.0}
         for category, size in self.saved.values():
-            if category != "parameters":
-                breakdown[category] += size
-        self.breakdown = {k: int(v) for k, v in breakdown.items()} | {"total": int(sum(breakdown.values()))}
+            breakdown[category] += size
         self.saved.clear()
-        return self.breakdown
+        return {k: int(v) for k, v in breakdown.items()} | {"total": int(sum(breakdown.values()))}

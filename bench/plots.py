@@ -79,7 +79,7 @@ def heatmap(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[
         i, j = rows.index((str(c["setting"]), c["backend"])), columns.index(str(c["scaling"]))
         grid[i, j] = scaled(c["metric"], c["value"])
         if not np.isnan(grid[i, j]):  # the mean, then the paired difference to 32-true with its 95% interval
-            texts[i, j] = f"{grid[i, j]:.3g}\n{fmt_difference(c).split(' (n=')[0]}{SIGNIFICANT * bool(c['value_vs_fp32_significant'])}"
+            texts[i, j] = f"{grid[i, j]:.3g}\n{fmt_difference(c, with_n=False)}"
     fig, ax = plt.subplots(figsize=(1.6 * len(columns) + 2, 0.7 * len(rows) + 1.5))
     image = ax.imshow(grid, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(columns)), columns)

@@ -227,10 +227,9 @@ class Precision:
         self.fp8_modules = None  # native FP8: which Linear layers torchao converted and which it left alone
         self.telemetry = QuantTelemetry()
         self.dtype = TORCH_DTYPES.get(fmt)
-        # While bench.memory counts a step: storage -> (tensor class, format, output, input when the rounding
-        # changed nothing) for what the sites make; the tensors are held so that no address is reused within the
-        # step. None otherwise.
-        self.site_outputs: dict | None = None
+        # While bench.memory counts a step, it listens here: (input, output, tensor class, format) of every
+        # tensor a rounding site makes. None otherwise.
+        self.site_listener = None
 
     @property
     def backend(self) -> str:
@@ -247,14 +246,8 @@ class Precision:
         return TensorSite(tensor_class, fmt, self.overflow, self.ftz, self.telemetry, scaler, self._note_output)
 
     def _note_output(self, x: torch.Tensor, rounded: torch.Tensor, tensor_class: str, fmt: str) -> None:
-        """A native kernel reads an input as it is when the input is already in its format, or when the format
-        lives in the input's storage (TF32 in FP32): then the output stands for the input's storage (no copy),
-        so that memory accounting counts it once."""
-        if self.site_outputs is not None:
-            unchanged = rounded.dtype == x.dtype and (FORMATS[fmt].storage_bytes == x.element_size()
-                                                      or torch.equal(rounded, x))
-            self.site_outputs[rounded.untyped_storage().data_ptr()] = (tensor_class, fmt, rounded,
-                                                                       x if unchanged else None)
+        if self.site_listener is not None:
+            self.site_listener(x, rounded, tensor_class, fmt)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Make `model` compute in this precision (in place) and return it."""

@@ -25,7 +25,6 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from bench.device import native_support
 from bench.memory import StepMemory
 from bench.precision import Precision
 from bench.tables import published_rows, to_markdown
@@ -40,13 +39,11 @@ def step_breakdown(setting: str, config=None, batch: int = SHAPE["batch"], lengt
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
     fmt, mode = SETTINGS[setting]
-    device = torch.device("cpu")
-    backend = "native" if fmt == "fp32" or native_support(fmt, device).fast else "emulated"
     torch.manual_seed(0)
     config = config or DistilBertConfig(num_labels=2)
     config._attn_implementation = "eager"  # as transformers ran DistilBERT in 2023 (see the module docstring)
     model = DistilBertForSequenceClassification(config)
-    precision = Precision(fmt, mode, backend, None, False, device)
+    precision = Precision(fmt, mode, "auto", None, False, torch.device("cpu"))  # native where this CPU is fast
     model = precision.prepare(model)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
@@ -87,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.raschka_memory", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/tables/raschka_memory"))
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     breakdowns = {}
     for setting in SETTINGS:
         breakdowns[setting] = step_breakdown(setting)

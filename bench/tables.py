@@ -66,18 +66,20 @@ def fmt_stat(mean, std, n, digits: int = 2) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f} (n={n})"
 
 
-def fmt_difference(cell) -> str:
-    """The paired difference to 32-true in the metric's units, its interval, and the mark when it excludes 0."""
+def fmt_difference(cell, with_n: bool = True) -> str:
+    """The paired difference to 32-true in the metric's units, its interval, the number of paired seeds (unless
+    with_n is off) and the mark when the interval excludes 0."""
     metric, n = cell["metric"], cell["value_vs_fp32_n"]
     if str(cell["setting"]) == "32-true":
         return "baseline"
     if pd.isna(cell["value_vs_fp32"]) or not n:
         return "–"
     text = f"{scaled(metric, cell['value_vs_fp32']):+.2f}"
+    count = f" (n={int(n)})" if with_n else ""
     if pd.isna(cell["value_vs_fp32_lo"]):
-        return f"{text} (n={int(n)})"
+        return text + count
     interval = f" [{scaled(metric, cell['value_vs_fp32_lo']):+.2f}, {scaled(metric, cell['value_vs_fp32_hi']):+.2f}]"
-    return f"{text}{interval} (n={int(n)}){SIGNIFICANT if cell['value_vs_fp32_significant'] else ''}"
+    return f"{text}{interval}{count}{SIGNIFICANT if cell['value_vs_fp32_significant'] else ''}"
 
 
 def fmt_mib(value) -> str:
