@@ -101,6 +101,69 @@ def synchronize(device: torch.device) -> None:
         xm.wait_device_ops()
 
 
+def end_step(device: torch.device) -> None:
+    """Close a training step where the device needs it: XLA builds a graph until mark_step() launches it
+    (asynchronously: no wait). Nothing elsewhere."""
+    if device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        xm.mark_step()
+
+
+class StepTimer:
+    """Durations of training steps without making the host wait for the device on each step.
+
+    cuda: a pair of CUDA events around each step, read (one wait, for the last event) by `collect()`,
+      which the loop calls on log steps only;
+    cpu: wall clock per step (CPU kernels have finished when the call returns);
+    xla: wall clock from the first step after a `collect()` to the next `collect()`, which waits for the
+      device, shared equally by the steps in between (XLA runs a step's graph after mark_step, asynchronously).
+    """
+
+    METHODS = {"cuda": "cuda_events", "cpu": "wall_clock", "xla": "wall_clock_between_log_steps"}
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.method = self.METHODS.get(device.type, "wall_clock")
+        self._open: list = []  # cuda: (start, end) event pairs; cpu: durations; xla: step count
+        self._started: float | torch.cuda.Event | None = None
+        self._interval_start: float | None = None  # xla
+
+    def start(self) -> None:
+        if self.method == "cuda_events":
+            self._started = torch.cuda.Event(enable_timing=True)
+            self._started.record()
+        else:
+            self._started = time.perf_counter()
+            if self._interval_start is None:
+                self._interval_start = self._started
+
+    def stop(self) -> None:
+        if self.method == "cuda_events":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._open.append((self._started, end))
+        elif self.method == "wall_clock":
+            self._open.append(time.perf_counter() - self._started)
+        else:
+            self._open.append(None)
+
+    def collect(self) -> list[float]:
+        """Seconds of each step stopped since the last collect, in order."""
+        opened, self._open = self._open, []
+        if self.method == "cuda_events":
+            if opened:
+                opened[-1][1].synchronize()
+            return [start.elapsed_time(end) / 1e3 for start, end in opened]
+        if self.method == "wall_clock":
+            return opened
+        if not opened:
+            return []
+        synchronize(self.device)
+        seconds, self._interval_start = time.perf_counter() - self._interval_start, None
+        return [seconds / len(opened)] * len(opened)
+
+
 class PeakMemory:
     """Peak memory of one run: CUDA max_memory_allocated on GPU, peak RSS (VmHWM, reset at start) on CPU."""
 

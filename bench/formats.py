@@ -6,12 +6,14 @@ accident defines a format (torch 2.13's CPU float32->float8_e4m3fn cast saturate
 ml_dtypes returns NaN; here the policy decides, and it is recorded with every run).
 
 How each format is rounded (each path is checked bit-for-bit against ml_dtypes in tests):
-- fp16, bf16: torch's native casts (RNE, IEEE overflow to inf on every platform, fast).
-- fp8_e4m3, fp8_e5m2: exact float32 arithmetic. Adding and subtracting a power of two
-  2^(e+23-m) rounds |x| to a multiple of 2^(e-m) with the FPU's own RNE, where e is x's
-  exponent clamped to [emin, emax+1]. This gives the subnormal grid below emin and keeps
-  values past max finite-and-too-large (or inf), so overflow is detected by `|r| > max`
-  whatever the platform's fp8 cast would do.
+- fp16, bf16, fp8_e5m2: torch's native casts (RNE, subnormals, IEEE overflow to inf; fast).
+- fp8_e4m3: exact float32 arithmetic, because torch's float8_e4m3fn cast has no IEEE overflow
+  (NaN on some code paths, saturation on others) and is slower on CPU than this. Adding and
+  subtracting a power of two 2^(e+23-m) rounds |x| to a multiple of 2^(e-m) with the FPU's own
+  RNE, where e is x's exponent clamped to [emin, emax+1]. This gives the subnormal grid below
+  emin and keeps values past max finite-and-too-large (or inf), so overflow is detected by
+  `|r| > max`. Under saturation |x| is clamped to max first (max is on the grid, so this is
+  the same as rounding then clamping) and the exponent needs no upper clamp: the training path.
 - tf32: integer RNE on the float32 bit pattern (drop 13 mantissa bits), FP32 range.
 
 Carrier: results are returned in x's dtype. float64 inputs are rounded to float32 first.
@@ -26,7 +28,8 @@ import torch
 
 OVERFLOW_POLICIES = ("saturate", "inf", "nan")
 # Formats whose rounding path already turns overflow into +-inf (native casts, or FP32 range).
-_ROUNDS_OVERFLOW_TO_INF = {"fp32", "tf32", "fp16", "bf16"}
+_ROUNDS_OVERFLOW_TO_INF = {"fp32", "tf32", "fp16", "bf16", "fp8_e5m2"}
+_NATIVE_CAST = {"fp16", "bf16", "fp8_e5m2"}  # torch's cast is RNE with IEEE overflow: the rounding itself
 
 
 @dataclass(frozen=True)
@@ -119,14 +122,20 @@ def round_unbounded(x: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
         return x
     if spec.name == "tf32":
         return _round_mantissa_bits(x, spec.man_bits)
-    if spec.name in ("fp16", "bf16"):
+    if spec.name in _NATIVE_CAST:
         return x.to(spec.torch_dtype).to(torch.float32)
-    magnitude = x.abs()
-    exponent_bits = (magnitude.view(torch.int32) & 0x7F800000).clamp_(
-        min=(spec.emin + 127) << 23, max=(spec.emax + 1 + 127) << 23
-    )
-    magic = (exponent_bits + ((23 - spec.man_bits) << 23)).view(torch.float32)
-    return ((magnitude + magic) - magic).copysign_(x)
+    return _round_on_grid(x.abs(), spec, top_exponent=spec.emax + 1).copysign_(x)
+
+
+def _round_on_grid(magnitude: torch.Tensor, spec: ElementFormat, top_exponent: int | None) -> torch.Tensor:
+    """RNE of a float32 magnitude (overwritten) by adding and subtracting 2^(e+23-m), e its exponent clamped
+    to [emin, top_exponent] (no upper clamp when top_exponent is None: the caller bounded it)."""
+    shift = (23 - spec.man_bits) << 23
+    magic_bits = (magnitude.view(torch.int32) & 0x7F800000).add_(shift)
+    magic_bits.clamp_(min=((spec.emin + 127) << 23) + shift,
+                      max=None if top_exponent is None else ((top_exponent + 127) << 23) + shift)
+    magic = magic_bits.view(torch.float32)
+    return magnitude.add_(magic).sub_(magic)
 
 
 def _round_mantissa_bits(x: torch.Tensor, man_bits: int) -> torch.Tensor:
@@ -144,17 +153,21 @@ def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | No
     spec = get_format(fmt)
     policy = resolve_overflow(spec, overflow)
     x32 = x.to(torch.float32)
-    r = round_unbounded(x32, spec)
-    if policy == "saturate":
-        r = r.clamp(-spec.max, spec.max)
-    elif policy == "inf":
-        if spec.name not in _ROUNDS_OVERFLOW_TO_INF:
-            r = torch.where(r.abs() > spec.max, r.sign() * math.inf, r)
-    else:  # nan
-        overflowed = r.abs() > spec.max
-        if spec.has_inf:  # an infinite input stays infinite; only finite overflow becomes NaN
-            overflowed &= x32.isfinite()
-        r = torch.where(overflowed, math.nan, r)
+    if policy == "saturate" and spec.name not in _ROUNDS_OVERFLOW_TO_INF:  # the arithmetic path, saturating
+        # clamping |x| to max (on the grid) first is the same as rounding, then clamping; it saves passes
+        r = _round_on_grid(x32.abs().clamp_(max=spec.max), spec, top_exponent=None).copysign_(x32)
+    else:
+        r = round_unbounded(x32, spec)
+        if policy == "saturate":
+            r = r.clamp(-spec.max, spec.max)
+        elif policy == "inf":
+            if spec.name not in _ROUNDS_OVERFLOW_TO_INF:
+                r = torch.where(r.abs() > spec.max, r.sign() * math.inf, r)
+        else:  # nan
+            overflowed = r.abs() > spec.max
+            if spec.has_inf:  # an infinite input stays infinite; only finite overflow becomes NaN
+                overflowed &= x32.isfinite()
+            r = torch.where(overflowed, math.nan, r)
     if ftz:
         # Multiplying by the mask keeps the sign (-tiny * 0 = -0) and keeps NaN and inf.
         r = r * (r.abs() >= spec.min_normal)

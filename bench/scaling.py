@@ -2,14 +2,15 @@
 scaling is a cast policy (`PerTensorScale`, used by the precision sites); unit scaling is a model
 transform (bench/unit.py).
 
-`LossScaler` follows torch.amp.GradScaler's semantics step for step (tests check it against
-GradScaler itself) but is our own because GradScaler cannot express a static scale (it refuses
-growth/backoff factors of 1) and refuses to unscale 16-bit gradients, which "true" runs have.
+`LossScaler` follows torch.amp.GradScaler's semantics step for step, with GradScaler's own kernels
+(tests check it against GradScaler itself), but is our own because GradScaler cannot express a static
+scale (it refuses growth/backoff factors of 1), refuses to unscale 16-bit gradients, which "true" runs
+have, and reads found_inf on the host every step unless the optimiser is fused.
 """
 
 from __future__ import annotations
 
-import math
+import copy
 from collections import defaultdict, deque
 
 import torch
@@ -27,7 +28,7 @@ def _float32(value: float) -> float:
 
 
 class LossScaler:
-    """Scale the loss, unscale and check the gradients, step or skip, update the scale.
+    """Scale the loss, unscale and check the gradients, step or skip, update the scale, all on the device.
 
     kind="none": scale 1, never skips (a non-finite gradient is still counted as an overflow step, on the
       steps the loop asks to be checked: its telemetry-sampled ones);
@@ -35,6 +36,13 @@ class LossScaler:
       (MindSpore's FixedLossScaleManager with drop_overflow_update=True);
     kind="dynamic": GradScaler: skip and multiply by backoff_factor on inf/NaN, multiply by
       growth_factor after growth_interval clean steps in a row.
+
+    No step waits for the device: the scale and growth tracker live there (GradScaler's
+    `_amp_update_scale_`), the skip happens inside the optimiser's fused kernel (its `found_inf`, as
+    GradScaler passes it), and each checked step leaves a (found_inf, scale) pair on the device that
+    `sync()` reads in one transfer, at log steps, checkpoints and the end. The host-side counters and
+    `scale` are exact after `sync()`. An optimiser without the fused kernel's `found_inf` falls back to
+    GradScaler's own host read of found_inf on each checked step.
     """
 
     def __init__(self, kind: str = "none", init_scale: float = 1.0, growth_factor: float = 2.0,
@@ -48,110 +56,117 @@ class LossScaler:
         self.scale = _float32(1.0 if kind == "none" else init_scale)
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self._clean_steps = 0
-        self._device_flags: dict = {}
+        self._on_device: dict | None = None  # scale, growth tracker, inv_scale, found_inf: made at first use
+        self._unread: list[tuple[int, torch.Tensor]] = []  # (step, [found_inf, scale]) not yet read
         self.steps = 0
         self.checked_steps = 0  # steps whose gradients were checked for inf/NaN
         self.skipped_steps = 0
         self.overflow_steps = 0
+        self.last_step_skipped = False  # as of the last sync()
         self.history: list[list] = [[0, self.scale]]  # [step, scale] at every change
 
+    def _tensors(self, device: torch.device) -> dict:
+        if self._on_device is None:
+            scale = torch.full((), self.scale, dtype=torch.float32, device=device)
+            self._on_device = {"scale": scale,
+                               "growth_tracker": torch.full((), self._clean_steps, dtype=torch.int32, device=device),
+                               "found_inf": torch.zeros((), device=device), "inv_scale": None}
+        return self._on_device
+
+    def _inv_scale(self, tensors: dict) -> torch.Tensor:
+        """1 / (scale * multiplier) in FP64 then FP32, as GradScaler; recomputed only when the scale can change."""
+        if tensors["inv_scale"] is None or self.kind == "dynamic":
+            tensors["inv_scale"] = (tensors["scale"].double() * self.loss_multiplier).reciprocal().float()
+        return tensors["inv_scale"]
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        factor = self.scale * self.loss_multiplier
-        return loss if factor == 1.0 else loss * factor
+        if self.kind == "none" and self.loss_multiplier == 1.0:
+            return loss
+        scale = self._tensors(loss.device)["scale"]
+        return loss * (scale if self.loss_multiplier == 1.0 else scale * self.loss_multiplier)
 
-    def _flags(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per device, reused every step: found_inf, 1/(scale * multiplier), and an on-device overflow count."""
-        if device not in self._device_flags:
-            self._device_flags[device] = (torch.zeros(1, device=device), torch.ones(1, device=device),
-                                          torch.zeros(1, device=device))
-        found_inf, inv_scale, count = self._device_flags[device]
-        inv_scale.fill_(1.0 / (self.scale * self.loss_multiplier))
-        found_inf.zero_()
-        return found_inf, inv_scale, count
-
-    def unscale_(self, params) -> bool:
+    def _unscale(self, params) -> torch.Tensor | None:
         """Divide gradients by the scale in place and flag inf/NaN (GradScaler's fused kernel).
 
-        As GradScaler, one found_inf flag per device is shared by that device's dtype groups, so a step
-        is flagged once however many groups hold inf/NaN. Returns whether any gradient did. Under
-        kind="none" nothing depends on the answer during training, so the step is counted on the device
-        instead and read once, in state(): no host sync.
+        As GradScaler, one found_inf flag is shared by the dtype groups, so a step is flagged once however
+        many groups hold inf/NaN. None when no parameter has a gradient.
         """
-        groups: dict = defaultdict(lambda: defaultdict(list))
+        groups: dict = defaultdict(list)
         for p in params:
             if p.grad is not None:
-                groups[p.grad.device][p.grad.dtype].append(p.grad)
-        flags = []
-        for device, by_dtype in groups.items():
-            found_inf, inv_scale, _ = self._flags(device)
-            for grads in by_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-            flags.append(found_inf)
-        if not flags:
-            return False
-        if self.kind == "none":
-            count = self._device_flags[flags[0].device][2]
-            count.add_(flags[0] if len(flags) == 1 else torch.stack([f.to(count.device) for f in flags]).amax(0))
-            return False
-        return any(bool(f.item()) for f in flags)
+                groups[p.grad.dtype].append(p.grad)
+        if not groups:
+            return None
+        tensors = self._tensors(next(iter(groups.values()))[0].device)
+        found_inf, inv_scale = tensors["found_inf"], self._inv_scale(tensors)
+        found_inf.zero_()
+        for grads in groups.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return found_inf
 
-    def step(self, optimizer: torch.optim.Optimizer, params, check: bool = True) -> bool:
-        """Unscale, check, then step or skip; update the scale. Returns whether the optimiser stepped.
+    def step(self, optimizer: torch.optim.Optimizer, params, check: bool = True) -> None:
+        """Unscale, check, then step or skip; update the scale. What happened is read by `sync()`.
 
         check=False is honoured only under kind="none", where nothing depends on the check: the loop
         checks on its telemetry-sampled steps only (the check costs ~70 us per step on LeNet on CPU).
         """
+        self.steps += 1
         if self.kind == "none" and not check and self.loss_multiplier == 1.0:
             optimizer.step()
-            self.update(False)
-            return True
-        self.checked_steps += 1
-        found_inf = self.unscale_(params)
-        self.overflow_steps += found_inf
-        skip = found_inf and self.kind != "none"
-        if skip:
-            self.skipped_steps += 1
-        else:
-            optimizer.step()
-        self.update(found_inf)
-        return not skip
-
-    def update(self, found_inf: bool) -> None:
-        self.steps += 1
-        if self.kind != "dynamic":
             return
-        old = self.scale
-        if found_inf:
-            self.scale = _float32(self.scale * self.backoff_factor)
-            self._clean_steps = 0
-        else:
-            self._clean_steps += 1
-            if self._clean_steps == self.growth_interval:
-                grown = _float32(self.scale * self.growth_factor)
-                if math.isfinite(grown):
-                    self.scale = grown
-                self._clean_steps = 0
-        if self.scale != old:
-            self.history.append([self.steps, self.scale])
+        found_inf = self._unscale(params)
+        if found_inf is None:
+            optimizer.step()
+            return
+        self.checked_steps += 1
+        if self.kind == "none":
+            optimizer.step()
+        elif getattr(optimizer, "_step_supports_amp_scaling", False):  # a fused kernel skips on found_inf
+            optimizer.grad_scale, optimizer.found_inf = None, found_inf
+            optimizer.step()
+            del optimizer.grad_scale, optimizer.found_inf
+        elif not found_inf.item():  # no fused kernel: GradScaler's host read (a sync on accelerators)
+            optimizer.step()
+        tensors = self._on_device
+        if self.kind == "dynamic":
+            torch._amp_update_scale_(tensors["scale"], tensors["growth_tracker"], found_inf,
+                                     self.growth_factor, self.backoff_factor, self.growth_interval)
+        self._unread.append((self.steps, torch.stack([found_inf, tensors["scale"]])))
+
+    def sync(self) -> None:
+        """Fold the checked steps since the last sync into the counters and the scale history (one read)."""
+        if not self._unread:
+            return
+        steps = [step for step, _ in self._unread]
+        rows = torch.stack([pair for _, pair in self._unread]).tolist()
+        self._unread.clear()
+        for step, (found_inf, scale) in zip(steps, rows):
+            self.overflow_steps += found_inf > 0
+            self.last_step_skipped = found_inf > 0 and self.kind != "none"
+            self.skipped_steps += self.last_step_skipped
+            if scale != self.scale:
+                self.scale = scale
+                self.history.append([step, scale])
 
     def state_dict(self) -> dict:
-        """Plain values for a checkpoint (the on-device overflow count folded in)."""
-        plain = {k: v for k, v in self.__dict__.items() if k != "_device_flags"}
-        return plain | {"overflow_steps": self.state()["overflow_steps"]}
+        """Plain values for a checkpoint, read from the device."""
+        self.sync()
+        if self._on_device is not None:
+            self._clean_steps = int(self._on_device["growth_tracker"].item())
+        return copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in ("_on_device", "_unread")})
 
     def load_state_dict(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._device_flags = {}
+        self._on_device, self._unread = None, []
 
     def state(self) -> dict:
         """The record's loss-scale fields."""
+        self.sync()
         scales = [s for _, s in self.history]
-        counted_on_device = sum(int(count.item()) for _, _, count in self._device_flags.values()) \
-            if self.kind == "none" else 0
         return {
             "loss_scaling": self.kind,
             "skipped_steps": self.skipped_steps,
-            "overflow_steps": self.overflow_steps + counted_on_device,
+            "overflow_steps": self.overflow_steps,
             "overflow_checked_steps": self.checked_steps,
             "final_loss_scale": self.scale,
             "loss_scale": {"min": min(scales), "max": max(scales), "changes": len(self.history) - 1,

@@ -61,12 +61,14 @@ class QuantTelemetry:
             bounds[f"{name}_max"] = max(value, bounds.get(f"{name}_max", value))
 
     def end_step(self) -> dict[str, dict[str, float]]:
-        """Fractions for this sampled step, per class with data; folds the counts into the run totals."""
+        """Fractions for this sampled step, per class with data; folds the counts into the run totals.
+        One read from the device for all classes."""
+        classes = [c for c, rows in self._step.items() if rows]
+        if not classes:
+            return {}
+        counts = torch.stack([torch.stack(self._step[c]).sum(0) for c in classes]).tolist()
         fractions = {}
-        for c, rows in self._step.items():
-            if not rows:
-                continue
-            zero, underflow, subnormal, normal, overflow = torch.stack(rows).sum(0).tolist()
+        for c, (zero, underflow, subnormal, normal, overflow) in zip(classes, counts):
             total = zero + underflow + subnormal + normal + overflow
             for name, value in zip(_COUNTS, (total, underflow, subnormal, overflow)):
                 self._run[c][name] += int(value)

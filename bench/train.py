@@ -11,10 +11,11 @@ from typing import Callable
 
 import torch
 from omegaconf import DictConfig
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from tqdm import tqdm
 
 from bench.checkpoint import Checkpointer
-from bench.device import synchronize
+from bench.device import StepTimer, end_step, synchronize
 from bench.memory import StepMemory
 from bench.precision import Precision
 from bench.scaling import LossScaler
@@ -22,11 +23,23 @@ from bench.tasks.base import Task
 
 
 def build_optimizer(cfg: DictConfig, params) -> torch.optim.Optimizer:
+    """torch's optimiser, fused where the device has the kernel (CPU and CUDA do): one kernel per step, and
+    the only way to skip an overflowing step without reading found_inf on the host (GradScaler's route)."""
+    params = list(params)
+    fused = bool(params) and params[0].device.type in _get_fused_kernels_supported_devices()
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                                    fused=fused)
+        if fused and cfg.momentum:
+            # torch's fused SGD makes its momentum buffers with empty_like on the first step and fills them in
+            # the kernel, which a found_inf skip leaves out: the next step reads garbage. Zeros are the same
+            # first step bit for bit (buf = momentum * 0 + grad, no dampening) and survive a skip.
+            for p in params:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return optimizer
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
 
 def build_schedule(name: str, optimizer: torch.optim.Optimizer, total_steps: int):
@@ -48,6 +61,7 @@ class TrainOutcome:
     diverged_at_step: int | None = None
     per_epoch: list[dict] = field(default_factory=list)  # the task's validation metrics after each epoch
     step_memory: dict | None = None  # bytes the first step held, by category (bench/memory.py)
+    step_time_method: str = "wall_clock"  # how step_s was measured (bench.device.StepTimer)
     epoch: int = 0  # position: the epoch in progress...
     position: int = 0  # ...and the batches of it already consumed
 
@@ -60,6 +74,7 @@ class TrainOutcome:
             "step_median_s": median,
             "samples_per_s": self.samples / self.train_s if self.train_s > 0 else None,
             "steps": self.steps,
+            "step_time_method": self.step_time_method,
             "flops_per_step": flops_per_step,
             "tflop_per_s": flops_per_step / median / 1e12 if native and flops_per_step and median else None,
         }
@@ -74,25 +89,49 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
           cfg: DictConfig, device: torch.device, log: Callable[[dict], None], label: str = "",
           checkpointer: Checkpointer | None = None, resume: dict | None = None,
           count_memory: bool = True) -> TrainOutcome:
-    """Train `task.model` for cfg.epochs (at most cfg.max_steps steps); stop at the first non-finite loss.
+    """Train `task.model` for cfg.epochs (at most cfg.max_steps steps); stop at a non-finite loss.
 
     `log` receives a metrics dict every cfg.log_every steps (telemetry is sampled on those steps) and
-    the task's validation metrics after each epoch. Timing covers the loop (data, forward, backward,
-    step, per-epoch validation, as Raschka's timing does), synchronised on accelerators; a resumed run
-    adds the time of its earlier segments. `resume` is the loop state a checkpoint restored; with a
-    `checkpointer`, the loop saves at step boundaries. `count_memory`: count the first step's memory
-    (bench/memory.py); `make bench` turns it off to time the loop's per-step cost alone.
+    the task's validation metrics after each epoch. Ordinary steps never wait for the device: losses,
+    the loss scaler's inf/NaN flags and step timings stay there and are read together on log steps,
+    at epoch ends, checkpoints and the end (`settle`). A non-finite loss is therefore noticed at the
+    next such point: the run stops there, recording the step it happened at. Timing covers the loop
+    (data, forward, backward, step, per-epoch validation, as Raschka's timing does), synchronised at its
+    start and end; a resumed run adds the time of its earlier segments. `resume` is the loop state a
+    checkpoint restored; with a `checkpointer`, the loop saves at step boundaries. `count_memory`: count
+    the first step's memory (bench/memory.py); `make bench` turns it off to time the loop's per-step
+    cost alone.
     """
     model = task.model
     params = [p for p in model.parameters() if p.requires_grad]
     total = total_steps(task, cfg)
     out = TrainOutcome(**resume) if resume else TrainOutcome()
+    timer = StepTimer(device)
+    out.step_time_method = timer.method
+    unread_losses: list[tuple[int, torch.Tensor]] = []  # (step, loss) still on the device
+
+    def settle() -> bool:
+        """Read what the device holds since the last read; True when a loss was non-finite."""
+        scaler.sync()
+        out.step_s += timer.collect()
+        if not unread_losses:
+            return out.diverged_at_step is not None
+        steps = [step for step, _ in unread_losses]
+        losses = torch.stack([loss for _, loss in unread_losses]).tolist()
+        unread_losses.clear()
+        for step, value in zip(steps, losses):
+            out.final_loss = value
+            if not math.isfinite(value):
+                out.diverged_at_step = step
+                return True
+        return False
 
     def loop_state() -> dict:
         return asdict(out) | {"train_s": out.train_s + time.perf_counter() - segment_start,
                               "telemetry": precision.telemetry.state()}
 
     def save() -> None:
+        settle()
         checkpointer.save(model, optimizer, scaler, schedule, loop_state())
 
     model.train()
@@ -106,41 +145,39 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
                 continue  # replaying the epoch's batch stream up to where the checkpoint left it
             if out.steps >= total:
                 break
-            step_start = time.perf_counter()
+            timer.start()
             sampled = out.steps % cfg.log_every == 0
             precision.telemetry.sampling = sampled
             counting = StepMemory(model, precision) if count_memory and out.step_memory is None else None
             with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
                 outputs, targets = task.forward(model, batch, precision.inputs)
                 loss = task.compute_loss(outputs, targets)
-            out.final_loss = loss.item()
-            if not math.isfinite(out.final_loss):
-                out.diverged_at_step = out.steps
-                break
+            unread_losses.append((out.steps, loss.detach()))
             optimizer.zero_grad(set_to_none=True)
             scaler.scale_loss(loss).backward()
             precision.after_backward(model)
-            stepped = scaler.step(optimizer, params, check=sampled)
-            if stepped:
-                precision.after_step(model, optimizer)
+            scaler.step(optimizer, params, check=sampled)
+            precision.after_step(model, optimizer)  # idempotent: a step the scaler skipped changed nothing
             if schedule is not None:
                 schedule.step()
             if counting:
                 out.step_memory = counting.finish(optimizer)
-            synchronize(device)
-            out.step_s.append(time.perf_counter() - step_start)
+            end_step(device)
+            timer.stop()
             out.samples += task.batch_size
-            if sampled:
-                log({"step": out.steps, "epoch": epoch, "loss": out.final_loss, "loss_scale": scaler.scale,
-                     "stepped": stepped, "skipped_steps": scaler.skipped_steps, "step_s": out.step_s[-1],
-                     "quantisation": precision.telemetry.end_step()})
-                progress.set_postfix(loss=f"{out.final_loss:.4f}", refresh=False)
-            out.steps += 1
+            step, out.steps = out.steps, out.steps + 1
             out.epoch, out.position = epoch, index + 1
             progress.update()
+            if sampled:
+                if settle():
+                    break
+                log({"step": step, "epoch": epoch, "loss": out.final_loss, "loss_scale": scaler.scale,
+                     "stepped": not scaler.last_step_skipped, "skipped_steps": scaler.skipped_steps,
+                     "step_s": out.step_s[-1], "quantisation": precision.telemetry.end_step()})
+                progress.set_postfix(loss=f"{out.final_loss:.4f}", refresh=False)
             if checkpointer:
                 checkpointer.after_step(out.steps, save)
-        if out.diverged_at_step is not None:
+        if settle():
             break
         if task.validate is not None and out.position > 0:
             precision.telemetry.sampling = False  # validation is not training: nothing to count
@@ -151,6 +188,7 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
         out.epoch, out.position = epoch + 1, 0
         if out.steps >= total:
             break
+    settle()
     synchronize(device)
     out.train_s += time.perf_counter() - segment_start
     segment_start = time.perf_counter()  # counted: a final checkpoint adds no time

@@ -41,3 +41,36 @@ def test_synthetic_batch_keeps_the_task_shape():
     assert batch["input_ids"].shape == (5, 16) and int(batch["input_ids"].max()) < 30
     assert batch["attention_mask"].all() and not batch["token_type_ids"].any()
     assert batch["start_positions"].tolist() == [3] * 5
+
+
+def test_host_sync_rows_count_the_harness_apart_from_the_model(monkeypatch):
+    """CUDA's sync debug mode, simulated on the CPU: while it is on, every host read of a tensor warns from
+    the calling frame, as torch's does. Our loop then reads the device only at its end; BERT's SDPA mask check
+    (inside transformers) reads once per forward, and is reported apart. Step 0 is a log step (the losses, the
+    scaler's flags and, for an emulated format, the telemetry counts, one read each); the end reads the losses
+    and any unread scaler flags."""
+    import warnings
+
+    import torch
+
+    reads = ("item", "tolist", "__bool__")
+    originals = {name: getattr(torch.Tensor, name) for name in reads}
+
+    def warning_read(name):
+        def read(self, *args):
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=2)
+            return originals[name](self, *args)
+        return read
+
+    def set_sync_debug_mode(mode):
+        for name in reads:
+            monkeypatch.setattr(torch.Tensor, name, warning_read(name) if mode == "warn" else originals[name])
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_sync_debug_mode)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    rows = {r["metric"]: r["value"] for r in benchmark.host_sync_rows(steps=20)}
+    for model in ("lenet", "bert_tiny"):
+        assert rows[f"host_syncs_per_100_steps.{model}.fp32+none"] == 100 * (2 + 1) / 20
+        assert rows[f"host_syncs_per_100_steps.{model}.fp16+dynamic"] == 100 * (3 + 2) / 20  # + telemetry at step 0
+    assert rows["host_syncs_per_100_steps.lenet.fp32+none.in_model"] == 0
+    assert rows["host_syncs_per_100_steps.bert_tiny.fp32+none.in_model"] == 100  # one per forward

@@ -5,7 +5,10 @@ import math
 import pytest
 import torch
 
+from omegaconf import OmegaConf
+
 from bench.scaling import LossScaler, PerTensorScale
+from bench.train import build_optimizer
 from bench.formats import FORMATS
 
 INF, NAN = math.inf, math.nan
@@ -18,28 +21,68 @@ def _param():
     return p, torch.optim.SGD([p], lr=0.1)
 
 
+def _optimizers(name):
+    """(ours, GradScaler's) optimiser pair over two parameters starting equal. Ours comes from the loop's own
+    build_optimizer: fused, so a skip happens inside its kernel, on the device. GradScaler's is the same
+    torch optimiser told not to take found_inf, so GradScaler skips it on the host (its route for unfused
+    optimisers): the behaviour a device-side skip must reproduce bit for bit."""
+    cfg = OmegaConf.create({"name": name, "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01})
+    ours_p, ref_p = (torch.nn.Parameter(torch.linspace(-1, 1, 3)) for _ in range(2))
+    ours = build_optimizer(cfg, [ours_p])
+    ref = (torch.optim.SGD([ref_p], lr=0.1, momentum=0.9, weight_decay=0.01, fused=True) if name == "sgd"
+           else torch.optim.AdamW([ref_p], lr=0.1, weight_decay=0.01, fused=True))
+    ref._step_supports_amp_scaling = False
+    return ours_p, ours, ref_p, ref
+
+
+# Clean runs long enough to grow, inf and NaN in between; the second starts with a skipped step (torch's fused
+# SGD left its momentum buffer uninitialised there: bench.train.build_optimizer works around it).
+SCRIPTS = {"grows": SCRIPT, "first_step_skipped": [INF, 1.0, 2.0, NAN, 1.0, 1.0, 1.0, 1.0]}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("init,growth,backoff,interval", [(2.0**16, 2.0, 0.5, 3), (1000.0, 3.0, 0.3, 2)])
-def test_dynamic_matches_grad_scaler_step_for_step(init, growth, backoff, interval):
-    ours_p, ours_opt = _param()
-    ref_p, ref_opt = _param()
+def test_dynamic_matches_grad_scaler_step_for_step(init, growth, backoff, interval, optimizer, script):
+    ours_p, ours_opt, ref_p, ref_opt = _optimizers(optimizer)
+    assert ours_opt.defaults["fused"]
     ours = LossScaler("dynamic", init, growth, backoff, interval)
     ref = torch.amp.GradScaler("cpu", init_scale=init, growth_factor=growth, backoff_factor=backoff,
                                growth_interval=interval)
-    for i, g in enumerate(SCRIPT):
+    for i, g in enumerate(SCRIPTS[script]):
         # d/dp of (p * g).sum() is g: both backpropagate their own scaled loss.
         for p, opt, scaled in ((ours_p, ours_opt, ours.scale_loss), (ref_p, ref_opt, ref.scale)):
             opt.zero_grad()
             scaled((p * torch.full((3,), g)).sum()).backward()
         before_ours, before_ref = ours_p.detach().clone(), ref_p.detach().clone()
-        stepped = ours.step(ours_opt, [ours_p])
+        ours.step(ours_opt, [ours_p])
+        ours.sync()
         ref.step(ref_opt)
         ref.update()
         ref_stepped = not torch.equal(ref_p.detach(), before_ref)
-        assert stepped == ref_stepped == math.isfinite(g), i
+        assert ref_stepped == math.isfinite(g) == (not ours.last_step_skipped), i
         assert ours.scale == ref.get_scale(), i
         assert torch.equal(ours_p.detach(), ref_p.detach()), i
-        assert stepped == (not torch.equal(ours_p.detach(), before_ours))
-    assert ours.skipped_steps == sum(not math.isfinite(g) for g in SCRIPT)
+        assert ref_stepped == (not torch.equal(ours_p.detach(), before_ours))
+    assert ours.skipped_steps == sum(not math.isfinite(g) for g in SCRIPTS[script])
+
+
+def test_counts_and_scale_are_read_once_at_sync_and_survive_a_checkpoint():
+    """Steps between syncs leave their flags on the device; one sync folds them all in, in order."""
+    p, opt = _param()
+    scaler = LossScaler("dynamic", init_scale=8.0, growth_interval=2)
+    for g in (1.0, 1.0, INF, 1.0):
+        p.grad = torch.full((3,), g)
+        scaler.step(opt, [p])
+    assert scaler.skipped_steps == 0 and scaler.scale == 8.0  # nothing read yet
+    scaler.sync()
+    assert scaler.skipped_steps == 1 and scaler.history == [[0, 8.0], [2, 16.0], [3, 8.0]]
+    restored = LossScaler("dynamic")
+    restored.load_state_dict(scaler.state_dict())
+    for s in (scaler, restored):  # one more clean step grows the scale only if the growth tracker survived
+        p.grad = torch.full((3,), 1.0)
+        s.step(opt, [p])
+    assert scaler.state() == restored.state() and restored.scale == 16.0
 
 
 def test_static_skips_and_counts_overflowing_steps_and_never_changes_scale():
@@ -48,7 +91,7 @@ def test_static_skips_and_counts_overflowing_steps_and_never_changes_scale():
     for g in (1.0, INF, 1.0, NAN):
         p.grad = torch.full((3,), g * 2048.0)
         scaler.step(opt, [p])
-    assert scaler.skipped_steps == 2 and scaler.state()["overflow_steps"] == 2 and scaler.scale == 2048.0
+    assert scaler.state()["skipped_steps"] == 2 and scaler.state()["overflow_steps"] == 2 and scaler.scale == 2048.0
     # the two clean steps applied lr * unscaled grad (1.0) each: 0 - 2 * 0.1
     assert torch.allclose(p.detach(), torch.full((3,), -0.2))
 
@@ -57,7 +100,8 @@ def test_none_never_skips_but_counts_overflow():
     p, opt = _param()
     scaler = LossScaler("none")
     p.grad = torch.full((3,), INF)
-    assert scaler.step(opt, [p]) and scaler.skipped_steps == 0
+    scaler.step(opt, [p])
+    assert scaler.state()["skipped_steps"] == 0 and p.isinf().all()  # stepped into inf
     p.grad = torch.full((3,), 1.0)
     scaler.step(opt, [p])
     assert scaler.state()["overflow_steps"] == 1 and scaler.state()["skipped_steps"] == 0
