@@ -14,14 +14,16 @@ LAUNCHER ?= parallel
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
-.PHONY: help setup test test-slow test-cluster sweep tables default-tables raschka-memory bench prepare sync chaos doctor clean
+.PHONY: help setup test test-slow test-cluster sweep tables default-tables raschka-memory bench dashboard prepare sync chaos doctor clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 	@echo "  variables: TORCH=$(TORCH) RESULTS=$(RESULTS) TABLES=$(TABLES) SEEDS=$(SEEDS) FORMATS=$(FORMATS)"
 	@echo "             SCALINGS=$(SCALINGS) EXPERIMENT=$(EXPERIMENT) (a conf/experiment/ preset: smoke,"
-	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet) LAUNCHER=$(LAUNCHER)"
+	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet, nanogpt_shakespeare_char_cpu)"
+	@echo "             LAUNCHER=$(LAUNCHER)"
+	@echo "             ENTITY, PROJECT (make dashboard: the W&B entity and project; WANDB_API_KEY to create)"
 
 setup: $(STAMP) ## create .venv and install the package (torch pinned to TORCH; torchao too where there is a GPU)
 
@@ -66,6 +68,10 @@ raschka-memory: setup ## Raschka's DistilBERT memory (A100) beside the modelled 
 bench: setup ## measure harness overhead, emulation cost, native speed (on CUDA), aggregation; JSON to results/bench/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m bench.benchmark --out results/bench
+
+dashboard: setup ## W&B workspace + report for EXPERIMENT (default: default); specs to results/dashboards/ offline
+	$(PY) -m bench.dashboard $(or $(EXPERIMENT),default) --results $(RESULTS) --tables $(TABLES) --tables results/tables \
+		$(if $(ENTITY),--entity $(ENTITY)) $(if $(PROJECT),--project $(PROJECT))
 
 prepare: setup ## download and cache the hub models and datasets once (needs internet; see README)
 	$(PY) -m bench.prepare

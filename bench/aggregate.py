@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from bench.config import CharDataConfig
 from bench.record import RECORD_KEYS, RecordError, check_record, config_hash, read_record, semantic_config
 from bench.tasks import PRIMARY_METRIC
 from bench.telemetry import TENSOR_CLASSES
@@ -71,6 +72,9 @@ def model_label(model_cfg: dict) -> str:
     name, task = model_cfg["name"], task_of(model_cfg)
     if name == "lenet":
         return f"lenet ({task})"
+    if name == "charlm":
+        arch = model_cfg["arch"]
+        return f"charlm ({arch['layers']}L×{arch['embedding']} {arch['norm']}-norm, {task})"
     if model_cfg.get("pretrained", True):
         return f"{name} ({model_cfg.get('hub_name', 'pretrained')}, {task})"
     arch = model_cfg.get("arch") or {}
@@ -143,6 +147,8 @@ def load_sources(sources: list[str], api=None) -> tuple[list[dict], list[str]]:
 def task_of(model_cfg: dict) -> str:
     """The task a record measured: published figures match on it (fixtures and digits never match)."""
     data = model_cfg["data"]
+    if model_cfg["name"] == "charlm":  # Tiny Shakespeare is known by its checksum; other text is not it
+        return "shakespeare_char" if data.get("sha256") == CharDataConfig.sha256 else "char_text"
     if data["source"] == "hub":
         return {"ylecun/mnist": "mnist", "stanfordnlp/imdb": "imdb", "rajpurkar/squad": "squad_v1.1"}.get(
             data["name"], data["name"])

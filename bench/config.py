@@ -25,9 +25,10 @@ from bench.formats import OVERFLOW_POLICIES
 from bench.precision import BACKENDS, FORMAT_MODES
 from bench.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
 
-MODELS = ("lenet", "distilbert", "bert_base")
-DATA_SOURCES = {"lenet": ("digits", "hub"), "distilbert": ("hub", "local"), "bert_base": ("hub", "local")}
-SCHEDULES = ("none", "linear")
+MODELS = ("lenet", "distilbert", "bert_base", "charlm")
+DATA_SOURCES = {"lenet": ("digits", "hub"), "distilbert": ("hub", "local"), "bert_base": ("hub", "local"),
+                "charlm": ("download", "local")}
+SCHEDULES = ("none", "linear", "cosine")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOGGERS = ("none", "wandb")
 
@@ -120,8 +121,13 @@ class OptimizerConfig:
     name: str = "sgd"  # sgd | adam | adamw
     lr: float = 0.01
     momentum: float = 0.0
+    beta2: float = 0.999  # adam/adamw
     weight_decay: float = 0.0
-    schedule: str = "none"  # none | linear (decay to 0 over the run)
+    decay_matrices_only: bool = False  # weight decay on parameters of 2+ dimensions only (nanoGPT, GPT-2)
+    schedule: str = "none"  # none | linear (decay to 0 over the run) | cosine (nanoGPT: warm-up, then to min_lr)
+    warmup_steps: int = 0  # cosine: linear warm-up
+    min_lr: float = 0.0  # cosine: the learning rate at the end of the decay
+    grad_clip: Optional[float] = None  # clip the gradients' global norm (after unscaling) to this
 
 
 @dataclass
@@ -177,6 +183,38 @@ class TransformerConfig:
 
 
 @dataclass
+class CharLMArchConfig:
+    layers: int = 4
+    heads: int = 4
+    embedding: int = 128
+    block_size: int = 64
+    dropout: float = 0.0
+    bias: bool = False  # biases in Linear and LayerNorm (nanoGPT's train.py default: none)
+    norm: str = "pre"  # pre | post
+
+
+@dataclass
+class CharDataConfig:
+    source: str = "download"  # download: `url`, once, into ~/.cache/precision-bench | local: read `path`
+    path: Optional[str] = None  # the local copy (source=local)
+    url: str = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+    sha256: Optional[str] = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # null: any text
+    train_fraction: float = 0.9
+
+
+@dataclass
+class CharLMConfig:
+    name: str = "charlm"
+    epochs: int = 1  # one pass of `iterations` random batches
+    iterations: int = 2000
+    batch_size: int = 12
+    eval_batch_size: int = 256  # validation windows per forward (the whole split is evaluated)
+    arch: CharLMArchConfig = field(default_factory=CharLMArchConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: CharDataConfig = field(default_factory=CharDataConfig)
+
+
+@dataclass
 class QAConfig(TransformerConfig):
     doc_stride: int = 128
     n_best: int = 20
@@ -225,6 +263,7 @@ def register_schema() -> None:
     store.store(name="lenet_schema", node=LeNetConfig)
     store.store(name="classifier_schema", node=TransformerConfig)
     store.store(name="qa_schema", node=QAConfig)
+    store.store(name="charlm_schema", node=CharLMConfig)
 
 
 register_schema()
@@ -262,7 +301,19 @@ def check(cfg: DictConfig) -> None:
     _choice(cfg.model.data.source, DATA_SOURCES[cfg.model.name], "model.data.source")
     _choice(cfg.model.optimizer.name, OPTIMIZERS, "model.optimizer.name")
     _choice(cfg.model.optimizer.schedule, SCHEDULES, "model.optimizer.schedule")
-    if cfg.model.name != "lenet":
+    if cfg.model.optimizer.grad_clip is not None and not cfg.model.optimizer.grad_clip > 0:
+        raise ConfigError(f"model.optimizer.grad_clip={cfg.model.optimizer.grad_clip} must be > 0 (or null: no clipping)")
+    if cfg.model.name == "charlm":
+        from bench.tasks.charlm import NORMS
+
+        _choice(cfg.model.arch.norm, NORMS, "model.arch.norm")
+        if (cfg.model.data.source == "local") != bool(cfg.model.data.path):
+            raise ConfigError("model.data.source=local reads model.data.path (set both; or neither, to download "
+                              f"{cfg.model.data.url})")
+        if cfg.model.arch.embedding % cfg.model.arch.heads:
+            raise ConfigError(f"model.arch.embedding={cfg.model.arch.embedding} must be a multiple of "
+                              f"model.arch.heads={cfg.model.arch.heads}")
+    elif cfg.model.name != "lenet":
         _check_text_model(cfg.model)
     _choice(cfg.format.name, tuple(FORMAT_MODES), "format")
     cfg.format.mode = str(cfg.format.mode).lower()

@@ -313,6 +313,7 @@ class Precision:
             "mode": self.mode,
             "setting": self.setting,
             "backend": self.backend,
+            "label": self.setting + ("" if self.native else " (emulated)"),  # what dashboards group by
             "backend_reason": self.why,
             "element_formats": elements,
             "overflow": {e: resolve_overflow(FORMATS[e], self.overflow) for e in elements},

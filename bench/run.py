@@ -72,7 +72,7 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
 def build_scaler(cfg: DictConfig) -> LossScaler:
     s = cfg.scaling
     return LossScaler(s.loss_scaling, s.init_scale, s.growth_factor, s.backoff_factor, s.growth_interval,
-                      loss_multiplier=cfg.train.loss_multiplier)
+                      loss_multiplier=cfg.train.loss_multiplier, max_grad_norm=cfg.model.optimizer.grad_clip)
 
 
 def seed_everything(seed: int) -> None:
@@ -111,7 +111,7 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
         converted = sum(flops.get(f"{root}.{name}", 0) for name in precision.fp8_modules["converted"])
         precision.fp8_modules["converted_flop_share"] = converted / flops["Global"] if flops["Global"] else None
     optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters())
-    schedule = build_schedule(cfg.model.optimizer.schedule, optimizer, total_steps(task, cfg.train))
+    schedule = build_schedule(cfg.model.optimizer, optimizer, total_steps(task, cfg.train))
     return Cell(task, build_scaler(cfg), optimizer, schedule, conversion, flops["Global"])
 
 

@@ -46,13 +46,17 @@ class LossScaler:
     """
 
     def __init__(self, kind: str = "none", init_scale: float = 1.0, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, loss_multiplier: float = 1.0):
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, loss_multiplier: float = 1.0,
+                 max_grad_norm: float | None = None):
         """loss_multiplier: a fixed factor on the loss that unscaling divides out again, so it changes only
-        what the low-precision backward sees (train.loss_multiplier, a numerics stress test)."""
+        what the low-precision backward sees (train.loss_multiplier, a numerics stress test).
+        max_grad_norm: clip the unscaled gradients' global norm before the step (torch's clip_grad_norm_, which
+        computes on the device), as GradScaler's users do between unscale_ and step."""
         if kind not in LOSS_SCALING:
             raise ValueError(f"unknown loss scaling {kind!r}; valid: {', '.join(LOSS_SCALING)}")
         self.kind = kind
         self.loss_multiplier = loss_multiplier
+        self.max_grad_norm = max_grad_norm
         self.scale = _float32(1.0 if kind == "none" else init_scale)
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self._clean_steps = 0
@@ -112,9 +116,11 @@ class LossScaler:
         """
         self.steps += 1
         if self.kind == "none" and not check and self.loss_multiplier == 1.0:
+            self._clip(params)
             optimizer.step()
             return
         found_inf = self._unscale(params)
+        self._clip(params)
         if found_inf is None:
             optimizer.step()
             return
@@ -132,6 +138,10 @@ class LossScaler:
             torch._amp_update_scale_(tensors["scale"], tensors["growth_tracker"], found_inf,
                                      self.growth_factor, self.backoff_factor, self.growth_interval)
         self._unread.append((self.steps, torch.stack([found_inf, tensors["scale"]])))
+
+    def _clip(self, params) -> None:
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
 
     def sync(self) -> None:
         """Fold the checked steps since the last sync into the counters and the scale history (one read)."""

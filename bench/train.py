@@ -24,12 +24,17 @@ from bench.tasks.base import Task
 
 def build_optimizer(cfg: DictConfig, params) -> torch.optim.Optimizer:
     """torch's optimiser, fused where the device has the kernel (CPU and CUDA do): one kernel per step, and
-    the only way to skip an overflowing step without reading found_inf on the host (GradScaler's route)."""
-    params = list(params)
+    the only way to skip an overflowing step without reading found_inf on the host (GradScaler's route).
+    decay_matrices_only: weight decay on parameters of two or more dimensions only (nanoGPT's groups)."""
+    params = list(dict.fromkeys(params))  # a tied parameter once
     fused = bool(params) and params[0].device.type in _get_fused_kernels_supported_devices()
+    if cfg.decay_matrices_only:
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    else:
+        groups = [{"params": params, "weight_decay": cfg.weight_decay}]
     if cfg.name == "sgd":
-        optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                                    fused=fused)
+        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
         if fused and cfg.momentum:
             # torch's fused SGD makes its momentum buffers with empty_like on the first step and fills them in
             # the kernel, which a found_inf skip leaves out: the next step reads garbage. Zeros are the same
@@ -37,15 +42,26 @@ def build_optimizer(cfg: DictConfig, params) -> torch.optim.Optimizer:
             for p in params:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return optimizer
-    if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+    adam = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
+    return adam(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), fused=fused)
 
 
-def build_schedule(name: str, optimizer: torch.optim.Optimizer, total_steps: int):
-    """none: constant lr; linear: decay to 0 over the run (BERT's fine-tuning recipe, no warm-up)."""
-    if name == "linear":
+def build_schedule(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int):
+    """none: constant lr; linear: decay to 0 over the run (BERT's fine-tuning recipe, no warm-up); cosine:
+    nanoGPT's get_lr, lr * (step + 1) / (warmup + 1) for `warmup_steps`, then a cosine from lr to min_lr over
+    the rest of the run."""
+    if cfg.schedule == "linear":
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / max(1, total_steps)))
+    if cfg.schedule == "cosine":
+        warmup, floor = cfg.warmup_steps, cfg.min_lr / cfg.lr
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return None
 
 

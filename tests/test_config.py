@@ -133,7 +133,7 @@ def test_keys_that_no_schema_declares_are_rejected_however_they_are_added(tmp_pa
 def test_help_lists_only_real_models_and_schemas_are_not_choices(tmp_path):
     shown = subprocess.run([sys.executable, "-m", "bench.run", "--help"], cwd=CONF.parent, capture_output=True,
                            text=True).stdout
-    assert "model: bert_base, bert_tiny, distilbert, distilbert_tiny, lenet\n" in shown and "schema" not in shown
+    assert "model: bert_base, bert_tiny, charlm, distilbert, distilbert_tiny, lenet\n" in shown and "schema" not in shown
     out = _bench(tmp_path, "model=lenet_schema")
     assert out.returncode != 0 and "Could not find 'model/lenet_schema'" in out.stderr
 

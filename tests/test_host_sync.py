@@ -90,12 +90,18 @@ CELLS = {
     "lenet-fp8-unit": ["model=lenet", "format=fp8", "scaling=unit"],
     "bert_tiny-fp8-dynamic-adamw": ["model=bert_tiny", "format=fp8", "scaling=dynamic"],
     "bert_tiny-bf16-dynamic": ["model=bert_tiny", "format=bf16", "scaling=dynamic"],
+    # AdamW with matrix-only decay, nanoGPT's cosine schedule and gradient clipping after unscaling
+    "charlm-fp16-static-clipped": ["model=charlm", "format=fp16", "scaling=static", "model.data.source=local",
+                                   "model.data.path={text}", "model.data.sha256=null", "model.arch.layers=1",
+                                   "model.arch.embedding=16", "model.arch.block_size=8", "model.batch_size=4"],
 }
 
 
 @pytest.mark.parametrize("cell", CELLS)
-def test_ordinary_steps_make_no_host_sync(make_cfg, monkeypatch, cell):
-    by_step, steps = run_counted(make_cfg, monkeypatch, *CELLS[cell])
+def test_ordinary_steps_make_no_host_sync(make_cfg, monkeypatch, tmp_path, cell):
+    text = tmp_path / "text.txt"
+    text.write_text("to be, or not to be: that is the question.\n" * 200)
+    by_step, steps = run_counted(make_cfg, monkeypatch, *(o.format(text=text) for o in CELLS[cell]))
     harness = {step: made for step, calls in by_step.items()
                if (made := [c for c in calls if not c.endswith("(transformers model)")])}
     ordinary = {step: calls for step, calls in harness.items()

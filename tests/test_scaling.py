@@ -26,7 +26,8 @@ def _optimizers(name):
     build_optimizer: fused, so a skip happens inside its kernel, on the device. GradScaler's is the same
     torch optimiser told not to take found_inf, so GradScaler skips it on the host (its route for unfused
     optimisers): the behaviour a device-side skip must reproduce bit for bit."""
-    cfg = OmegaConf.create({"name": name, "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01})
+    cfg = OmegaConf.create({"name": name, "lr": 0.1, "momentum": 0.9, "beta2": 0.999, "weight_decay": 0.01,
+                            "decay_matrices_only": False})
     ours_p, ref_p = (torch.nn.Parameter(torch.linspace(-1, 1, 3)) for _ in range(2))
     ours = build_optimizer(cfg, [ours_p])
     ref = (torch.optim.SGD([ref_p], lr=0.1, momentum=0.9, weight_decay=0.01, fused=True) if name == "sgd"

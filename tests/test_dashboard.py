@@ -1,0 +1,136 @@
+"""`make dashboard`: every key a panel reads is one the runner's records and rows really hold, and the W&B
+objects carry those keys; offline the specs are written, with a key the stand-in for W&B is asked to save."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import dashboard
+from bench.record import read_record
+from bench.run import run_cell
+
+
+def _flatten(value, prefix="") -> dict:
+    """Nested dicts as W&B shows them: dotted paths."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out = {}
+    for key, inner in value.items():
+        out |= _flatten(inner, f"{prefix}.{key}" if prefix else str(key))
+    return out
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    """What W&B receives from three real cells (bench/logger.py): LeNet, emulated FP8 with dynamic loss scaling
+    (telemetry, loss scale), the tiny BERT on SQuAD (exact match, F1), a tiny char-LM (validation loss and bits
+    per character). Per source, the keys with values."""
+    from hydra import compose, initialize_config_dir
+
+    root = tmp_path_factory.mktemp("dashboard-runs")
+    text = root / "text.txt"
+    text.write_text("to be, or not to be: that is the question.\n" * 200)
+    keys = {"config": set(), "summary": set(), "history": set()}
+    for overrides in (["model=lenet", "format=fp8", "scaling=dynamic", "train.max_steps=12", "train.log_every=5"],
+                      ["model=bert_tiny", "format=bf16", "train.max_steps=2", "train.log_every=1"],
+                      ["model=charlm", "model.data.source=local", f"model.data.path={text}", "model.data.sha256=null",
+                       "model.iterations=4", "model.arch.layers=1", "model.arch.embedding=16",
+                       "model.arch.block_size=8"]):
+        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[f"results_dir={root}", "experiment_name=dash", *overrides])
+        run_cell(cfg)
+        run_dir = root / cfg.cell
+        record = read_record(run_dir / "result.json")
+        assert record["status"] == "ok"
+        config = record["config"] | {"precision": record["env"]["precision"]}  # the logger's W&B config
+        for source, values in (("config", config), ("summary", record)):
+            keys[source] |= {k for k, v in _flatten(values).items() if v is not None}
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            keys["history"] |= {k for k, v in _flatten(json.loads(line)).items() if v is not None}
+    return root, keys
+
+
+def test_every_panel_key_is_one_the_runs_log(logged, tmp_path):
+    root, keys = logged
+    board = dashboard.build("dash", None, "p", root, [tmp_path])
+    assert {p.kind for p in board.panels} == {"bar", "line", "parallel"}
+    assert {k.name for p in board.panels for k in p.keys} >= {"metrics.test_accuracy", "metrics.exact_match",
+                                                               "metrics.f1", "metrics.val_loss", "metrics.val_bpc",
+                                                               "loss_scale", "skipped_steps"}
+    missing = sorted(f"{k.source}:{k.name}" for k in board.keys() if k.name not in keys[k.source])
+    assert missing == []
+
+
+def test_a_renamed_record_key_breaks_the_check(logged, tmp_path, monkeypatch):
+    root, keys = logged
+    monkeypatch.setitem(dashboard.TASK_METRICS, "lenet", ["test_acc"])
+    board = dashboard.build("dash", None, "p", root, [tmp_path])
+    assert any(k.name == "metrics.test_acc" and k.name not in keys["summary"] for k in board.keys())
+
+
+def _wandb_spellings(key: dashboard.Key) -> list[str]:
+    """How a W&B view spells a key: config values sit under .value; summary keys under summary_metrics (charts)
+    or summary: (parallel coordinates, whose accessors also prefix config:)."""
+    if key.source == "config":
+        head, _, rest = key.name.partition(".")
+        name = f"{head}.value.{rest}" if rest else head
+        return [f'"{name}"', f'"config:{name}"']
+    if key.source == "summary":
+        return [f'"summary_metrics.{key.name}"', f'"summary:{key.name}"']
+    return [f'"{key.name}"']
+
+
+def test_the_workspace_spec_carries_every_key_and_the_report_every_table(logged, tmp_path):
+    root, _ = logged
+    tables = tmp_path / "tables"
+    (tables / "dash").mkdir(parents=True)
+    (tables / "dash" / "precision.md").write_text("| setting | test_accuracy |\n|---|---|\n| 32-true | 98.5 |\n")
+    assert dashboard.main(["dash", "--results", str(root), "--tables", str(tmp_path / "none"), "--tables", str(tables),
+                           "--out", str(tmp_path / "out")]) == 0
+    view = (tmp_path / "out" / "dash" / "workspace.json").read_text()
+    board = dashboard.build("dash", None, "p", root, [tables])
+    assert [k for k in board.keys() if not any(s in view for s in _wandb_spellings(k))] == []
+    spec = json.loads((tmp_path / "out" / "dash" / "report.json").read_text())
+    assert spec["tables"] == {"precision": (tables / "dash" / "precision.md").read_text()}
+    assert spec["run_filter"] == {"config": "experiment_name", "equals": "dash"}
+    assert len(spec["panels"]) == len(board.panels)
+
+
+class StandInWandb:
+    """Stands in for the W&B service: records what would be saved, returns the URL W&B would."""
+
+    def __init__(self, fail: bool = False):
+        self.saved, self.fail = [], fail
+
+    def __call__(self, obj) -> str:
+        if self.fail:
+            raise ConnectionError("api.wandb.ai unreachable")
+        self.saved.append(obj)
+        return f"https://wandb.ai/me/p/{type(obj).__name__.lower()}"
+
+
+def test_with_a_key_both_are_saved_and_their_urls_printed(logged, tmp_path, monkeypatch, capsys):
+    root, _ = logged
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    wandb = StandInWandb()
+    argv = ["dash", "--entity", "me", "--project", "p", "--results", str(root), "--out", str(tmp_path)]
+    assert dashboard.main(argv, save=wandb) == 0
+    workspace, report = wandb.saved
+    assert type(workspace).__name__ == "Workspace" and type(report).__name__ == "Report"
+    assert (workspace.entity, workspace.project, report.entity, report.project) == ("me", "p", "me", "p")
+    assert [s.name for s in workspace.sections][0] == "Accuracy (the paper tables)"
+    out = capsys.readouterr().out
+    assert "workspace: https://wandb.ai/me/p/workspace" in out and "report: https://wandb.ai/me/p/report" in out
+
+
+def test_offline_it_says_what_it_would_create_and_exits_0(logged, tmp_path, monkeypatch, capsys):
+    root, _ = logged
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    wandb = StandInWandb()
+    assert dashboard.main(["dash", "--results", str(root), "--out", str(tmp_path)], save=wandb) == 0
+    assert wandb.saved == [] and "nothing created in W&B" in capsys.readouterr().out
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert dashboard.main(["dash", "--results", str(root), "--out", str(tmp_path)], save=StandInWandb(fail=True)) == 0
+    assert "could not be reached" in capsys.readouterr().out
+    assert (tmp_path / "dash" / "workspace.json").is_file()
