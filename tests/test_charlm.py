@@ -144,3 +144,21 @@ def test_a_charlm_cell_trains_and_reports_validation_loss_and_bpc(make_cfg, text
     assert metrics["val_loss"] < math.log(metrics["vocabulary"])  # learnt something in 30 steps
     assert record["timing"]["steps"] == 30
     assert read_record(tmp_path / cfg.cell / "result.json")["config"]["model"]["arch"]["norm"] == cfg.model.arch.norm
+
+
+def test_validation_is_the_mean_over_every_window_of_the_split(text_file):
+    from bench.tasks.charlm import charlm_task
+
+    cfg = OmegaConf.create({"iterations": 2, "batch_size": 4, "eval_batch_size": 7,
+                            "arch": {"layers": 1, "heads": 2, "embedding": 16, "block_size": 32, "dropout": 0.0,
+                                     "bias": False, "norm": "pre"},
+                            "data": _data(path=str(text_file))})
+    task = charlm_task(cfg, torch.device("cpu"), seed=0)
+    metrics = task.evaluate(task.model, lambda x: x)
+    _, val, vocabulary = encode(text_file.read_text(), 0.9)
+    x, y = validation_windows(val, 32)
+    with torch.no_grad():
+        losses = torch.nn.functional.cross_entropy(task.model(x).transpose(1, 2), y, reduction="none").double()
+    assert metrics["val_loss"] == pytest.approx(float(losses.mean()), rel=1e-6)
+    assert metrics["val_window_loss_std"] == pytest.approx(float(losses.mean(1).std()), rel=1e-6)
+    assert metrics["val_tokens"] == y.numel() and metrics["vocabulary"] == len(vocabulary)

@@ -184,16 +184,20 @@ def charlm_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
 
     @torch.no_grad()
     def evaluate(model, cast_inputs) -> dict:
+        """Mean loss over every validation window; also the spread of the per-window means, from which the noise
+        of nanoGPT's estimate (eval_iters batches of batch_size random windows) follows:
+        val_window_loss_std / sqrt(eval_iters * batch_size)."""
         model.eval()
-        total = 0.0
+        per_window = []
         for start in range(0, len(val_x), cfg.eval_batch_size):
             logits = model(val_x[start:start + cfg.eval_batch_size]).float()
-            total += F.cross_entropy(logits.view(-1, logits.size(-1)), val_y[start:start + cfg.eval_batch_size].reshape(-1),
-                                     reduction="sum").item()
+            losses = F.cross_entropy(logits.transpose(1, 2), val_y[start:start + cfg.eval_batch_size], reduction="none")
+            per_window.append(losses.mean(1))
         model.train()
-        tokens = val_y.numel()
-        return {"val_loss": total / tokens, "val_bpc": total / tokens / math.log(2), "val_tokens": tokens,
-                "vocabulary": len(vocabulary)}
+        per_window = torch.cat(per_window).double()
+        mean = float(per_window.mean())  # every window has block_size characters: the mean over all characters
+        return {"val_loss": mean, "val_bpc": mean / math.log(2), "val_tokens": val_y.numel(),
+                "val_window_loss_std": float(per_window.std()), "vocabulary": len(vocabulary)}
 
     return Task(model=model, train_batches=train_batches, forward=forward, loss=loss, evaluate=evaluate,
                 batch_size=batch_size, steps_per_epoch=cfg.iterations)
