@@ -307,6 +307,10 @@ def check(cfg: DictConfig) -> None:
         from bench.tasks.charlm import NORMS
 
         _choice(cfg.model.arch.norm, NORMS, "model.arch.norm")
+        if cfg.scaling.name == "unit":
+            raise ConfigError("scaling=unit is not available for model=charlm yet: a unit-scaled transformer needs "
+                              "unit-scaled attention, residual branches, embeddings and LayerNorm (issue #14); valid "
+                              f"for charlm: {', '.join(s for s in SCALING_METHODS if s != 'unit')}")
         if (cfg.model.data.source == "local") != bool(cfg.model.data.path):
             raise ConfigError("model.data.source=local reads model.data.path (set both; or neither, to download "
                               f"{cfg.model.data.url})")

@@ -125,11 +125,14 @@ def test_weight_decay_on_matrices_only_and_clipping_after_unscaling():
     assert float(p.detach().norm()) == pytest.approx(1.0, rel=1e-5)
 
 
-def test_a_bad_norm_or_a_path_without_source_local_is_refused_before_training(make_cfg, text_file):
+def test_a_bad_norm_a_path_without_source_local_or_unit_scaling_is_refused_before_training(make_cfg, text_file):
     with pytest.raises(ConfigError, match="model.arch.norm='mid' is not valid; valid: pre, post"):
         check(make_cfg("model=charlm", "model.arch.norm=mid"))
     with pytest.raises(ConfigError, match="model.data.source=local reads model.data.path"):
         check(make_cfg("model=charlm", f"model.data.path={text_file}"))
+    with pytest.raises(ConfigError, match="scaling=unit is not available for model=charlm yet.*valid for charlm: "
+                                          "none, static, dynamic, per_tensor"):
+        check(make_cfg("model=charlm", "scaling=unit"))
 
 
 @pytest.mark.parametrize("overrides", [["format=fp32"], ["format=fp8", "scaling=dynamic", "model.arch.norm=post"]])

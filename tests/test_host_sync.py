@@ -132,3 +132,36 @@ def test_a_divergence_noticed_at_the_next_log_step_records_the_step_it_happened_
     assert outcome.diverged_at_step == 13 and outcome.steps == 21 and outcome.final_loss != outcome.final_loss
     assert [row["step"] for row in rows] == [0, 10]  # nothing logged for the log step that found it
     assert len(outcome.step_s) == 21
+
+
+def test_cuda_step_times_come_from_events_read_only_at_collect(monkeypatch):
+    """StepTimer on CUDA, with torch.cuda.Event stood in for: events around each step, no wait until collect(),
+    which waits once (for the last event) and returns each step's elapsed time in seconds."""
+    from bench.device import StepTimer
+
+    clock, waits = iter(range(0, 1000, 5)), []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = next(clock)  # milliseconds on the device's timeline
+
+        def synchronize(self):
+            waits.append(self.at)
+
+        def elapsed_time(self, end):
+            assert waits, "read before the device was waited for"
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timer = StepTimer(torch.device("cuda"))
+    assert timer.method == "cuda_events"
+    for _ in range(3):
+        timer.start()
+        timer.stop()
+    assert waits == []
+    assert timer.collect() == [0.005, 0.005, 0.005] and waits == [25]
+    assert timer.collect() == [] and waits == [25]
