@@ -143,7 +143,7 @@ def harness_rows(steps: int, repeats: int) -> list[dict]:
     bare, so that drift and bursts on the machine hit both or only a few pairs (not shorter: our loop's step 0
     is a log step, whose telemetry telemetry_ratio measures). Also the ratio of process CPU time, taken in
     the same rounds, which leaves out time the machine gave to others (a VM's steal): where the two disagree,
-    the machine was busy."""
+    the machine took time away; where they agree, any spread is work done more slowly (shared caches)."""
     rows = []
     rounds, chunk = max(repeats, HARNESS_ROUNDS), max(1, steps // 2)
     for model, model_args in MODELS.items():

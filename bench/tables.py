@@ -43,6 +43,7 @@ NOTES = {
               "TFLOP/s: FLOPs of a step over its median time, native runs only.",
 }
 PERCENT_METRICS = {"test_accuracy"}
+DIGITS = {"val_loss": 3, "val_bpc": 3}  # nats and bits per character: seeds differ in the third decimal
 
 
 def scaled(metric: str | None, value):
@@ -74,11 +75,13 @@ def fmt_difference(cell, with_n: bool = True) -> str:
         return "baseline"
     if pd.isna(cell["value_vs_fp32"]) or not n:
         return "–"
-    text = f"{scaled(metric, cell['value_vs_fp32']):+.2f}"
+    digits = DIGITS.get(metric, 2)
+    text = f"{scaled(metric, cell['value_vs_fp32']):+.{digits}f}"
     count = f" (n={int(n)})" if with_n else ""
     if pd.isna(cell["value_vs_fp32_lo"]):
         return text + count
-    interval = f" [{scaled(metric, cell['value_vs_fp32_lo']):+.2f}, {scaled(metric, cell['value_vs_fp32_hi']):+.2f}]"
+    interval = (f" [{scaled(metric, cell['value_vs_fp32_lo']):+.{digits}f}, "
+                f"{scaled(metric, cell['value_vs_fp32_hi']):+.{digits}f}]")
     return f"{text}{interval}{count}{SIGNIFICANT if cell['value_vs_fp32_significant'] else ''}"
 
 
@@ -94,7 +97,8 @@ def status_note(cell) -> str:
 
 def _metric_text(cell) -> str:
     metric = cell["metric"]
-    text = fmt_stat(scaled(metric, cell["value"]), scaled(metric, cell["value_std"]), cell["value_n"])
+    text = fmt_stat(scaled(metric, cell["value"]), scaled(metric, cell["value_std"]), cell["value_n"],
+                    DIGITS.get(metric, 2))
     note = status_note(cell)
     return f"{text} [{note}]" if note else text
 
@@ -203,7 +207,8 @@ def published_table(cells: pd.DataFrame) -> pd.DataFrame:
             rows.append({
                 "source": pub["source"], "model": pub["model"], "task": pub["task"], "setting": pub["setting"],
                 "our scaling": c["scaling"], "metric": metric, "published": f"{pub['value']:.2f}",
-                "ours": fmt_stat(ours, std, n), "difference": "–" if pd.isna(ours) else f"{ours - pub['value']:+.2f}",
+                "ours": fmt_stat(ours, std, n, DIGITS.get(metric, 2)),
+                "difference": "–" if pd.isna(ours) else f"{ours - pub['value']:+.{DIGITS.get(metric, 2)}f}",
                 "published time (min)": pub.get("train_min", "–"),
                 "our time (min)": "–" if pd.isna(c["train_s"]) else f"{c['train_s'] / 60:.2f}",
                 "our backend / device": f"{c['backend']} / {c['device']}",
