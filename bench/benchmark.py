@@ -7,8 +7,9 @@ and prints the rows as a table. Every timing is the median of repeats after a wa
 things compared, in one process:
 - harness_ratio.<model>.<format>: steps/s of bench's training loop / a bare hand-written loop over the
   same model, batches and format (telemetry and the one-off first-step memory count off in both; each is
-  measured on its own below), the median over 21 short alternating rounds, with .min and .max, and .cpu_time
-  (the same ratio in process CPU time, blind to time the machine gave to others). Target >= 0.97.
+  measured on its own below), the median over 15 alternating rounds of half as many steps, with .min and
+  .max, and .cpu_time (the same ratio in process CPU time, blind to time the machine gave to others).
+  Target >= 0.97.
 - host_syncs_per_100_steps.<model>.<format>+<scaling>, on CUDA: calls in our loop that wait for the GPU
   (torch.cuda.set_sync_debug_mode), ordinary steps only but for step 0 (a log step) and the end, apart from those
   made inside the transformers model (.in_model), which a bare loop makes too. Target: ~0.
@@ -168,8 +169,8 @@ def harness_rows(steps: int, repeats: int) -> list[dict]:
 def host_sync_rows(steps: int) -> list[dict]:
     """CUDA only: synchronising calls per 100 steps of our loop, counted by torch's sync debug mode (which
     warns on every call that waits for the GPU). The loop reads the device on log steps only; with log_every
-    beyond the run, the count is that of the ordinary steps plus step 0's reads (a log step) and the end's. Syncs made inside
-    the transformers model (warned from its files) are the model's own, counted apart."""
+    beyond the run, the count is that of the ordinary steps plus step 0's reads (a log step) and the end's.
+    Syncs made inside the transformers model (warned from its files) are the model's own, counted apart."""
     import warnings
 
     rows = []

@@ -84,8 +84,6 @@ class CharGPT(nn.Module):
         super().__init__()
         if norm not in NORMS:
             raise ValueError(f"model.arch.norm={norm!r} is not valid; valid: {', '.join(NORMS)}")
-        if embedding % heads:
-            raise ValueError(f"model.arch.embedding={embedding} is not a multiple of model.arch.heads={heads}")
         self.block_size = block_size
         self.wte, self.wpe = nn.Embedding(vocab, embedding), nn.Embedding(block_size, embedding)
         self.drop = nn.Dropout(dropout)
