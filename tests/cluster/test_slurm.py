@@ -28,7 +28,8 @@ SLURM_ENV = {"BENCH_SLURM_GPUS": "0", "BENCH_SLURM_CPUS": "1", "BENCH_SLURM_MEM_
              "BENCH_SLURM_TIMEOUT_MIN": "30", "BENCH_SLURM_PARTITION": "debug",
              "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 CELL = ["format=fp32", "scaling=none"]
-MEDIUM, LONG = 60, 150  # epochs of LeNet: 2640 and 6600 steps, about 14 s and 35 s on one core
+MEDIUM, LONG = 60, 400  # epochs of LeNet: 2400 and 16000 steps, about 11 s and 75 s on one core (LONG must
+# outlast a 1-minute time limit whatever the loop's speed: at 150 epochs a faster loop finished inside it)
 
 
 @pytest.fixture(scope="module", autouse=True)
