@@ -24,6 +24,7 @@ from bench.device import DEVICES
 from bench.formats import OVERFLOW_POLICIES
 from bench.precision import BACKENDS, FORMAT_MODES
 from bench.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
+from bench.unit import LR_RULES
 
 MODELS = ("lenet", "distilbert", "bert_base", "charlm")
 DATA_SOURCES = {"lenet": ("digits", "hub"), "distilbert": ("hub", "local"), "bert_base": ("hub", "local"),
@@ -114,6 +115,7 @@ class ScalingConfig:
     margin: int = 0  # per_tensor: s = (max / amax) / 2^margin
     pow2: bool = False  # per_tensor: round s down to a power of two
     conversion_tolerance: float = 1e-4  # unit, pretrained: largest relative output change the conversion may make
+    lr_rule: str = "same"  # unit, from scratch, Adam/AdamW: same | relative (bench.unit.relative_lr_multipliers)
 
 
 @dataclass
@@ -307,10 +309,6 @@ def check(cfg: DictConfig) -> None:
         from bench.tasks.charlm import NORMS
 
         _choice(cfg.model.arch.norm, NORMS, "model.arch.norm")
-        if cfg.scaling.name == "unit":
-            raise ConfigError("scaling=unit is not available for model=charlm yet: a unit-scaled transformer needs "
-                              "unit-scaled attention, residual branches, embeddings and LayerNorm (issue #14); valid "
-                              f"for charlm: {', '.join(s for s in SCALING_METHODS if s != 'unit')}")
         if (cfg.model.data.source == "local") != bool(cfg.model.data.path):
             raise ConfigError("model.data.source=local reads model.data.path (set both; or neither, to download "
                               f"{cfg.model.data.url})")
@@ -328,6 +326,7 @@ def check(cfg: DictConfig) -> None:
     _choice(cfg.scaling.name, SCALING_METHODS, "scaling")
     _choice(cfg.scaling.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")
     _choice(cfg.scaling.amax, AMAX_MODES, "scaling.amax")
+    _choice(cfg.scaling.lr_rule, LR_RULES, "scaling.lr_rule")
     _choice(cfg.device, DEVICES, "device")
     _choice(cfg.logger.name, LOGGERS, "logger")
     if not (cfg.train.loss_multiplier > 0 and math.isfinite(cfg.train.loss_multiplier)):

@@ -29,7 +29,7 @@ from bench.precision import Precision, PrecisionError
 from bench.record import IN_FLIGHT, LOCK_NAME, MetricsLog, cell_lock, previous_record, run_id, write_json_atomic
 from bench.scaling import LossScaler, PerTensorScale
 from bench.tasks import Task, build_task
-from bench.train import build_optimizer, build_schedule, total_steps, train
+from bench.train import ADAM_FAMILY, build_optimizer, build_schedule, total_steps, train
 from bench.unit import ConversionError, unit_scale_task
 
 log = logging.getLogger(__name__)
@@ -103,14 +103,16 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     conversion = None
     if cfg.scaling.name == "unit":
         conversion = unit_scale_task(task, preserve=cfg.model.get("pretrained", False),
-                                     tolerance=cfg.scaling.conversion_tolerance)
+                                     tolerance=cfg.scaling.conversion_tolerance,
+                                     relative_lr=cfg.scaling.lr_rule == "relative"
+                                     and cfg.model.optimizer.name in ADAM_FAMILY)
     flops = step_flops_by_module(task)
     precision.prepare(task.model)
     if precision.fp8_modules is not None:  # how much of a training step torchao's filter actually put in FP8
         root = type(task.model).__name__
         converted = sum(flops.get(f"{root}.{name}", 0) for name in precision.fp8_modules["converted"])
         precision.fp8_modules["converted_flop_share"] = converted / flops["Global"] if flops["Global"] else None
-    optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters())
+    optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters(), task.lr_multipliers)
     schedule = build_schedule(cfg.model.optimizer, optimizer, total_steps(task, cfg.train))
     return Cell(task, build_scaler(cfg), optimizer, schedule, conversion, flops["Global"])
 

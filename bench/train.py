@@ -22,17 +22,25 @@ from bench.scaling import LossScaler
 from bench.tasks.base import Task
 
 
-def build_optimizer(cfg: DictConfig, params) -> torch.optim.Optimizer:
+ADAM_FAMILY = ("adam", "adamw")  # optimisers whose step size does not follow the gradient's scale
+
+
+def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None) -> torch.optim.Optimizer:
     """torch's optimiser, fused where the device has the kernel (CPU and CUDA do): one kernel per step, and
     the only way to skip an overflowing step without reading found_inf on the host (GradScaler's route).
-    decay_matrices_only: weight decay on parameters of two or more dimensions only (nanoGPT's groups)."""
+    decay_matrices_only: weight decay on parameters of two or more dimensions only (nanoGPT's groups).
+    lr_multipliers: parameter -> factor k on cfg.lr, its weight decay divided by k (one group per factor; schedules
+    scale every group alike): AdamW's decoupled decay shrinks a weight by lr * weight_decay per step, so the
+    shrink per step stays what it was while Adam's step grows k-fold (bench/unit.py's relative rule)."""
     params = list(dict.fromkeys(params))  # a tied parameter once
     fused = bool(params) and params[0].device.type in _get_fused_kernels_supported_devices()
-    if cfg.decay_matrices_only:
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    else:
-        groups = [{"params": params, "weight_decay": cfg.weight_decay}]
+    groups = {}
+    for p in params:
+        decay = cfg.weight_decay if p.dim() >= 2 or not cfg.decay_matrices_only else 0.0
+        factor = 1.0 if lr_multipliers is None else lr_multipliers.get(p, 1.0)
+        groups.setdefault((decay, factor), []).append(p)
+    groups = [{"params": members, "weight_decay": decay / factor, "lr": cfg.lr * factor}
+              for (decay, factor), members in groups.items()]
     if cfg.name == "sgd":
         optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
         if fused and cfg.momentum:

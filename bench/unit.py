@@ -1,6 +1,8 @@
 """Unit scaling (Blake, Orr, Luschi, "Unit Scaling", ICML 2023) as a model transform.
 
-Two uses. From scratch (`preserve=False`): fresh unit-variance weights, every op scaled. A pretrained
+Two uses. From scratch (`preserve=False`): fresh unit-variance weights, every op scaled, including the
+transformer ops that bench/ops.py exposes as modules (residual adds, causal attention, embedding sums) and
+Embedding / LayerNorm (unit_scaling's functional ops, their weight gradients scaled). A pretrained
 checkpoint (`preserve=True`): each matmul's weight *and bias* are divided by its forward scale alpha, so
 alpha * (x (W/alpha)^T + b/alpha) = x W^T + b reproduces the pretrained output; activations keep their
 forward (scale 1) and scale only their backward; embeddings and LayerNorm are kept as they are (they stay
@@ -37,9 +39,10 @@ import torch.nn.functional as F
 import unit_scaling.functional as U
 from torch import nn
 from unit_scaling.constraints import apply_constraint
-from unit_scaling.core.functional import scale_elementwise
+from unit_scaling.core.functional import scale_elementwise, transformer_residual_scaling_rule
 from unit_scaling.scale import scale_bwd, scale_fwd
 
+from bench.ops import Add, CausalAttention, Residual
 from bench.precision import CastOp
 
 RESIDUAL_CONSTRAINT = "gmean"  # ops with a residual add after them; unit-scaling leaves the rest unconstrained
@@ -155,6 +158,70 @@ class UnitMaxPool2d(nn.MaxPool2d):
         return super().forward(scale_bwd(x, math.sqrt(sh * sw)))
 
 
+class UnitEmbedding(nn.Embedding):
+    """N(0, 1) rows (output std 1); the weight gradient scaled by (rows / lookups)^1/2 (unit_scaling's embedding)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        self._fill_padding_idx_with_zero()
+
+    def forward(self, idx):
+        return U.embedding(idx, self.weight, self.padding_idx)
+
+
+class UnitLayerNorm(nn.LayerNorm):
+    """Forward unchanged (its output has unit variance already); the weight and bias gradients, sums over every
+    position, scaled by (features / elements)^1/2 (unit_scaling's layer_norm)."""
+
+    def forward(self, x):
+        return U.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class UnitResidual(Residual):
+    """sqrt(1 - tau) x + sqrt(tau) f(x): both branches unit-scaled, tau the residual branch's share of the
+    output variance; in the backward pass the split scales the gradients, so f itself sees a unit gradient
+    (unit_scaling's residual_split / residual_add, whose own tau is the ratio sqrt(tau / (1 - tau)))."""
+
+    def __init__(self, tau: float):
+        super().__init__()
+        self.tau = tau
+
+    def forward(self, x, branch):
+        ratio = math.sqrt(self.tau / (1 - self.tau))
+        residual, skip = U.residual_split(x, ratio)
+        return U.residual_add(branch(residual), skip, ratio)
+
+    def extra_repr(self) -> str:
+        return f"tau={self.tau:.4f}"
+
+
+def residual_taus(count: int) -> list[float]:
+    """tau of each of a stack's `count` residual adds (attention, MLP, attention, ...), from unit-scaling's
+    transformer rule: every attention and every MLP branch ends up contributing the same share of the final
+    residual stream, and all of them together twice the embedding's (1/3 embedding, 2/3 branches)."""
+    rule = transformer_residual_scaling_rule()
+    return [rule(i, count) ** 2 / (1 + rule(i, count) ** 2) for i in range(count)]
+
+
+class UnitCausalAttention(CausalAttention):
+    """unit_scaling's causal attention: the same softmax(q k^T / sqrt(d_head)) (mult = sqrt(d_head)), its output
+    and the q, k, v gradients divided by the library's model of their std at initialisation (averaging over
+    a causal window shrinks it to about sqrt(log(length) / length))."""
+
+    def forward(self, q, k, v):
+        return U.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                              is_causal=True, mult=q.shape[-1] ** 0.5)
+
+
+class UnitAdd(Add):
+    """(a + b) / sqrt(2), each input's gradient scaled by 1/sqrt(its broadcast factor) (unit_scaling's add,
+    unconstrained: its inputs are embedding lookups, leaves whose gradients only reach their own weights, so the
+    forward and backward scales need not agree; the library's default would scale both gradients by 1/sqrt(2))."""
+
+    def forward(self, a, b):
+        return U.add(a, b, constraint=None)
+
+
 PARAMETER_FREE = (nn.Flatten, nn.Identity, nn.Dropout, nn.Tanh)
 
 
@@ -189,28 +256,65 @@ def _unit_module(module: nn.Module, preserve: bool, constraint: str | None) -> n
     if kind is nn.MaxPool2d:
         return UnitMaxPool2d(module.kernel_size, module.stride, module.padding, module.dilation,
                              ceil_mode=module.ceil_mode)
-    if isinstance(module, PARAMETER_FREE + KEPT):
+    if not preserve:  # from scratch: the transformer's other ops are unit-scaled too
+        if kind is nn.Embedding:
+            return UnitEmbedding(module.num_embeddings, module.embedding_dim, module.padding_idx,
+                                 device=module.weight.device)
+        if kind is nn.LayerNorm:
+            return UnitLayerNorm(module.normalized_shape, module.eps, module.elementwise_affine,
+                                 module.bias is not None,
+                                 device=None if module.weight is None else module.weight.device)
+        if kind is CausalAttention:
+            return UnitCausalAttention(module.dropout)
+        if kind is Add:
+            return UnitAdd()
+    if isinstance(module, PARAMETER_FREE + KEPT + (Residual, CausalAttention, Add)):
         return module
     if not any(True for _ in module.parameters(recurse=False)):
         return None
     raise NotImplementedError(f"unit scaling has no rule for {kind.__name__}")
 
 
-def unit_scale(model: nn.Module, preserve: bool = False, _constraint: str | None = None) -> nn.Module:
-    """Replace, in place, Linear / Conv2d / ReLU / GELU / MaxPool2d by their unit-scaled versions.
+def unit_scale(model: nn.Module, preserve: bool = False) -> nn.Module:
+    """Replace, in place, Linear / Conv2d / ReLU / GELU / MaxPool2d by their unit-scaled versions; from scratch,
+    also Embedding, LayerNorm, causal attention, embedding sums and residual adds (bench/ops.py).
 
     preserve=False: fresh unit-variance weights (training from scratch). preserve=True: keep the
-    pretrained function (weights and biases rescaled, activations scaled in the backward pass only).
-    Ops inside an nn.ModuleList (the stack of residual blocks) are constrained to the geometric mean;
-    ops outside it are unconstrained (see the module docstring).
+    pretrained function (weights and biases rescaled, activations scaled in the backward pass only; the
+    other ops kept). Ops inside an nn.ModuleList (the stack of residual blocks) are constrained to the
+    geometric mean; ops outside it are unconstrained (see the module docstring). Residual adds get their tau
+    from `residual_taus`, in the order the model holds them. Tied weights (a GPT's embedding and head) stay tied.
     """
+    ties = _tied_parameters(model)
+    _convert(model, preserve, None)
+    if not preserve:
+        residuals = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+                     if type(child) is Residual]
+        for (parent, name), tau in zip(residuals, residual_taus(len(residuals))):
+            setattr(parent, name, UnitResidual(tau))
+    for owners in ties:
+        shared = getattr(model.get_submodule(owners[0][0]), owners[0][1])
+        for module_name, attribute in owners[1:]:
+            setattr(model.get_submodule(module_name), attribute, shared)
+    return model
+
+
+def _tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Every parameter held by more than one module, as its (module name, attribute) owners."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules():
+        for attribute, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((module_name, attribute))
+    return [o for o in owners.values() if len(o) > 1]
+
+
+def _convert(model: nn.Module, preserve: bool, constraint: str | None) -> None:
     for name, child in model.named_children():
-        replacement = _unit_module(child, preserve, _constraint)
+        replacement = _unit_module(child, preserve, constraint)
         if replacement is None:
-            unit_scale(child, preserve, RESIDUAL_CONSTRAINT if isinstance(child, nn.ModuleList) else _constraint)
+            _convert(child, preserve, RESIDUAL_CONSTRAINT if isinstance(child, nn.ModuleList) else constraint)
         elif replacement is not child:
             setattr(model, name, replacement)
-    return model
 
 
 def unit_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -301,17 +405,50 @@ def conversion_difference(reference: nn.Module, converted: nn.Module, forward) -
             "layers_compared": len(layers), "layer_diffs": layers}
 
 
-def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4) -> dict:
+LR_RULES = ("same", "relative")  # scaling.lr_rule: the model's lr as configured | relative_lr_multipliers
+
+
+def relative_lr_multipliers(before: dict[str, float], model: nn.Module) -> dict[nn.Parameter, float]:
+    """Per parameter, its RMS now over its RMS in the regular model (`before`, by name; 1 where either is 0).
+
+    Adam moves every element by about lr per step whatever the gradient's scale, so a weight initialised at
+    RMS 1 instead of the regular 0.02 changes 50x less, relative to itself, at the same lr: the unit-scaled
+    model would learn far slower for a reason that has nothing to do with numerics. Multiplying each tensor's
+    lr by this ratio keeps its relative step the regular model's (nanoGPT's embeddings and matrices: x50,
+    its residual projections: x141, LayerNorm weights: x1); build_optimizer divides the weight decay by it,
+    so AdamW's decoupled decay also shrinks each tensor by the regular model's fraction per step.
+    """
+    multipliers = {}
+    for name, p in model.named_parameters():
+        now, then = _rms(p), before.get(name, 0.0)
+        multipliers[p] = now / then if now > 0 and then > 0 else 1.0
+    return multipliers
+
+
+def _rms(p: torch.Tensor) -> float:
+    return float(p.detach().double().pow(2).mean().sqrt())
+
+
+def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: bool = False) -> dict:
     """Unit-scale `task.model` and its loss; with `preserve`, check the conversion kept the function.
 
     The check runs one training batch through the original and the converted model and compares the
     task outputs and every layer's output; a relative difference above `tolerance` anywhere raises
-    ConversionError naming the first layer (in execution order) where it appears.
+    ConversionError naming the first layer (in execution order) where it appears. From scratch with
+    `relative_lr` (an Adam-family optimiser, scaling.lr_rule=relative), `task.lr_multipliers` gets each
+    parameter's `relative_lr_multipliers`.
     """
     if not preserve:
+        before = {name: _rms(p) for name, p in task.model.named_parameters()}
         unit_scale(task.model)
         task.cross_entropy = unit_cross_entropy
-        return {"preserve_function": False, "why": "fresh unit-variance init (model.pretrained=false or no checkpoint)"}
+        result = {"preserve_function": False, "why": "fresh unit-variance init (model.pretrained=false or no checkpoint)",
+                  "lr_rule": "relative" if relative_lr else "same"}
+        if relative_lr:
+            task.lr_multipliers = relative_lr_multipliers(before, task.model)
+            values = sorted(task.lr_multipliers.values())
+            result["lr_multiplier"] = {"min": values[0], "median": values[len(values) // 2], "max": values[-1]}
+        return result
     reference = copy.deepcopy(task.model)
     batch = next(iter(task.train_batches(0)))
     unit_scale(task.model, preserve=True)

@@ -125,17 +125,15 @@ def test_weight_decay_on_matrices_only_and_clipping_after_unscaling():
     assert float(p.detach().norm()) == pytest.approx(1.0, rel=1e-5)
 
 
-def test_a_bad_norm_a_path_without_source_local_or_unit_scaling_is_refused_before_training(make_cfg, text_file):
+def test_a_bad_norm_or_a_path_without_source_local_is_refused_before_training(make_cfg, text_file):
     with pytest.raises(ConfigError, match="model.arch.norm='mid' is not valid; valid: pre, post"):
         check(make_cfg("model=charlm", "model.arch.norm=mid"))
     with pytest.raises(ConfigError, match="model.data.source=local reads model.data.path"):
         check(make_cfg("model=charlm", f"model.data.path={text_file}"))
-    with pytest.raises(ConfigError, match="scaling=unit is not available for model=charlm yet.*valid for charlm: "
-                                          "none, static, dynamic, per_tensor"):
-        check(make_cfg("model=charlm", "scaling=unit"))
 
 
-@pytest.mark.parametrize("overrides", [["format=fp32"], ["format=fp8", "scaling=dynamic", "model.arch.norm=post"]])
+@pytest.mark.parametrize("overrides", [["format=fp32"], ["format=fp8", "scaling=dynamic", "model.arch.norm=post"],
+                                       ["format=fp16", "scaling=unit"], ["format=fp8", "scaling=unit", "model.arch.norm=post"]])
 def test_a_charlm_cell_trains_and_reports_validation_loss_and_bpc(make_cfg, text_file, tmp_path, overrides):
     cfg = make_cfg("model=charlm", "model.data.source=local", f"model.data.path={text_file}", "model.data.sha256=null", "model.iterations=30",
                    "model.arch.layers=2", "model.arch.embedding=32", "model.arch.block_size=16", "train.log_every=10",

@@ -1,13 +1,16 @@
 """Unit scaling: output and input-gradient scales at initialisation, per layer type and model shape; the transform."""
 
 import copy
+import math
 
 import pytest
 import torch
 from torch import nn
 
 from bench.tasks.lenet import LeNet5
-from bench.unit import UnitConv2d, UnitLinear, UnitMaxPool2d, UnitReLU, unit_cross_entropy, unit_scale
+from bench.ops import Add, CausalAttention, Residual
+from bench.unit import (UnitAdd, UnitCausalAttention, UnitConv2d, UnitEmbedding, UnitGELU, UnitLayerNorm, UnitLinear,
+                        UnitMaxPool2d, UnitReLU, UnitResidual, residual_taus, unit_cross_entropy, unit_scale)
 
 
 def _stds(layer, x):
@@ -139,3 +142,114 @@ def test_unit_scale_replaces_every_layer_with_unit_variance_weights():
 def test_unknown_parameterised_module_is_refused():
     with pytest.raises(NotImplementedError, match="BatchNorm2d"):
         unit_scale(nn.Sequential(nn.BatchNorm2d(3)))
+
+
+# The transformer ops a from-scratch unit-scaled GPT needs (bench/ops.py's modules and their unit versions), each
+# against its plain version, which must miss the band so that the test can fail. Attention's scale is the library's
+# empirical model of the causal average, hence its wider band.
+def _op_stds(op, inputs, weight=None):
+    """(output std, std of each input's gradient, std of the weight gradient) for a unit-normal output gradient."""
+    inputs = [x.requires_grad_(x.is_floating_point()) for x in inputs]
+    y = op(*inputs)
+    y.backward(torch.randn_like(y))
+    grads = [x.grad.std().item() for x in inputs if x.is_floating_point()]
+    return y.std().item(), grads, None if weight is None else weight.grad.std().item()
+
+
+TRANSFORMER_OPS = {
+    # name: (plain op, unit op, inputs, band for every std)
+    "embedding 65 x 128, 12 x 64 lookups": (lambda: nn.Embedding(65, 128), lambda: UnitEmbedding(65, 128),
+                                            lambda: [torch.randint(0, 65, (12, 64))], 0.1),
+    "layer norm 128, no bias": (lambda: nn.LayerNorm(128, bias=False), lambda: UnitLayerNorm(128, bias=False),
+                                lambda: [torch.randn(12, 64, 128) + 0.5], 0.1),
+    "causal attention, 4 heads x 32, length 64": (CausalAttention, UnitCausalAttention,
+                                                  lambda: [torch.randn(12, 4, 64, 32) for _ in range(3)], 0.33),
+    "token + position embedding sum": (Add, UnitAdd, lambda: [torch.randn(12, 64, 128), torch.randn(64, 128)], 0.1),
+}
+
+
+@pytest.mark.parametrize("name", TRANSFORMER_OPS)
+def test_transformer_ops_have_unit_output_input_and_weight_gradients(name):
+    """Unit ops: output, input-gradient and weight-gradient std within the band around 1 (the embedding's rows are
+    N(0, 1); LayerNorm's weight gradient sums over 768 positions and is scaled back); plain ops: some std outside."""
+    plain, unit, inputs, band = TRANSFORMER_OPS[name]
+    for op, must_be_unit in ((unit(), True), (plain(), False)):
+        torch.manual_seed(0)
+        weight = getattr(op, "weight", None)
+        out, grads, weight_grad = _op_stds(op, inputs(), weight)
+        stds = [out, *grads] + ([weight_grad] if weight is not None else [])
+        within = all(abs(s - 1) <= band for s in stds)
+        assert within == must_be_unit, (name, type(op).__name__, stds)
+
+
+def test_embedding_sum_broadcast_gradient_is_scaled_by_its_broadcast_factor():
+    """The position embedding is added to 12 sequences: its gradient is the sum of 12 and unit_scaling's add divides
+    it by sqrt(12); the forward divides the sum of two unit-variance inputs by sqrt(2)."""
+    a, b = torch.randn(12, 64, 128, requires_grad=True), torch.randn(64, 128, requires_grad=True)
+    y = UnitAdd()(a, b)
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.allclose(y, (a + b) / 2**0.5)
+    assert torch.allclose(a.grad, g, atol=1e-6) and torch.allclose(b.grad, g.sum(0) / 12**0.5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tau", [0.5, 0.2, 0.0833])
+def test_residual_add_is_the_papers_weighted_sum_with_a_unit_gradient_inside_the_branch(tau):
+    """Forward sqrt(1-tau) x + sqrt(tau) f(x); the gradient reaching x is the true derivative of that sum, and the
+    branch f receives the unscaled (unit) output gradient, its sqrt(tau) applied after it."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, requires_grad=True)
+    seen = {}
+
+    def branch(h):
+        h = 3 * h
+        h.register_hook(lambda grad: seen.setdefault("grad", grad))
+        return h
+
+    y = UnitResidual(tau)(x, branch)
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.allclose(y, (1 - tau) ** 0.5 * x + tau**0.5 * 3 * x, atol=1e-6)
+    assert torch.allclose(x.grad, ((1 - tau) ** 0.5 + 3 * tau**0.5) * g, atol=1e-5)
+    assert torch.allclose(seen["grad"], g, atol=1e-6)
+
+
+@pytest.mark.parametrize("count", [2, 8, 24])
+def test_residual_taus_give_every_branch_the_same_share_and_the_embedding_a_third(count):
+    taus = residual_taus(count)
+    shares = [tau * math.prod(1 - t for t in taus[i + 1:]) for i, tau in enumerate(taus)]
+    assert shares == pytest.approx([shares[0]] * count)
+    assert math.prod(1 - t for t in taus) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_unit_scaled_char_gpt_is_unit_scaled_end_to_end_and_the_plain_one_is_not(norm):
+    """Every block's output and output gradient, and the logits, have std within [0.6, 1.6] at initialisation, with
+    unit_scaling's cross-entropy; the nanoGPT-initialised model's residual stream starts far below (0.03)."""
+    from bench.tasks.charlm import CharGPT
+
+    def block_stds(model, cross_entropy):
+        outputs = []
+
+        def keep(_module, _inputs, output):
+            output.retain_grad()
+            outputs.append(output)
+
+        for block in model.h:
+            block.register_forward_hook(keep)
+        x, y = torch.randint(0, 65, (12, 64)), torch.randint(0, 65, (12, 64))
+        logits = model(x)
+        logits.retain_grad()
+        cross_entropy(logits.view(-1, 65), y.view(-1)).backward()
+        return [s for t in outputs + [logits] for s in (t.std().item(), t.grad.std().item())]
+
+    torch.manual_seed(0)
+    unit = unit_scale(CharGPT(65, 64, 4, 4, 128, norm=norm))
+    assert unit.wte.weight is unit.lm_head.weight  # nanoGPT's tie survives the conversion
+    kinds = {type(m) for m in unit.modules()}
+    assert {UnitEmbedding, UnitLinear, UnitResidual, UnitCausalAttention, UnitAdd, UnitGELU} <= kinds
+    assert not kinds & {nn.Linear, nn.Embedding, nn.LayerNorm, nn.GELU, Residual, CausalAttention, Add}
+    assert all(0.6 <= s <= 1.6 for s in block_stds(unit, unit_cross_entropy))
+    torch.manual_seed(0)
+    plain = block_stds(CharGPT(65, 64, 4, 4, 128, norm=norm), nn.functional.cross_entropy)
+    assert not all(0.6 <= s <= 1.6 for s in plain)

@@ -22,6 +22,7 @@ class Task:
     validate: Callable[[nn.Module, Callable], dict] | None = None  # per-epoch metrics, when the task has them
     cross_entropy: Callable[..., torch.Tensor] = F.cross_entropy  # unit scaling swaps in unit_scaling's
     source: dict | None = None  # what the model was built from (checkpoint, commit, initialised head), for the record
+    lr_multipliers: dict | None = None  # parameter -> factor on the optimiser's lr (unit scaling's relative rule)
 
     def compute_loss(self, outputs, targets) -> torch.Tensor:
         return self.loss(outputs, targets, self.cross_entropy)

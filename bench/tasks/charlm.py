@@ -24,22 +24,24 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from bench.ops import Add, CausalAttention, Residual
 from bench.tasks.base import Task
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, embedding: int, heads: int, bias: bool, dropout: float):
         super().__init__()
-        self.heads, self.dropout = heads, dropout
+        self.heads = heads
         self.c_attn = nn.Linear(embedding, 3 * embedding, bias=bias)
         self.c_proj = nn.Linear(embedding, embedding, bias=bias)
+        self.attend = CausalAttention(dropout)
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x):
         batch, length, channels = x.shape
         q, k, v = (t.view(batch, length, self.heads, channels // self.heads).transpose(1, 2)
                    for t in self.c_attn(x).split(channels, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = self.attend(q, k, v)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(batch, length, channels)))
 
 
@@ -62,13 +64,14 @@ class Block(nn.Module):
         self.ln_1, self.ln_2 = nn.LayerNorm(embedding, bias=bias), nn.LayerNorm(embedding, bias=bias)
         self.attn = CausalSelfAttention(embedding, heads, bias, dropout)
         self.mlp = MLP(embedding, bias, dropout)
+        self.attn_residual, self.mlp_residual = Residual(), Residual()
 
     def forward(self, x):
         if self.norm == "pre":
-            x = x + self.attn(self.ln_1(x))
-            return x + self.mlp(self.ln_2(x))
-        x = self.ln_1(x + self.attn(x))
-        return self.ln_2(x + self.mlp(x))
+            x = self.attn_residual(x, lambda h: self.attn(self.ln_1(h)))
+            return self.mlp_residual(x, lambda h: self.mlp(self.ln_2(h)))
+        x = self.ln_1(self.attn_residual(x, self.attn))
+        return self.ln_2(self.mlp_residual(x, self.mlp))
 
 
 NORMS = ("pre", "post")
@@ -86,6 +89,7 @@ class CharGPT(nn.Module):
             raise ValueError(f"model.arch.norm={norm!r} is not valid; valid: {', '.join(NORMS)}")
         self.block_size = block_size
         self.wte, self.wpe = nn.Embedding(vocab, embedding), nn.Embedding(block_size, embedding)
+        self.embedding_sum = Add()
         self.drop = nn.Dropout(dropout)
         self.h = nn.ModuleList(Block(embedding, heads, bias, dropout, norm) for _ in range(layers))
         self.ln_f = nn.LayerNorm(embedding, bias=bias) if norm == "pre" else nn.Identity()
@@ -102,7 +106,7 @@ class CharGPT(nn.Module):
 
     def forward(self, idx):
         positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(positions))
+        x = self.drop(self.embedding_sum(self.wte(idx), self.wpe(positions)))
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))

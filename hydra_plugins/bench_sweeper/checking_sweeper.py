@@ -1,6 +1,8 @@
 """(Lives in the hydra_plugins namespace because Hydra only instantiates sweepers from there.)
 
-Hydra's basic sweeper with three additions:
+Hydra's basic sweeper with four additions:
+- `hydra.sweeper.settings`: a list of override sets ("format=fp16 scaling=static"), each crossed with the swept
+  params, for a grid that is not a full product (a paper's columns: FP16 without and with a loss scale, FP32);
 - every cell of a sweep is checked before the first one trains (a bad combination anywhere in the
   grid costs nothing); what the device supports is checked here only when the cells run on this machine
   (not for SLURM, whose nodes decide for themselves);
@@ -80,9 +82,23 @@ def check_slurm_accounting() -> None:
 
 
 class CheckingSweeper(BasicSweeper):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, settings: Sequence[str] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.settings = [str(s).split() for s in settings or []]
         self.already: Counter = Counter()  # statuses of cells skipped because they were recorded before
+
+    def split_arguments(self, overrides, max_batch_size):
+        """Hydra's product of the swept params, each job then repeated once per entry of `settings`."""
+        batches = BasicSweeper.split_arguments(overrides, max_batch_size)
+        if not self.settings:
+            return batches
+        swept = {o.get_key_element() for o in overrides}
+        for setting in self.settings:
+            if clash := sorted(swept & {item.split("=", 1)[0] for item in setting}):
+                print(f"config error: {', '.join(clash)} is set by hydra.sweeper.settings ({' '.join(setting)}) "
+                      "and also on the command line or in params; set it in one place", file=sys.stderr)
+                sys.exit(2)
+        return [[job + setting for job in batch for setting in self.settings] for batch in batches]
 
     def setup(self, *args, **kwargs) -> None:
         super().setup(*args, **kwargs)
