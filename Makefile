@@ -10,6 +10,7 @@ SEEDS   ?= 0,1,2
 FORMATS ?= fp32,tf32,fp16,bf16,fp8
 SCALINGS ?= none,static,dynamic,per_tensor,unit
 EXPERIMENT ?=
+ARGS    ?=
 LAUNCHER ?= parallel
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
@@ -21,7 +22,9 @@ help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 	@echo "  variables: TORCH=$(TORCH) RESULTS=$(RESULTS) TABLES=$(TABLES) SEEDS=$(SEEDS) FORMATS=$(FORMATS)"
 	@echo "             SCALINGS=$(SCALINGS) EXPERIMENT=$(EXPERIMENT) (a conf/experiment/ preset: smoke,"
-	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet, nanogpt_shakespeare_char_cpu)"
+	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet, nanogpt_shakespeare_char_cpu,"
+	@echo "             unit_scaling_charlm)  ARGS (more overrides for the sweep, e.g. ARGS='model.data.source=local"
+	@echo "             model.data.path=/path/to/input.txt')"
 	@echo "             LAUNCHER=$(LAUNCHER)"
 	@echo "             ENTITY, PROJECT (make dashboard: the W&B entity and project; WANDB_API_KEY to create)"
 
@@ -49,9 +52,9 @@ test-cluster: setup ## the SLURM path against a real single-node SLURM (set up h
 sweep: setup ## LeNet x FORMATS x SCALINGS on the digits (or EXPERIMENT=<preset>; LAUNCHER=parallel|local|submitit_local|slurm)
 ifeq ($(EXPERIMENT),)
 	$(PY) -m bench.run -m hydra/launcher=$(LAUNCHER) model=lenet format=$(FORMATS) scaling=$(SCALINGS) seed=$(SEEDS) \
-		results_dir=$(RESULTS)
+		results_dir=$(RESULTS) $(ARGS)
 else
-	$(PY) -m bench.run -m hydra/launcher=$(LAUNCHER) experiment=$(EXPERIMENT) results_dir=$(RESULTS)
+	$(PY) -m bench.run -m hydra/launcher=$(LAUNCHER) experiment=$(EXPERIMENT) results_dir=$(RESULTS) $(ARGS)
 endif
 	$(MAKE) --no-print-directory tables
 

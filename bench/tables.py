@@ -8,17 +8,22 @@ Written to <out>/<experiment>/, each as Markdown, LaTeX (booktabs) and CSV:
 - squad: the Unit Scaling paper's layout, rows = model x setting, columns = scaling method, cells = EM / F1;
 - numerics: skipped steps, final loss scale, underflow / subnormal / overflow fractions per tensor class;
 - vs_published: ours beside every published figure whose model, task and setting match a cell;
+- unit_scaling_charlm (char-LM cells in two or more of its columns): the Unit Scaling paper's char-LM layout,
+  rows = norm, columns = FP16 regular without / with a loss scale, FP16 unit, FP32 regular and unit (then FP8),
+  cells = validation BPC and its paired difference to FP32 regular, beside the paper's WikiText-103 figures;
 plus runs.csv (one row per run) and cells.csv (the numeric summary).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import yaml
 
-from bench.aggregate import SCALING_ORDER
+from bench.aggregate import SCALING_ORDER, t_interval
 from bench.telemetry import TENSOR_CLASSES
 
 PUBLISHED = Path(__file__).parent / "reference" / "published.yaml"
@@ -36,6 +41,10 @@ NOTES = {
                   "configuration (seeds are paired: same initial weights and data order) [95% confidence interval, "
                   f"Student's t over the n paired seeds]; {SIGNIFICANT} marks an interval that excludes 0, a "
                   "difference the seeds tell apart from noise; without the mark it is not distinguishable from 0.",
+    "charlm": "Δ vs FP32 regular: mean over seeds of this run's BPC minus the FP32-regular run's of the same seed "
+              f"and norm [95% t interval] (n paired seeds); {SIGNIFICANT} marks an interval that excludes 0. The paper's "
+              "figures: medians of 3 seeds at each setting's best learning rate from a sweep; its 95% interval is "
+              "about ±0.010.",
     "memory": "modelled memory: the bytes one training step holds (parameters, gradients, optimiser state, low-"
               "precision weight copies, activations saved for backward) as the format stores them, counted on the "
               "run's first step (bench/memory.py), the same for native and emulated runs; measured peak: the "
@@ -217,6 +226,70 @@ def published_table(cells: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=PUBLISHED_COLUMNS)
 
 
+# The Unit Scaling paper's char-LM columns in its order, then this suite's FP8 ones: (setting, scaling, heading).
+CHARLM_COLUMNS = [("16-mixed", "none", "FP16 regular"), ("16-mixed", "static", "FP16 regular, static loss scale"),
+                  ("16-mixed", "unit", "FP16 unit"), ("32-true", "none", "FP32 regular"), ("32-true", "unit", "FP32 unit"),
+                  ("fp8-mixed", "dynamic", "FP8 regular, dynamic loss scale"),
+                  ("fp8-mixed", "per_tensor", "FP8 per-tensor"), ("fp8-mixed", "unit", "FP8 unit")]
+BPC_PER_NAT = 1 / math.log(2)
+
+
+def _norm_of(model_label: str) -> str:
+    """aggregate.model_label writes a charlm's norm as '<norm>-norm'."""
+    return model_label.split("-norm")[0].rsplit(" ", 1)[-1]
+
+
+def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+    """Per norm: our validation BPC (mean ± std over seeds) and its paired difference to FP32 regular (the mean
+    over seeds of this run's BPC minus the FP32-regular run's of the same seed, with its 95% t interval), then the
+    paper's WikiText-103 test BPC and its difference to its FP32 regular: the data differ, the pattern compares."""
+    lm = cells[cells["metric"] == "val_loss"]
+    ok = runs[(runs["metric"] == "val_loss") & (runs["status"] == "ok") & runs["value"].notna()]
+    paper = [r for r in published_rows() if r["task"] == "wikitext103_char"]
+    columns = [c for c in CHARLM_COLUMNS if ((lm["setting"].astype(str) == c[0]) & (lm["scaling"].astype(str) == c[1])).any()]
+    rows = []
+    for label, part in lm.groupby("model_label", sort=True):
+        norm, here = _norm_of(label), ok[ok["model_label"] == label]
+        reference = here[(here["setting"].astype(str) == "32-true") & (here["scaling"].astype(str) == "none")]
+        reference = reference.set_index("seed")["value"]
+        ours = {"norm": norm, "rows": f"ours: val BPC ({label})"}
+        ours_delta = {"norm": norm, "rows": "ours: Δ vs FP32 regular"}
+        theirs = {"norm": norm, "rows": "paper: test BPC (WikiText-103, 8 layers)"}
+        theirs_delta = {"norm": norm, "rows": "paper: Δ vs FP32 regular"}
+        published = {(r["setting"], r["scaling"]): r["value"] for r in paper if r["norm"] == norm}
+        for setting, scaling, heading in columns:
+            match = part[(part["setting"].astype(str) == setting) & (part["scaling"].astype(str) == scaling)]
+            if match.empty:
+                ours[heading] = ours_delta[heading] = ""
+            else:
+                c = match.iloc[0]
+                note = status_note(c)
+                text = fmt_stat(c["value"] * BPC_PER_NAT, c["value_std"] * BPC_PER_NAT, c["value_n"], 3)
+                ours[heading] = text + (f" {EMULATED}" if c["backend"] == "emulated" else "") + (f" [{note}]" if note else "")
+                runs_here = here[(here["setting"].astype(str) == setting) & (here["scaling"].astype(str) == scaling)]
+                differences = [(v - reference[s]) * BPC_PER_NAT for v, s in zip(runs_here["value"], runs_here["seed"])
+                               if s in reference.index]
+                ours_delta[heading] = _paired_text(differences, baseline=(setting, scaling) == ("32-true", "none"))
+            value, base = published.get((setting, scaling)), published.get(("32-true", "none"))
+            theirs[heading] = "–" if value is None else f"{value:.3f}"
+            theirs_delta[heading] = "–" if value is None or base is None else (
+                "baseline" if (setting, scaling) == ("32-true", "none") else f"{value - base:+.3f}")
+        rows += [ours, ours_delta, theirs, theirs_delta]
+    return pd.DataFrame(rows)
+
+
+def _paired_text(differences: list[float], baseline: bool) -> str:
+    if baseline:
+        return "baseline"
+    if not differences:
+        return "–"
+    lo, hi = t_interval(differences)
+    text = f"{np.mean(differences):+.3f}"
+    if pd.isna(lo):
+        return f"{text} (n={len(differences)})"
+    return f"{text} [{lo:+.3f}, {hi:+.3f}] (n={len(differences)}){SIGNIFICANT if lo > 0 or hi < 0 else ''}"
+
+
 _LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                   "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}", "±": r"$\pm$",
                   "×": r"$\times$", EMULATED: r"$^\dagger$", "–": "--"}
@@ -247,6 +320,9 @@ CAPTIONS = {
     "squad": "SQuAD v1.1 exact match / F1 per model and setting (rows) and scaling method (columns)",
     "numerics": "Numerics health per cell: skipped steps, final loss scale, underflow / overflow fractions",
     "vs_published": "Ours beside the published figures for the same model, task and setting",
+    "unit_scaling_charlm": "Validation bits per character in the Unit Scaling paper's char-LM layout, beside the "
+                           "paper's WikiText-103 figures (a different dataset and model size: compare the pattern of "
+                           "differences to FP32 regular, not the values)",
 }
 
 
@@ -259,12 +335,16 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
              "numerics": numerics_table(cells), "vs_published": published_table(cells)}
     if (cells["metric"] == "f1").any():
         built["squad"] = squad_table(cells)
+    lm = cells[cells["metric"] == "val_loss"]
+    if len({(str(a), str(b)) for a, b in zip(lm["setting"], lm["scaling"])} & {c[:2] for c in CHARLM_COLUMNS}) >= 2:
+        built["unit_scaling_charlm"] = unit_scaling_charlm_table(runs, cells)
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
     timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \
         + ([NOTES["disturbed"]] if cells["disturbed"].any() else [])
     markdown = {}
     for name, table in built.items():
-        markdown[name] = to_markdown(table, notes + (timing_notes if name == "precision" else []))
+        extra = timing_notes if name == "precision" else [NOTES["charlm"]] if name == "unit_scaling_charlm" else []
+        markdown[name] = to_markdown(table, notes + extra)
         (directory / f"{name}.md").write_text(f"# {CAPTIONS[name]}\n\n{markdown[name]}\n")
         (directory / f"{name}.tex").write_text(to_latex(table, CAPTIONS[name]))
         table.to_csv(directory / f"{name}.csv", index=False)

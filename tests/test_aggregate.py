@@ -271,3 +271,37 @@ def test_a_difference_the_paired_seeds_tell_from_noise_is_marked(tmp_path):
     precision = (tmp_path / "tables" / "t" / "precision.md").read_text()
     assert "| -4.67 [-6.10, -3.23] (n=3)* |" in _row(precision, "bf16-mixed")
     assert "excludes 0" in precision
+
+
+def test_unit_scaling_charlm_table_is_the_papers_layout_with_paired_differences_in_bpc(tmp_path):
+    """Two seeds per cell; BPC = nats / ln 2; the difference to FP32 regular is paired by seed (computed here by
+    hand), the paper's WikiText-103 figures and their differences beside."""
+    import math
+
+    from bench.config import CharDataConfig
+
+    root = tmp_path / "runs"
+    losses = {("16-mixed", "fp16", "mixed", "none"): (1.20, 1.30), ("16-mixed", "fp16", "mixed", "static"): (1.10, 1.12),
+              ("16-mixed", "fp16", "mixed", "unit"): (1.05, 1.09), ("32-true", "fp32", "true", "none"): (1.08, 1.10),
+              ("32-true", "fp32", "true", "unit"): (1.04, 1.08)}
+    for (setting, fmt, mode, scaling), values in losses.items():
+        for seed, loss in enumerate(values):
+            rec = record(fmt=fmt, mode=mode, setting=setting, scaling=scaling, seed=seed, metrics={"val_loss": loss},
+                         backend="native" if fmt == "fp32" else "emulated")
+            rec["config"]["model"] = {"name": "charlm", "arch": {"layers": 4, "embedding": 128, "norm": "pre"},
+                                      "data": {"source": "local", "sha256": CharDataConfig.sha256}}
+            write(root, rec)
+    main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"])
+    table = (tmp_path / "tables" / "t" / "unit_scaling_charlm.md").read_text()
+    header = [c.strip() for c in next(line for line in table.splitlines() if line.startswith("| norm")).split("|")[1:-1]]
+    assert header == ["norm", "rows", "FP16 regular", "FP16 regular, static loss scale", "FP16 unit", "FP32 regular",
+                      "FP32 unit"]
+    ours = _row(table, "ours: val BPC")
+    assert f"{1.25 / math.log(2):.3f} ± {math.sqrt(0.005) / math.log(2):.3f} (n=2) †" in ours
+    delta = _row(table, "ours: Δ vs FP32 regular")
+    cells = [c.strip() for c in delta.split("|")[1:-1]]
+    assert cells[2].startswith(f"{(0.12 + 0.20) / 2 / math.log(2):+.3f} [")  # FP16 regular: (1.20-1.08, 1.30-1.10)
+    assert cells[5] == "baseline" and cells[6].startswith(f"{-0.03 / math.log(2):+.3f} [")
+    assert [c.strip() for c in _row(table, "paper: test BPC").split("|")[3:8]] == ["1.661", "1.587", "1.567", "1.582", "1.562"]
+    assert [c.strip() for c in _row(table, "paper: Δ vs FP32 regular").split("|")[3:8]] == \
+        ["+0.079", "+0.005", "-0.015", "baseline", "-0.020"]

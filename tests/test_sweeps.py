@@ -283,3 +283,52 @@ def test_a_slurm_sweep_without_accounting_stops_before_submitting(tmp_path, sacc
     assert "needs SLURM" in out.stderr or "needs sacct" in out.stderr
     assert expected in out.stderr and "slurmdbd" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "submitted").exists() and not records(tmp_path)
+
+
+def test_sweeper_settings_cross_each_override_set_with_the_swept_params():
+    """hydra.sweeper.settings: a grid that is not a full product (the Unit Scaling paper's columns), every setting
+    once per combination of the swept params, the settings varying fastest."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.bench_sweeper.checking_sweeper import CheckingSweeper
+
+    sweeper = CheckingSweeper(max_batch_size=None, params=None,
+                              settings=["format=fp16 scaling=static", "format=fp32 scaling=unit"])
+    overrides = OverridesParser.create().parse_overrides(["seed=0,1", "train.max_steps=3"])
+    assert sweeper.split_arguments(overrides, None) == [[
+        ["seed=0", "train.max_steps=3", "format=fp16", "scaling=static"],
+        ["seed=0", "train.max_steps=3", "format=fp32", "scaling=unit"],
+        ["seed=1", "train.max_steps=3", "format=fp16", "scaling=static"],
+        ["seed=1", "train.max_steps=3", "format=fp32", "scaling=unit"]]]
+    plain = CheckingSweeper(max_batch_size=None, params=None)
+    assert plain.split_arguments(overrides, None) == [[["seed=0", "train.max_steps=3"], ["seed=1", "train.max_steps=3"]]]
+
+
+def test_a_key_set_by_both_the_settings_and_the_command_line_stops_the_sweep(tmp_path):
+    done = bench(tmp_path, "-m", "experiment=unit_scaling_charlm", "format=fp32")
+    assert done.returncode == 2
+    assert "format is set by hydra.sweeper.settings (format=fp16 scaling=none) and also on the command line" in done.stderr
+    assert not list(tmp_path.rglob("result.json"))
+
+
+def test_unit_scaling_charlm_preset_is_the_papers_columns_plus_fp8_and_every_cell_passes_the_checks(make_cfg):
+    from hydra import compose, initialize_config_dir
+
+    from bench.config import check
+
+    cfg = make_cfg("experiment=unit_scaling_charlm")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        sweep = compose("config", overrides=["experiment=unit_scaling_charlm"], return_hydra_config=True).hydra.sweeper
+    settings = [tuple(s.split()) for s in sweep.settings]
+    assert settings == [("format=fp16", "scaling=none"), ("format=fp16", "scaling=static"), ("format=fp16", "scaling=unit"),
+                        ("format=fp32", "scaling=none"), ("format=fp32", "scaling=unit"),
+                        ("format=fp8", "scaling=dynamic"), ("format=fp8", "scaling=per_tensor"), ("format=fp8", "scaling=unit")]
+    assert dict(sweep.params) == {"model.arch.norm": "pre,post", "seed": "0,1,2"}
+    assert cfg.model.name == "charlm" and cfg.model.iterations == 2000
+    for setting in settings:
+        cell = make_cfg("experiment=unit_scaling_charlm", *setting, "model.arch.norm=post")
+        check(cell)
+        if "scaling=static" in setting:
+            assert cell.scaling.init_scale == 2048  # the paper's FP16 baseline
+        if "scaling=unit" in setting:
+            assert cell.scaling.lr_rule == "relative"

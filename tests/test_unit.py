@@ -253,3 +253,40 @@ def test_unit_scaled_char_gpt_is_unit_scaled_end_to_end_and_the_plain_one_is_not
     torch.manual_seed(0)
     plain = block_stds(CharGPT(65, 64, 4, 4, 128, norm=norm), nn.functional.cross_entropy)
     assert not all(0.6 <= s <= 1.6 for s in plain)
+
+
+def test_relative_lr_rule_gives_every_tensor_the_regular_models_relative_adam_step():
+    """nanoGPT's init: matrices and embeddings RMS 0.02 (x50), residual projections 0.02/sqrt(8) (x141), LayerNorm
+    weights 1 (x1). After one AdamW step (Adam's first step moves each element by about lr), every tensor of the
+    unit-scaled model has moved by the same fraction of its RMS as in the regular model, weight decay included."""
+    from omegaconf import OmegaConf
+
+    from bench.tasks.charlm import CharGPT
+    from bench.train import build_optimizer
+    from bench.unit import relative_lr_multipliers
+
+    cfg = OmegaConf.create({"name": "adamw", "lr": 1e-3, "beta2": 0.99, "weight_decay": 0.1, "decay_matrices_only": True})
+    x, y = torch.randint(0, 65, (4, 16)), torch.randint(0, 65, (4, 16))
+
+    def relative_steps(model, cross_entropy, multipliers):
+        optimizer = build_optimizer(cfg, model.parameters(), multipliers)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        cross_entropy(model(x).view(-1, 65), y.view(-1)).backward()
+        optimizer.step()
+        return {n: float((p - before[n]).norm() / before[n].norm()) for n, p in model.named_parameters()}
+
+    torch.manual_seed(0)
+    regular = CharGPT(65, 16, 2, 2, 32)
+    rms = {n: float(p.pow(2).mean().sqrt()) for n, p in regular.named_parameters()}
+    unit = unit_scale(copy.deepcopy(regular))
+    multipliers = relative_lr_multipliers(rms, unit)
+    by_name = {n: multipliers[p] for n, p in unit.named_parameters()}
+    assert by_name["wte.weight"] == pytest.approx(50, rel=0.05)
+    assert by_name["h.0.attn.c_proj.weight"] == pytest.approx(50 * 2, rel=0.05)  # 0.02 / sqrt(2 * 2 layers)
+    assert by_name["h.0.ln_1.weight"] == 1.0
+    steps_regular = relative_steps(regular, nn.functional.cross_entropy, None)
+    steps_unit = relative_steps(unit, unit_cross_entropy, multipliers)
+    for name in steps_regular:
+        assert steps_unit[name] == pytest.approx(steps_regular[name], rel=0.02), name
+    steps_same_lr = relative_steps(unit_scale(copy.deepcopy(regular)), unit_cross_entropy, None)
+    assert steps_same_lr["wte.weight"] < steps_regular["wte.weight"] / 20  # the rule is what makes them equal
