@@ -2,7 +2,6 @@
 rules written out by hand, kept equal to the README's table, and no cell of any grid refused on any device."""
 
 import itertools
-from pathlib import Path
 
 import pytest
 import yaml
