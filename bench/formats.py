@@ -93,6 +93,13 @@ FORMATS: dict[str, ElementFormat] = {
     "fp8_e4m3": ElementFormat("fp8_e4m3", 4, 3, emin=-6, emax=8, max=448.0, has_inf=False,
                               default_overflow="saturate", torch_dtype=torch.float8_e4m3fn),
     "fp8_e5m2": _ieee("fp8_e5m2", 5, 2, torch.float8_e5m2),
+    # OCP MX element formats: no inf, no NaN (the block scale carries NaN); every exponent code is finite.
+    "fp6_e2m3": ElementFormat("fp6_e2m3", 2, 3, emin=0, emax=2, max=7.5, has_inf=False, default_overflow="saturate",
+                              torch_dtype=None),
+    "fp6_e3m2": ElementFormat("fp6_e3m2", 3, 2, emin=-2, emax=4, max=28.0, has_inf=False,
+                              default_overflow="saturate", torch_dtype=None),
+    "fp4_e2m1": ElementFormat("fp4_e2m1", 2, 1, emin=0, emax=2, max=6.0, has_inf=False, default_overflow="saturate",
+                              torch_dtype=None),
 }
 
 
@@ -174,6 +181,22 @@ def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | No
     return r.to(x.dtype)
 
 
+def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: torch.Generator | None = None) -> torch.Tensor:
+    """x rounded to `fmt` stochastically, saturating: |x| goes to the grid point above it with probability
+    (|x| - below) / spacing and to the one below otherwise, so E[result] = x inside the range and the chance of
+    rounding up is proportional to the distance. Values on the grid stay; |x| past max (inf too) becomes max;
+    NaN stays NaN. Seeded by `generator` (one uniform draw per element, in x's order): reproducible."""
+    spec = get_format(fmt)
+    x32 = x.to(torch.float32)
+    magnitude = x32.abs().clamp(max=spec.max)
+    exponent = (torch.frexp(magnitude)[1] - 1).clamp(min=spec.emin)  # floor(log2 |x|), at least emin
+    spacing = torch.ldexp(torch.ones_like(magnitude), exponent - spec.man_bits)
+    below = torch.floor(magnitude / spacing) * spacing  # exact: spacing is a power of two
+    draw = torch.rand(magnitude.shape, generator=generator, device=x.device)
+    rounded = below + spacing * (draw < (magnitude - below) / spacing)
+    return rounded.copysign(x32).to(x.dtype)
+
+
 class _QuantiseSTE(torch.autograd.Function):
     """Round in the forward pass; pass the gradient straight through."""
 
@@ -190,7 +213,7 @@ def quantise(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | None = N
              ftz: bool = False) -> torch.Tensor:
     """Round `x` to `fmt` (RNE) in x's dtype; in autograd the gradient passes straight through.
 
-    fmt: one of fp32, tf32, fp16, bf16, fp8_e4m3, fp8_e5m2.
+    fmt: one of fp32, tf32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp6_e2m3, fp6_e3m2, fp4_e2m1.
     overflow: 'saturate' (clamp to +-max), 'inf' (past the rounding boundary -> +-inf, also for
       e4m3, whose carrier can hold inf though the format cannot), 'nan' (-> NaN, as ml_dtypes'
       e4m3fn); None = the format's default (e4m3: saturate, others: inf).

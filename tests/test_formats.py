@@ -139,3 +139,18 @@ def test_equals_torch_casts(fmt, dtype):
     policy = "saturate" if fmt == "fp8_e4m3" else "inf"
     reference = (x.clamp(-448, 448) if fmt == "fp8_e4m3" else x).to(dtype).float().numpy()
     assert _same_bits(_ours(VALUES, fmt, overflow=policy), reference).all()
+
+
+MX_ELEMENT_DTYPES = {"fp6_e2m3": ml_dtypes.float6_e2m3fn, "fp6_e3m2": ml_dtypes.float6_e3m2fn,
+                     "fp4_e2m1": ml_dtypes.float4_e2m1fn}
+
+
+@pytest.mark.parametrize("fmt", sorted(MX_ELEMENT_DTYPES))
+def test_mx_element_formats_bit_exact_against_ml_dtypes_saturating(fmt):
+    """FP6 and FP4 have neither inf nor NaN: MX saturates their elements (a NaN stays NaN in the FP32 carrier; the
+    block's scale carries it). Every float32 bit pattern, clipped to +-max, against ml_dtypes' RNE cast."""
+    spec = FORMATS[fmt]
+    finite = VALUES[~np.isnan(VALUES)]
+    reference = np.clip(finite, -spec.max, spec.max).astype(MX_ELEMENT_DTYPES[fmt]).astype(np.float32)
+    assert _same_bits(_ours(finite, fmt, overflow="saturate"), reference).all()
+    assert np.isnan(_ours(np.array([np.nan], np.float32), fmt, overflow="saturate")).all()

@@ -1,0 +1,130 @@
+"""Block-scaled formats, emulated bit-exactly on any device: OCP Microscaling (MX) and NVIDIA's NVFP4.
+
+MX (OCP Microscaling Formats v1.0): k = 32 consecutive elements along the dimension a GEMM reduces share one
+scale X = 2^e, stored as E8M0 (the exponent alone, bias 127; e in [-127, 127], 0xFF = NaN). Each element is
+x / X rounded to nearest even in its element format and saturated at its largest finite value. e comes from the
+block's amax and the element format's largest exponent emax_elem, by scale mode (torchao's ScaleCalculationMode):
+- floor: e = floor(log2 amax) - emax_elem (the OCP spec's rule; torchao's default). amax / X can reach
+  2^(emax_elem + 1) > max_elem: the block's largest elements may clip to max_elem;
+- ceil:  e = ceil(log2 amax) - emax_elem (never clips; the block loses a binade at the bottom);
+- even:  amax rounded to the element's mantissa width, then floor (clips only what would round past max);
+- rceil: e = ceil(log2(amax / max_elem)): the smallest power of two under which nothing saturates (Transformer
+  Engine and cuBLAS; arXiv 2506.08027 found it needed for stable MXFP8 pre-training).
+A block holding a NaN gets the NaN scale; every element of it dequantises to NaN.
+
+NVFP4: k = 16, E2M1 elements, an E4M3 block scale s = amax / 6 (RNE to E4M3, clamped to [2^-6, 448]); with an
+FP32 per-tensor scale t = tensor amax / (448 * 6) (torchao's per_tensor_amax_to_scale), the stored block scale is
+amax / 6 / t and the elements x * ((1 / t) / s), as torchao's nvfp4_quantize computes them (a reciprocal times,
+not a division: the same bits as its Triton kernel).
+
+Blocks run along the last dimension after `dim` is moved there; a dimension that is not a multiple of k ends in
+a shorter block (its amax over the elements it has), as the spec's edge blocks. Everything is returned in FP32:
+`values` (dequantised: what the GEMM sees), `elements` (x / X on the element grid) and the per-block scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bench.formats import FORMATS, ElementFormat, quantise_value
+
+SCALE_MODES = ("floor", "ceil", "even", "rceil")
+MX_ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1")
+MX_BLOCK = 32
+NVFP4_BLOCK = 16
+E8M0_BIAS = 127
+E8M0_NAN = 255
+NVFP4_ELEMENT_MAX = 6.0  # E2M1
+NVFP4_SCALE_MAX = 448.0  # E4M3
+NVFP4_SCALE_MIN = 2.0**-6  # torch.finfo(float8_e4m3fn).tiny: torchao's clamp before the E4M3 cast
+
+
+@dataclass
+class Blocked:
+    """A tensor quantised to a block format (all FP32, in the input's shape except `scale`, one per block)."""
+
+    values: torch.Tensor  # dequantised: elements * block scale (* tensor scale)
+    elements: torch.Tensor  # on the element grid
+    scale: torch.Tensor  # per block: MX, 2^e (NaN for the NaN scale); NVFP4, the E4M3 scale's value
+    scale_bits: torch.Tensor | None = None  # MX: the biased E8M0 byte (uint8), as hardware stores it
+
+
+def _blocks(x: torch.Tensor, dim: int, k: int) -> tuple[torch.Tensor, int]:
+    """x (as FP32) with `dim` last, padded with zeros to a multiple of k and viewed as (..., blocks, k); the
+    original length of that dimension. Zeros never change a block's amax."""
+    x = x.float().movedim(dim, -1)
+    length = x.shape[-1]
+    pad = -length % k
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], -1, k), length
+
+
+def _unblock(blocks: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    return blocks.flatten(-2)[..., :length].movedim(-1, dim)
+
+
+def _exponent_field(x: torch.Tensor) -> torch.Tensor:
+    """The biased exponent of float32 x (0 for zeros and subnormals, 255 for inf and NaN)."""
+    return (x.view(torch.int32) >> 23) & 0xFF
+
+
+def mx_scale_exponent(amax: torch.Tensor, spec: ElementFormat, mode: str) -> torch.Tensor:
+    """The biased E8M0 scale byte (int32 in [0, 255]) for each block amax (float32), by `mode` (SCALE_MODES)."""
+    if mode not in SCALE_MODES:
+        raise ValueError(f"unknown MX scale mode {mode!r}; valid: {', '.join(SCALE_MODES)}")
+    if mode == "rceil":
+        descale = amax / spec.max
+        mantissa, exponent = torch.frexp(descale)  # descale = mantissa * 2^exponent, mantissa in [0.5, 1)
+        unbiased = exponent - (mantissa == 0.5).int()  # ceil(log2 descale), exact (subnormals included)
+        biased = torch.where(descale == 0, 0, unbiased.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS)
+        return torch.where(descale.isnan(), E8M0_NAN, torch.where(descale.isinf(), 254, biased))
+    bits = amax.view(torch.int32)
+    if mode == "even":  # round amax's mantissa to the element's width (a carry moves it up a binade)
+        bits = (bits + (1 << (23 - spec.man_bits - 1))) & 0x7F800000
+    unbiased = ((bits >> 23) & 0xFF) - E8M0_BIAS
+    if mode == "ceil":
+        unbiased = unbiased + ((bits & 0x7FFFFF) > 0).int()
+    biased = (unbiased - spec.emax).clamp(-E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS
+    return torch.where(amax.isnan(), E8M0_NAN, biased)
+
+
+def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -1, block: int = MX_BLOCK) -> Blocked:
+    """x in an MX format: blocks of `block` along `dim`, E8M0 scales by `mode`, elements RNE and saturated."""
+    if element not in MX_ELEMENTS:
+        raise ValueError(f"unknown MX element format {element!r}; valid: {', '.join(MX_ELEMENTS)}")
+    spec = FORMATS[element]
+    blocks, length = _blocks(x, dim, block)
+    amax = blocks.abs().amax(-1, keepdim=True)  # NaN where the block holds one
+    biased = mx_scale_exponent(amax, spec, mode)
+    scale = torch.ldexp(torch.ones_like(amax), biased - E8M0_BIAS)  # 2^e, exact down to 2^-127
+    scale = torch.where(biased == E8M0_NAN, torch.nan, scale)
+    elements = quantise_value(blocks / scale, spec, overflow="saturate")
+    values = elements * scale
+    return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), scale.squeeze(-1).movedim(-1, dim),
+                   biased.squeeze(-1).to(torch.uint8).movedim(-1, dim))
+
+
+def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
+    """The FP32 per-tensor scale of two-level NVFP4: amax / (448 * 6), so block scales can use E4M3's whole range."""
+    return x.detach().abs().amax().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)
+
+
+def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1) -> Blocked:
+    """x in NVFP4: blocks of 16 along `dim`, E4M3 block scales (under `tensor_scale` when given), E2M1 elements."""
+    blocks, length = _blocks(x, dim, NVFP4_BLOCK)
+    block_scale = blocks.abs().amax(-1, keepdim=True) / NVFP4_ELEMENT_MAX
+    if tensor_scale is None:
+        stored = quantise_value(block_scale.clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX), "fp8_e4m3")
+        scaled = blocks * (1.0 / stored)
+        scale = stored
+    else:
+        tensor_scale = tensor_scale.float()
+        stored = quantise_value((block_scale / tensor_scale).clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX), "fp8_e4m3")
+        scaled = blocks * ((1.0 / tensor_scale) / stored)
+        scale = stored * tensor_scale
+    elements = quantise_value(scaled.clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX), "fp4_e2m1", overflow="saturate")
+    return Blocked(_unblock(elements * scale, length, dim), _unblock(elements, length, dim),
+                   stored.squeeze(-1).movedim(-1, dim))

@@ -1,0 +1,106 @@
+"""Block formats (MX, NVFP4) against torchao and ml_dtypes, scale modes by hand, stochastic rounding statistically."""
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from bench.blocks import mx_quantise, nvfp4_quantise
+from bench.conformance import conformance_table
+from bench.formats import quantise_stochastic, quantise_value
+
+COMMITTED = Path(__file__).resolve().parents[1] / "results" / "conformance" / "block_formats.csv"
+
+
+@pytest.fixture(scope="module")
+def table():
+    return conformance_table()  # 2^20 random values per format, plus the adversarial blocks
+
+
+def test_every_block_format_matches_its_reference_except_the_named_departures(table):
+    """0 differing scale bytes and 0 differing dequantised values against torchao (every MX element format and scale
+    mode, NVFP4 one- and two-level), ml_dtypes (element casts), and between edge, transposed and plain inputs; what
+    differs is confined to the named departures: torchao's round trip of a block whose scale is 2^-127, and its E2M1
+    code for a NaN."""
+    assert len(table) == 5 * (4 + 3) + 2
+    assert table["values"].min() >= 1024
+    assert (table[table["reference"].str.startswith("torchao to_mx")]["values"] >= 10**6).all()
+    bad = table[(table["scale_mismatches"] > 0) | (table["value_mismatches"] > 0)]
+    assert bad.empty, bad.to_string()
+    departures = table[table["documented"] > 0]
+    assert set(departures["reference"]) == {"torchao to_mx + to_dtype", "torchao nvfp4_quantize"}
+    assert (departures["documented"] <= 32).all()  # one adversarial block each
+
+
+def test_the_committed_conformance_table_is_what_the_command_writes(table):
+    committed = pd.read_csv(COMMITTED)
+    assert committed.drop(columns="note").equals(table.drop(columns="note").astype(committed.dtypes.drop("note"))), \
+        "results/conformance is stale: run python -m bench.conformance"
+
+
+# E4M3: emax 8, max 448, 3 mantissa bits. (amax, floor, ceil, even, rceil) unbiased scale exponents, by hand:
+# 14 = 1.75 * 2^3: floor 3 - 8; ceil 4 - 8; even keeps 1.75 (3 bits) -> floor; rceil ceil(log2(14 / 448)) = -5.
+# 15.5 = 1.9375 * 2^3: even rounds 1.1111b to 10.000b -> 2^4; rceil ceil(log2(15.5 / 448)) = ceil(-4.85) = -4.
+# 8 = 2^3 exactly: ceil adds nothing; rceil ceil(log2(1 / 56)) = ceil(-5.81) = -5.
+# 449 = 1.754 * 2^8: floor 0 (449 saturates to 448); rceil ceil(log2(449 / 448)) = 1.
+SCALES = [(14.0, -5, -4, -5, -5), (15.5, -5, -4, -4, -4), (8.0, -5, -5, -5, -5), (449.0, 0, 1, 0, 1)]
+
+
+@pytest.mark.parametrize("amax,floor,ceil,even,rceil", SCALES)
+def test_mx_scale_modes_by_hand(amax, floor, ceil, even, rceil):
+    x = torch.zeros(1, 32)
+    x[0, 5] = -amax
+    x[0, 6] = 1.0
+    for mode, want in zip(("floor", "ceil", "even", "rceil"), (floor, ceil, even, rceil)):
+        got = mx_quantise(x, "fp8_e4m3", mode)
+        assert int(got.scale_bits) - 127 == want, mode
+        assert float(got.scale) == 2.0**want
+        element = float(quantise_value(torch.tensor(-amax / 2.0**want), "fp8_e4m3", overflow="saturate"))
+        assert float(got.elements[0, 5]) == element and float(got.values[0, 5]) == element * 2.0**want
+    # floor can clip: 15.5 / 2^-5 = 496 saturates to 448; the ceil modes keep it (15.5 / 2^-4 = 248 -> RNE 256)
+    assert float(mx_quantise(torch.full((1, 32), 15.5), "fp8_e4m3", "floor").elements[0, 0]) == 448.0
+    assert float(mx_quantise(torch.full((1, 32), 15.5), "fp8_e4m3", "rceil").elements[0, 0]) == 256.0
+
+
+def test_a_nan_block_dequantises_to_nan_and_leaves_its_neighbours_alone():
+    x = torch.randn(2, 64)
+    x[0, 40] = float("nan")
+    got = mx_quantise(x, "fp4_e2m1")
+    assert got.values[0, 32:].isnan().all() and not got.values[0, :32].isnan().any()
+    assert int(got.scale_bits[0, 1]) == 255 and not got.values[1].isnan().any()
+
+
+def test_blocks_run_along_the_requested_dimension():
+    """The forward GEMM blocks activations and weights along K; the weight-gradient GEMM blocks along the batch:
+    the same tensor blocked along dim 0 is the transposed tensor blocked along its last dimension."""
+    x = torch.randn(64, 48) * torch.exp2(torch.randint(-8, 8, (64, 1)).float())
+    assert torch.equal(mx_quantise(x, "fp8_e4m3", dim=0).values, mx_quantise(x.t(), "fp8_e4m3").values.t())
+    assert torch.equal(nvfp4_quantise(x, dim=0).values, nvfp4_quantise(x.t().contiguous()).values.t())
+
+
+@pytest.mark.parametrize("fmt,value", [("fp4_e2m1", 1.3), ("fp4_e2m1", -2.6), ("fp4_e2m1", 0.3), ("fp4_e2m1", 5.0),
+                                       ("fp8_e4m3", 300.0), ("fp8_e4m3", 2.0**-8 * 1.3), ("fp6_e3m2", 0.1)])
+def test_stochastic_rounding_is_unbiased_and_rounds_up_in_proportion_to_the_distance(fmt, value):
+    """Over n draws: the mean is the input within 5 standard errors, and the share rounded up is the distance to the
+    grid point below over the spacing, within 5 binomial standard errors."""
+    n = 40_000
+    drawn = quantise_stochastic(torch.full((n,), value), fmt, torch.Generator().manual_seed(0))
+    below, above = drawn.abs().min().item(), drawn.abs().max().item()
+    assert len(drawn.unique()) == 2 and below < abs(value) < above
+    p = (abs(value) - below) / (above - below)
+    share_up = (drawn.abs() == above).float().mean().item()
+    assert abs(share_up - p) < 5 * math.sqrt(p * (1 - p) / n)
+    assert abs(drawn.double().mean().item() - value) < 5 * (above - below) * math.sqrt(p * (1 - p) / n)
+
+
+def test_stochastic_rounding_is_reproducible_keeps_grid_values_saturates_and_keeps_nan():
+    x = torch.randn(10_000)
+    first = quantise_stochastic(x, "fp4_e2m1", torch.Generator().manual_seed(3))
+    assert torch.equal(first, quantise_stochastic(x, "fp4_e2m1", torch.Generator().manual_seed(3)))
+    assert not torch.equal(first, quantise_stochastic(x, "fp4_e2m1", torch.Generator().manual_seed(4)))
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -6.0, -0.5])
+    assert torch.equal(quantise_stochastic(grid, "fp4_e2m1"), grid)
+    assert quantise_stochastic(torch.tensor([7.0, -1e30, float("inf")]), "fp4_e2m1").tolist() == [6.0, -6.0, 6.0]
+    assert quantise_stochastic(torch.tensor([float("nan")]), "fp4_e2m1").isnan().all()
