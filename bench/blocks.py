@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.formats import FORMATS, ElementFormat, quantise_value
+from bench.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
+ROUNDINGS = ("nearest", "stochastic")
 MX_ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1")
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
@@ -71,6 +72,15 @@ def _exponent_field(x: torch.Tensor) -> torch.Tensor:
     return (x.view(torch.int32) >> 23) & 0xFF
 
 
+def _round_elements(x: torch.Tensor, element: str, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    """Scaled values onto the element grid, saturating: RNE, or stochastic (bench.formats.quantise_stochastic)."""
+    if rounding == "nearest":
+        return quantise_value(x, element, overflow="saturate")
+    if rounding == "stochastic":
+        return quantise_stochastic(x, element, generator)
+    raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
+
+
 def mx_scale_exponent(amax: torch.Tensor, spec: ElementFormat, mode: str) -> torch.Tensor:
     """The biased E8M0 scale byte (int32 in [0, 255]) for each block amax (float32), by `mode` (SCALE_MODES)."""
     if mode not in SCALE_MODES:
@@ -91,8 +101,10 @@ def mx_scale_exponent(amax: torch.Tensor, spec: ElementFormat, mode: str) -> tor
     return torch.where(amax.isnan(), E8M0_NAN, biased)
 
 
-def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -1, block: int = MX_BLOCK) -> Blocked:
-    """x in an MX format: blocks of `block` along `dim`, E8M0 scales by `mode`, elements RNE and saturated."""
+def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -1, block: int = MX_BLOCK,
+                rounding: str = "nearest", generator: torch.Generator | None = None) -> Blocked:
+    """x in an MX format: blocks of `block` along `dim`, E8M0 scales by `mode`, elements saturated and rounded by
+    `rounding` (nearest even, or stochastic from `generator`: the scale is the same either way)."""
     if element not in MX_ELEMENTS:
         raise ValueError(f"unknown MX element format {element!r}; valid: {', '.join(MX_ELEMENTS)}")
     spec = FORMATS[element]
@@ -101,7 +113,7 @@ def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -
     biased = mx_scale_exponent(amax, spec, mode)
     scale = torch.ldexp(torch.ones_like(amax), biased - E8M0_BIAS)  # 2^e, exact down to 2^-127
     scale = torch.where(biased == E8M0_NAN, torch.nan, scale)
-    elements = quantise_value(blocks / scale, spec, overflow="saturate")
+    elements = _round_elements(blocks / scale, element, rounding, generator)
     values = elements * scale
     return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), scale.squeeze(-1).movedim(-1, dim),
                    biased.squeeze(-1).to(torch.uint8).movedim(-1, dim))
@@ -112,8 +124,10 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)
 
 
-def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1) -> Blocked:
-    """x in NVFP4: blocks of 16 along `dim`, E4M3 block scales (under `tensor_scale` when given), E2M1 elements."""
+def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1,
+                   rounding: str = "nearest", generator: torch.Generator | None = None) -> Blocked:
+    """x in NVFP4: blocks of 16 along `dim`, E4M3 block scales (under `tensor_scale` when given), E2M1 elements
+    rounded by `rounding` (NVIDIA's NVFP4 training recipe rounds gradients stochastically)."""
     blocks, length = _blocks(x, dim, NVFP4_BLOCK)
     block_scale = blocks.abs().amax(-1, keepdim=True) / NVFP4_ELEMENT_MAX
     if tensor_scale is None:
@@ -125,6 +139,6 @@ def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, di
         stored = quantise_value((block_scale / tensor_scale).clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX), "fp8_e4m3")
         scaled = blocks * ((1.0 / tensor_scale) / stored)
         scale = stored * tensor_scale
-    elements = quantise_value(scaled.clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX), "fp4_e2m1", overflow="saturate")
+    elements = _round_elements(scaled.clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX), "fp4_e2m1", rounding, generator)
     return Blocked(_unblock(elements * scale, length, dim), _unblock(elements, length, dim),
                    stored.squeeze(-1).movedim(-1, dim))

@@ -104,3 +104,22 @@ def test_stochastic_rounding_is_reproducible_keeps_grid_values_saturates_and_kee
     assert torch.equal(quantise_stochastic(grid, "fp4_e2m1"), grid)
     assert quantise_stochastic(torch.tensor([7.0, -1e30, float("inf")]), "fp4_e2m1").tolist() == [6.0, -6.0, 6.0]
     assert quantise_stochastic(torch.tensor([float("nan")]), "fp4_e2m1").isnan().all()
+
+
+@pytest.mark.parametrize("quantise", [lambda x, **kw: mx_quantise(x, "fp4_e2m1", **kw),
+                                      lambda x, **kw: nvfp4_quantise(x, **kw)], ids=["mxfp4", "nvfp4"])
+def test_stochastic_block_rounding_keeps_the_scales_and_is_unbiased_inside_each_block(quantise):
+    """The same block scales as nearest rounding; the mean over many seeded draws is the input (up to saturation at
+    the block's largest element), where nearest rounding's error does not average out."""
+    x = torch.randn(4, 64) * torch.exp2(torch.randint(-6, 6, (4, 1)).float())
+    nearest = quantise(x)
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([quantise(x, rounding="stochastic", generator=generator).values for _ in range(2000)])
+    assert torch.equal(quantise(x, rounding="stochastic").scale, nearest.scale)
+    spacing = (draws.max(0).values - draws.min(0).values).clamp(min=1e-30)
+    inside = spacing > 1e-30  # elements that landed between two grid points (not on one, not saturated)
+    z = (draws.double().mean(0) - x.double()).abs() / (spacing.double() / 2 / math.sqrt(2000))
+    assert inside.sum() > 100 and (z[inside] < 5).all()
+    assert ((nearest.values - x).abs()[inside] > 0).all()
+    with pytest.raises(ValueError, match="valid: nearest, stochastic"):
+        quantise(x, rounding="up")
