@@ -57,18 +57,25 @@ def _grids() -> dict[str, list[dict]]:
                          if line.startswith(var) and "?=" in line)
                for key, var in (("format", "FORMATS"), ("scaling", "SCALINGS"))}
     grids = {"default": [default | {"model": "lenet"}]}
+    settings = {"default": [{}]}
     for preset in sorted((CONF / "experiment").glob("*.yaml")):
-        params = yaml.safe_load(preset.read_text())["hydra"]["sweeper"]["params"]
-        grids[preset.stem] = [{k: str(v) for k, v in params.items()} | {"experiment": preset.stem}]
+        sweeper = yaml.safe_load(preset.read_text())["hydra"]["sweeper"]
+        grids[preset.stem] = [{k: str(v) for k, v in sweeper["params"].items()} | {"experiment": preset.stem}]
+        settings[preset.stem] = [dict(item.split("=", 1) for item in s.split()) for s in sweeper.get("settings") or []] \
+            or [{}]  # hydra.sweeper.settings: override sets crossed with the params
     cells = {}
     for name, (grid,) in grids.items():
         keys = list(grid)
-        cells[name] = [dict(zip(keys, values)) for values in itertools.product(*(str(grid[k]).split(",")
-                                                                                   for k in keys))]
+        cells[name] = [dict(zip(keys, values)) | setting
+                       for values in itertools.product(*(str(grid[k]).split(",") for k in keys))
+                       for setting in settings[name]]
     return cells
 
 
 def test_no_cell_of_any_grid_is_refused_on_any_device(make_cfg):
+    assert {(c["format"], c["scaling"]) for c in _grids()["unit_scaling_charlm"]} == {
+        ("fp16", "none"), ("fp16", "static"), ("fp16", "unit"), ("fp32", "none"), ("fp32", "unit"),
+        ("fp8", "dynamic"), ("fp8", "per_tensor"), ("fp8", "unit")}  # its settings, not the defaults
     composed = []
     for name, cells in _grids().items():
         for cell in cells:
