@@ -22,7 +22,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from bench.device import DEVICES
 from bench.formats import OVERFLOW_POLICIES
-from bench.precision import BACKENDS, FORMAT_MODES
+from bench.blocks import ROUNDINGS, SCALE_MODES
+from bench.precision import BACKENDS, BLOCK_SCALINGS, FORMAT_MODES, RECIPES
 from bench.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
 from bench.unit import LR_RULES
 
@@ -100,6 +101,8 @@ class FormatConfig:
     backend: str = "auto"  # auto | native | emulated
     overflow: Optional[str] = None  # saturate | inf | nan; None = each element format's default
     ftz: bool = False  # flush subnormal results to signed zero (TPU bfloat16 semantics)
+    scale_mode: str = "floor"  # block formats (MX): floor | ceil | even | rceil (bench/blocks.py)
+    rounding: str = "nearest"  # block formats: nearest | stochastic (the gradient operands)
 
 
 @dataclass
@@ -321,6 +324,19 @@ def check(cfg: DictConfig) -> None:
     cfg.format.mode = str(cfg.format.mode).lower()
     _choice(cfg.format.mode, FORMAT_MODES[cfg.format.name], f"format.mode (for format={cfg.format.name})")
     _choice(cfg.format.backend, BACKENDS, "format.backend")
+    _choice(cfg.format.scale_mode, SCALE_MODES, "format.scale_mode")
+    _choice(cfg.format.rounding, ROUNDINGS, "format.rounding")
+    block = RECIPES.get(cfg.format.name) and RECIPES[cfg.format.name].block
+    if block and cfg.scaling.name not in BLOCK_SCALINGS:
+        raise ConfigError(f"scaling={cfg.scaling.name} does not combine with format={cfg.format.name}: block formats "
+                          "scale every block themselves (per_tensor would add nothing) and unit scaling's Linear is "
+                          f"not block-scaled yet; valid for {cfg.format.name}: {', '.join(BLOCK_SCALINGS)}")
+    if block and cfg.format.overflow not in (None, "saturate"):
+        raise ConfigError(f"format.overflow={cfg.format.overflow}: block formats saturate their elements (the block "
+                          "scale carries NaN); valid for them: null or saturate")
+    if not block and (cfg.format.scale_mode != "floor" or cfg.format.rounding != "nearest"):
+        raise ConfigError(f"format.scale_mode and format.rounding apply to the block formats only "
+                          f"(mxfp8, mxfp6, mxfp4, nvfp4), not to format={cfg.format.name}")
     if cfg.format.overflow is not None:
         _choice(cfg.format.overflow, OVERFLOW_POLICIES, "format.overflow")
     _choice(cfg.scaling.name, SCALING_METHODS, "scaling")

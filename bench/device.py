@@ -62,10 +62,18 @@ class NativeSupport:
     why: str
 
 
+BLOCK_FORMATS = ("mxfp8", "mxfp6", "mxfp4", "nvfp4")
+
+
 def native_support(fmt: str, device: torch.device) -> NativeSupport:
-    """Whether `fmt` (fp32, tf32, fp16, bf16, fp8) runs natively on `device`, and whether that is fast."""
+    """Whether `fmt` (fp32, tf32, fp16, bf16, fp8, or a block format) runs natively on `device`, and whether that
+    is fast."""
     if fmt == "fp32":
         return NativeSupport(True, True, "FP32 is native everywhere")
+    if fmt in BLOCK_FORMATS:
+        return NativeSupport(False, False, f"{fmt} is emulated on every device for now: MX and NVFP4 GEMMs are native on "
+                                           "CUDA compute capability >= 10.0 (torchao MX / NVFP4), a path this runner "
+                                           "does not take yet")
     if device.type == "cuda":
         cc = torch.cuda.get_device_capability(device)
         need = {"tf32": (8, 0), "fp16": (7, 0), "bf16": (8, 0), "fp8": (8, 9)}[fmt]

@@ -15,7 +15,7 @@ from unittest import mock
 import torch
 
 from bench import device as devices
-from bench.precision import FORMAT_MODES, Precision
+from bench.precision import BLOCK_SCALINGS, FORMAT_MODES, RECIPES, Precision
 from bench.scaling import SCALING_METHODS
 
 # name -> (device type, CPU flags, CUDA compute capability, torchao installed)
@@ -31,6 +31,11 @@ PROFILES = {
     "TPU (torch_xla)": ("xla", (), None, False),
 }
 SETTINGS = [(fmt, mode) for fmt, modes in FORMAT_MODES.items() for mode in modes]
+
+
+def scalings(fmt: str) -> tuple[str, ...]:
+    """The scaling methods a format combines with (block formats carry their own scales)."""
+    return BLOCK_SCALINGS if RECIPES.get(fmt) and RECIPES[fmt].block else SCALING_METHODS
 
 
 @contextlib.contextmanager
@@ -70,7 +75,7 @@ def markdown() -> str:
     header = "| device | " + " | ".join(_setting(f, m) for f, m in SETTINGS) + " |"
     lines = [header, "|" + "---|" * (len(SETTINGS) + 1)]
     for profile in PROFILES:
-        cells = [_summary({s: decide(profile, f, m, s)[0] for s in SCALING_METHODS}) for f, m in SETTINGS]
+        cells = [_summary({s: decide(profile, f, m, s)[0] for s in scalings(f)}) for f, m in SETTINGS]
         lines.append(f"| {profile} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -7,6 +7,14 @@ Emulation rounds exactly where a native kernel would, at every nn.Linear and nn.
   it returns are rounded too, because a 16-bit kernel writes 16-bit results. FP32 master weights.
 - fp8: activations and weights enter as E4M3, gradients enter the backward as E5M2, outputs and
   returned gradients stay in FP32 (FP8 GEMMs accumulate and write in higher precision).
+- mxfp8 / mxfp6 / mxfp4 / nvfp4 (block formats, bench/blocks.py): each Linear's GEMMs take block-scaled
+  operands, blocked along the dimension each GEMM reduces, as torchao's MX linear does: forward, activations and
+  weights along in_features; grad_input, the output gradient and the weight along out_features; grad_weight, the
+  output gradient and the activations along the tokens. Forward operands use the recipe's `inputs` element
+  format, gradient operands its `grads` (MX training: E4M3 forward, E5M2 gradients for MXFP8). The block scales
+  follow `scale_mode`; `rounding=stochastic` rounds the gradient operands stochastically (NVIDIA's NVFP4
+  recipe). x and W are kept in FP32 for the backward pass and re-blocked there. Conv2d stays in FP32 (torchao
+  converts Linear layers only) and is listed in the record.
 - "true" mode (fp16/bf16 whole-model cast) additionally keeps parameters, their gradients and the
   optimiser state rounded to the format after every step; elementwise ops between matmuls still
   compute in FP32 (documented in README: an approximation of 16-true, not bit-faithful there).
@@ -22,12 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.device import native_support
+from bench.blocks import ROUNDINGS, SCALE_MODES, mx_quantise, nvfp4_quantise, nvfp4_tensor_scale
+from bench.device import BLOCK_FORMATS, native_support
 from bench.formats import FORMATS, quantise_value, resolve_overflow
 from bench.telemetry import QuantTelemetry
 
 FORMAT_MODES = {"fp32": ("true",), "tf32": ("true",), "fp16": ("mixed", "true"), "bf16": ("mixed", "true"),
-                "fp8": ("mixed",)}
+                "fp8": ("mixed",), "mxfp8": ("mixed",), "mxfp6": ("mixed",), "mxfp4": ("mixed",), "nvfp4": ("mixed",)}
 BACKENDS = ("auto", "native", "emulated")
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -39,6 +48,7 @@ class Recipe:
     inputs: str  # activations and weights entering the op (forward)
     grads: str  # gradients entering the op's backward
     sixteen_bit_kernel: bool  # output, bias and returned gradients are rounded to `inputs` too
+    block: str | None = None  # "mx" or "nvfp4": block-scaled GEMM operands (bench/blocks.py)
 
 
 RECIPES = {
@@ -46,7 +56,14 @@ RECIPES = {
     "fp16": Recipe("fp16", "fp16", True),
     "bf16": Recipe("bf16", "bf16", True),
     "fp8": Recipe("fp8_e4m3", "fp8_e5m2", False),
+    # the MX paper's training recipes (Rouhani et al. 2023): E4M3 / E5M2, E2M3 / E3M2, E2M1 throughout
+    "mxfp8": Recipe("fp8_e4m3", "fp8_e5m2", False, "mx"),
+    "mxfp6": Recipe("fp6_e2m3", "fp6_e3m2", False, "mx"),
+    "mxfp4": Recipe("fp4_e2m1", "fp4_e2m1", False, "mx"),
+    "nvfp4": Recipe("fp4_e2m1", "fp4_e2m1", False, "nvfp4"),
 }
+# Block formats carry their own scales (per_tensor adds nothing); unit scaling's Linear is not block-scaled yet.
+BLOCK_SCALINGS = ("none", "static", "dynamic")
 
 
 class PrecisionError(ValueError):
@@ -154,6 +171,55 @@ class EmulatedConv2d(CastOp, nn.Conv2d):
 _EMULATED = {nn.Linear: EmulatedLinear, nn.Conv2d: EmulatedConv2d}
 
 
+@dataclass(frozen=True)
+class BlockOperands:
+    """How a block-format GEMM operand is made: recipe, scale mode, rounding of the gradient operands."""
+
+    recipe: Recipe
+    scale_mode: str
+    rounding: str
+
+    def _blocked(self, t: torch.Tensor, element: str, dim: int, rounding: str) -> torch.Tensor:
+        if self.recipe.block == "nvfp4":  # dynamic two-level scaling: this tensor's amax sets its FP32 scale
+            return nvfp4_quantise(t, nvfp4_tensor_scale(t), dim, rounding).values
+        return mx_quantise(t, element, self.scale_mode, dim, rounding=rounding).values
+
+    def forward(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self._blocked(t, self.recipe.inputs, dim, "nearest")
+
+    def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self._blocked(t, self.recipe.grads, dim, self.rounding)
+
+
+class _BlockLinear(torch.autograd.Function):
+    """y = x W^T + b with every GEMM operand blocked along that GEMM's reduction dimension."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, operands: BlockOperands):
+        ctx.save_for_backward(x, weight)
+        ctx.operands, ctx.has_bias = operands, bias is not None
+        return F.linear(operands.forward(x, -1), operands.forward(weight, -1), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        operands = ctx.operands
+        grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        # grad_input = grad @ W reduces over out_features; grad_weight = grad^T @ x reduces over the tokens
+        grad_x = (operands.gradient(grad_2d, -1) @ operands.forward(weight, 0)).reshape(x.shape)
+        grad_weight = operands.gradient(grad_2d, 0).t() @ operands.forward(x_2d, 0)
+        return grad_x, grad_weight, grad_2d.sum(0) if ctx.has_bias else None, None
+
+
+class BlockLinear(nn.Linear):
+    """nn.Linear whose GEMMs take block-scaled operands (`operands` is set by Precision.prepare)."""
+
+    operands: BlockOperands
+
+    def forward(self, x):
+        return _BlockLinear.apply(x, self.weight, self.bias, self.operands)
+
+
 def set_fp32_precision(tf32: bool) -> dict[str, str]:
     """Set (and return) the FP32 matmul/conv precision flags explicitly, both ways.
 
@@ -185,17 +251,29 @@ class Precision:
     """A run's format decisions, made once: native or emulated, which sites round, TF32 flags."""
 
     def __init__(self, fmt: str, mode: str, backend: str, overflow: str | None, ftz: bool,
-                 device: torch.device, per_tensor=None):
-        """per_tensor: a factory `(tensor_class, spec) -> PerTensorScale` when scaling=per_tensor, else None."""
+                 device: torch.device, per_tensor=None, scale_mode: str = "floor", rounding: str = "nearest"):
+        """per_tensor: a factory `(tensor_class, spec) -> PerTensorScale` when scaling=per_tensor, else None.
+        scale_mode, rounding: block formats only (bench/blocks.py's SCALE_MODES and ROUNDINGS)."""
         if fmt not in FORMAT_MODES:
             raise PrecisionError(f"unknown format {fmt!r}; valid: {', '.join(FORMAT_MODES)}")
         if mode not in FORMAT_MODES[fmt]:
             raise PrecisionError(f"format={fmt} has no mode={mode}; valid for {fmt}: {', '.join(FORMAT_MODES[fmt])}")
         if backend not in BACKENDS:
             raise PrecisionError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        if scale_mode not in SCALE_MODES:
+            raise PrecisionError(f"unknown format.scale_mode {scale_mode!r}; valid: {', '.join(SCALE_MODES)}")
+        if rounding not in ROUNDINGS:
+            raise PrecisionError(f"unknown format.rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
         self.format, self.mode, self.device = fmt, mode, device
         self.overflow, self.ftz, self.per_tensor = overflow, ftz, per_tensor
         self.recipe = RECIPES.get(fmt)
+        if self.recipe is not None and self.recipe.block:
+            if per_tensor is not None:
+                raise PrecisionError(f"{fmt} scales every block itself; scaling=per_tensor adds nothing there. Valid "
+                                     f"scaling for block formats: {', '.join(BLOCK_SCALINGS)}")
+            self.block = BlockOperands(self.recipe, scale_mode, rounding)
+        else:
+            self.block = None
         support = native_support(fmt, device)
         if fmt == "fp32":
             self.native, self.why = True, support.why
@@ -225,6 +303,7 @@ class Precision:
                                             f"(torchao tensorwise) scales every tensor itself ({support.why})")
         self.flags = set_fp32_precision(tf32=(fmt == "tf32"))
         self.fp8_modules = None  # native FP8: which Linear layers torchao converted and which it left alone
+        self.kept_in_high_precision = None  # block formats: the Conv2d layers they leave in FP32
         self.telemetry = QuantTelemetry()
         self.dtype = TORCH_DTYPES.get(fmt)
         # While bench.memory counts a step, it listens here: (input, output, tensor class, format) of every
@@ -239,7 +318,7 @@ class Precision:
     def setting(self) -> str:
         """Lightning-style name of the precision setting: 32-true, tf32, 16-mixed, bf16-true, fp8-mixed."""
         return {"fp32": "32-true", "tf32": "tf32", "fp16": f"16-{self.mode}", "bf16": f"bf16-{self.mode}",
-                "fp8": "fp8-mixed"}[self.format]
+                "fp8": "fp8-mixed"}.get(self.format, f"{self.format}-{self.mode}")
 
     def _site(self, tensor_class: str, fmt: str) -> TensorSite:
         scaler = self.per_tensor(tensor_class, FORMATS[fmt]) if self.per_tensor else None
@@ -267,6 +346,13 @@ class Precision:
                 }
                 return model
             return model.to(self.dtype) if self.mode == "true" else model
+        if self.block is not None:
+            for module in model.modules():
+                if type(module) is nn.Linear:
+                    module.__class__ = BlockLinear  # re-class in place: parameters and state-dict keys are untouched
+                    module.operands = self.block
+            self.kept_in_high_precision = [n for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)]
+            return model
         for module in model.modules():
             emulated = _EMULATED.get(type(module))
             if emulated is not None:
@@ -316,10 +402,15 @@ class Precision:
             "label": self.setting + ("" if self.native else " (emulated)"),  # what dashboards group by
             "backend_reason": self.why,
             "element_formats": elements,
-            "overflow": {e: resolve_overflow(FORMATS[e], self.overflow) for e in elements},
+            "overflow": {e: "saturate" if self.block else resolve_overflow(FORMATS[e], self.overflow) for e in elements},
             "ftz": self.ftz,
             "fp32_precision_flags": self.flags,
             "native_recipe": "torchao float8 tensorwise (per-tensor dynamic scaling)"
             if self.native and self.format == "fp8" else None,
             "fp8_modules": self.fp8_modules,
+            "block": None if self.block is None else {
+                "kind": self.recipe.block, "block_size": 16 if self.recipe.block == "nvfp4" else 32,
+                "scale_mode": self.block.scale_mode if self.recipe.block == "mx" else "E4M3 block x FP32 tensor amax",
+                "rounding_of_gradients": self.block.rounding,
+                "kept_in_high_precision": self.kept_in_high_precision},
         }

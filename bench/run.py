@@ -65,7 +65,7 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
                                   on_scale=lambda a, sc: precision.telemetry.observe_scale(tensor_class, a, sc))
 
     f = cfg.format
-    precision = Precision(f.name, f.mode, f.backend, f.overflow, f.ftz, device, per_tensor)
+    precision = Precision(f.name, f.mode, f.backend, f.overflow, f.ftz, device, per_tensor, f.scale_mode, f.rounding)
     return precision
 
 

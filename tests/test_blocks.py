@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from bench.blocks import mx_quantise, nvfp4_quantise
+from bench.blocks import mx_quantise, nvfp4_quantise, nvfp4_tensor_scale
 from bench.conformance import conformance_table
 from bench.formats import quantise_stochastic, quantise_value
 
@@ -123,3 +123,77 @@ def test_stochastic_block_rounding_keeps_the_scales_and_is_unbiased_inside_each_
     assert ((nearest.values - x).abs()[inside] > 0).all()
     with pytest.raises(ValueError, match="valid: nearest, stochastic"):
         quantise(x, rounding="up")
+
+
+def _blocked_linear(fmt: str, rounding: str = "nearest"):
+    from bench.precision import Precision
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48)
+    Precision(fmt, "mixed", "emulated", None, False, torch.device("cpu"), rounding=rounding).prepare(layer)
+    return layer
+
+
+def test_mxfp8_linear_blocks_each_gemm_operand_along_that_gemms_reduction_dimension():
+    """forward x W^T: x and W along in_features (E4M3); grad_input = g W: g and W along out_features (E5M2, E4M3);
+    grad_weight = g^T x: g and x along the tokens. Blocking grad_weight's operands along the features instead
+    gives another answer, so the test tells the dimensions apart."""
+    layer = _blocked_linear("mxfp8")
+    x = (torch.randn(2, 40, 64) * torch.exp2(torch.randint(-6, 6, (2, 40, 1)).float())).requires_grad_()
+    y = layer(x)
+    g = torch.randn_like(y) * 1e-3
+    y.backward(g)
+    w, b = layer.weight.detach(), layer.bias.detach()
+    mx = lambda t, element, dim: mx_quantise(t, element, dim=dim).values  # noqa: E731
+    assert torch.equal(y, torch.nn.functional.linear(mx(x.detach(), "fp8_e4m3", -1), mx(w, "fp8_e4m3", -1), b))
+    g2, x2 = g.reshape(-1, 48), x.detach().reshape(-1, 64)
+    assert torch.equal(x.grad, (mx(g2, "fp8_e5m2", -1) @ mx(w, "fp8_e4m3", 0)).reshape(x.shape))
+    assert torch.equal(layer.weight.grad, mx(g2, "fp8_e5m2", 0).t() @ mx(x2, "fp8_e4m3", 0))
+    assert torch.equal(layer.bias.grad, g2.sum(0))
+    assert not torch.equal(layer.weight.grad, mx(g2.t().contiguous(), "fp8_e5m2", 0) @ mx(x2, "fp8_e4m3", -1))
+
+
+def test_nvfp4_linear_uses_each_tensors_own_amax_for_its_tensor_scale_and_stochastic_gradients():
+    layer = _blocked_linear("nvfp4", rounding="stochastic")
+    x = torch.randn(32, 64, requires_grad=True)
+    expected = torch.nn.functional.linear(nvfp4_quantise(x.detach(), nvfp4_tensor_scale(x)).values,
+                                          nvfp4_quantise(layer.weight.detach(), nvfp4_tensor_scale(layer.weight)).values,
+                                          layer.bias.detach())
+    grads, upstream = [], torch.randn(32, 48, generator=torch.Generator().manual_seed(5))
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        x.grad = None
+        y = layer(x)
+        assert torch.equal(y, expected)  # the forward rounds to nearest
+        y.backward(upstream)
+        grads.append(x.grad.clone())
+    assert torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], grads[2])  # seeded stochastic gradients
+
+
+def test_block_format_cells_train_and_say_what_they_did(make_cfg, tmp_path):
+    from bench.run import run_cell
+
+    lenet = run_cell(make_cfg("model=lenet", "format=mxfp8", "train.max_steps=20", "train.log_every=10"))
+    assert lenet["status"] == "ok", lenet["reason"]
+    block = lenet["env"]["precision"]["block"]
+    assert block["kind"] == "mx" and block["block_size"] == 32 and block["scale_mode"] == "floor"
+    assert block["kept_in_high_precision"] == ["0", "3"]  # LeNet's convolutions stay FP32
+    assert lenet["env"]["precision"]["setting"] == "mxfp8-mixed" and lenet["env"]["precision"]["backend"] == "emulated"
+    nv = run_cell(make_cfg("model=lenet", "format=nvfp4", "format.rounding=stochastic", "train.max_steps=20",
+                           "scaling=static"))
+    assert nv["status"] == "ok", nv["reason"]
+    assert nv["env"]["precision"]["block"]["rounding_of_gradients"] == "stochastic"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["format=mxfp8", "scaling=per_tensor"], "valid for mxfp8: none, static, dynamic"),
+    (["format=nvfp4", "scaling=unit"], "valid for nvfp4: none, static, dynamic"),
+    (["format=fp8", "format.scale_mode=ceil"], "apply to the block formats only"),
+    (["format=mxfp4", "format.scale_mode=round"], "valid: floor, ceil, even, rceil"),
+    (["format=mxfp6", "format.rounding=up"], "valid: nearest, stochastic"),
+])
+def test_block_format_combinations_that_do_not_exist_are_refused_before_training(make_cfg, overrides, message):
+    from bench.config import ConfigError, check
+
+    with pytest.raises(ConfigError, match=message):
+        check(make_cfg("model=lenet", *overrides))
