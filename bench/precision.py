@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.blocks import ROUNDINGS, SCALE_MODES, mx_quantise, nvfp4_quantise, nvfp4_tensor_scale
-from bench.device import BLOCK_FORMATS, native_support
+from bench.device import native_support
 from bench.formats import FORMATS, quantise_value, resolve_overflow
 from bench.telemetry import QuantTelemetry
 

@@ -197,3 +197,10 @@ def test_block_format_combinations_that_do_not_exist_are_refused_before_training
 
     with pytest.raises(ConfigError, match=message):
         check(make_cfg("model=lenet", *overrides))
+
+
+def test_the_device_and_the_recipes_name_the_same_block_formats():
+    from bench.device import BLOCK_FORMATS
+    from bench.precision import FORMAT_MODES, RECIPES
+
+    assert set(BLOCK_FORMATS) == {name for name, recipe in RECIPES.items() if recipe.block} <= set(FORMAT_MODES)
