@@ -26,6 +26,7 @@ from bench import hub
 from bench.config import DATA_DIR
 from bench.matrix import SETTINGS
 from bench.precision import Precision, set_fp32_precision
+from bench.tasks.charlm import text_cache
 
 CONF = DATA_DIR.parents[1] / "conf"
 
@@ -98,7 +99,7 @@ def wandb_state() -> str:
 
 
 def preset_rows() -> list[list[str]]:
-    """For every preset and the default: whether its hub models and datasets are cached here."""
+    """For every preset and the default: whether its hub models and datasets (or its downloaded text) are here."""
     reachable = hub.reachable()
     rows = []
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -113,6 +114,10 @@ def preset_rows() -> list[list[str]]:
                                                             f"not cached: {', '.join(missing)}")
             if missing:
                 state += " (the hub answers: it downloads)" if reachable else " (hub unreachable: `make prepare`)"
+            if model.name == "charlm" and model.data.source == "download":
+                state = (f"cached: {text_cache(model.data)}" if text_cache(model.data).is_file() else
+                         f"not cached: downloads {model.data.url} on its first run (without internet: "
+                         "model.data.source=local model.data.path=...)")
             rows.append([preset or "default (make sweep)", state])
     return rows
 
@@ -128,7 +133,7 @@ def main() -> int:
     rows, healthy = precision_rows(device)
     print(tabulate(rows, headers=["setting", "path here", "step", "detail"], tablefmt="github"))
     print(f"\nW&B: {wandb_state()}")
-    print(tabulate(preset_rows(), headers=["preset", "Hugging Face cache"], tablefmt="github"))
+    print(tabulate(preset_rows(), headers=["preset", "data and checkpoints"], tablefmt="github"))
     slurm = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_")}
     print(f"\nSLURM: {', '.join(f'{k}={v}' for k, v in slurm.items()) or 'no SLURM_* variables (not in a job)'}; "
           f"sacct {'found' if shutil.which('sacct') else 'not found (submitit needs it to see jobs end)'}")

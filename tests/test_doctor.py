@@ -28,3 +28,15 @@ def test_a_native_path_that_breaks_makes_the_doctor_fail(capsys, monkeypatch):
     assert bench.doctor.main() == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "no kernel for bf16 here" in out and "a native path FAILED" in out
+
+
+def test_the_char_lm_presets_say_whether_their_text_is_downloaded_yet(tmp_path, monkeypatch):
+    from bench.doctor import preset_rows
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rows = dict(preset_rows())
+    assert rows["nanogpt_shakespeare_char_cpu"].startswith("not cached: downloads https://")
+    (tmp_path / "precision-bench").mkdir()
+    (tmp_path / "precision-bench" / "input.txt").write_text("text")
+    assert dict(preset_rows())["unit_scaling_charlm"].startswith("cached: ")
+    assert rows["smoke"] == "nothing to download"

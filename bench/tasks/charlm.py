@@ -112,8 +112,9 @@ class CharGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "precision-bench"
+def text_cache(data: DictConfig) -> Path:
+    """Where `data.url` is kept once downloaded: the user's cache (XDG_CACHE_HOME), precision-bench/<file name>."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "precision-bench" / Path(data.url).name
 
 
 def load_text(data: DictConfig) -> str:
@@ -124,7 +125,7 @@ def load_text(data: DictConfig) -> str:
         if not path.is_file():
             raise FileNotFoundError(f"model.data.path={data.path}: no such file")
     else:
-        path = _cache_dir() / Path(data.url).name
+        path = text_cache(data)
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
