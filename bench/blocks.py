@@ -55,7 +55,7 @@ class Blocked:
 def _blocks(x: torch.Tensor, dim: int, k: int) -> tuple[torch.Tensor, int]:
     """x (as FP32) with `dim` last, padded with zeros to a multiple of k and viewed as (..., blocks, k); the
     original length of that dimension. Zeros never change a block's amax."""
-    x = x.float().movedim(dim, -1)
+    x = x.float().movedim(dim, -1).contiguous()  # one copy: every pass after it reads memory in order
     length = x.shape[-1]
     pad = -length % k
     if pad:
@@ -113,7 +113,9 @@ def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -
     biased = mx_scale_exponent(amax, spec, mode)
     scale = torch.ldexp(torch.ones_like(amax), biased - E8M0_BIAS)  # 2^e, exact down to 2^-127
     scale = torch.where(biased == E8M0_NAN, torch.nan, scale)
-    elements = _round_elements(blocks / scale, element, rounding, generator)
+    # x * 2^-e is x / 2^e exactly (a power of two), and a multiply is cheaper than a divide
+    elements = _round_elements(blocks * torch.ldexp(torch.ones_like(amax), E8M0_BIAS - biased).where(
+        biased != E8M0_NAN, torch.nan), element, rounding, generator)
     values = elements * scale
     return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), scale.squeeze(-1).movedim(-1, dim),
                    biased.squeeze(-1).to(torch.uint8).movedim(-1, dim))
