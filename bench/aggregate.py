@@ -183,6 +183,9 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "task": task_of(cfg["model"]) + ("" if pretrained else "_scratch"),
             "config_id": config_hash({k: v for k, v in semantic.items() if k != "seed"}),
             "baseline_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format")}),
+            # the same model, data and training apart from format and scaling method: what a format x scaling
+            # layout (the unit_scaling_charlm table) compares across its columns
+            "design_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format", "scaling")}),
             "_settings": _flatten(semantic),
             "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
             "backend": precision.get("backend"), "device": env.get("device_name"), "status": r["status"],
@@ -240,6 +243,7 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
         cells[status] = groups["status"].apply(lambda s, st=status: int((s == st).sum()))
     cells["device"] = groups["device"].first()
     cells["baseline_id"] = groups["baseline_id"].first()
+    cells["design_id"] = groups["design_id"].first()
     cells["value_ci_lo"], cells["value_ci_hi"] = zip(*[t_interval(v) for v in finished["value"].apply(list)
                                                        .reindex(cells.index, fill_value=[])])
     cells = cells.reset_index()

@@ -240,41 +240,52 @@ def _norm_of(model_label: str) -> str:
 
 
 def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
-    """Per norm: our validation BPC (mean ± std over seeds) and its paired difference to FP32 regular (the mean
-    over seeds of this run's BPC minus the FP32-regular run's of the same seed, with its 95% t interval), then the
-    paper's WikiText-103 test BPC and its difference to its FP32 regular: the data differ, the pattern compares."""
+    """Per norm, and per design within it (the same model, data and training apart from format and scaling, e.g.
+    one learning rate of a sweep): our validation BPC (mean ± std over seeds) and its paired difference to FP32
+    regular of that design (the mean over seeds of this run's BPC minus the FP32-regular run's of the same seed,
+    with its 95% t interval); then once per norm the paper's WikiText-103 test BPC and its difference to its FP32
+    regular: the data differ, the pattern compares."""
     lm = cells[cells["metric"] == "val_loss"]
     ok = runs[(runs["metric"] == "val_loss") & (runs["status"] == "ok") & runs["value"].notna()]
     paper = [r for r in published_rows() if r["task"] == "wikitext103_char"]
     columns = [c for c in CHARLM_COLUMNS if ((lm["setting"].astype(str) == c[0]) & (lm["scaling"].astype(str) == c[1])).any()]
+
+    def is_column(frame, setting, scaling):
+        return (frame["setting"].astype(str) == setting) & (frame["scaling"].astype(str) == scaling)
+
     rows = []
-    for label, part in lm.groupby("model_label", sort=True):
-        norm, here = _norm_of(label), ok[ok["model_label"] == label]
-        reference = here[(here["setting"].astype(str) == "32-true") & (here["scaling"].astype(str) == "none")]
-        reference = reference.set_index("seed")["value"]
-        ours = {"norm": norm, "rows": f"ours: val BPC ({label})"}
-        ours_delta = {"norm": norm, "rows": "ours: Δ vs FP32 regular"}
-        theirs = {"norm": norm, "rows": "paper: test BPC (WikiText-103, 8 layers)"}
-        theirs_delta = {"norm": norm, "rows": "paper: Δ vs FP32 regular"}
-        published = {(r["setting"], r["scaling"]): r["value"] for r in paper if r["norm"] == norm}
-        for setting, scaling, heading in columns:
-            match = part[(part["setting"].astype(str) == setting) & (part["scaling"].astype(str) == scaling)]
-            if match.empty:
-                ours[heading] = ours_delta[heading] = ""
-            else:
+    for norm, in_norm in lm.groupby(lm["model_label"].map(_norm_of), sort=True):
+        for (label, design), part in in_norm.groupby(["model_label", "design_id"], sort=False):
+            here = ok[ok["design_id"] == design]
+            reference = here[is_column(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
+            labelled = part[is_column(part, "32-true", "none")]
+            variant = (labelled if not labelled.empty else part)["variant"].iloc[0]
+            ours = {"norm": norm, "rows": f"ours: val BPC ({label}{f'; {variant}' if variant else ''})"}
+            ours_delta = {"norm": norm, "rows": "ours: Δ vs FP32 regular"}
+            for setting, scaling, heading in columns:
+                match = part[is_column(part, setting, scaling)]
+                if match.empty:
+                    ours[heading] = ours_delta[heading] = ""
+                    continue
                 c = match.iloc[0]
                 note = status_note(c)
                 text = fmt_stat(c["value"] * BPC_PER_NAT, c["value_std"] * BPC_PER_NAT, c["value_n"], 3)
                 ours[heading] = text + (f" {EMULATED}" if c["backend"] == "emulated" else "") + (f" [{note}]" if note else "")
-                runs_here = here[(here["setting"].astype(str) == setting) & (here["scaling"].astype(str) == scaling)]
+                runs_here = here[is_column(here, setting, scaling)]
                 differences = [(v - reference[s]) * BPC_PER_NAT for v, s in zip(runs_here["value"], runs_here["seed"])
                                if s in reference.index]
                 ours_delta[heading] = _paired_text(differences, baseline=(setting, scaling) == ("32-true", "none"))
-            value, base = published.get((setting, scaling)), published.get(("32-true", "none"))
+            rows += [ours, ours_delta]
+        published = {(r["setting"], r["scaling"]): r["value"] for r in paper if r["norm"] == norm}
+        base = published.get(("32-true", "none"))
+        theirs = {"norm": norm, "rows": "paper: test BPC (WikiText-103, 8 layers)"}
+        theirs_delta = {"norm": norm, "rows": "paper: Δ vs FP32 regular"}
+        for setting, scaling, heading in columns:
+            value = published.get((setting, scaling))
             theirs[heading] = "–" if value is None else f"{value:.3f}"
             theirs_delta[heading] = "–" if value is None or base is None else (
                 "baseline" if (setting, scaling) == ("32-true", "none") else f"{value - base:+.3f}")
-        rows += [ours, ours_delta, theirs, theirs_delta]
+        rows += [theirs, theirs_delta]
     return pd.DataFrame(rows)
 
 

@@ -305,3 +305,31 @@ def test_unit_scaling_charlm_table_is_the_papers_layout_with_paired_differences_
     assert [c.strip() for c in _row(table, "paper: test BPC").split("|")[3:8]] == ["1.661", "1.587", "1.567", "1.582", "1.562"]
     assert [c.strip() for c in _row(table, "paper: Δ vs FP32 regular").split("|")[3:8]] == \
         ["+0.079", "+0.005", "-0.015", "baseline", "-0.020"]
+
+
+def test_unit_scaling_charlm_table_pairs_each_learning_rate_with_its_own_fp32_regular(tmp_path):
+    """A learning-rate sweep (unit_scaling_charlm_lr): one seed, two lrs per column. Each lr is its own row pair,
+    paired with the FP32-regular run of the same lr; one seed gives a difference without an interval; the paper's
+    rows come once per norm."""
+    import math
+
+    from bench.config import CharDataConfig
+
+    root = tmp_path / "runs"
+    losses = {("none", 1e-3): 1.90, ("none", 4e-3): 1.77, ("unit", 1e-3): 1.72, ("unit", 4e-3): 2.02}
+    for (scaling, lr), loss in losses.items():
+        rec = record(scaling=scaling, seed=0, metrics={"val_loss": loss})
+        rec["config"]["model"] = {"name": "charlm", "arch": {"layers": 4, "embedding": 128, "norm": "pre"},
+                                  "optimizer": {"lr": lr}, "data": {"source": "local", "sha256": CharDataConfig.sha256}}
+        d = root / f"{scaling}-{lr}"
+        write_json_atomic(d / "result.json", rec)
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    table = (tmp_path / "tables" / "t" / "unit_scaling_charlm.md").read_text()
+    lines = [line for line in table.splitlines() if line.startswith("| pre")]
+    assert [line.split("|")[2].strip().split(" (")[0] for line in lines] == \
+        ["ours: val BPC", "ours: Δ vs FP32 regular"] * 2 + ["paper: test BPC", "paper: Δ vs FP32 regular"]
+    for lr, line, delta in [(1e-3, lines[0], lines[1]), (4e-3, lines[2], lines[3])]:
+        assert f"model.optimizer.lr={lr}" in line
+        cells = [c.strip() for c in delta.split("|")[1:-1]]
+        assert cells[2] == "baseline"  # columns: norm, rows, FP32 regular, FP32 unit
+        assert cells[3] == f"{(losses[('unit', lr)] - losses[('none', lr)]) / math.log(2):+.3f} (n=1)"
