@@ -146,11 +146,15 @@ def loss_scale_trajectories(runs: pd.DataFrame, title: str, directory: Path, nam
 
 
 def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> list[Path]:
-    """Per model and settings variant: `<model>[_<variant>]_<plot>.png`/`.svg`."""
+    """Per model as configured and settings variant: `<model>[_<configuration>][_<variant>]_<plot>.png`/`.svg`,
+    the configuration (model_label's parenthesis, e.g. `4L_128_post-norm_shakespeare_char`) named only where one
+    model appears in several (charlm's pre- and post-norm would otherwise write the same files)."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
+    labels_per_model = cells.groupby("model")["model_label"].nunique()
     for (model, label, variant), part in cells.groupby(["model", "model_label", "variant"], sort=False):
-        name = model + (f"_{re.sub(r'[^A-Za-z0-9.=-]+', '_', variant)}" if variant else "")
+        configuration = label.partition("(")[2].rstrip(")") if labels_per_model[model] > 1 else ""
+        name = "_".join([model] + [re.sub(r"[^A-Za-z0-9.=-]+", "_", t).strip("_") for t in (configuration, variant) if t])
         title = f"{label}{f' [{variant}]' if variant else ''}"
         its_runs = runs[(runs["model_label"] == label) & (runs["variant"] == variant)]
         paths += metric_vs_time(part, title, directory, name)

@@ -333,3 +333,19 @@ def test_unit_scaling_charlm_table_pairs_each_learning_rate_with_its_own_fp32_re
         cells = [c.strip() for c in delta.split("|")[1:-1]]
         assert cells[2] == "baseline"  # columns: norm, rows, FP32 regular, FP32 unit
         assert cells[3] == f"{(losses[('unit', lr)] - losses[('none', lr)]) / math.log(2):+.3f} (n=1)"
+
+
+def test_one_model_in_two_configurations_gets_two_sets_of_plots(tmp_path):
+    """charlm pre- and post-norm in one experiment: each its own files (they overwrote each other)."""
+    from bench.config import CharDataConfig
+
+    root = tmp_path / "runs"
+    for norm in ("pre", "post"):
+        rec = record(seed=0, metrics={"val_loss": 1.9})
+        rec["config"]["model"] = {"name": "charlm", "arch": {"layers": 4, "embedding": 128, "norm": norm},
+                                  "data": {"source": "local", "sha256": CharDataConfig.sha256}}
+        write_json_atomic(root / norm / "result.json", rec)
+    assert main([str(root), "--out", str(tmp_path / "tables")]) == 0
+    for norm in ("pre", "post"):
+        path = tmp_path / "tables" / "t" / f"charlm_4L_128_{norm}-norm_shakespeare_char_heatmap.png"
+        assert path.stat().st_size > 1000, sorted(p.name for p in path.parent.iterdir())
