@@ -17,6 +17,16 @@ FP32 per-tensor scale t = tensor amax / (448 * 6) (torchao's per_tensor_amax_to_
 amax / 6 / t and the elements x * ((1 / t) / s), as torchao's nvfp4_quantize computes them (a reciprocal times,
 not a division: the same bits as its Triton kernel).
 
+FP8 with finer scales than one per tensor, E4M3 elements throughout, power-of-two scales s (x * s is cast,
+divided by s again for the GEMM):
+- rowwise (torchao's `rowwise` recipe): one scale per row of each GEMM operand along the dimension it reduces,
+  s = 2^floor(log2(448 / max(amax, 1e-12))), the division in float64 (torchao's amax_to_scale with
+  round_scales_to_power_of_2);
+- block (Transformer Engine's Float8BlockScaling): 1 x 128 tiles along the reduced dimension for activations and
+  gradients, 128 x 128 tiles for weights (the same tiles serve W and W^T), s = 448 / amax in float32 with its
+  mantissa cleared (TE's compute_scale_from_amax: amax 0 gives s = 1, an infinite s the largest float).
+Neither saturates by construction (amax * s <= 448); the cast saturates anyway, as both do.
+
 Blocks run along the last dimension after `dim` is moved there; a dimension that is not a multiple of k ends in
 a shorter block (its amax over the elements it has), as the spec's edge blocks. Everything is returned in FP32:
 `values` (dequantised: what the GEMM sees), `elements` (x / X on the element grid) and the per-block scales.
@@ -31,6 +41,10 @@ import torch
 from bench.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
+FP8_GRANULARITIES = ("rowwise", "block")
+FP8_TILE = 128  # Transformer Engine's Float8BlockScaling tile
+E4M3_MAX = 448.0
+TORCHAO_AMAX_EPS = 1e-12  # torchao.float8.float8_utils.EPS
 ROUNDINGS = ("nearest", "stochastic")
 MX_ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1")
 MX_BLOCK = 32
@@ -144,3 +158,52 @@ def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, di
     elements = _round_elements(scaled.clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX), "fp4_e2m1", rounding, generator)
     return Blocked(_unblock(elements * scale, length, dim), _unblock(elements, length, dim),
                    stored.squeeze(-1).movedim(-1, dim))
+
+
+def torchao_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """torchao's power-of-two FP8 scale: 448 / max(amax, 1e-12) in float64, to float32, rounded down to 2^k."""
+    scale = (E4M3_MAX / amax.double().clamp(min=TORCHAO_AMAX_EPS)).float()
+    return torch.exp2(torch.floor(torch.log2(scale)))
+
+
+def te_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Transformer Engine's power-of-two FP8 scale (compute_scale_from_amax, epsilon 0): 448 / amax in float32
+    with the mantissa bits cleared; 1 where amax is 0 or infinite, the largest float where the quotient is."""
+    amax = amax.float()
+    scale = E4M3_MAX / amax
+    scale = torch.where(scale.isinf(), torch.finfo(torch.float32).max, scale)
+    scale = torch.where((amax == 0) | amax.isinf() | scale.isnan(), 1.0, scale)
+    return (scale.view(torch.int32) & -0x800000).view(torch.float32)  # 0xFF800000: sign and exponent kept
+
+
+def _fp8_scaled(blocks: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    elements = quantise_value(blocks * scale, "fp8_e4m3", overflow="saturate")
+    return elements, elements / scale
+
+
+def rowwise_quantise(x: torch.Tensor, dim: int = -1) -> Blocked:
+    """x in E4M3 with one torchao power-of-two scale per row along `dim` (`scale` holds s: x ~ elements / s)."""
+    blocks, length = _blocks(x, dim, x.shape[dim])
+    scale = torchao_pow2_scale(blocks.abs().amax(-1, keepdim=True))
+    elements, values = _fp8_scaled(blocks, scale)
+    return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), scale.squeeze(-1).movedim(-1, dim))
+
+
+def tile_quantise(x: torch.Tensor, dim: int = -1, tile: int = FP8_TILE) -> Blocked:
+    """x in E4M3 with one Transformer Engine power-of-two scale per 1 x `tile` run along `dim`."""
+    blocks, length = _blocks(x, dim, tile)
+    scale = te_pow2_scale(blocks.abs().amax(-1, keepdim=True))
+    elements, values = _fp8_scaled(blocks, scale)
+    return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), scale.squeeze(-1).movedim(-1, dim))
+
+
+def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:
+    """A 2-D weight in E4M3 with one Transformer Engine power-of-two scale per `tile` x `tile` square (edge tiles
+    shorter); `scale` is (ceil(rows / tile), ceil(cols / tile))."""
+    rows, cols = w.shape
+    padded = torch.nn.functional.pad(w.float(), (0, -cols % tile, 0, -rows % tile))
+    squares = padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // tile, tile)
+    scale = te_pow2_scale(squares.abs().amax((1, 3), keepdim=True))
+    elements, values = _fp8_scaled(squares, scale)
+    return Blocked(values.reshape(padded.shape)[:rows, :cols], elements.reshape(padded.shape)[:rows, :cols],
+                   scale.squeeze(3).squeeze(1))

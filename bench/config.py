@@ -22,8 +22,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from bench.device import DEVICES
 from bench.formats import OVERFLOW_POLICIES
-from bench.blocks import ROUNDINGS, SCALE_MODES
-from bench.precision import BACKENDS, BLOCK_SCALINGS, FORMAT_MODES, RECIPES
+from bench.blocks import FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES
+from bench.precision import BACKENDS, FORMAT_MODES, RECIPES, valid_scalings
 from bench.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
 from bench.unit import LR_RULES
 
@@ -327,19 +327,21 @@ def check(cfg: DictConfig) -> None:
     _choice(cfg.format.scale_mode, SCALE_MODES, "format.scale_mode")
     _choice(cfg.format.rounding, ROUNDINGS, "format.rounding")
     block = RECIPES.get(cfg.format.name) and RECIPES[cfg.format.name].block
-    if block and cfg.scaling.name not in BLOCK_SCALINGS:
-        raise ConfigError(f"scaling={cfg.scaling.name} does not combine with format={cfg.format.name}: block formats "
-                          "scale every block themselves (per_tensor would add nothing) and unit scaling's Linear is "
-                          f"not block-scaled yet; valid for {cfg.format.name}: {', '.join(BLOCK_SCALINGS)}")
-    if block and cfg.format.overflow not in (None, "saturate"):
-        raise ConfigError(f"format.overflow={cfg.format.overflow}: block formats saturate their elements (the block "
-                          "scale carries NaN); valid for them: null or saturate")
+    _choice(cfg.scaling.name, SCALING_METHODS, "scaling")
+    if cfg.scaling.name not in valid_scalings(cfg.format.name):
+        why = ("block formats scale every block themselves (per_tensor would add nothing) and unit scaling's Linear "
+               "is not block-scaled yet" if block else "rowwise and block scaling are FP8 recipes (E4M3 with a scale "
+               "per row or tile)")
+        raise ConfigError(f"scaling={cfg.scaling.name} does not combine with format={cfg.format.name}: {why}; valid "
+                          f"for {cfg.format.name}: {', '.join(valid_scalings(cfg.format.name))}")
+    if (block or cfg.scaling.name in FP8_GRANULARITIES) and cfg.format.overflow not in (None, "saturate"):
+        raise ConfigError(f"format.overflow={cfg.format.overflow}: {cfg.format.name} with scaling={cfg.scaling.name} "
+                          "saturates its elements; valid there: null or saturate")
     if not block and (cfg.format.scale_mode != "floor" or cfg.format.rounding != "nearest"):
         raise ConfigError(f"format.scale_mode and format.rounding apply to the block formats only "
                           f"(mxfp8, mxfp6, mxfp4, nvfp4), not to format={cfg.format.name}")
     if cfg.format.overflow is not None:
         _choice(cfg.format.overflow, OVERFLOW_POLICIES, "format.overflow")
-    _choice(cfg.scaling.name, SCALING_METHODS, "scaling")
     _choice(cfg.scaling.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")
     _choice(cfg.scaling.amax, AMAX_MODES, "scaling.amax")
     _choice(cfg.scaling.lr_rule, LR_RULES, "scaling.lr_rule")

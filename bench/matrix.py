@@ -15,8 +15,8 @@ from unittest import mock
 import torch
 
 from bench import device as devices
-from bench.precision import BLOCK_SCALINGS, FORMAT_MODES, RECIPES, Precision
-from bench.scaling import SCALING_METHODS
+from bench.blocks import FP8_GRANULARITIES
+from bench.precision import FORMAT_MODES, Precision, valid_scalings
 
 # name -> (device type, CPU flags, CUDA compute capability, torchao installed)
 PROFILES = {
@@ -33,11 +33,6 @@ PROFILES = {
 SETTINGS = [(fmt, mode) for fmt, modes in FORMAT_MODES.items() for mode in modes]
 
 
-def scalings(fmt: str) -> tuple[str, ...]:
-    """The scaling methods a format combines with (block formats carry their own scales)."""
-    return BLOCK_SCALINGS if RECIPES.get(fmt) and RECIPES[fmt].block else SCALING_METHODS
-
-
 @contextlib.contextmanager
 def simulated(profile: str):
     """Within the block, bench.device answers as the named device would; yields its torch.device."""
@@ -52,8 +47,9 @@ def simulated(profile: str):
 def decide(profile: str, fmt: str, mode: str, scaling: str) -> tuple[str, str]:
     """(native | emulated, why) for one cell under format.backend=auto on a simulated device."""
     per_tensor = (lambda tensor_class, spec: None) if scaling == "per_tensor" else None
+    granularity = scaling if scaling in FP8_GRANULARITIES else None
     with simulated(profile) as device:
-        precision = Precision(fmt, mode, "auto", None, False, device, per_tensor)
+        precision = Precision(fmt, mode, "auto", None, False, device, per_tensor, granularity=granularity)
     return precision.backend, precision.why
 
 
@@ -66,8 +62,9 @@ def _summary(decisions: dict[str, str]) -> str:
     backends = set(decisions.values())
     if len(backends) == 1:
         return backends.pop()
-    per_tensor = decisions["per_tensor"]
-    return f"{per_tensor} with per_tensor, else {'emulated' if per_tensor == 'native' else 'native'}"
+    by_backend = {b: [s for s, backend in decisions.items() if backend == b] for b in ("native", "emulated")}
+    fewer, other = sorted(by_backend, key=lambda b: len(by_backend[b]))
+    return f"{fewer} with {', '.join(by_backend[fewer])}, else {other}"
 
 
 def markdown() -> str:
@@ -75,7 +72,7 @@ def markdown() -> str:
     header = "| device | " + " | ".join(_setting(f, m) for f, m in SETTINGS) + " |"
     lines = [header, "|" + "---|" * (len(SETTINGS) + 1)]
     for profile in PROFILES:
-        cells = [_summary({s: decide(profile, f, m, s)[0] for s in scalings(f)}) for f, m in SETTINGS]
+        cells = [_summary({s: decide(profile, f, m, s)[0] for s in valid_scalings(f)}) for f, m in SETTINGS]
         lines.append(f"| {profile} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

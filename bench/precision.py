@@ -15,6 +15,9 @@ Emulation rounds exactly where a native kernel would, at every nn.Linear and nn.
   follow `scale_mode`; `rounding=stochastic` rounds the gradient operands stochastically (NVIDIA's NVFP4
   recipe). x and W are kept in FP32 for the backward pass and re-blocked there. Conv2d stays in FP32 (torchao
   converts Linear layers only) and is listed in the record.
+- fp8 with scaling=rowwise or block: the same GEMM-operand layout, E4M3 for every operand, one power-of-two scale
+  per row (torchao's rowwise recipe, bit-exact against it) or per 1 x 128 tile, 128 x 128 for weights (Transformer
+  Engine's Float8BlockScaling).
 - "true" mode (fp16/bf16 whole-model cast) additionally keeps parameters, their gradients and the
   optimiser state rounded to the format after every step; elementwise ops between matmuls still
   compute in FP32 (documented in README: an approximation of 16-true, not bit-faithful there).
@@ -30,9 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.blocks import ROUNDINGS, SCALE_MODES, mx_quantise, nvfp4_quantise, nvfp4_tensor_scale
+from bench.blocks import (FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES, mx_quantise, nvfp4_quantise, nvfp4_tensor_scale,
+                          rowwise_quantise, tile2d_quantise, tile_quantise)
 from bench.device import native_support
 from bench.formats import FORMATS, quantise_value, resolve_overflow
+from bench.scaling import SCALING_METHODS
 from bench.telemetry import QuantTelemetry
 
 FORMAT_MODES = {"fp32": ("true",), "tf32": ("true",), "fp16": ("mixed", "true"), "bf16": ("mixed", "true"),
@@ -64,6 +69,14 @@ RECIPES = {
 }
 # Block formats carry their own scales (per_tensor adds nothing); unit scaling's Linear is not block-scaled yet.
 BLOCK_SCALINGS = ("none", "static", "dynamic")
+
+
+def valid_scalings(fmt: str) -> tuple[str, ...]:
+    """The scaling methods a format combines with: block formats carry their own scales; rowwise and block
+    scaling are FP8 recipes."""
+    if RECIPES.get(fmt) and RECIPES[fmt].block:
+        return BLOCK_SCALINGS
+    return SCALING_METHODS if fmt == "fp8" else tuple(s for s in SCALING_METHODS if s not in FP8_GRANULARITIES)
 
 
 class PrecisionError(ValueError):
@@ -187,8 +200,28 @@ class BlockOperands:
     def forward(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self._blocked(t, self.recipe.inputs, dim, "nearest")
 
+    def weight(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.forward(t, dim)
+
     def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self._blocked(t, self.recipe.grads, dim, self.rounding)
+
+
+@dataclass(frozen=True)
+class FP8TileOperands:
+    """FP8 GEMM operands with finer scales than one per tensor (scaling=rowwise | block), E4M3 throughout:
+    rowwise, one torchao scale per row along the reduced dimension; block, Transformer Engine's 1 x 128 tiles
+    along it for activations and gradients and 128 x 128 tiles for weights (bench/blocks.py)."""
+
+    granularity: str
+
+    def forward(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return (rowwise_quantise if self.granularity == "rowwise" else tile_quantise)(t, dim).values
+
+    def weight(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.forward(t, dim) if self.granularity == "rowwise" else tile2d_quantise(t).values
+
+    gradient = forward
 
 
 class _BlockLinear(torch.autograd.Function):
@@ -198,7 +231,9 @@ class _BlockLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, operands: BlockOperands):
         ctx.save_for_backward(x, weight)
         ctx.operands, ctx.has_bias = operands, bias is not None
-        return F.linear(operands.forward(x, -1), operands.forward(weight, -1), bias)
+        # as torchao computes it: a 2-D matmul, then the bias (a fused addmm can differ in the last bit)
+        y = (operands.forward(x, -1).reshape(-1, x.shape[-1]) @ operands.weight(weight, -1).t()).reshape(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, grad):
@@ -206,7 +241,7 @@ class _BlockLinear(torch.autograd.Function):
         operands = ctx.operands
         grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
         # grad_input = grad @ W reduces over out_features; grad_weight = grad^T @ x reduces over the tokens
-        grad_x = (operands.gradient(grad_2d, -1) @ operands.forward(weight, 0)).reshape(x.shape)
+        grad_x = (operands.gradient(grad_2d, -1) @ operands.weight(weight, 0)).reshape(x.shape)
         grad_weight = operands.gradient(grad_2d, 0).t() @ operands.forward(x_2d, 0)
         return grad_x, grad_weight, grad_2d.sum(0) if ctx.has_bias else None, None
 
@@ -214,7 +249,7 @@ class _BlockLinear(torch.autograd.Function):
 class BlockLinear(nn.Linear):
     """nn.Linear whose GEMMs take block-scaled operands (`operands` is set by Precision.prepare)."""
 
-    operands: BlockOperands
+    operands: BlockOperands | FP8TileOperands
 
     def forward(self, x):
         return _BlockLinear.apply(x, self.weight, self.bias, self.operands)
@@ -240,20 +275,23 @@ def set_fp32_precision(tf32: bool) -> dict[str, str]:
     }
 
 
-def torchao_float8_config():
-    """The native FP8 recipe: torchao's tensorwise float8 training (tests run it with emulate=True on CPU)."""
+def torchao_float8_config(recipe: str = "tensorwise"):
+    """A native FP8 recipe: torchao's float8 training, `tensorwise` (scaling=per_tensor) or `rowwise`
+    (scaling=rowwise); tests run them with emulate=True on CPU."""
     from torchao.float8 import Float8LinearConfig
 
-    return Float8LinearConfig.from_recipe_name("tensorwise")
+    return Float8LinearConfig.from_recipe_name(recipe)
 
 
 class Precision:
     """A run's format decisions, made once: native or emulated, which sites round, TF32 flags."""
 
     def __init__(self, fmt: str, mode: str, backend: str, overflow: str | None, ftz: bool,
-                 device: torch.device, per_tensor=None, scale_mode: str = "floor", rounding: str = "nearest"):
+                 device: torch.device, per_tensor=None, scale_mode: str = "floor", rounding: str = "nearest",
+                 granularity: str | None = None):
         """per_tensor: a factory `(tensor_class, spec) -> PerTensorScale` when scaling=per_tensor, else None.
-        scale_mode, rounding: block formats only (bench/blocks.py's SCALE_MODES and ROUNDINGS)."""
+        scale_mode, rounding: block formats only (bench/blocks.py's SCALE_MODES and ROUNDINGS).
+        granularity: FP8 only, scaling=rowwise or block (bench/blocks.py's FP8_GRANULARITIES), else None."""
         if fmt not in FORMAT_MODES:
             raise PrecisionError(f"unknown format {fmt!r}; valid: {', '.join(FORMAT_MODES)}")
         if mode not in FORMAT_MODES[fmt]:
@@ -266,8 +304,14 @@ class Precision:
             raise PrecisionError(f"unknown format.rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
         self.format, self.mode, self.device = fmt, mode, device
         self.overflow, self.ftz, self.per_tensor = overflow, ftz, per_tensor
+        if granularity is not None and (fmt != "fp8" or granularity not in FP8_GRANULARITIES):
+            raise PrecisionError(f"scaling={granularity} is an FP8 recipe ({', '.join(FP8_GRANULARITIES)}); it needs "
+                                 f"format=fp8, not {fmt}")
+        self.granularity = granularity
         self.recipe = RECIPES.get(fmt)
-        if self.recipe is not None and self.recipe.block:
+        if granularity is not None:
+            self.block = FP8TileOperands(granularity)
+        elif self.recipe is not None and self.recipe.block:
             if per_tensor is not None:
                 raise PrecisionError(f"{fmt} scales every block itself; scaling=per_tensor adds nothing there. Valid "
                                      f"scaling for block formats: {', '.join(BLOCK_SCALINGS)}")
@@ -293,7 +337,13 @@ class Precision:
                 raise PrecisionError(f"per-tensor scaling of {fmt} needs emulation (native {fmt} kernels take no "
                                      "per-tensor scales); valid: format.backend=auto or emulated")
             self.native, self.why = False, f"per-tensor scaling of {fmt} needs emulation ({support.why})"
-        if self.native and fmt == "fp8" and per_tensor is None:
+        if self.native and granularity == "block":
+            if backend == "native":
+                raise PrecisionError("scaling=block (Transformer Engine's Float8BlockScaling) has no native path here: "
+                                     "Transformer Engine is not a dependency; valid: format.backend=auto or emulated")
+            self.native, self.why = False, ("Transformer Engine's Float8BlockScaling is not wired in: block-scaled FP8 "
+                                            f"is emulated ({support.why})")
+        if self.native and fmt == "fp8" and per_tensor is None and granularity is None:
             # torchao's FP8 recipes scale every tensor themselves: FP8 without per-tensor scales (scaling=none,
             # static, dynamic, unit) exists only as emulation, so `auto` emulates it and says why.
             if backend == "native":
@@ -337,7 +387,7 @@ class Precision:
                 from torchao.float8 import convert_to_float8_training
 
                 model = convert_to_float8_training(
-                    model, config=torchao_float8_config(),
+                    model, config=torchao_float8_config("rowwise" if self.granularity == "rowwise" else "tensorwise"),
                     module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
                 self.fp8_modules = {
                     "converted": [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"],
@@ -393,7 +443,8 @@ class Precision:
 
     def describe(self) -> dict:
         """What the record's `env.precision` says about this run."""
-        elements = sorted({self.recipe.inputs, self.recipe.grads}) if self.recipe else ["fp32"]
+        elements = ["fp8_e4m3"] if self.granularity else (
+            sorted({self.recipe.inputs, self.recipe.grads}) if self.recipe else ["fp32"])
         return {
             "format": self.format,
             "mode": self.mode,
@@ -405,10 +456,14 @@ class Precision:
             "overflow": {e: "saturate" if self.block else resolve_overflow(FORMATS[e], self.overflow) for e in elements},
             "ftz": self.ftz,
             "fp32_precision_flags": self.flags,
-            "native_recipe": "torchao float8 tensorwise (per-tensor dynamic scaling)"
+            "native_recipe": ("torchao float8 rowwise (per-row dynamic power-of-two scaling)" if self.granularity
+                              else "torchao float8 tensorwise (per-tensor dynamic scaling)")
             if self.native and self.format == "fp8" else None,
             "fp8_modules": self.fp8_modules,
             "block": None if self.block is None else {
+                "kind": self.granularity, "tile": "row" if self.granularity == "rowwise" else
+                "1x128 (activations, gradients), 128x128 (weights)", "scale": "the power of two at or below 448 / amax",
+                "kept_in_high_precision": self.kept_in_high_precision} if self.granularity else {
                 "kind": self.recipe.block, "block_size": 16 if self.recipe.block == "nvfp4" else 32,
                 "scale_mode": self.block.scale_mode if self.recipe.block == "mx" else "E4M3 block x FP32 tensor amax",
                 "rounding_of_gradients": self.block.rounding,

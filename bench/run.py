@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from bench import device as devices
+from bench.blocks import FP8_GRANULARITIES
 from bench.config import ConfigError, check
 from bench.checkpoint import Checkpointer
 from bench.logger import NullLogger, open_logger
@@ -65,7 +66,9 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
                                   on_scale=lambda a, sc: precision.telemetry.observe_scale(tensor_class, a, sc))
 
     f = cfg.format
-    precision = Precision(f.name, f.mode, f.backend, f.overflow, f.ftz, device, per_tensor, f.scale_mode, f.rounding)
+    granularity = cfg.scaling.name if cfg.scaling.name in FP8_GRANULARITIES else None
+    precision = Precision(f.name, f.mode, f.backend, f.overflow, f.ftz, device, per_tensor, f.scale_mode, f.rounding,
+                          granularity)
     return precision
 
 

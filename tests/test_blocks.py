@@ -24,7 +24,7 @@ def test_every_block_format_matches_its_reference_except_the_named_departures(ta
     mode, NVFP4 one- and two-level), ml_dtypes (element casts), and between edge, transposed and plain inputs; what
     differs is confined to the named departures: torchao's round trip of a block whose scale is 2^-127, and its E2M1
     code for a NaN."""
-    assert len(table) == 5 * (4 + 3) + 2
+    assert len(table) == 5 * (4 + 3) + 2 + 2  # MX, its edge/transposed/ml_dtypes rows; NVFP4 x 2; rowwise FP8 x 2
     assert table["values"].min() >= 1024
     assert (table[table["reference"].str.startswith("torchao to_mx")]["values"] >= 10**6).all()
     bad = table[(table["scale_mismatches"] > 0) | (table["value_mismatches"] > 0)]
@@ -145,7 +145,7 @@ def test_mxfp8_linear_blocks_each_gemm_operand_along_that_gemms_reduction_dimens
     y.backward(g)
     w, b = layer.weight.detach(), layer.bias.detach()
     mx = lambda t, element, dim: mx_quantise(t, element, dim=dim).values  # noqa: E731
-    assert torch.equal(y, torch.nn.functional.linear(mx(x.detach(), "fp8_e4m3", -1), mx(w, "fp8_e4m3", -1), b))
+    assert torch.equal(y, (mx(x.detach(), "fp8_e4m3", -1).reshape(-1, 64) @ mx(w, "fp8_e4m3", -1).t()).reshape(2, 40, 48) + b)
     g2, x2 = g.reshape(-1, 48), x.detach().reshape(-1, 64)
     assert torch.equal(x.grad, (mx(g2, "fp8_e5m2", -1) @ mx(w, "fp8_e4m3", 0)).reshape(x.shape))
     assert torch.equal(layer.weight.grad, mx(g2, "fp8_e5m2", 0).t() @ mx(x2, "fp8_e4m3", 0))
@@ -191,6 +191,9 @@ def test_block_format_cells_train_and_say_what_they_did(make_cfg, tmp_path):
     (["format=fp8", "format.scale_mode=ceil"], "apply to the block formats only"),
     (["format=mxfp4", "format.scale_mode=round"], "valid: floor, ceil, even, rceil"),
     (["format=mxfp6", "format.rounding=up"], "valid: nearest, stochastic"),
+    (["format=fp16", "scaling=rowwise"], "FP8 recipes.*valid for fp16: none, static, dynamic, per_tensor, unit$"),
+    (["format=mxfp8", "scaling=block"], "valid for mxfp8: none, static, dynamic"),
+    (["format=fp8", "scaling=block", "format.overflow=ieee"], "valid there: null or saturate"),
 ])
 def test_block_format_combinations_that_do_not_exist_are_refused_before_training(make_cfg, overrides, message):
     from bench.config import ConfigError, check
@@ -204,3 +207,94 @@ def test_the_device_and_the_recipes_name_the_same_block_formats():
     from bench.precision import FORMAT_MODES, RECIPES
 
     assert set(BLOCK_FORMATS) == {name for name, recipe in RECIPES.items() if recipe.block} <= set(FORMAT_MODES)
+
+
+def test_rowwise_fp8_linear_is_torchaos_rowwise_recipe_bit_for_bit():
+    """Forward, input gradient, weight gradient and bias gradient of scaling=rowwise's emulated Linear against
+    torchao's Float8Linear under its rowwise recipe (emulate=True: dequantise, FP32 matmul), with inputs spanning
+    nine binades across tokens and weights spanning four across features: scales per row, along each GEMM's
+    reduction dimension, so one scale per tensor would give another answer."""
+    import copy
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from bench.precision import BlockLinear, FP8TileOperands
+
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(256, 128)
+    with torch.no_grad():
+        reference.weight.mul_(torch.logspace(-2, 2, 256))
+    ours = copy.deepcopy(reference)
+    ours.__class__, ours.operands = BlockLinear, FP8TileOperands("rowwise")
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=True)
+    reference = convert_to_float8_training(torch.nn.Sequential(reference), config=config)[0]
+    x = torch.randn(4, 32, 256) * torch.logspace(-3, 1, 32).view(1, 32, 1)
+    x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(4, 32, 128) * 1e-3
+    y_ref, y_ours = reference(x_ref), ours(x_ours)
+    y_ref.backward(g)
+    y_ours.backward(g)
+    assert torch.equal(y_ours, y_ref) and torch.equal(x_ours.grad, x_ref.grad)
+    assert torch.equal(ours.weight.grad, reference.weight.grad) and torch.equal(ours.bias.grad, reference.bias.grad)
+    tensorwise = torch.nn.functional.linear(quantise_value(x * (448 / x.abs().amax()), "fp8_e4m3") * (x.abs().amax() / 448),
+                                            ours.weight.detach(), ours.bias.detach())
+    assert not torch.equal(y_ours, tensorwise)
+
+
+@pytest.mark.parametrize("amax,scale", [
+    (448.0, 1.0), (449.0, 0.5), (447.0, 1.0), (0.0, 1.0), (float("inf"), 1.0), (1e-45, 2.0**127),
+    (1.0, 256.0), (3.5, 128.0), (3.5 + 2.0**-22, 64.0),  # 448 / amax one float32 ulp under 128: floor, 64
+])
+def test_transformer_engines_power_of_two_scale_by_hand(amax, scale):
+    """TE's compute_scale_from_amax with force_pow_2_scales and epsilon 0."""
+    from bench.blocks import te_pow2_scale
+
+    assert te_pow2_scale(torch.tensor([amax])).item() == scale
+
+
+def test_torchaos_power_of_two_scale_rounds_up_just_below_a_power_of_two_where_te_floors():
+    """amax one ulp above 3.5, 448 / amax one ulp under 128: TE floors to 64; torchao's float32 log2 rounds to 7
+    and gives 128, so amax times its scale exceeds 448 and the cast saturates (the departure the conformance
+    output names)."""
+    from bench.blocks import te_pow2_scale, torchao_pow2_scale
+
+    amax = torch.tensor([3.5 + 2.0**-22])
+    assert te_pow2_scale(amax).item() == 64.0 and torchao_pow2_scale(amax).item() == 128.0
+    assert (amax * 128).item() > 448
+
+
+def test_block_scaled_fp8_uses_1x128_tiles_for_activations_and_gradients_and_128x128_for_weights():
+    """Transformer Engine's Float8BlockScaling layout: each 1 x 128 run along the reduced dimension has its own
+    scale; each 128 x 128 weight square one scale, the same for W (forward) and W^T (grad_input)."""
+    from bench.blocks import te_pow2_scale, tile2d_quantise, tile_quantise
+    from bench.precision import FP8TileOperands
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 300) * torch.exp2(torch.randint(-8, 8, (3, 300)).float())
+    tiled = tile_quantise(x, -1)
+    assert tiled.scale.shape == (3, 3)  # 128 + 128 + a 44-wide edge tile per row
+    for row in range(3):
+        for t, (lo, hi) in enumerate([(0, 128), (128, 256), (256, 300)]):
+            s = te_pow2_scale(x[row, lo:hi].abs().amax())
+            assert tiled.scale[row, t] == s
+            assert torch.equal(tiled.values[row, lo:hi], quantise_value(x[row, lo:hi] * s, "fp8_e4m3", overflow="saturate") / s)
+    w = torch.randn(200, 300) * torch.exp2(torch.randint(-8, 8, (200, 300)).float())
+    squares = tile2d_quantise(w)
+    assert squares.scale.shape == (2, 3)
+    assert squares.scale[1, 2] == te_pow2_scale(w[128:, 256:].abs().amax())
+    operands = FP8TileOperands("block")
+    assert torch.equal(operands.weight(w, -1), operands.weight(w, 0))  # one quantisation serves W and W^T
+    assert not torch.equal(operands.weight(w, -1), operands.forward(w, -1))  # and it is not 1 x 128
+
+
+def test_fp8_rowwise_and_block_cells_train_and_say_what_they_did(make_cfg):
+    from bench.run import run_cell
+
+    for scaling, kind in (("rowwise", "rowwise"), ("block", "block")):
+        record = run_cell(make_cfg("model=bert_tiny", "format=fp8", f"scaling={scaling}", "train.max_steps=6",
+                                   "train.log_every=3"))
+        assert record["status"] == "ok", record["reason"]
+        precision = record["env"]["precision"]
+        assert precision["backend"] == "emulated" and precision["element_formats"] == ["fp8_e4m3"]
+        assert precision["block"]["kind"] == kind and precision["block"]["kept_in_high_precision"] == []

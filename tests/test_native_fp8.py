@@ -17,9 +17,10 @@ pytest.importorskip("torchao.float8")
 
 @pytest.fixture
 def torchao_on_cpu(monkeypatch):
-    """FP8 counts as native on this CPU, and torchao's tensorwise recipe runs with emulate=True."""
+    """FP8 counts as native on this CPU, and torchao's recipes run with emulate=True."""
     recipe = bench.precision.torchao_float8_config
-    monkeypatch.setattr(bench.precision, "torchao_float8_config", lambda: dataclasses.replace(recipe(), emulate=True))
+    monkeypatch.setattr(bench.precision, "torchao_float8_config",
+                        lambda name="tensorwise": dataclasses.replace(recipe(name), emulate=True))
     support = bench.precision.native_support
     monkeypatch.setattr(bench.precision, "native_support", lambda fmt, device: NativeSupport(
         True, True, "test: torchao float8 with emulate=True on CPU") if fmt == "fp8" else support(fmt, device))
@@ -58,3 +59,25 @@ def test_the_native_fp8_path_resumes_from_its_checkpoint(make_cfg, torchao_on_cp
     assert second["status"] == "ok" and second["metrics"] == first["metrics"]
     state = torch.load(Path(cfg.results_dir) / cfg.cell / "checkpoint.pt", weights_only=False)
     assert state["loop"]["steps"] == 4
+
+
+def test_rowwise_scaling_runs_torchaos_rowwise_recipe_natively(make_cfg, torchao_on_cpu, monkeypatch):
+    import torchao.float8
+
+    recipes = []
+    convert = torchao.float8.convert_to_float8_training
+    monkeypatch.setattr(torchao.float8, "convert_to_float8_training",
+                        lambda model, config, **kw: recipes.append(config) or convert(model, config=config, **kw))
+    record = _record(make_cfg("model=bert_tiny", "format=fp8", "scaling=rowwise", "train.max_steps=4"))
+    assert record["status"] == "ok", record.get("traceback")
+    precision = record["env"]["precision"]
+    assert precision["backend"] == "native" and precision["native_recipe"].startswith("torchao float8 rowwise")
+    assert recipes and recipes[0].round_scales_to_power_of_2 and recipes[0].cast_config_input.scaling_granularity.name == "AXISWISE"
+    assert len(precision["fp8_modules"]["converted"]) == 12
+
+
+def test_block_scaling_is_emulated_even_where_fp8_is_native(make_cfg, torchao_on_cpu):
+    record = _record(make_cfg("model=bert_tiny", "format=fp8", "scaling=block", "train.max_steps=2"))
+    precision = record["env"]["precision"]
+    assert record["status"] == "ok" and precision["backend"] == "emulated"
+    assert "Float8BlockScaling is not wired in" in precision["backend_reason"]
