@@ -41,10 +41,12 @@ CELL_KEYS = ["experiment", "model", "task", "model_label", "setting", "scaling",
 # Keys a cell's row already names (setting, scaling, model) or that never differ between its runs (seed).
 LABELLED = {"experiment_name", "seed", "format.name", "format.mode", "format.backend", "scaling.name", "model.name"}
 QUANT_FIELDS = ("underflow", "subnormal", "overflow")
+# block-scaled operands' statistics (bench.telemetry.BLOCK_FIELDS), as <class>_<column>
+BLOCK_COLUMNS = {"clipped_blocks": "clipped_block_fraction", "flushed": "flushed_fraction", "rel_mse": "relative_mse"}
 # Averaged over a cell's finished runs (train time is its median instead: see summarise).
 SUMMED = ["value", "exact_match", "f1", "step_median_s", "samples_per_s", "peak_bytes", "step_bytes", "tflop_per_s",
           "skipped_steps", "overflow_steps",
-          "final_loss_scale", *(f"{c}_{f}" for c in TENSOR_CLASSES for f in QUANT_FIELDS)]
+          "final_loss_scale", *(f"{c}_{f}" for c in TENSOR_CLASSES for f in (*QUANT_FIELDS, *BLOCK_COLUMNS))]
 
 
 def load_directory(root: Path) -> tuple[list[dict], list[str]]:
@@ -207,6 +209,8 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
         for c in TENSOR_CLASSES:
             for f in QUANT_FIELDS:
                 row[f"{c}_{f}"] = _number((quant.get(c) or {}).get(f"{f}_fraction"))
+            for column, field in BLOCK_COLUMNS.items():
+                row[f"{c}_{column}"] = _number(((quant.get(c) or {}).get("blocks") or {}).get(field))
         rows.append(row)
     frame = pd.DataFrame(rows)
     if frame.empty:

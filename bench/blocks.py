@@ -58,11 +58,14 @@ NVFP4_SCALE_MIN = 2.0**-6  # torch.finfo(float8_e4m3fn).tiny: torchao's clamp be
 
 @dataclass
 class Blocked:
-    """A tensor quantised to a block format (all FP32, in the input's shape except `scale`, one per block)."""
+    """A tensor quantised to a block format (all FP32, in the input's shape except the per-block fields)."""
 
-    values: torch.Tensor  # dequantised: elements * block scale (* tensor scale)
+    values: torch.Tensor  # dequantised: elements * factor
     elements: torch.Tensor  # on the element grid
-    scale: torch.Tensor  # per block: MX, 2^e (NaN for the NaN scale); NVFP4, the E4M3 scale's value
+    scale: torch.Tensor  # per block, as stored: MX 2^e (NaN for the NaN scale); NVFP4 the E4M3 scale's value;
+    # FP8 rowwise/tiles the multiplier s (x * s is cast), as torchao and Transformer Engine keep it
+    amax: torch.Tensor  # per block: the largest magnitude it held
+    factor: torch.Tensor  # per block: what dequantises an element (MX 2^e, NVFP4 E4M3 scale x tensor scale, 1 / s)
     scale_bits: torch.Tensor | None = None  # MX: the biased E8M0 byte (uint8), as hardware stores it
 
 
@@ -131,8 +134,9 @@ def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -
     elements = _round_elements(blocks * torch.ldexp(torch.ones_like(amax), E8M0_BIAS - biased).where(
         biased != E8M0_NAN, torch.nan), element, rounding, generator)
     values = elements * scale
-    return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), scale.squeeze(-1).movedim(-1, dim),
-                   biased.squeeze(-1).to(torch.uint8).movedim(-1, dim))
+    per_block = lambda t: t.squeeze(-1).movedim(-1, dim)  # noqa: E731
+    return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), per_block(scale), per_block(amax),
+                   per_block(scale), per_block(biased).to(torch.uint8))
 
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
@@ -145,7 +149,8 @@ def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, di
     """x in NVFP4: blocks of 16 along `dim`, E4M3 block scales (under `tensor_scale` when given), E2M1 elements
     rounded by `rounding` (NVIDIA's NVFP4 training recipe rounds gradients stochastically)."""
     blocks, length = _blocks(x, dim, NVFP4_BLOCK)
-    block_scale = blocks.abs().amax(-1, keepdim=True) / NVFP4_ELEMENT_MAX
+    amax = blocks.abs().amax(-1, keepdim=True)
+    block_scale = amax / NVFP4_ELEMENT_MAX
     if tensor_scale is None:
         stored = quantise_value(block_scale.clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX), "fp8_e4m3")
         scaled = blocks * (1.0 / stored)
@@ -156,8 +161,9 @@ def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, di
         scaled = blocks * ((1.0 / tensor_scale) / stored)
         scale = stored * tensor_scale
     elements = _round_elements(scaled.clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX), "fp4_e2m1", rounding, generator)
-    return Blocked(_unblock(elements * scale, length, dim), _unblock(elements, length, dim),
-                   stored.squeeze(-1).movedim(-1, dim))
+    per_block = lambda t: t.squeeze(-1).movedim(-1, dim)  # noqa: E731
+    return Blocked(_unblock(elements * scale, length, dim), _unblock(elements, length, dim), per_block(stored),
+                   per_block(amax), per_block(scale))
 
 
 def torchao_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -181,20 +187,24 @@ def _fp8_scaled(blocks: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
     return elements, elements / scale
 
 
+def _fp8_runs(x: torch.Tensor, dim: int, run: int, scale_rule) -> Blocked:
+    blocks, length = _blocks(x, dim, run)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = scale_rule(amax)
+    elements, values = _fp8_scaled(blocks, scale)
+    per_block = lambda t: t.squeeze(-1).movedim(-1, dim)  # noqa: E731
+    return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), per_block(scale), per_block(amax),
+                   per_block(1 / scale))
+
+
 def rowwise_quantise(x: torch.Tensor, dim: int = -1) -> Blocked:
     """x in E4M3 with one torchao power-of-two scale per row along `dim` (`scale` holds s: x ~ elements / s)."""
-    blocks, length = _blocks(x, dim, x.shape[dim])
-    scale = torchao_pow2_scale(blocks.abs().amax(-1, keepdim=True))
-    elements, values = _fp8_scaled(blocks, scale)
-    return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), scale.squeeze(-1).movedim(-1, dim))
+    return _fp8_runs(x, dim, x.shape[dim], torchao_pow2_scale)
 
 
 def tile_quantise(x: torch.Tensor, dim: int = -1, tile: int = FP8_TILE) -> Blocked:
     """x in E4M3 with one Transformer Engine power-of-two scale per 1 x `tile` run along `dim`."""
-    blocks, length = _blocks(x, dim, tile)
-    scale = te_pow2_scale(blocks.abs().amax(-1, keepdim=True))
-    elements, values = _fp8_scaled(blocks, scale)
-    return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), scale.squeeze(-1).movedim(-1, dim))
+    return _fp8_runs(x, dim, tile, te_pow2_scale)
 
 
 def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:
@@ -203,7 +213,9 @@ def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:
     rows, cols = w.shape
     padded = torch.nn.functional.pad(w.float(), (0, -cols % tile, 0, -rows % tile))
     squares = padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // tile, tile)
-    scale = te_pow2_scale(squares.abs().amax((1, 3), keepdim=True))
+    amax = squares.abs().amax((1, 3), keepdim=True)
+    scale = te_pow2_scale(amax)
     elements, values = _fp8_scaled(squares, scale)
+    per_tile = lambda t: t.squeeze(3).squeeze(1)  # noqa: E731
     return Blocked(values.reshape(padded.shape)[:rows, :cols], elements.reshape(padded.shape)[:rows, :cols],
-                   scale.squeeze(3).squeeze(1))
+                   per_tile(scale), per_tile(amax), per_tile(1 / scale))

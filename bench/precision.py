@@ -27,7 +27,7 @@ Ops other than Linear/Conv2d (norms, softmax, embeddings, loss) stay in FP32, as
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -186,25 +186,31 @@ _EMULATED = {nn.Linear: EmulatedLinear, nn.Conv2d: EmulatedConv2d}
 
 @dataclass(frozen=True)
 class BlockOperands:
-    """How a block-format GEMM operand is made: recipe, scale mode, rounding of the gradient operands."""
+    """How a block-format GEMM operand is made: recipe, scale mode, rounding of the gradient operands; each one
+    made on a telemetry-sampled step is described to `telemetry` (block statistics per tensor class)."""
 
     recipe: Recipe
     scale_mode: str
     rounding: str
+    telemetry: QuantTelemetry | None = field(default=None, compare=False)
 
-    def _blocked(self, t: torch.Tensor, element: str, dim: int, rounding: str) -> torch.Tensor:
+    def _blocked(self, t: torch.Tensor, tensor_class: str, element: str, dim: int, rounding: str) -> torch.Tensor:
         if self.recipe.block == "nvfp4":  # dynamic two-level scaling: this tensor's amax sets its FP32 scale
-            return nvfp4_quantise(t, nvfp4_tensor_scale(t), dim, rounding).values
-        return mx_quantise(t, element, self.scale_mode, dim, rounding=rounding).values
+            blocked = nvfp4_quantise(t, nvfp4_tensor_scale(t), dim, rounding)
+        else:
+            blocked = mx_quantise(t, element, self.scale_mode, dim, rounding=rounding)
+        if self.telemetry is not None:
+            self.telemetry.observe_blocks(tensor_class, t, blocked, FORMATS[element])
+        return blocked.values
 
     def forward(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return self._blocked(t, self.recipe.inputs, dim, "nearest")
+        return self._blocked(t, "activations", self.recipe.inputs, dim, "nearest")
 
     def weight(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return self.forward(t, dim)
+        return self._blocked(t, "weights", self.recipe.inputs, dim, "nearest")
 
     def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return self._blocked(t, self.recipe.grads, dim, self.rounding)
+        return self._blocked(t, "gradients", self.recipe.grads, dim, self.rounding)
 
 
 @dataclass(frozen=True)
@@ -214,14 +220,24 @@ class FP8TileOperands:
     along it for activations and gradients and 128 x 128 tiles for weights (bench/blocks.py)."""
 
     granularity: str
+    telemetry: QuantTelemetry | None = field(default=None, compare=False)
+
+    def _observed(self, t: torch.Tensor, tensor_class: str, blocked) -> torch.Tensor:
+        if self.telemetry is not None:
+            self.telemetry.observe_blocks(tensor_class, t, blocked, FORMATS["fp8_e4m3"])
+        return blocked.values
+
+    def _runs(self, t: torch.Tensor, dim: int):
+        return (rowwise_quantise if self.granularity == "rowwise" else tile_quantise)(t, dim)
 
     def forward(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return (rowwise_quantise if self.granularity == "rowwise" else tile_quantise)(t, dim).values
+        return self._observed(t, "activations", self._runs(t, dim))
 
     def weight(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return self.forward(t, dim) if self.granularity == "rowwise" else tile2d_quantise(t).values
+        return self._observed(t, "weights", self._runs(t, dim) if self.granularity == "rowwise" else tile2d_quantise(t))
 
-    gradient = forward
+    def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self._observed(t, "gradients", self._runs(t, dim))
 
 
 class _BlockLinear(torch.autograd.Function):
@@ -309,13 +325,14 @@ class Precision:
                                  f"format=fp8, not {fmt}")
         self.granularity = granularity
         self.recipe = RECIPES.get(fmt)
+        self.telemetry = QuantTelemetry()
         if granularity is not None:
-            self.block = FP8TileOperands(granularity)
+            self.block = FP8TileOperands(granularity, self.telemetry)
         elif self.recipe is not None and self.recipe.block:
             if per_tensor is not None:
                 raise PrecisionError(f"{fmt} scales every block itself; scaling=per_tensor adds nothing there. Valid "
                                      f"scaling for block formats: {', '.join(BLOCK_SCALINGS)}")
-            self.block = BlockOperands(self.recipe, scale_mode, rounding)
+            self.block = BlockOperands(self.recipe, scale_mode, rounding, self.telemetry)
         else:
             self.block = None
         support = native_support(fmt, device)
@@ -354,7 +371,6 @@ class Precision:
         self.flags = set_fp32_precision(tf32=(fmt == "tf32"))
         self.fp8_modules = None  # native FP8: which Linear layers torchao converted and which it left alone
         self.kept_in_high_precision = None  # block formats: the Conv2d layers they leave in FP32
-        self.telemetry = QuantTelemetry()
         self.dtype = TORCH_DTYPES.get(fmt)
         # While bench.memory counts a step, it listens here: (input, output, tensor class, format) of every
         # tensor a rounding site makes. None otherwise.

@@ -177,6 +177,10 @@ def squad_table(cells: pd.DataFrame) -> pd.DataFrame:
 
 
 def numerics_table(cells: pd.DataFrame) -> pd.DataFrame:
+    """Per cell: skipped steps, final loss scale, underflow / overflow per tensor class; where a cell has
+    block-scaled operands, their clipped blocks, flushed elements and relative MSE per class too."""
+    blocks = any(f"{tc}_rel_mse" in cells and cells[f"{tc}_rel_mse"].notna().any() for tc in TENSOR_CLASSES)
+
     def pct(v):
         return "–" if pd.isna(v) else f"{100 * v:.3g}%"
 
@@ -187,6 +191,10 @@ def numerics_table(cells: pd.DataFrame) -> pd.DataFrame:
                "final loss scale": "–" if pd.isna(c["final_loss_scale"]) else f"{c['final_loss_scale']:g}"}
         for tc in TENSOR_CLASSES:
             row[f"{tc} underflow / overflow"] = f"{pct(c[f'{tc}_underflow'])} / {pct(c[f'{tc}_overflow'])}"
+        if blocks:
+            for tc in TENSOR_CLASSES:
+                row[f"{tc} blocks clipped / flushed / rel. MSE"] = \
+                    f"{pct(c[f'{tc}_clipped_blocks'])} / {pct(c[f'{tc}_flushed'])} / {pct(c[f'{tc}_rel_mse'])}"
         rows.append(row)
     return pd.DataFrame(rows)
 

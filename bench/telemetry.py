@@ -3,6 +3,7 @@
 Counts stay on the device as tensors while a step runs (no host sync per op) and are read once
 per sampled step. The three classes are the tensors a low-precision matmul/conv sees:
 `weights` and `activations` entering it in the forward pass, `gradients` in the backward pass.
+Block-scaled operands (block formats, FP8 rowwise/block) add block statistics (BLOCK_FIELDS).
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from bench.formats import ElementFormat
 TENSOR_CLASSES = ("weights", "activations", "gradients")
 _COUNTS = ("total", "underflow", "subnormal", "overflow")
 CATEGORIES = ("zero", "underflow", "subnormal", "normal", "overflow")
+# per class, over the block-scaled GEMM operands of the sampled steps
+_BLOCK_SUMS = ("blocks", "clipped_blocks", "nonzero", "flushed", "squared_error", "squared_value")
+BLOCK_FIELDS = ("clipped_block_fraction",  # blocks whose largest element saturated under the block's scale
+                "flushed_fraction",  # non-zero elements that became zero inside their block
+                "relative_mse",  # sum of (x - dequantised)^2 over sum of x^2
+                "log2_scale_min", "log2_scale_median", "log2_scale_max")  # of the dequantising block factors
 
 
 @functools.cache
@@ -41,6 +48,9 @@ class QuantTelemetry:
         self._run = {c: dict.fromkeys(_COUNTS, 0) for c in TENSOR_CLASSES}
         # per class, running bounds of per-tensor scaling's amax and scale: {"amax_min": ..., "amax_max": ..., ...}
         self.bounds: dict[str, dict[str, float]] = {c: {} for c in TENSOR_CLASSES}
+        self._step_blocks: dict[str, list] = self._zeros()  # per class: (sums tensor, log2 factors) per operand
+        # per class: the BLOCK_SUMS totals, log2-scale min and max, and each sampled step's median
+        self.blocks: dict[str, dict] = {c: {} for c in TENSOR_CLASSES}
 
     @staticmethod
     def _zeros() -> dict[str, list]:
@@ -52,6 +62,21 @@ class QuantTelemetry:
             return
         self._step[tensor_class].append(category_counts(x, spec))
 
+    def observe_blocks(self, tensor_class: str, x: torch.Tensor, blocked, spec: ElementFormat) -> None:
+        """Block statistics of one block-scaled operand (`blocked`: a bench.blocks.Blocked of `x`)."""
+        if not self.sampling:
+            return
+        x = x.detach().float()
+        finite = blocked.factor.isfinite() & (blocked.factor > 0)
+        overflow_edge = spec.rounding_edges()[3]  # past it, an element saturates instead of rounding
+        clipped = (blocked.amax > overflow_edge * blocked.factor) & finite
+        ok = x.isfinite()
+        error = torch.where(ok, x - blocked.values, 0.0)
+        sums = torch.stack([torch.tensor(float(blocked.amax.numel()), device=x.device), clipped.sum().float(),
+                            ((x != 0) & ok).sum().float(), ((x != 0) & (blocked.values == 0)).sum().float(),
+                            (error * error).sum(), torch.where(ok, x * x, 0.0).sum()])
+        self._step_blocks[tensor_class].append((sums, torch.log2(blocked.factor[finite]).flatten()))
+
     def observe_scale(self, tensor_class: str, amax: torch.Tensor, scale: torch.Tensor) -> None:
         if not self.sampling:
             return
@@ -60,9 +85,32 @@ class QuantTelemetry:
             bounds[f"{name}_min"] = min(value, bounds.get(f"{name}_min", value))
             bounds[f"{name}_max"] = max(value, bounds.get(f"{name}_max", value))
 
+    def _end_step_blocks(self) -> None:
+        """Fold this step's block sums into the run totals: one read for all classes."""
+        classes = [c for c, rows in self._step_blocks.items() if rows]
+        if not classes:
+            return
+        per_class = []
+        for c in classes:
+            sums = torch.stack([s for s, _ in self._step_blocks[c]]).sum(0)
+            logs = torch.cat([l for _, l in self._step_blocks[c]])
+            bounds = torch.stack([logs.min(), logs.median(), logs.max()]) if logs.numel() else sums.new_full((3,), float("nan"))
+            per_class.append(torch.cat([sums, bounds]))
+        for c, row in zip(classes, torch.stack(per_class).tolist()):
+            run = self.blocks[c]
+            for name, value in zip(_BLOCK_SUMS, row):
+                run[name] = run.get(name, 0.0) + value
+            low, median, high = row[len(_BLOCK_SUMS):]
+            if median == median:  # a step with finite scales
+                run["log2_min"] = min(low, run.get("log2_min", low))
+                run["log2_max"] = max(high, run.get("log2_max", high))
+                run.setdefault("step_medians", []).append(median)
+        self._step_blocks = self._zeros()
+
     def end_step(self) -> dict[str, dict[str, float]]:
         """Fractions for this sampled step, per class with data; folds the counts into the run totals.
         One read from the device for all classes."""
+        self._end_step_blocks()
         classes = [c for c, rows in self._step.items() if rows]
         if not classes:
             return {}
@@ -78,10 +126,11 @@ class QuantTelemetry:
 
     def state(self) -> dict:
         """Run totals, for a checkpoint."""
-        return {"run": self._run, "bounds": self.bounds}
+        return {"run": self._run, "bounds": self.bounds, "blocks": self.blocks}
 
     def load_state(self, state: dict) -> None:
         self._run, self.bounds = state["run"], state["bounds"]
+        self.blocks = state.get("blocks", {c: {} for c in TENSOR_CLASSES})
 
     def summary(self) -> dict[str, dict[str, float] | None]:
         """Run-level fractions per class over all sampled steps (None: the class was never quantised)."""
@@ -94,4 +143,20 @@ class QuantTelemetry:
             }
             if self.bounds[c]:
                 out[c] = (out[c] or {}) | self.bounds[c]
+            if self.blocks[c]:
+                out[c] = (out[c] or {}) | {"blocks": _block_summary(self.blocks[c])}
         return out
+
+
+def _block_summary(run: dict) -> dict:
+    """BLOCK_FIELDS from a class's run totals (log2_scale_median: the median of the sampled steps' medians)."""
+    medians = sorted(run.get("step_medians", []))
+    return {
+        "clipped_block_fraction": run["clipped_blocks"] / run["blocks"] if run["blocks"] else None,
+        "flushed_fraction": run["flushed"] / run["nonzero"] if run["nonzero"] else None,
+        "relative_mse": run["squared_error"] / run["squared_value"] if run["squared_value"] else None,
+        "log2_scale_min": run.get("log2_min"),
+        "log2_scale_median": medians[len(medians) // 2] if medians else None,
+        "log2_scale_max": run.get("log2_max"),
+        "blocks_sampled": int(run["blocks"]),
+    }

@@ -298,3 +298,43 @@ def test_fp8_rowwise_and_block_cells_train_and_say_what_they_did(make_cfg):
         precision = record["env"]["precision"]
         assert precision["backend"] == "emulated" and precision["element_formats"] == ["fp8_e4m3"]
         assert precision["block"]["kind"] == kind and precision["block"]["kept_in_high_precision"] == []
+
+
+def test_block_telemetry_counts_clipped_blocks_flushed_elements_error_and_scale_spread_by_hand():
+    """Two MX E4M3 blocks under floor: the first's amax 1.99 * 2^8 clips to 448 (floor's scale 2^0 leaves it past
+    448 + 16); the second holds 2^-20 beside 1.0, which flushes (below E4M3's smallest subnormal 2^-9 under scale
+    2^-8). Then the same through a cell: every class of an mxfp8 LeNet run carries the statistics."""
+    from bench.formats import FORMATS
+    from bench.telemetry import QuantTelemetry
+
+    x = torch.zeros(2, 32)
+    x[0, 0], x[0, 1] = 1.99 * 2**8, 3.0
+    x[1, 0], x[1, 1], x[1, 2] = 1.0, 2.0**-20, 0.5
+    blocked = mx_quantise(x, "fp8_e4m3", "floor")
+    telemetry = QuantTelemetry()
+    telemetry.sampling = True
+    telemetry.observe_blocks("activations", x, blocked, FORMATS["fp8_e4m3"])
+    telemetry.end_step()
+    stats = telemetry.summary()["activations"]["blocks"]
+    assert stats["clipped_block_fraction"] == 0.5 and stats["flushed_fraction"] == 1 / 5
+    error = ((x - blocked.values) ** 2).sum() / (x ** 2).sum()
+    assert stats["relative_mse"] == pytest.approx(error.item(), rel=1e-6)
+    assert (stats["log2_scale_min"], stats["log2_scale_max"]) == (-8.0, 0.0) and stats["blocks_sampled"] == 2
+
+
+def test_block_format_cells_record_block_statistics_per_tensor_class(make_cfg):
+    from bench.run import run_cell
+
+    from bench.aggregate import main
+
+    cfg = make_cfg("model=lenet", "format=mxfp4", "train.max_steps=10", "train.log_every=5")
+    record = run_cell(cfg)
+    quantisation = record["numerics"]["quantisation"]
+    for tensor_class in ("weights", "activations", "gradients"):
+        stats = quantisation[tensor_class]["blocks"]
+        assert stats["blocks_sampled"] > 0 and 0 < stats["relative_mse"] < 0.5, (tensor_class, stats)
+        assert stats["log2_scale_min"] <= stats["log2_scale_median"] <= stats["log2_scale_max"]
+    assert quantisation["gradients"]["blocks"]["clipped_block_fraction"] > 0  # floor clips FP4 blocks
+    assert main([cfg.results_dir, "--out", f"{cfg.results_dir}/tables", "--no-plots"]) == 0
+    numerics = (Path(cfg.results_dir) / "tables" / cfg.experiment_name / "numerics.md").read_text()
+    assert "gradients blocks clipped / flushed / rel. MSE" in numerics
