@@ -190,6 +190,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "design_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format", "scaling")}),
             "_settings": _flatten(semantic),
             "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
+            "rounding": cfg["format"].get("rounding", "nearest"),  # of the gradient operands (block formats)
             "backend": precision.get("backend"), "device": env.get("device_name"), "status": r["status"],
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
             "metric": metric, "value": _number(metrics.get(metric)),
@@ -248,6 +249,7 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     cells["device"] = groups["device"].first()
     cells["baseline_id"] = groups["baseline_id"].first()
     cells["design_id"] = groups["design_id"].first()
+    cells["rounding"] = groups["rounding"].first()
     cells["value_ci_lo"], cells["value_ci_hi"] = zip(*[t_interval(v) for v in finished["value"].apply(list)
                                                        .reindex(cells.index, fill_value=[])])
     cells = cells.reset_index()

@@ -45,6 +45,12 @@ NOTES = {
               f"and norm [95% t interval] (n paired seeds); {SIGNIFICANT} marks an interval that excludes 0. The paper's "
               "figures: medians of 3 seeds at each setting's best learning rate from a sweep; its 95% interval is "
               "about ±0.010.",
+    "block_formats": "Δ vs FP32: mean over seeds of this run's metric minus the FP32 run's of the same seed and "
+                     f"design [95% t interval] (n paired seeds); {SIGNIFICANT} marks an interval that excludes 0. "
+                     "Bits per element count the element and its share of the scales (8.25 = 8 + 8/32 for MXFP8, 4.5 "
+                     "= 4 + 8/16 for NVFP4; rowwise and 1x128 FP8 one FP32 scale per 128 elements); gradients rel. "
+                     "MSE and clipped blocks: the block statistics of the record's telemetry (blocks whose largest "
+                     "element saturated under the block's scale).",
     "memory": "modelled memory: the bytes one training step holds (parameters, gradients, optimiser state, low-"
               "precision weight copies, activations saved for backward) as the format stores them, counted on the "
               "run's first step (bench/memory.py), the same for native and emulated runs; measured peak: the "
@@ -234,6 +240,11 @@ def published_table(cells: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=PUBLISHED_COLUMNS)
 
 
+def _is(frame: pd.DataFrame, setting: str, scaling: str, rounding: str | None = None) -> pd.Series:
+    match = (frame["setting"].astype(str) == setting) & (frame["scaling"].astype(str) == scaling)
+    return match if rounding is None else match & (frame["rounding"] == rounding)
+
+
 # The Unit Scaling paper's char-LM columns in its order, then this suite's FP8 ones: (setting, scaling, heading).
 CHARLM_COLUMNS = [("16-mixed", "none", "FP16 regular"), ("16-mixed", "static", "FP16 regular, static loss scale"),
                   ("16-mixed", "unit", "FP16 unit"), ("32-true", "none", "FP32 regular"), ("32-true", "unit", "FP32 unit"),
@@ -258,20 +269,17 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
     paper = [r for r in published_rows() if r["task"] == "wikitext103_char"]
     columns = [c for c in CHARLM_COLUMNS if ((lm["setting"].astype(str) == c[0]) & (lm["scaling"].astype(str) == c[1])).any()]
 
-    def is_column(frame, setting, scaling):
-        return (frame["setting"].astype(str) == setting) & (frame["scaling"].astype(str) == scaling)
-
     rows = []
     for norm, in_norm in lm.groupby(lm["model_label"].map(_norm_of), sort=True):
         for (label, design), part in in_norm.groupby(["model_label", "design_id"], sort=False):
             here = ok[ok["design_id"] == design]
-            reference = here[is_column(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
-            labelled = part[is_column(part, "32-true", "none")]
+            reference = here[_is(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
+            labelled = part[_is(part, "32-true", "none")]
             variant = (labelled if not labelled.empty else part)["variant"].iloc[0]
             ours = {"norm": norm, "rows": f"ours: val BPC ({label}{f'; {variant}' if variant else ''})"}
             ours_delta = {"norm": norm, "rows": "ours: Δ vs FP32 regular"}
             for setting, scaling, heading in columns:
-                match = part[is_column(part, setting, scaling)]
+                match = part[_is(part, setting, scaling)]
                 if match.empty:
                     ours[heading] = ours_delta[heading] = ""
                     continue
@@ -279,7 +287,7 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
                 note = status_note(c)
                 text = fmt_stat(c["value"] * BPC_PER_NAT, c["value_std"] * BPC_PER_NAT, c["value_n"], 3)
                 ours[heading] = text + (f" {EMULATED}" if c["backend"] == "emulated" else "") + (f" [{note}]" if note else "")
-                runs_here = here[is_column(here, setting, scaling)]
+                runs_here = here[_is(here, setting, scaling)]
                 differences = [(v - reference[s]) * BPC_PER_NAT for v, s in zip(runs_here["value"], runs_here["seed"])
                                if s in reference.index]
                 ours_delta[heading] = _paired_text(differences, baseline=(setting, scaling) == ("32-true", "none"))
@@ -297,16 +305,61 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
     return pd.DataFrame(rows)
 
 
-def _paired_text(differences: list[float], baseline: bool) -> str:
+# The block_formats preset's columns, by bits per element (scales included): (setting, scaling, rounding of the
+# gradient operands, label, bits). Rowwise and 1 x 128 FP8 keep an FP32 scale per 128 elements at K = 128.
+BLOCK_FORMAT_ROWS = [
+    ("32-true", "none", "nearest", "FP32", 32.0),
+    ("fp8-mixed", "per_tensor", "nearest", "FP8 tensorwise (E4M3/E5M2)", 8.0),
+    ("fp8-mixed", "rowwise", "nearest", "FP8 rowwise (E4M3, FP32 scale per row)", 8.25),
+    ("fp8-mixed", "block", "nearest", "FP8 block (E4M3, FP32 scale per 1x128 / 128x128)", 8.25),
+    ("mxfp8-mixed", "none", "nearest", "MXFP8 (E4M3/E5M2, E8M0 per 32)", 8.25),
+    ("mxfp8-mixed", "none", "stochastic", "MXFP8, stochastic gradients", 8.25),
+    ("mxfp6-mixed", "none", "nearest", "MXFP6 (E2M3/E3M2, E8M0 per 32)", 6.25),
+    ("mxfp6-mixed", "none", "stochastic", "MXFP6, stochastic gradients", 6.25),
+    ("nvfp4-mixed", "none", "nearest", "NVFP4 (E2M1, E4M3 per 16, FP32 per tensor)", 4.5),
+    ("nvfp4-mixed", "none", "stochastic", "NVFP4, stochastic gradients", 4.5),
+    ("mxfp4-mixed", "none", "nearest", "MXFP4 (E2M1, E8M0 per 32)", 4.25),
+    ("mxfp4-mixed", "none", "stochastic", "MXFP4, stochastic gradients", 4.25),
+]
+
+
+def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+    """Per model, one row per format and scaling of BLOCK_FORMAT_ROWS present, by bits per element: the primary
+    metric (mean ± std over seeds), its paired difference to FP32 of the same design and seed (95% t interval),
+    and what the block scales did to the gradients (relative MSE, blocks clipped)."""
+    ok = runs[(runs["status"] == "ok") & runs["value"].notna()]
+    rows = []
+    for (label, design), part in cells.groupby(["model_label", "design_id"], sort=False):
+        here = ok[ok["design_id"] == design]
+        reference = here[_is(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
+        for setting, scaling, rounding, name, bits in BLOCK_FORMAT_ROWS:
+            match = part[_is(part, setting, scaling, rounding)]
+            if match.empty:
+                continue
+            c = match.iloc[0]
+            metric = c["metric"]
+            runs_here = here[_is(here, setting, scaling, rounding)]
+            differences = [scaled(metric, v - reference[s]) for v, s in zip(runs_here["value"], runs_here["seed"])
+                           if s in reference.index]
+            rows.append({"model": label, "format": name + (f" {EMULATED}" if c["backend"] == "emulated" else ""),
+                         "bits / element": f"{bits:g}", metric: _metric_text(c),
+                         "Δ vs FP32": _paired_text(differences, setting == "32-true", DIGITS.get(metric, 2)),
+                         "gradients rel. MSE": "–" if pd.isna(c["gradients_rel_mse"]) else f"{c['gradients_rel_mse']:.2e}",
+                         "blocks clipped (act. / grad.)": "–" if pd.isna(c["gradients_clipped_blocks"]) else
+                         f"{100 * c['activations_clipped_blocks']:.2g}% / {100 * c['gradients_clipped_blocks']:.2g}%"})
+    return pd.DataFrame(rows)
+
+
+def _paired_text(differences: list[float], baseline: bool, digits: int = 3) -> str:
     if baseline:
         return "baseline"
     if not differences:
         return "–"
     lo, hi = t_interval(differences)
-    text = f"{np.mean(differences):+.3f}"
+    text = f"{np.mean(differences):+.{digits}f}"
     if pd.isna(lo):
         return f"{text} (n={len(differences)})"
-    return f"{text} [{lo:+.3f}, {hi:+.3f}] (n={len(differences)}){SIGNIFICANT if lo > 0 or hi < 0 else ''}"
+    return f"{text} [{lo:+.{digits}f}, {hi:+.{digits}f}] (n={len(differences)}){SIGNIFICANT if lo > 0 or hi < 0 else ''}"
 
 
 _LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
@@ -339,6 +392,8 @@ CAPTIONS = {
     "squad": "SQuAD v1.1 exact match / F1 per model and setting (rows) and scaling method (columns)",
     "numerics": "Numerics health per cell: skipped steps, final loss scale, underflow / overflow fractions",
     "vs_published": "Ours beside the published figures for the same model, task and setting",
+    "block_formats": "The primary metric per model by bits per element (scales included): FP8 tensorwise, rowwise "
+                     "and block scaling, MX and NVFP4, with and without stochastic rounding of the gradients",
     "unit_scaling_charlm": "Validation bits per character in the Unit Scaling paper's char-LM layout, beside the "
                            "paper's WikiText-103 figures (a different dataset and model size: compare the pattern of "
                            "differences to FP32 regular, not the values)",
@@ -357,12 +412,15 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
     lm = cells[cells["metric"] == "val_loss"]
     if len({(str(a), str(b)) for a, b in zip(lm["setting"], lm["scaling"])} & {c[:2] for c in CHARLM_COLUMNS}) >= 2:
         built["unit_scaling_charlm"] = unit_scaling_charlm_table(runs, cells)
+    if cells["rounding"].notna().any() and any(_is(cells, *r[:3]).any() for r in BLOCK_FORMAT_ROWS[4:]):
+        built["block_formats"] = block_formats_table(runs, cells)
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
     timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \
         + ([NOTES["disturbed"]] if cells["disturbed"].any() else [])
     markdown = {}
     for name, table in built.items():
-        extra = timing_notes if name == "precision" else [NOTES["charlm"]] if name == "unit_scaling_charlm" else []
+        extra = timing_notes if name == "precision" else [NOTES["charlm"]] if name == "unit_scaling_charlm" else \
+            [NOTES["block_formats"]] if name == "block_formats" else []
         markdown[name] = to_markdown(table, notes + extra)
         (directory / f"{name}.md").write_text(f"# {CAPTIONS[name]}\n\n{markdown[name]}\n")
         (directory / f"{name}.tex").write_text(to_latex(table, CAPTIONS[name]))
