@@ -345,8 +345,9 @@ def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame
                          "bits / element": f"{bits:g}", metric: _metric_text(c),
                          "Δ vs FP32": _paired_text(differences, setting == "32-true", DIGITS.get(metric, 2)),
                          "gradients rel. MSE": "–" if pd.isna(c["gradients_rel_mse"]) else f"{c['gradients_rel_mse']:.2e}",
-                         "blocks clipped (act. / grad.)": "–" if pd.isna(c["gradients_clipped_blocks"]) else
-                         f"{100 * c['activations_clipped_blocks']:.2g}% / {100 * c['gradients_clipped_blocks']:.2g}%"})
+                         "blocks clipped (act. / grad.)": " / ".join(
+                             "–" if pd.isna(c[f"{tc}_clipped_blocks"]) else f"{100 * c[f'{tc}_clipped_blocks']:.2g}%"
+                             for tc in ("activations", "gradients"))})
     return pd.DataFrame(rows)
 
 

@@ -349,3 +349,28 @@ def test_one_model_in_two_configurations_gets_two_sets_of_plots(tmp_path):
     for norm in ("pre", "post"):
         path = tmp_path / "tables" / "t" / f"charlm_4L_128_{norm}-norm_shakespeare_char_heatmap.png"
         assert path.stat().st_size > 1000, sorted(p.name for p in path.parent.iterdir())
+
+
+def test_block_formats_table_orders_by_bits_tells_rounding_apart_and_pairs_each_seed_with_fp32(tmp_path):
+    """FP32, FP8 rowwise and MXFP4 with nearest and stochastic gradients, two seeds: rows by bits per element
+    (32, 8.25, 4.25, 4.25), the two roundings their own rows, differences to FP32 of the same seed by hand."""
+    root = tmp_path / "runs"
+    accuracy = {("32-true", "fp32", "none", "nearest"): (0.90, 0.94), ("fp8-mixed", "fp8", "rowwise", "nearest"): (0.89, 0.95),
+                ("mxfp4-mixed", "mxfp4", "none", "nearest"): (0.70, 0.80),
+                ("mxfp4-mixed", "mxfp4", "none", "stochastic"): (0.85, 0.87)}
+    for (setting, fmt, scaling, rounding), values in accuracy.items():
+        for seed, value in enumerate(values):
+            rec = record(fmt=fmt, mode="mixed", setting=setting, scaling=scaling, seed=seed,
+                         metrics={"test_accuracy": value}, backend="native" if fmt == "fp32" else "emulated")
+            rec["config"]["format"]["rounding"] = rounding
+            rec["numerics"]["quantisation"]["gradients"]["blocks"] = {"relative_mse": 0.01, "clipped_block_fraction": 0.2}
+            write_json_atomic(root / f"{setting}-{scaling}-{rounding}-{seed}" / "result.json", rec)
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    table = (tmp_path / "tables" / "t" / "block_formats.md").read_text()
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| lenet")]
+    assert [(r[1].rstrip(" †"), r[2]) for r in rows] == [
+        ("FP32", "32"), ("FP8 rowwise (E4M3, FP32 scale per row)", "8.25"), ("MXFP4 (E2M1, E8M0 per 32)", "4.25"),
+        ("MXFP4, stochastic gradients", "4.25")]
+    assert rows[2][4].startswith(f"{-100 * (0.20 + 0.14) / 2:+.2f} [")  # (0.70 - 0.90, 0.80 - 0.94)
+    assert rows[3][4].startswith(f"{-100 * (0.05 + 0.07) / 2:+.2f} [")
+    assert rows[3][5] == "1.00e-02" and rows[3][6] == "– / 20%" and rows[0][4] == "baseline"

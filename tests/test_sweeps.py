@@ -332,3 +332,25 @@ def test_unit_scaling_charlm_preset_is_the_papers_columns_plus_fp8_and_every_cel
             assert cell.scaling.init_scale == 2048  # the paper's FP16 baseline
         if "scaling=unit" in setting:
             assert cell.scaling.lr_rule == "relative"
+
+
+def test_block_formats_preset_covers_every_row_of_its_table_and_every_cell_passes_the_checks(make_cfg):
+    """Each of block_formats.md's rows (bench.tables.BLOCK_FORMAT_ROWS) is one of the preset's settings, on each
+    model, and each cell passes the config checks."""
+    from hydra import compose, initialize_config_dir
+
+    from bench.config import check
+    from bench.run import build_precision
+    from bench.tables import BLOCK_FORMAT_ROWS
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        sweep = compose("config", overrides=["experiment=block_formats"], return_hydra_config=True).hydra.sweeper
+    assert dict(sweep.params) == {"model": "lenet,distilbert_tiny,bert_tiny", "seed": "0,1,2"}
+    covered = set()
+    for setting in sweep.settings:
+        for model in ("lenet", "distilbert_tiny", "bert_tiny"):
+            cell = make_cfg("experiment=block_formats", f"model={model}", *setting.split())
+            check(cell)
+            precision = build_precision(cell, torch.device("cpu"))
+            covered.add((precision.setting, cell.scaling.name, cell.format.rounding))
+    assert covered == {row[:3] for row in BLOCK_FORMAT_ROWS}
