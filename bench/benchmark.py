@@ -13,8 +13,9 @@ things compared, in one process:
 - host_syncs_per_100_steps.<model>.<format>+<scaling>, on CUDA: calls in our loop that wait for the GPU
   (torch.cuda.set_sync_debug_mode), ordinary steps only but for step 0 (a log step) and the end, apart from those
   made inside the transformers model (.in_model), which a bare loop makes too. Target: ~0.
-- emulation_ratio.<model>.<format>: step time of an emulated format / fp32, same loop and model.
-  Target <= 1.5 for fp8 on CPU. telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off
+- emulation_ratio.<model>.<format>: step time of an emulated format / fp32, same loop and model; the formats
+  include FP8 rowwise/block scaling and the block formats (bench/blocks.py). Targets on CPU: <= 1.5 for fp8,
+  <= 2.5 for mxfp8. telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off
   (target <= 1.5).
 - peer_ratio.bert_tiny.<peer>: step time of unit-scaling's simulate_fp8 and of torchao float8 training
   with emulate=True / ours (fp8, same bare loop). Target > 1 (ours faster). On the small BERT, where every
@@ -26,7 +27,8 @@ things compared, in one process:
   step, bench/memory.py, plus the FLOP count of one step) as a share of a default LeNet cell's training time
   (its steps x a plain step's median time). Target <= 0.05.
 - aggregate_s.10k: reading, summarising and tabulating 10,000 synthetic records. Target <= 5 s.
-- quantise_ns.<format>: nanoseconds per value of bench.formats.quantise on 2^20 float32 values.
+- quantise_ns.<format>: nanoseconds per value of bench.formats.quantise on 2^20 float32 values, and of the block
+  quantisers (MX, NVFP4, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from hydra import compose, initialize_config_dir
 from tabulate import tabulate
 
 from bench import device as devices
+from bench.blocks import mx_quantise, nvfp4_quantise, nvfp4_tensor_scale, rowwise_quantise, tile2d_quantise, tile_quantise
 from bench.formats import quantise
 from bench.memory import StepMemory
 from bench.run import build_cell, preflight, step_flops_by_module
@@ -225,7 +228,12 @@ def accounting_rows(repeats: int) -> list[dict]:
 
 
 EMULATED = {"tf32": ["format=tf32"], "fp16": ["format=fp16"], "bf16": ["format=bf16", "format.backend=emulated"],
-            "fp8": ["format=fp8"], "fp8+per_tensor": ["format=fp8", "scaling=per_tensor"]}
+            "fp8": ["format=fp8"], "fp8+per_tensor": ["format=fp8", "scaling=per_tensor"],
+            "fp8+rowwise": ["format=fp8", "scaling=rowwise", "format.backend=emulated"],
+            "fp8+block": ["format=fp8", "scaling=block"], "mxfp8": ["format=mxfp8"], "mxfp6": ["format=mxfp6"],
+            "mxfp4": ["format=mxfp4"], "nvfp4": ["format=nvfp4"],
+            "nvfp4+stochastic": ["format=nvfp4", "format.rounding=stochastic"]}
+EMULATION_TARGETS = {"fp8": "<= 1.5", "mxfp8": "<= 2.5"}  # on CPU
 
 
 def emulation_rows(steps: int, repeats: int) -> list[dict]:
@@ -241,7 +249,7 @@ def emulation_rows(steps: int, repeats: int) -> list[dict]:
             device = precision.device
         t = alternate(loops, device, repeats)
         for name in (*EMULATED, "fp8+telemetry"):
-            target = "<= 1.5" if name == "fp8" and device.type == "cpu" else None
+            target = EMULATION_TARGETS.get(name) if device.type == "cpu" else None
             rows.append(row(f"emulation_ratio.{model}.{name}", t[name] / t["fp32"], "x fp32 step time", target))
         rows.append(row(f"telemetry_ratio.{model}.fp8", t["fp8+telemetry"] / t["fp8"], "x fp8 step time", "<= 1.5"))
     return rows
@@ -356,12 +364,23 @@ def aggregate_rows(n: int = 10_000) -> list[dict]:
     return [row("aggregate_s.10k", seconds, "s", "<= 5")]
 
 
+BLOCK_QUANTISERS = {  # on a (1024, 1024) tensor, blocked along its rows
+    "mxfp8_e4m3": lambda x: mx_quantise(x, "fp8_e4m3"), "mxfp6_e2m3": lambda x: mx_quantise(x, "fp6_e2m3"),
+    "mxfp4_e2m1": lambda x: mx_quantise(x, "fp4_e2m1"), "nvfp4": lambda x: nvfp4_quantise(x, nvfp4_tensor_scale(x)),
+    "nvfp4_stochastic": lambda x: nvfp4_quantise(x, nvfp4_tensor_scale(x), rounding="stochastic"),
+    "fp8_rowwise": rowwise_quantise, "fp8_1x128": tile_quantise, "fp8_128x128": tile2d_quantise}
+
+
 def quantise_rows() -> list[dict]:
     x = torch.randn(2**20) * 100
     rows = []
     for fmt in ("tf32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2"):
         seconds = alternate({fmt: lambda fmt=fmt: quantise(x, fmt)}, torch.device("cpu"), 5)[fmt]
         rows.append(row(f"quantise_ns.{fmt}", seconds / x.numel() * 1e9, "ns/value", None))
+    matrix = x.reshape(1024, 1024)
+    for name, quantiser in BLOCK_QUANTISERS.items():
+        seconds = alternate({name: lambda q=quantiser: q(matrix)}, torch.device("cpu"), 5)[name]
+        rows.append(row(f"quantise_ns.{name}", seconds / x.numel() * 1e9, "ns/value", None))
     return rows
 
 
