@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from bench.aggregate import SCALING_ORDER  # noqa: E402
-from bench.tables import PERCENT_METRICS, SIGNIFICANT, fmt_difference, scaled  # noqa: E402
+from bench.tables import BLOCK_FORMAT_ROWS, PERCENT_METRICS, SIGNIFICANT, fmt_difference, is_cell, scaled  # noqa: E402
 
 MARKERS = dict(zip(SCALING_ORDER, "os^Dv"))
 
@@ -145,6 +145,31 @@ def loss_scale_trajectories(runs: pd.DataFrame, title: str, directory: Path, nam
     return _save(fig, directory, f"{name}_loss_scale")
 
 
+def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[Path]:
+    """block_formats: the metric (mean, 95% t interval) against bits per element (BLOCK_FORMAT_ROWS, log scale);
+    filled markers round gradients to nearest, hollow ones stochastically."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for i, (setting, scaling, rounding, label, bits) in enumerate(BLOCK_FORMAT_ROWS):
+        match = part[is_cell(part, setting, scaling, rounding)]
+        if match.empty:
+            continue
+        c = match.iloc[0]
+        value = scaled(c["metric"], c["value"])
+        interval = None if pd.isna(c["value_ci_lo"]) else [[value - scaled(c["metric"], c["value_ci_lo"])],
+                                                           [scaled(c["metric"], c["value_ci_hi"]) - value]]
+        colour = plt.cm.tab10.colors[i if i < 4 else 4 + (i - 4) // 2]  # one colour per format, both roundings
+        x = bits * (1.02 if rounding == "stochastic" else 1.0)  # side by side with its nearest twin
+        ax.errorbar(x, value, yerr=interval, fmt="none", ecolor=colour, elinewidth=0.8, capsize=2)
+        ax.scatter(x, value, s=60, color=colour, facecolors="none" if rounding == "stochastic" else colour,
+                   label=label.split(" (")[0] if rounding == "nearest" else None)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bits per element, scales included (hollow: stochastic rounding of gradients)")
+    ax.set_ylabel(f"{_metric_label(part)}: mean over seeds, bars 95% t interval")
+    ax.set_title(f"{title}: {part['metric'].iloc[0]} vs bits per element", fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, directory, f"{name}_metric_vs_bits")
+
+
 def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> list[Path]:
     """Per model as configured and settings variant: `<model>[_<configuration>][_<variant>]_<plot>.png`/`.svg`,
     the configuration (model_label's parenthesis, e.g. `4L_128_post-norm_shakespeare_char`) named only where one
@@ -152,6 +177,9 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> list[
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     labels_per_model = cells.groupby("model")["model_label"].nunique()
+    if any(is_cell(cells, *row[:3]).any() for row in BLOCK_FORMAT_ROWS[4:]):  # the block_formats grid
+        for model, part in cells.groupby("model", sort=False):
+            paths += metric_vs_bits(part, part["model_label"].iloc[0], directory, model)
     for (model, label, variant), part in cells.groupby(["model", "model_label", "variant"], sort=False):
         configuration = label.partition("(")[2].rstrip(")") if labels_per_model[model] > 1 else ""
         name = "_".join([model] + [re.sub(r"[^A-Za-z0-9.=-]+", "_", t).strip("_") for t in (configuration, variant) if t])

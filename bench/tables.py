@@ -240,7 +240,8 @@ def published_table(cells: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=PUBLISHED_COLUMNS)
 
 
-def _is(frame: pd.DataFrame, setting: str, scaling: str, rounding: str | None = None) -> pd.Series:
+def is_cell(frame: pd.DataFrame, setting: str, scaling: str, rounding: str | None = None) -> pd.Series:
+    """Which rows of `frame` (runs or cells) have this setting and scaling (and rounding of the gradients)."""
     match = (frame["setting"].astype(str) == setting) & (frame["scaling"].astype(str) == scaling)
     return match if rounding is None else match & (frame["rounding"] == rounding)
 
@@ -273,13 +274,13 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
     for norm, in_norm in lm.groupby(lm["model_label"].map(_norm_of), sort=True):
         for (label, design), part in in_norm.groupby(["model_label", "design_id"], sort=False):
             here = ok[ok["design_id"] == design]
-            reference = here[_is(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
-            labelled = part[_is(part, "32-true", "none")]
+            reference = here[is_cell(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
+            labelled = part[is_cell(part, "32-true", "none")]
             variant = (labelled if not labelled.empty else part)["variant"].iloc[0]
             ours = {"norm": norm, "rows": f"ours: val BPC ({label}{f'; {variant}' if variant else ''})"}
             ours_delta = {"norm": norm, "rows": "ours: Δ vs FP32 regular"}
             for setting, scaling, heading in columns:
-                match = part[_is(part, setting, scaling)]
+                match = part[is_cell(part, setting, scaling)]
                 if match.empty:
                     ours[heading] = ours_delta[heading] = ""
                     continue
@@ -287,7 +288,7 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
                 note = status_note(c)
                 text = fmt_stat(c["value"] * BPC_PER_NAT, c["value_std"] * BPC_PER_NAT, c["value_n"], 3)
                 ours[heading] = text + (f" {EMULATED}" if c["backend"] == "emulated" else "") + (f" [{note}]" if note else "")
-                runs_here = here[_is(here, setting, scaling)]
+                runs_here = here[is_cell(here, setting, scaling)]
                 differences = [(v - reference[s]) * BPC_PER_NAT for v, s in zip(runs_here["value"], runs_here["seed"])
                                if s in reference.index]
                 ours_delta[heading] = _paired_text(differences, baseline=(setting, scaling) == ("32-true", "none"))
@@ -331,18 +332,18 @@ def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame
     rows = []
     for (label, design), part in cells.groupby(["model_label", "design_id"], sort=False):
         here = ok[ok["design_id"] == design]
-        reference = here[_is(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
+        reference = here[is_cell(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
         for setting, scaling, rounding, name, bits in BLOCK_FORMAT_ROWS:
-            match = part[_is(part, setting, scaling, rounding)]
+            match = part[is_cell(part, setting, scaling, rounding)]
             if match.empty:
                 continue
             c = match.iloc[0]
             metric = c["metric"]
-            runs_here = here[_is(here, setting, scaling, rounding)]
+            runs_here = here[is_cell(here, setting, scaling, rounding)]
             differences = [scaled(metric, v - reference[s]) for v, s in zip(runs_here["value"], runs_here["seed"])
                            if s in reference.index]
             rows.append({"model": label, "format": name + (f" {EMULATED}" if c["backend"] == "emulated" else ""),
-                         "bits / element": f"{bits:g}", metric: _metric_text(c),
+                         "bits / element": f"{bits:g}", "metric": metric, "mean ± std": _metric_text(c),
                          "Δ vs FP32": _paired_text(differences, setting == "32-true", DIGITS.get(metric, 2)),
                          "gradients rel. MSE": "–" if pd.isna(c["gradients_rel_mse"]) else f"{c['gradients_rel_mse']:.2e}",
                          "blocks clipped (act. / grad.)": " / ".join(
@@ -413,7 +414,7 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
     lm = cells[cells["metric"] == "val_loss"]
     if len({(str(a), str(b)) for a, b in zip(lm["setting"], lm["scaling"])} & {c[:2] for c in CHARLM_COLUMNS}) >= 2:
         built["unit_scaling_charlm"] = unit_scaling_charlm_table(runs, cells)
-    if cells["rounding"].notna().any() and any(_is(cells, *r[:3]).any() for r in BLOCK_FORMAT_ROWS[4:]):
+    if cells["rounding"].notna().any() and any(is_cell(cells, *r[:3]).any() for r in BLOCK_FORMAT_ROWS[4:]):
         built["block_formats"] = block_formats_table(runs, cells)
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
     timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \

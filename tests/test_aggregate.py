@@ -371,6 +371,9 @@ def test_block_formats_table_orders_by_bits_tells_rounding_apart_and_pairs_each_
     assert [(r[1].rstrip(" †"), r[2]) for r in rows] == [
         ("FP32", "32"), ("FP8 rowwise (E4M3, FP32 scale per row)", "8.25"), ("MXFP4 (E2M1, E8M0 per 32)", "4.25"),
         ("MXFP4, stochastic gradients", "4.25")]
-    assert rows[2][4].startswith(f"{-100 * (0.20 + 0.14) / 2:+.2f} [")  # (0.70 - 0.90, 0.80 - 0.94)
-    assert rows[3][4].startswith(f"{-100 * (0.05 + 0.07) / 2:+.2f} [")
-    assert rows[3][5] == "1.00e-02" and rows[3][6] == "– / 20%" and rows[0][4] == "baseline"
+    assert rows[0][3] == "test_accuracy" and rows[0][4] == "92.00 ± 2.83 (n=2)"
+    assert rows[2][5].startswith(f"{-100 * (0.20 + 0.14) / 2:+.2f} [")  # (0.70 - 0.90, 0.80 - 0.94)
+    assert rows[3][5].startswith(f"{-100 * (0.05 + 0.07) / 2:+.2f} [")
+    assert rows[3][6] == "1.00e-02" and rows[3][7] == "– / 20%" and rows[0][5] == "baseline"
+    assert main([str(root), "--out", str(tmp_path / "plotted")]) == 0
+    assert (tmp_path / "plotted" / "t" / "lenet_metric_vs_bits.png").stat().st_size > 1000
