@@ -182,29 +182,33 @@ def te_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     return (scale.view(torch.int32) & -0x800000).view(torch.float32)  # 0xFF800000: sign and exponent kept
 
 
-def _fp8_scaled(blocks: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    elements = quantise_value(blocks * scale, "fp8_e4m3", overflow="saturate")
+def _fp8_scaled(blocks: torch.Tensor, scale: torch.Tensor, rounding: str = "nearest",
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    elements = _round_elements(blocks * scale, "fp8_e4m3", rounding, generator)
     return elements, elements / scale
 
 
-def _fp8_runs(x: torch.Tensor, dim: int, run: int, scale_rule) -> Blocked:
+def _fp8_runs(x: torch.Tensor, dim: int, run: int, scale_rule, rounding: str, generator) -> Blocked:
     blocks, length = _blocks(x, dim, run)
     amax = blocks.abs().amax(-1, keepdim=True)
     scale = scale_rule(amax)
-    elements, values = _fp8_scaled(blocks, scale)
+    elements, values = _fp8_scaled(blocks, scale, rounding, generator)
     per_block = lambda t: t.squeeze(-1).movedim(-1, dim)  # noqa: E731
     return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), per_block(scale), per_block(amax),
                    per_block(1 / scale))
 
 
-def rowwise_quantise(x: torch.Tensor, dim: int = -1) -> Blocked:
-    """x in E4M3 with one torchao power-of-two scale per row along `dim` (`scale` holds s: x ~ elements / s)."""
-    return _fp8_runs(x, dim, x.shape[dim], torchao_pow2_scale)
+def rowwise_quantise(x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
+                     generator: torch.Generator | None = None) -> Blocked:
+    """x in E4M3 with one torchao power-of-two scale per row along `dim` (`scale` holds s: x ~ elements / s),
+    the elements rounded by `rounding` (stochastic: an option of this suite; torchao rounds to nearest)."""
+    return _fp8_runs(x, dim, x.shape[dim], torchao_pow2_scale, rounding, generator)
 
 
-def tile_quantise(x: torch.Tensor, dim: int = -1, tile: int = FP8_TILE) -> Blocked:
+def tile_quantise(x: torch.Tensor, dim: int = -1, tile: int = FP8_TILE, rounding: str = "nearest",
+                  generator: torch.Generator | None = None) -> Blocked:
     """x in E4M3 with one Transformer Engine power-of-two scale per 1 x `tile` run along `dim`."""
-    return _fp8_runs(x, dim, tile, te_pow2_scale)
+    return _fp8_runs(x, dim, tile, te_pow2_scale, rounding, generator)
 
 
 def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:

@@ -337,9 +337,12 @@ def check(cfg: DictConfig) -> None:
     if (block or cfg.scaling.name in FP8_GRANULARITIES) and cfg.format.overflow not in (None, "saturate"):
         raise ConfigError(f"format.overflow={cfg.format.overflow}: {cfg.format.name} with scaling={cfg.scaling.name} "
                           "saturates its elements; valid there: null or saturate")
-    if not block and (cfg.format.scale_mode != "floor" or cfg.format.rounding != "nearest"):
-        raise ConfigError(f"format.scale_mode and format.rounding apply to the block formats only "
-                          f"(mxfp8, mxfp6, mxfp4, nvfp4), not to format={cfg.format.name}")
+    if not block and cfg.format.scale_mode != "floor":
+        raise ConfigError(f"format.scale_mode applies to the block formats only (mxfp8, mxfp6, mxfp4, nvfp4), not to "
+                          f"format={cfg.format.name}")
+    if not block and cfg.scaling.name not in FP8_GRANULARITIES and cfg.format.rounding != "nearest":
+        raise ConfigError(f"format.rounding applies to the block formats (mxfp8, mxfp6, mxfp4, nvfp4) and to fp8 with "
+                          f"scaling=rowwise or block, not to format={cfg.format.name} with scaling={cfg.scaling.name}")
     if cfg.format.overflow is not None:
         _choice(cfg.format.overflow, OVERFLOW_POLICIES, "format.overflow")
     _choice(cfg.scaling.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")

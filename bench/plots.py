@@ -149,7 +149,8 @@ def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str) -
     """block_formats: the metric (mean, 95% t interval) against bits per element (BLOCK_FORMAT_ROWS, log scale);
     filled markers round gradients to nearest, hollow ones stochastically."""
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for i, (setting, scaling, rounding, label, bits) in enumerate(BLOCK_FORMAT_ROWS):
+    formats = list(dict.fromkeys(row[:2] for row in BLOCK_FORMAT_ROWS))  # one colour per format, both roundings
+    for setting, scaling, rounding, label, bits in BLOCK_FORMAT_ROWS:
         match = part[is_cell(part, setting, scaling, rounding)]
         if match.empty:
             continue
@@ -157,7 +158,7 @@ def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str) -
         value = scaled(c["metric"], c["value"])
         interval = None if pd.isna(c["value_ci_lo"]) else [[value - scaled(c["metric"], c["value_ci_lo"])],
                                                            [scaled(c["metric"], c["value_ci_hi"]) - value]]
-        colour = plt.cm.tab10.colors[i if i < 4 else 4 + (i - 4) // 2]  # one colour per format, both roundings
+        colour = plt.cm.tab10.colors[formats.index((setting, scaling)) % 10]
         x = bits * (1.02 if rounding == "stochastic" else 1.0)  # side by side with its nearest twin
         ax.errorbar(x, value, yerr=interval, fmt="none", ecolor=colour, elinewidth=0.8, capsize=2)
         ax.scatter(x, value, s=60, color=colour, facecolors="none" if rounding == "stochastic" else colour,
@@ -177,7 +178,7 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> list[
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     labels_per_model = cells.groupby("model")["model_label"].nunique()
-    if any(is_cell(cells, *row[:3]).any() for row in BLOCK_FORMAT_ROWS[4:]):  # the block_formats grid
+    if any(is_cell(cells, *row[:3]).any() for row in BLOCK_FORMAT_ROWS[2:]):  # the block_formats grid
         for model, part in cells.groupby("model", sort=False):
             paths += metric_vs_bits(part, part["model_label"].iloc[0], directory, model)
     for (model, label, variant), part in cells.groupby(["model", "model_label", "variant"], sort=False):

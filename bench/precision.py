@@ -220,6 +220,7 @@ class FP8TileOperands:
     along it for activations and gradients and 128 x 128 tiles for weights (bench/blocks.py)."""
 
     granularity: str
+    rounding: str = "nearest"  # of the gradient operands
     telemetry: QuantTelemetry | None = field(default=None, compare=False)
 
     def _observed(self, t: torch.Tensor, tensor_class: str, blocked) -> torch.Tensor:
@@ -227,8 +228,9 @@ class FP8TileOperands:
             self.telemetry.observe_blocks(tensor_class, t, blocked, FORMATS["fp8_e4m3"])
         return blocked.values
 
-    def _runs(self, t: torch.Tensor, dim: int):
-        return (rowwise_quantise if self.granularity == "rowwise" else tile_quantise)(t, dim)
+    def _runs(self, t: torch.Tensor, dim: int, rounding: str = "nearest"):
+        quantiser = rowwise_quantise if self.granularity == "rowwise" else tile_quantise
+        return quantiser(t, dim, rounding=rounding)
 
     def forward(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self._observed(t, "activations", self._runs(t, dim))
@@ -237,7 +239,7 @@ class FP8TileOperands:
         return self._observed(t, "weights", self._runs(t, dim) if self.granularity == "rowwise" else tile2d_quantise(t))
 
     def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return self._observed(t, "gradients", self._runs(t, dim))
+        return self._observed(t, "gradients", self._runs(t, dim, self.rounding))
 
 
 class _BlockLinear(torch.autograd.Function):
@@ -327,7 +329,7 @@ class Precision:
         self.recipe = RECIPES.get(fmt)
         self.telemetry = QuantTelemetry()
         if granularity is not None:
-            self.block = FP8TileOperands(granularity, self.telemetry)
+            self.block = FP8TileOperands(granularity, rounding, self.telemetry)
         elif self.recipe is not None and self.recipe.block:
             if per_tensor is not None:
                 raise PrecisionError(f"{fmt} scales every block itself; scaling=per_tensor adds nothing there. Valid "
@@ -354,6 +356,11 @@ class Precision:
                 raise PrecisionError(f"per-tensor scaling of {fmt} needs emulation (native {fmt} kernels take no "
                                      "per-tensor scales); valid: format.backend=auto or emulated")
             self.native, self.why = False, f"per-tensor scaling of {fmt} needs emulation ({support.why})"
+        if self.native and granularity == "rowwise" and rounding == "stochastic":
+            if backend == "native":
+                raise PrecisionError("torchao's rowwise recipe rounds to nearest; format.rounding=stochastic needs "
+                                     "emulation: valid here: format.backend=auto or emulated")
+            self.native, self.why = False, f"stochastic rounding of gradients exists only as emulation ({support.why})"
         if self.native and granularity == "block":
             if backend == "native":
                 raise PrecisionError("scaling=block (Transformer Engine's Float8BlockScaling) has no native path here: "
@@ -479,6 +486,7 @@ class Precision:
             "block": None if self.block is None else {
                 "kind": self.granularity, "tile": "row" if self.granularity == "rowwise" else
                 "1x128 (activations, gradients), 128x128 (weights)", "scale": "the power of two at or below 448 / amax",
+                "rounding_of_gradients": self.block.rounding,
                 "kept_in_high_precision": self.kept_in_high_precision} if self.granularity else {
                 "kind": self.recipe.block, "block_size": 16 if self.recipe.block == "nvfp4" else 32,
                 "scale_mode": self.block.scale_mode if self.recipe.block == "mx" else "E4M3 block x FP32 tensor amax",

@@ -312,7 +312,9 @@ BLOCK_FORMAT_ROWS = [
     ("32-true", "none", "nearest", "FP32", 32.0),
     ("fp8-mixed", "per_tensor", "nearest", "FP8 tensorwise (E4M3/E5M2)", 8.0),
     ("fp8-mixed", "rowwise", "nearest", "FP8 rowwise (E4M3, FP32 scale per row)", 8.25),
+    ("fp8-mixed", "rowwise", "stochastic", "FP8 rowwise, stochastic gradients", 8.25),
     ("fp8-mixed", "block", "nearest", "FP8 block (E4M3, FP32 scale per 1x128 / 128x128)", 8.25),
+    ("fp8-mixed", "block", "stochastic", "FP8 block, stochastic gradients", 8.25),
     ("mxfp8-mixed", "none", "nearest", "MXFP8 (E4M3/E5M2, E8M0 per 32)", 8.25),
     ("mxfp8-mixed", "none", "stochastic", "MXFP8, stochastic gradients", 8.25),
     ("mxfp6-mixed", "none", "nearest", "MXFP6 (E2M3/E3M2, E8M0 per 32)", 6.25),
@@ -414,7 +416,7 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
     lm = cells[cells["metric"] == "val_loss"]
     if len({(str(a), str(b)) for a, b in zip(lm["setting"], lm["scaling"])} & {c[:2] for c in CHARLM_COLUMNS}) >= 2:
         built["unit_scaling_charlm"] = unit_scaling_charlm_table(runs, cells)
-    if cells["rounding"].notna().any() and any(is_cell(cells, *r[:3]).any() for r in BLOCK_FORMAT_ROWS[4:]):
+    if cells["rounding"].notna().any() and any(is_cell(cells, *r[:3]).any() for r in BLOCK_FORMAT_ROWS[2:]):
         built["block_formats"] = block_formats_table(runs, cells)
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
     timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \

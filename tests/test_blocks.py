@@ -188,7 +188,8 @@ def test_block_format_cells_train_and_say_what_they_did(make_cfg, tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     (["format=mxfp8", "scaling=per_tensor"], "valid for mxfp8: none, static, dynamic"),
     (["format=nvfp4", "scaling=unit"], "valid for nvfp4: none, static, dynamic"),
-    (["format=fp8", "format.scale_mode=ceil"], "apply to the block formats only"),
+    (["format=fp8", "format.scale_mode=ceil"], "applies to the block formats only"),
+    (["format=fp8", "scaling=per_tensor", "format.rounding=stochastic"], "and to fp8 with scaling=rowwise or block"),
     (["format=mxfp4", "format.scale_mode=round"], "valid: floor, ceil, even, rceil"),
     (["format=mxfp6", "format.rounding=up"], "valid: nearest, stochastic"),
     (["format=fp16", "scaling=rowwise"], "FP8 recipes.*valid for fp16: none, static, dynamic, per_tensor, unit$"),
@@ -338,3 +339,24 @@ def test_block_format_cells_record_block_statistics_per_tensor_class(make_cfg):
     assert main([cfg.results_dir, "--out", f"{cfg.results_dir}/tables", "--no-plots"]) == 0
     numerics = (Path(cfg.results_dir) / "tables" / cfg.experiment_name / "numerics.md").read_text()
     assert "gradients blocks clipped / flushed / rel. MSE" in numerics
+
+
+def test_stochastic_fp8_tiles_round_only_the_gradients_unbiased_and_keep_their_scales():
+    """scaling=rowwise|block with format.rounding=stochastic: gradient operands are rounded stochastically under the
+    same power-of-two scales (the mean of many roundings is the input), forward operands to nearest."""
+    from bench.blocks import rowwise_quantise, tile_quantise
+    from bench.precision import FP8TileOperands
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 256) * torch.exp2(torch.randint(-6, 6, (4, 256)).float())
+    for quantise in (rowwise_quantise, tile_quantise):
+        nearest = quantise(x)
+        draws = torch.stack([quantise(x, rounding="stochastic", generator=torch.Generator().manual_seed(k)).values
+                             for k in range(400)])
+        assert torch.equal(quantise(x, rounding="stochastic").scale, nearest.scale)
+        spacing = (nearest.values - x).abs().max()
+        assert (draws.mean(0) - x).abs().max() < 0.25 * spacing  # unbiased within 400 draws
+        assert not torch.equal(draws[0], nearest.values)
+    operands = FP8TileOperands("block", "stochastic")
+    assert torch.equal(operands.forward(x, -1), tile_quantise(x).values)  # the forward stays nearest
+    assert not torch.equal(operands.gradient(x, -1), tile_quantise(x).values)

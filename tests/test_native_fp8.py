@@ -81,3 +81,12 @@ def test_block_scaling_is_emulated_even_where_fp8_is_native(make_cfg, torchao_on
     precision = record["env"]["precision"]
     assert record["status"] == "ok" and precision["backend"] == "emulated"
     assert "Float8BlockScaling is not wired in" in precision["backend_reason"]
+
+
+def test_stochastic_rowwise_gradients_are_emulated_where_torchao_would_round_to_nearest(make_cfg, torchao_on_cpu):
+    record = _record(make_cfg("model=bert_tiny", "format=fp8", "scaling=rowwise", "format.rounding=stochastic",
+                              "train.max_steps=2"))
+    precision = record["env"]["precision"]
+    assert record["status"] == "ok" and precision["backend"] == "emulated"
+    assert precision["backend_reason"].startswith("stochastic rounding of gradients exists only as emulation")
+    assert precision["block"]["rounding_of_gradients"] == "stochastic"
