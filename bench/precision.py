@@ -483,7 +483,7 @@ class Precision:
                               else "torchao float8 tensorwise (per-tensor dynamic scaling)")
             if self.native and self.format == "fp8" else None,
             "fp8_modules": self.fp8_modules,
-            "block": None if self.block is None else {
+            "block": None if self.block is None or self.native else {  # native: torchao scales, fp8_modules says
                 "kind": self.granularity, "tile": "row" if self.granularity == "rowwise" else
                 "1x128 (activations, gradients), 128x128 (weights)", "scale": "the power of two at or below 448 / amax",
                 "rounding_of_gradients": self.block.rounding,

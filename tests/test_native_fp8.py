@@ -73,7 +73,7 @@ def test_rowwise_scaling_runs_torchaos_rowwise_recipe_natively(make_cfg, torchao
     precision = record["env"]["precision"]
     assert precision["backend"] == "native" and precision["native_recipe"].startswith("torchao float8 rowwise")
     assert recipes and recipes[0].round_scales_to_power_of_2 and recipes[0].cast_config_input.scaling_granularity.name == "AXISWISE"
-    assert len(precision["fp8_modules"]["converted"]) == 12
+    assert len(precision["fp8_modules"]["converted"]) == 12 and precision["block"] is None
 
 
 def test_block_scaling_is_emulated_even_where_fp8_is_native(make_cfg, torchao_on_cpu):
