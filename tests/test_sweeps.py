@@ -354,39 +354,3 @@ def test_block_formats_preset_covers_every_row_of_its_table_and_every_cell_passe
             precision = build_precision(cell, torch.device("cpu"))
             covered.add((precision.setting, cell.scaling.name, cell.format.rounding))
     assert covered == {row[:3] for row in BLOCK_FORMAT_ROWS}
-
-
-def test_a_requeued_slurm_job_that_sacct_briefly_calls_failed_is_waited_for_again(monkeypatch):
-    """After `scancel --signal=USR2` submitit requeues the job, and sacct can report the ended attempt as FAILED
-    for a moment (a CI run lost a pre-empted cell to it): while squeue still holds the job, the sweep waits for
-    it again; once squeue has let it go, the cell fails as before."""
-    import submitit
-    from submitit.core.utils import UncompletedJobError
-
-    from hydra_plugins.bench_sweeper import checking_sweeper
-
-    class SlurmJob:  # what _still_queued recognises, as submitit's own class
-        job_id, state = "10", "FAILED"
-        watcher = type("Watcher", (), {"clear": lambda self: cleared.append(True)})()
-
-    attempts, cleared, queued = [], [], ["PENDING\n", ""]
-
-    def flaky_results(job):
-        attempts.append(job)
-        if len(attempts) == 1:
-            raise UncompletedJobError("Job 10 (task: 0) has not produced any output (state: FAILED)")
-        return ["the cell's outcome"]
-
-    def squeue(command, **kwargs):
-        assert command[:4] == ["squeue", "--noheader", "--jobs", "10"]
-        return subprocess.CompletedProcess(command, 0, stdout=queued.pop(0), stderr="")
-
-    monkeypatch.setattr(submitit.Job, "results", flaky_results)
-    monkeypatch.setattr(checking_sweeper, "REQUEUE_RECHECK_S", 0)
-    monkeypatch.setattr(checking_sweeper.subprocess, "run", squeue)
-    with checking_sweeper._jobs_without_a_result_count_as_failed():
-        assert submitit.Job.results(SlurmJob()) == ["the cell's outcome"]
-        assert len(attempts) == 2 and cleared == [True]
-        attempts.clear()
-        failed = submitit.Job.results(SlurmJob())  # raises once, and squeue no longer lists it
-    assert failed[0].return_value["status"] == "failed" and "ended without a result (FAILED)" in failed[0].return_value["reason"]

@@ -9,8 +9,7 @@ Hydra's basic sweeper with four additions:
 - cells whose record is already finished are not launched at all (on SLURM: no job is submitted),
   and the log names each one; failed or diverged cells re-run with retry_failed=true;
 - the sweep ends with a status summary and a non-zero exit if any cell (run now or before) failed,
-  including a SLURM job that ended without a result (cancelled, killed), which no longer ends the sweep (a job
-  that SLURM requeued, whose ended attempt sacct may briefly report as FAILED, is waited for again);
+  including a SLURM job that ended without a result (cancelled, killed), which no longer ends the sweep;
 - a SLURM sweep starts only where `sacct` answers (submitit sees a job end only through SLURM accounting).
 """
 
@@ -20,7 +19,6 @@ import contextlib
 import logging
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
@@ -51,41 +49,19 @@ def _jobs_without_a_result_count_as_failed():
     results = submitit.Job.results
 
     def results_or_failure(job):
-        while True:
-            try:
-                return results(job)
-            except UncompletedJobError as e:
-                if not _still_queued(job):
-                    reason = f"job {job.job_id} ended without a result ({job.state}): {str(e).splitlines()[0]}"
-                    log.error("%s", reason)
-                    return [JobReturn(status=JobStatus.COMPLETED,
-                                      _return_value={"status": "failed", "reason": reason, "skipped": False})]
-                log.info("job %s was requeued (pre-emption or time limit): waiting for it again", job.job_id)
-                time.sleep(REQUEUE_RECHECK_S)
-                job.watcher.clear()  # it cached the attempt that ended as finished
+        try:
+            return results(job)
+        except UncompletedJobError as e:
+            reason = f"job {job.job_id} ended without a result ({job.state}): {str(e).splitlines()[0]}"
+            log.error("%s", reason)
+            return [JobReturn(status=JobStatus.COMPLETED,
+                              _return_value={"status": "failed", "reason": reason, "skipped": False})]
 
     submitit.Job.results = results_or_failure
     try:
         yield
     finally:
         submitit.Job.results = results
-
-
-REQUEUE_RECHECK_S = 10
-
-
-def _still_queued(job) -> bool:
-    """Whether SLURM still holds the job (pending, running, requeued). After a requeue, sacct can report the
-    attempt that the requeue ended as FAILED before the requeued one appears, and submitit then takes the job
-    for finished; squeue lists live jobs only. A job of another executor (submitit_local) is never queued."""
-    if type(job).__name__ != "SlurmJob":
-        return False
-    try:
-        out = subprocess.run(["squeue", "--noheader", "--jobs", str(job.job_id).split("_")[0], "--format", "%T"],
-                             capture_output=True, text=True, timeout=60)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and bool(out.stdout.strip())
 
 
 def check_slurm_accounting() -> None:
