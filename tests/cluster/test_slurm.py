@@ -38,12 +38,19 @@ def cluster():
         pytest.fail("no SLURM cluster answers here: run tests/cluster/slurm_up.sh (as root) first")
 
 
+RELEASE_AFTER_S = 3.0
+
+
 @pytest.fixture(scope="module", autouse=True)
 def requeued_jobs_start_at_once():
     """SLURM holds a requeued job back for about two minutes (pending, reason BeginTime). What is tested is that
     it is requeued and resumes, not the wait: once the job's previous run has left the node (no slurmstepd of
-    it), release it, as an administrator would with `scontrol update JobId=... StartTime=now`."""
+    it) for RELEASE_AFTER_S, release it, as an administrator would with `scontrol update JobId=... StartTime=now`.
+    Not sooner: slurmd revokes the previous run's credential with one-second resolution, and a relaunch whose
+    credential is made in the same second is killed as "non-startable: Job credential revoked" (FAILED; a CI run
+    lost the pre-empted cell that way)."""
     done = threading.Event()
+    left_the_node: dict[str, float] = {}
 
     def still_on_the_node(job: str) -> bool:
         return subprocess.run(["pgrep", "-f", rf"^slurmstepd: \[{job}\."], capture_output=True).returncode == 0
@@ -52,7 +59,9 @@ def requeued_jobs_start_at_once():
         while not done.wait(0.5):
             pending = subprocess.run(["squeue", "-h", "-t", "PD", "-o", "%A %r"], capture_output=True, text=True)
             for job, reason in (line.split() for line in pending.stdout.splitlines() if line.strip()):
-                if reason == "BeginTime" and not still_on_the_node(job):
+                if reason != "BeginTime" or still_on_the_node(job):
+                    left_the_node.pop(job, None)
+                elif time.time() - left_the_node.setdefault(job, time.time()) >= RELEASE_AFTER_S:
                     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
 
     thread = threading.Thread(target=release, daemon=True)
