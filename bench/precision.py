@@ -27,7 +27,7 @@ Ops other than Linear/Conv2d (norms, softmax, embeddings, loss) stay in FP32, as
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -295,10 +295,21 @@ def set_fp32_precision(tf32: bool) -> dict[str, str]:
 
 def torchao_float8_config(recipe: str = "tensorwise"):
     """A native FP8 recipe: torchao's float8 training, `tensorwise` (scaling=per_tensor) or `rowwise`
-    (scaling=rowwise); tests run them with emulate=True on CPU."""
+    (scaling=rowwise); tests run them with emulate=True on CPU.
+
+    pad_inner_dim: torch._scaled_mm needs every GEMM's inner dimension to be a multiple of 16. The module
+    filter (`torchao_converts`) guarantees it for the forward and input-gradient GEMMs; the weight-gradient GEMM
+    reduces over the batch's tokens, which no filter can know (a classifier head sees one token per example,
+    dynamic padding varies the rest), so torchao zero-pads it: exact, the amax and the sums are unchanged."""
     from torchao.float8 import Float8LinearConfig
 
-    return Float8LinearConfig.from_recipe_name(recipe)
+    return replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
+
+
+def torchao_converts(module: nn.Module, name: str = "") -> bool:
+    """torchao's float8 training converts a Linear whose in and out features are multiples of 16 (its GEMM
+    kernels' constraint on the dimensions a layer fixes); other layers stay in high precision."""
+    return type(module) is nn.Linear and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
 class Precision:
@@ -320,7 +331,7 @@ class Precision:
             raise PrecisionError(f"unknown format.scale_mode {scale_mode!r}; valid: {', '.join(SCALE_MODES)}")
         if rounding not in ROUNDINGS:
             raise PrecisionError(f"unknown format.rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
-        self.format, self.mode, self.device = fmt, mode, device
+        self.format, self.mode, self.device, self.requested_backend = fmt, mode, device, backend
         self.overflow, self.ftz, self.per_tensor = overflow, ftz, per_tensor
         if granularity is not None and (fmt != "fp8" or granularity not in FP8_GRANULARITIES):
             raise PrecisionError(f"scaling={granularity} is an FP8 recipe ({', '.join(FP8_GRANULARITIES)}); it needs "
@@ -409,9 +420,18 @@ class Precision:
             if self.format == "fp8":
                 from torchao.float8 import convert_to_float8_training
 
+                if not any(torchao_converts(m) for m in model.modules()):
+                    # Native would train every layer in high precision and be recorded as FP8.
+                    why = ("torchao's float8 training converts only Linear layers whose in and out features are "
+                           "multiples of 16, and this model has none")
+                    if self.requested_backend == "native":
+                        raise PrecisionError(f"format.backend=native: {why}, so nothing would run in FP8; valid "
+                                             "here: format.backend=auto or emulated")
+                    self.native, self.why = False, f"{why}: emulated ({self.why})"
+                    return self.prepare(model)
                 model = convert_to_float8_training(
                     model, config=torchao_float8_config("rowwise" if self.granularity == "rowwise" else "tensorwise"),
-                    module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+                    module_filter_fn=torchao_converts)
                 self.fp8_modules = {
                     "converted": [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"],
                     "kept_in_high_precision": [n for n, m in model.named_modules()

@@ -198,7 +198,6 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
     """run_cell's work once the cell is this process's to train."""
     run_dir = Path(cfg.results_dir) / cfg.cell
     identity = run_id(config)
-    tags = [cfg.format.name, cfg.format.mode, precision.backend, cfg.scaling.name]
     memory = devices.PeakMemory(device)
     conditions = devices.TimingConditions(device)
     checkpointer = Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint)
@@ -223,6 +222,7 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
                 log.info("%s: resuming from its checkpoint at step %d", cfg.cell, resume["steps"])
             metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume["steps"] if resume else None)
             # W&B groups by what ran (setting, native/emulated), not by what was asked (backend: auto)
+            tags = [cfg.format.name, cfg.format.mode, precision.backend, cfg.scaling.name]  # as prepare() decided
             logger = open_logger(cfg, run_dir, config | {"precision": record["env"]["precision"]}, tags, identity)
 
             progress = ProgressLine(run_dir / "run.log", total_steps(task, cfg.train))

@@ -42,12 +42,47 @@ def test_a_transformer_trains_through_torchao_and_the_record_says_what_was_conve
     assert 0.5 < modules["converted_flop_share"] < 1
 
 
-def test_lenet_native_fp8_is_shown_for_what_it_is_nothing_converted(make_cfg, torchao_on_cpu):
-    """torchao's % 16 filter leaves every LeNet layer in high precision: the record must say so."""
+def test_lenet_fp8_is_emulated_where_torchao_would_convert_nothing(make_cfg, torchao_on_cpu):
+    """torchao's % 16 filter leaves every LeNet layer in high precision: a native run would train in FP32 and be
+    recorded as FP8 (it was, on an H100: the default sweep's fp8 x per_tensor cell matched FP32 to the digit).
+    auto emulates it and says why; an explicit format.backend=native fails the cell, naming the valid choices."""
     record = _record(make_cfg("format=fp8", "scaling=per_tensor", "train.max_steps=3"))
-    modules = record["env"]["precision"]["fp8_modules"]
-    assert record["status"] == "ok" and modules["converted"] == [] and modules["converted_flop_share"] == 0
-    assert modules["kept_in_high_precision"] == ["0", "3", "7", "9", "11"]
+    precision = record["env"]["precision"]
+    assert record["status"] == "ok" and precision["backend"] == "emulated" and precision["fp8_modules"] is None
+    assert precision["backend_reason"].startswith("torchao's float8 training converts only Linear layers")
+    assert record["numerics"]["quantisation"]["activations"]["values_sampled"] > 0  # the emulation rounded
+    refused = _record(make_cfg("format=fp8", "scaling=per_tensor", "format.backend=native", "train.max_steps=3",
+                               "experiment_name=native_asked"))
+    assert refused["status"] == "failed" and "nothing would run in FP8" in refused["reason"]
+    assert "format.backend=auto or emulated" in refused["reason"] and not refused["metrics"]
+
+
+@pytest.mark.parametrize("scaling", ["per_tensor", "rowwise"])
+def test_native_fp8_meets_the_gpu_kernels_multiple_of_16_with_a_head_on_one_token_per_example(
+        make_cfg, monkeypatch, scaling):
+    """torch._scaled_mm on CUDA refuses a GEMM whose inner dimension is not a multiple of 16. DistilBERT's
+    pre-classifier sees one token per example, so its weight-gradient GEMM reduces over the batch (12 here):
+    on an H100 this crashed with 'Expected trailing dimension of mat1 to be divisible by 16 but got mat1 shape:
+    (768x12)'. Here torchao runs its real (non-emulated) path through CPU _scaled_mm, with the CUDA kernel's
+    shape check added."""
+    cpu_scaled_mm = torch._scaled_mm
+    inner_dims = []
+
+    def scaled_mm_with_cuda_shape_check(a, b, **kwargs):
+        inner_dims.append(a.shape[1])
+        assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
+        return cpu_scaled_mm(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_with_cuda_shape_check)
+    support = bench.precision.native_support
+    monkeypatch.setattr(bench.precision, "native_support", lambda fmt, device: NativeSupport(
+        True, True, "test: torchao float8 through CPU _scaled_mm") if fmt == "fp8" else support(fmt, device))
+    record = _record(make_cfg("model=distilbert_tiny", "format=fp8", f"scaling={scaling}", "model.batch_size=12",
+                              "train.max_steps=2"))
+    assert record["status"] == "ok", record.get("reason")
+    assert record["env"]["precision"]["backend"] == "native" and "pre_classifier" in \
+        record["env"]["precision"]["fp8_modules"]["converted"]
+    assert 12 not in inner_dims and 16 in inner_dims  # the batch of 12 CLS tokens, zero-padded to 16
 
 
 def test_the_native_fp8_path_resumes_from_its_checkpoint(make_cfg, torchao_on_cpu):
