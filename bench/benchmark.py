@@ -1,6 +1,6 @@
 """`make bench`: is the harness free, is the emulation cheap, are native formats as fast as promised?
 
-    python -m bench.benchmark [--out results/bench] [--quick]
+    python -m bench.benchmark [--out results/bench] [--quick] [--only harness,native,...]
 
 Writes results/bench/<device>-<date>.json: {"device", "env", "rows": [{"metric", "value", "unit", "target"}]}
 and prints the rows as a table. Every timing is the median of repeats after a warm-up, alternating the
@@ -279,7 +279,7 @@ PEAK_TFLOPS = {"H100": {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4,
                "A100": {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}}
 NATIVE_FORMATS = {"fp32": ["format=fp32"], "tf32": ["format=tf32"], "16-mixed": ["format=fp16"],
                   "16-true": ["format=fp16-true"], "bf16-mixed": ["format=bf16"], "bf16-true": ["format=bf16-true"],
-                  "fp8": ["format=fp8", "scaling=per_tensor"]}
+                  "fp8": ["format=fp8", "scaling=per_tensor"], "fp8-rowwise": ["format=fp8", "scaling=rowwise"]}
 PAPER_SHAPES = {"distilbert": (["model=distilbert_tiny", "model.arch.layers=6", "model.arch.hidden=768",
                                 "model.arch.heads=12", "model.arch.intermediate=3072", "model.batch_size=12"], 512),
                 "bert_base": (["model=bert_tiny", "model.arch.layers=12", "model.arch.hidden=768", "model.arch.heads=12",
@@ -316,7 +316,8 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
             step_s[name] = seconds
             params = sum(p.numel() for p in cell.task.model.parameters())
             tokens = cfg.model.batch_size * seq_len
-            dtype = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}.get(name, name)
+            dtype = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16",
+                     "fp8-rowwise": "fp8"}.get(name, name)
             peak = next((p[dtype] for gpu, p in PEAK_TFLOPS.items()
                          if gpu in devices.describe(precision.device)["device_name"] and dtype in p), None)
             rows += [row(f"native.{model}.{name}.step_s", seconds, "s", None),
@@ -384,25 +385,42 @@ def quantise_rows() -> list[dict]:
     return rows
 
 
+SECTIONS = ("harness", "emulation", "peers", "accounting", "host_syncs", "native", "aggregate", "quantise")
+CUDA_ONLY = ("host_syncs", "native")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
     parser.add_argument("--quick", action="store_true", help="few steps and repeats (a smoke test of the benchmark)")
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to measure (default all: {','.join(SECTIONS)}; "
+                             f"{' and '.join(CUDA_ONLY)} on CUDA only)")
     args = parser.parse_args(argv)
+    sections = args.only.split(",")
+    if unknown := [name for name in sections if name not in SECTIONS]:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
     datasets.disable_progress_bars()
     steps, repeats = (5, 1) if args.quick else (100, 7)
     device = devices.select_device("auto")
-    rows = harness_rows(steps, repeats) + emulation_rows(steps, repeats) + peer_rows(steps, repeats) \
-        + accounting_rows(repeats)
-    if device.type == "cuda":
-        rows += host_sync_rows(steps)
-        rows += native_rows(steps=10 if not args.quick else 2, repeats=repeats)
-    rows += aggregate_rows(200 if args.quick else 10_000) + quantise_rows()
+    measure = {"harness": lambda: harness_rows(steps, repeats), "emulation": lambda: emulation_rows(steps, repeats),
+               "peers": lambda: peer_rows(steps, repeats), "accounting": lambda: accounting_rows(repeats),
+               "host_syncs": lambda: host_sync_rows(steps),
+               "native": lambda: native_rows(steps=10 if not args.quick else 2, repeats=repeats),
+               "aggregate": lambda: aggregate_rows(200 if args.quick else 10_000), "quantise": quantise_rows}
     env = devices.describe(device)
     name = re.sub(r"[^A-Za-z0-9]+", "-", f"{device.type}-{env['device_name']}").strip("-").lower()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{name}-{dt.date.today().isoformat()}.json"
-    path.write_text(json.dumps({"device": name, "env": env, "rows": rows}, indent=2) + "\n")
+    rows = []
+    for section in SECTIONS:
+        if section not in sections or (section in CUDA_ONLY and device.type != "cuda"):
+            continue
+        start = time.perf_counter()
+        rows += measure[section]()
+        print(f"{section}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        # after every section, so that a run stopped at a time limit keeps what it measured
+        path.write_text(json.dumps({"device": name, "env": env, "rows": rows}, indent=2) + "\n")
     print(tabulate([[r["metric"], f"{r['value']:.4g}" if isinstance(r["value"], float) else r["value"], r["unit"],
                      r["target"] or ""] for r in rows], headers=["metric", "value", "unit", "target"]))
     print(f"\nwritten to {path}")

@@ -23,6 +23,18 @@ def test_quick_benchmark_writes_every_row_family(tmp_path):
     assert all(set(r) == {"metric", "value", "unit", "target"} and r["value"] > 0 for r in data["rows"])
 
 
+def test_only_measures_the_named_sections_and_names_the_valid_ones(tmp_path, capsys):
+    """On an H100 the whole benchmark outlasted a 10-minute job: sections can run on their own, and the JSON is
+    written after each one."""
+    assert benchmark.main(["--quick", "--only", "quantise,native", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    metrics = [r["metric"] for r in json.loads(path.read_text())["rows"]]
+    assert metrics and all(m.startswith("quantise_ns.") for m in metrics)  # native is CUDA-only: skipped here
+    with pytest.raises(SystemExit) as refused:
+        benchmark.main(["--only", "quantise,speed"])
+    assert refused.value.code == 2 and "unknown section(s) speed; valid: harness, emulation" in capsys.readouterr().err
+
+
 def test_native_rows_measure_what_the_device_runs_natively():
     shapes = {"tiny": (["model=bert_tiny", "model.batch_size=4", "model.doc_stride=8"], 32)}
     rows = {r["metric"]: r for r in benchmark.native_rows(steps=2, repeats=1, shapes=shapes,
