@@ -166,20 +166,24 @@ def _number(value):
 
 
 def to_frame(records: list[dict]) -> pd.DataFrame:
-    """One row per record (the first of several with the same run_id)."""
+    """One row per record (the first of several with the same run_id on the same device).
+
+    The device is part of what a run is here: the same config run on a CPU and on an H100 (or on two GPU types
+    of one cluster) makes two cells, labelled `device_name=...`, each paired with its own device's FP32, since their
+    times cannot be averaged and their numerics need not agree."""
     rows, seen = [], set()
     for r in records:
-        if r.get("run_id") is not None:
-            if r["run_id"] in seen:
-                continue
-            seen.add(r["run_id"])
         cfg, env, numerics, metrics = r["config"], r["env"], r["numerics"], r["metrics"]
+        if r.get("run_id") is not None:
+            if (r["run_id"], env.get("device_name")) in seen:
+                continue
+            seen.add((r["run_id"], env.get("device_name")))
         precision = env.get("precision", {})
         model = cfg["model"]["name"]
         metric = PRIMARY_METRIC.get(model)
         quant = numerics.get("quantisation") or {}
         pretrained = cfg["model"].get("pretrained", True)
-        semantic = semantic_config(cfg)
+        semantic = semantic_config(cfg) | {"device_name": env.get("device_name")}
         row = {
             "experiment": cfg["experiment_name"], "model": model, "model_label": model_label(cfg["model"]),
             "task": task_of(cfg["model"]) + ("" if pretrained else "_scratch"),

@@ -245,6 +245,25 @@ def test_models_are_labelled_as_configured_and_a_record_found_twice_counts_once(
     assert ",1,1,0,0," in cells.replace(".0,", ",")  # runs 1, ok 1: the copy is not a second seed
 
 
+def test_the_same_runs_on_two_devices_make_two_cells_each_paired_with_its_own_fp32(tmp_path):
+    """A CPU sweep and an H100 sweep of one config, aggregated together (or one sweep over a cluster of two GPU
+    types): neither device's records are dropped as duplicates of the other's run_id, times are never averaged
+    across devices, and each fp16 run is paired with the fp32 run of its own device."""
+    root = tmp_path / "runs"
+    for device, fp32, fp16, seconds in (("AMD EPYC", 0.90, 0.85, 100.0), ("NVIDIA H100 80GB HBM3", 0.94, 0.93, 2.0)):
+        for fmt, setting, accuracy in (("fp32", "32-true", fp32), ("fp16", "16-mixed", fp16)):
+            rec = record(fmt=fmt, mode="true" if fmt == "fp32" else "mixed", setting=setting, train_s=seconds,
+                         metrics={"test_accuracy": accuracy})
+            rec["env"]["device_name"], rec["run_id"] = device, f"{fmt}-seed0"  # run_id: the config's, not the device's
+            write_json_atomic(root / device / setting / "result.json", rec)
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    precision = (tmp_path / "tables" / "t" / "precision.md").read_text()
+    cpu, gpu = _row(precision, "16-mixed", "AMD EPYC"), _row(precision, "16-mixed", "H100")
+    assert "-5.00" in cpu and "100.0" in cpu  # 85 - 90, the CPU's own time
+    assert "-1.00" in gpu and "2.0" in gpu  # 93 - 94
+    assert "device_name=NVIDIA H100 80GB HBM3" in gpu
+
+
 def test_a_cell_whose_timing_was_disturbed_is_flagged(tmp_path):
     root = tmp_path / "runs"
     quiet = record(seed=0, metrics={"test_accuracy": 0.9}, train_s=10)
