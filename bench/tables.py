@@ -51,6 +51,9 @@ NOTES = {
                      "= 4 + 8/16 for NVFP4; rowwise and 1x128 FP8 one FP32 scale per 128 elements); gradients rel. "
                      "MSE and clipped blocks: the block statistics of the record's telemetry (blocks whose largest "
                      "element saturated under the block's scale).",
+    "native_fp8": "native fp8-mixed: torchao's float8 training in eager mode (the runner does not torch.compile): "
+                  "its time includes torchao's per-op Python dispatch, which on an H100 made BERT-base's step 2.8x "
+                  "slower than FP32 (README, 'On an H100'); it is not what FP8 hardware gains.",
     "memory": "modelled memory: the bytes one training step holds (parameters, gradients, optimiser state, low-"
               "precision weight copies, activations saved for backward) as the format stores them, counted on the "
               "run's first step (bench/memory.py), the same for native and emulated runs; measured peak: the "
@@ -420,7 +423,8 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
         built["block_formats"] = block_formats_table(runs, cells)
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
     timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \
-        + ([NOTES["disturbed"]] if cells["disturbed"].any() else [])
+        + ([NOTES["disturbed"]] if cells["disturbed"].any() else []) \
+        + ([NOTES["native_fp8"]] if ((cells["setting"] == "fp8-mixed") & (cells["backend"] == "native")).any() else [])
     markdown = {}
     for name, table in built.items():
         extra = timing_notes if name == "precision" else [NOTES["charlm"]] if name == "unit_scaling_charlm" else \

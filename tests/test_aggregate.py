@@ -264,6 +264,19 @@ def test_the_same_runs_on_two_devices_make_two_cells_each_paired_with_its_own_fp
     assert "device_name=NVIDIA H100 80GB HBM3" in gpu
 
 
+def test_a_native_fp8_time_says_it_is_torchao_in_eager_mode(tmp_path):
+    root = tmp_path / "runs"
+    write(root, record(metrics={"test_accuracy": 0.9}))
+    write(root, record(fmt="fp8", mode="mixed", setting="fp8-mixed", scaling="per_tensor", backend="emulated",
+                       metrics={"test_accuracy": 0.9}))
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    assert "torchao's float8 training in eager mode" not in (tmp_path / "tables" / "t" / "precision.md").read_text()
+    write(root, record(fmt="fp8", mode="mixed", setting="fp8-mixed", scaling="per_tensor", seed=1, backend="native",
+                       metrics={"test_accuracy": 0.9}))
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    assert "torchao's float8 training in eager mode" in (tmp_path / "tables" / "t" / "precision.md").read_text()
+
+
 def test_a_cell_whose_timing_was_disturbed_is_flagged(tmp_path):
     root = tmp_path / "runs"
     quiet = record(seed=0, metrics={"test_accuracy": 0.9}, train_s=10)
