@@ -25,7 +25,7 @@ help: ## list the targets
 	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet, nanogpt_shakespeare_char_cpu,"
 	@echo "             unit_scaling_charlm, unit_scaling_charlm_lr, block_formats)  ARGS (more overrides for the sweep, e.g. ARGS='model.data.source=local"
 	@echo "             model.data.path=/path/to/input.txt')"
-	@echo "             LAUNCHER=$(LAUNCHER)"
+	@echo "             LAUNCHER=$(LAUNCHER)  ONLY (make bench: some sections, e.g. ONLY=native,host_syncs)"
 	@echo "             ENTITY, PROJECT (make dashboard: the W&B entity and project; WANDB_API_KEY to create)"
 
 setup: $(STAMP) ## create .venv and install the package (torch pinned to TORCH; torchao too where there is a GPU)
@@ -70,7 +70,7 @@ raschka-memory: setup ## Raschka's DistilBERT memory (A100) beside the modelled 
 
 bench: setup ## measure harness overhead, emulation cost, native speed (on CUDA), aggregation; JSON to results/bench/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(PY) -m bench.benchmark --out results/bench
+	$(PY) -m bench.benchmark --out results/bench $(if $(ONLY),--only $(ONLY))
 
 dashboard: setup ## W&B workspace + report for EXPERIMENT (default: default); specs to results/dashboards/ offline
 	$(PY) -m bench.dashboard $(or $(EXPERIMENT),default) --results $(RESULTS) --tables $(TABLES) --tables results/tables \
