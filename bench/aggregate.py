@@ -36,7 +36,7 @@ from bench.telemetry import TENSOR_CLASSES
 
 SETTING_ORDER = ["64-true", "32-true", "tf32", "16-mixed", "16-true", "bf16-mixed", "bf16-true", "fp8-mixed",
                  "mxfp8-mixed", "mxfp6-mixed", "mxfp4-mixed", "nvfp4-mixed"]
-SCALING_ORDER = ["none", "static", "dynamic", "per_tensor", "unit", "rowwise", "block"]
+SCALING_ORDER = ["none", "static", "dynamic", "per_tensor", "unit", "rowwise", "rowwise_with_gw_hp", "block"]
 CELL_KEYS = ["experiment", "model", "task", "model_label", "setting", "scaling", "backend", "variant"]
 # Keys a cell's row already names (setting, scaling, model) or that never differ between its runs (seed).
 LABELLED = {"experiment_name", "seed", "format.name", "format.mode", "format.backend", "scaling.name", "model.name"}

@@ -41,7 +41,9 @@ import torch
 from bench.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
-FP8_GRANULARITIES = ("rowwise", "block")
+# FP8 recipes with finer scales than one per tensor: torchao rowwise, torchao rowwise with the weight-gradient GEMM
+# in high precision, Transformer Engine block
+FP8_GRANULARITIES = ("rowwise", "rowwise_with_gw_hp", "block")
 FP8_TILE = 128  # Transformer Engine's Float8BlockScaling tile
 E4M3_MAX = 448.0
 TORCHAO_AMAX_EPS = 1e-12  # torchao.float8.float8_utils.EPS

@@ -330,8 +330,8 @@ def check(cfg: DictConfig) -> None:
     _choice(cfg.scaling.name, SCALING_METHODS, "scaling")
     if cfg.scaling.name not in valid_scalings(cfg.format.name):
         why = ("block formats scale every block themselves (per_tensor would add nothing) and unit scaling's Linear "
-               "is not block-scaled yet" if block else "rowwise and block scaling are FP8 recipes (E4M3 with a scale "
-               "per row or tile)")
+               "is not block-scaled yet" if block else "rowwise, rowwise_with_gw_hp and block scaling are FP8 "
+               "recipes (E4M3 with a scale per row or tile)")
         raise ConfigError(f"scaling={cfg.scaling.name} does not combine with format={cfg.format.name}: {why}; valid "
                           f"for {cfg.format.name}: {', '.join(valid_scalings(cfg.format.name))}")
     if (block or cfg.scaling.name in FP8_GRANULARITIES) and cfg.format.overflow not in (None, "saturate"):
@@ -342,7 +342,7 @@ def check(cfg: DictConfig) -> None:
                           f"format={cfg.format.name}")
     if not block and cfg.scaling.name not in FP8_GRANULARITIES and cfg.format.rounding != "nearest":
         raise ConfigError(f"format.rounding applies to the block formats (mxfp8, mxfp6, mxfp4, nvfp4) and to fp8 with "
-                          f"scaling=rowwise or block, not to format={cfg.format.name} with scaling={cfg.scaling.name}")
+                          f"scaling=rowwise, rowwise_with_gw_hp or block, not to format={cfg.format.name} with scaling={cfg.scaling.name}")
     if cfg.format.overflow is not None:
         _choice(cfg.format.overflow, OVERFLOW_POLICIES, "format.overflow")
     _choice(cfg.scaling.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")

@@ -17,7 +17,8 @@ Emulation rounds exactly where a native kernel would, at every nn.Linear and nn.
   converts Linear layers only) and is listed in the record.
 - fp8 with scaling=rowwise or block: the same GEMM-operand layout, E4M3 for every operand, one power-of-two scale
   per row (torchao's rowwise recipe, bit-exact against it) or per 1 x 128 tile, 128 x 128 for weights (Transformer
-  Engine's Float8BlockScaling).
+  Engine's Float8BlockScaling). rowwise_with_gw_hp: torchao's recipe of that name, rowwise with the weight
+  tensorwise in the input-gradient GEMM and the weight-gradient GEMM in high precision (bit-exact against it).
 - "true" mode (fp16/bf16 whole-model cast) additionally keeps parameters, their gradients and the
   optimiser state rounded to the format after every step; elementwise ops between matmuls still
   compute in FP32 (documented in README: an approximation of 16-true, not bit-faithful there).
@@ -215,9 +216,14 @@ class BlockOperands:
 
 @dataclass(frozen=True)
 class FP8TileOperands:
-    """FP8 GEMM operands with finer scales than one per tensor (scaling=rowwise | block), E4M3 throughout:
-    rowwise, one torchao scale per row along the reduced dimension; block, Transformer Engine's 1 x 128 tiles
-    along it for activations and gradients and 128 x 128 tiles for weights (bench/blocks.py)."""
+    """FP8 GEMM operands with finer scales than one per tensor (scaling=rowwise | rowwise_with_gw_hp | block),
+    E4M3 throughout: rowwise, one torchao scale per row along the reduced dimension; block, Transformer Engine's
+    1 x 128 tiles along it for activations and gradients and 128 x 128 tiles for weights (bench/blocks.py).
+
+    rowwise_with_gw_hp is torchao's recipe of that name: the output and input-gradient GEMMs as rowwise but for
+    the weight, which the input-gradient GEMM takes with one scale for the whole tensor, and the weight-gradient
+    GEMM in high precision. _BlockLinear names each GEMM by the dimension its operands are reduced along: dim 0
+    of an activation or a gradient is the weight-gradient GEMM's, dim 0 of the weight the input-gradient GEMM's."""
 
     granularity: str
     rounding: str = "nearest"  # of the gradient operands
@@ -228,17 +234,32 @@ class FP8TileOperands:
             self.telemetry.observe_blocks(tensor_class, t, blocked, FORMATS["fp8_e4m3"])
         return blocked.values
 
+    @property
+    def rowwise(self) -> bool:
+        return self.granularity in ("rowwise", "rowwise_with_gw_hp")
+
+    @property
+    def grad_weight_in_high_precision(self) -> bool:
+        return self.granularity == "rowwise_with_gw_hp"
+
     def _runs(self, t: torch.Tensor, dim: int, rounding: str = "nearest"):
-        quantiser = rowwise_quantise if self.granularity == "rowwise" else tile_quantise
+        quantiser = rowwise_quantise if self.rowwise else tile_quantise
         return quantiser(t, dim, rounding=rounding)
 
     def forward(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if dim == 0 and self.grad_weight_in_high_precision:
+            return t
         return self._observed(t, "activations", self._runs(t, dim))
 
     def weight(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return self._observed(t, "weights", self._runs(t, dim) if self.granularity == "rowwise" else tile2d_quantise(t))
+        if dim == 0 and self.grad_weight_in_high_precision:  # one power-of-two scale for the whole weight
+            flat = t.reshape(1, -1)
+            return self._observed(flat, "weights", rowwise_quantise(flat, -1)).reshape(t.shape)
+        return self._observed(t, "weights", self._runs(t, dim) if self.rowwise else tile2d_quantise(t))
 
     def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if dim == 0 and self.grad_weight_in_high_precision:
+            return t
         return self._observed(t, "gradients", self._runs(t, dim, self.rounding))
 
 
@@ -293,9 +314,16 @@ def set_fp32_precision(tf32: bool) -> dict[str, str]:
     }
 
 
+# what a native FP8 cell runs, by scaling method (torchao's recipe names, but per_tensor's)
+NATIVE_FP8_RECIPES = {
+    "per_tensor": "torchao float8 tensorwise (per-tensor dynamic scaling)",
+    "rowwise": "torchao float8 rowwise (per-row dynamic power-of-two scaling)",
+    "rowwise_with_gw_hp": "torchao float8 rowwise_with_gw_hp (rowwise; weight-gradient GEMM in high precision)"}
+
+
 def torchao_float8_config(recipe: str = "tensorwise"):
-    """A native FP8 recipe: torchao's float8 training, `tensorwise` (scaling=per_tensor) or `rowwise`
-    (scaling=rowwise); tests run them with emulate=True on CPU.
+    """A native FP8 recipe: torchao's float8 training, `tensorwise` (scaling=per_tensor), `rowwise` or
+    `rowwise_with_gw_hp` (the scaling methods of those names); tests run them with emulate=True on CPU.
 
     pad_inner_dim: torch._scaled_mm needs every GEMM's inner dimension to be a multiple of 16. The module
     filter (`torchao_converts`) guarantees it for the forward and input-gradient GEMMs; the weight-gradient GEMM
@@ -367,7 +395,7 @@ class Precision:
                 raise PrecisionError(f"per-tensor scaling of {fmt} needs emulation (native {fmt} kernels take no "
                                      "per-tensor scales); valid: format.backend=auto or emulated")
             self.native, self.why = False, f"per-tensor scaling of {fmt} needs emulation ({support.why})"
-        if self.native and granularity == "rowwise" and rounding == "stochastic":
+        if self.native and granularity in ("rowwise", "rowwise_with_gw_hp") and rounding == "stochastic":
             if backend == "native":
                 raise PrecisionError("torchao's rowwise recipe rounds to nearest; format.rounding=stochastic needs "
                                      "emulation: valid here: format.backend=auto or emulated")
@@ -430,7 +458,7 @@ class Precision:
                     self.native, self.why = False, f"{why}: emulated ({self.why})"
                     return self.prepare(model)
                 model = convert_to_float8_training(
-                    model, config=torchao_float8_config("rowwise" if self.granularity == "rowwise" else "tensorwise"),
+                    model, config=torchao_float8_config(self.granularity or "tensorwise"),
                     module_filter_fn=torchao_converts)
                 self.fp8_modules = {
                     "converted": [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"],
@@ -499,13 +527,14 @@ class Precision:
             "overflow": {e: "saturate" if self.block else resolve_overflow(FORMATS[e], self.overflow) for e in elements},
             "ftz": self.ftz,
             "fp32_precision_flags": self.flags,
-            "native_recipe": ("torchao float8 rowwise (per-row dynamic power-of-two scaling)" if self.granularity
-                              else "torchao float8 tensorwise (per-tensor dynamic scaling)")
+            "native_recipe": NATIVE_FP8_RECIPES[self.granularity or "per_tensor"]
             if self.native and self.format == "fp8" else None,
             "fp8_modules": self.fp8_modules,
             "block": None if self.block is None or self.native else {  # native: torchao scales, fp8_modules says
-                "kind": self.granularity, "tile": "row" if self.granularity == "rowwise" else
-                "1x128 (activations, gradients), 128x128 (weights)", "scale": "the power of two at or below 448 / amax",
+                "kind": self.granularity, "tile": {
+                    "rowwise": "row", "rowwise_with_gw_hp": "row; the weight one scale in the input-gradient GEMM; "
+                    "the weight-gradient GEMM in high precision"}.get(self.granularity,
+                                                                      "1x128 (activations, gradients), 128x128 (weights)"), "scale": "the power of two at or below 448 / amax",
                 "rounding_of_gradients": self.block.rounding,
                 "kept_in_high_precision": self.kept_in_high_precision} if self.granularity else {
                 "kind": self.recipe.block, "block_size": 16 if self.recipe.block == "nvfp4" else 32,

@@ -18,7 +18,7 @@ import torch
 from bench.formats import ElementFormat
 
 LOSS_SCALING = ("none", "static", "dynamic")
-SCALING_METHODS = ("none", "static", "dynamic", "per_tensor", "unit", "rowwise", "block")
+SCALING_METHODS = ("none", "static", "dynamic", "per_tensor", "unit", "rowwise", "rowwise_with_gw_hp", "block")
 AMAX_MODES = ("current", "delayed")
 
 

@@ -189,7 +189,7 @@ def test_block_format_cells_train_and_say_what_they_did(make_cfg, tmp_path):
     (["format=mxfp8", "scaling=per_tensor"], "valid for mxfp8: none, static, dynamic"),
     (["format=nvfp4", "scaling=unit"], "valid for nvfp4: none, static, dynamic"),
     (["format=fp8", "format.scale_mode=ceil"], "applies to the block formats only"),
-    (["format=fp8", "scaling=per_tensor", "format.rounding=stochastic"], "and to fp8 with scaling=rowwise or block"),
+    (["format=fp8", "scaling=per_tensor", "format.rounding=stochastic"], "and to fp8 with scaling=rowwise, rowwise_with_gw_hp or block"),
     (["format=mxfp4", "format.scale_mode=round"], "valid: floor, ceil, even, rceil"),
     (["format=mxfp6", "format.rounding=up"], "valid: nearest, stochastic"),
     (["format=fp16", "scaling=rowwise"], "FP8 recipes.*valid for fp16: none, static, dynamic, per_tensor, unit$"),
@@ -210,11 +210,12 @@ def test_the_device_and_the_recipes_name_the_same_block_formats():
     assert set(BLOCK_FORMATS) == {name for name, recipe in RECIPES.items() if recipe.block} <= set(FORMAT_MODES)
 
 
-def test_rowwise_fp8_linear_is_torchaos_rowwise_recipe_bit_for_bit():
-    """Forward, input gradient, weight gradient and bias gradient of scaling=rowwise's emulated Linear against
-    torchao's Float8Linear under its rowwise recipe (emulate=True: dequantise, FP32 matmul), with inputs spanning
-    nine binades across tokens and weights spanning four across features: scales per row, along each GEMM's
-    reduction dimension, so one scale per tensor would give another answer."""
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_fp8_linear_is_torchaos_rowwise_recipe_bit_for_bit(recipe):
+    """Forward, input gradient, weight gradient and bias gradient of scaling=rowwise's (and rowwise_with_gw_hp's)
+    emulated Linear against torchao's Float8Linear under its recipe of that name (emulate=True: dequantise, FP32
+    matmul), with inputs spanning nine binades across tokens and weights spanning four across features: scales
+    per row, along each GEMM's reduction dimension, so one scale per tensor would give another answer."""
     import copy
     import dataclasses
 
@@ -227,8 +228,8 @@ def test_rowwise_fp8_linear_is_torchaos_rowwise_recipe_bit_for_bit():
     with torch.no_grad():
         reference.weight.mul_(torch.logspace(-2, 2, 256))
     ours = copy.deepcopy(reference)
-    ours.__class__, ours.operands = BlockLinear, FP8TileOperands("rowwise")
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=True)
+    ours.__class__, ours.operands = BlockLinear, FP8TileOperands(recipe)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
     reference = convert_to_float8_training(torch.nn.Sequential(reference), config=config)[0]
     x = torch.randn(4, 32, 256) * torch.logspace(-3, 1, 32).view(1, 32, 1)
     x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -241,6 +242,9 @@ def test_rowwise_fp8_linear_is_torchaos_rowwise_recipe_bit_for_bit():
     tensorwise = torch.nn.functional.linear(quantise_value(x * (448 / x.abs().amax()), "fp8_e4m3") * (x.abs().amax() / 448),
                                             ours.weight.detach(), ours.bias.detach())
     assert not torch.equal(y_ours, tensorwise)
+    # the recipes differ where they should: only rowwise_with_gw_hp's weight gradient is an FP32 GEMM's
+    exact_weight_grad = g.reshape(-1, 128).t() @ x.reshape(-1, 256)
+    assert torch.equal(ours.weight.grad, exact_weight_grad) == (recipe == "rowwise_with_gw_hp")
 
 
 @pytest.mark.parametrize("amax,scale", [
@@ -292,7 +296,7 @@ def test_block_scaled_fp8_uses_1x128_tiles_for_activations_and_gradients_and_128
 def test_fp8_rowwise_and_block_cells_train_and_say_what_they_did(make_cfg):
     from bench.run import run_cell
 
-    for scaling, kind in (("rowwise", "rowwise"), ("block", "block")):
+    for scaling, kind in (("rowwise", "rowwise"), ("rowwise_with_gw_hp", "rowwise_with_gw_hp"), ("block", "block")):
         record = run_cell(make_cfg("model=bert_tiny", "format=fp8", f"scaling={scaling}", "train.max_steps=6",
                                    "train.log_every=3"))
         assert record["status"] == "ok", record["reason"]

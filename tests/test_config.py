@@ -20,7 +20,7 @@ ALIASES = {"distilbert_tiny": "distilbert", "bert_tiny": "bert_base", "fp16-true
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_group_option_composes(make_cfg, group, option):
-    cfg = make_cfg(f"{group}={option}", *(["format=fp8"] if option in ("rowwise", "block") else []))  # FP8 recipes
+    cfg = make_cfg(f"{group}={option}", *(["format=fp8"] if option in ("rowwise", "rowwise_with_gw_hp", "block") else []))  # FP8 recipes
     if group == "experiment":
         assert cfg.experiment_name == option
     else:

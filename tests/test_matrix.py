@@ -29,7 +29,7 @@ def expected(profile: str, fmt: str, scaling: str) -> tuple[str, str]:
             return "emulated", "torchao is not installed"
         if scaling == "block":  # Transformer Engine is not a dependency
             return "emulated", "Float8BlockScaling is not wired in"
-        return ("native", ">= 8.9") if scaling in ("per_tensor", "rowwise") else ("emulated", "exists only as emulation")
+        return ("native", ">= 8.9") if scaling in ("per_tensor", "rowwise", "rowwise_with_gw_hp") else ("emulated", "exists only as emulation")
     if kind == "cpu":
         fast = {"tf32": False, "fp16": False,  # torch's CPU fp16 is slower than emulation, AMX-FP16 or not
                 "bf16": bool({"avx512_bf16", "amx_bf16"} & set(flags))}[fmt]
