@@ -20,6 +20,7 @@ import hydra
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from bench import device as devices
 from bench.blocks import FP8_GRANULARITIES
@@ -121,16 +122,35 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
 
 
 def step_flops_by_module(task: Task) -> dict[str, int]:
-    """FLOPs of one training step (forward and backward on the first batch) by module, as FlopCounterMode names
-    them (`<root class>.<name>`, and "Global"); the random streams are left as they were."""
+    """FLOPs of one training step (forward and backward on the first batch): "Global", all of them; per Linear,
+    as FlopCounterMode names it (`<root class>.<name>`), its three GEMMs: the forward's FLOPs twice (output and
+    weight gradient), thrice where its input needs a gradient. Per-module counts are taken in the forward only:
+    in the backward FlopCounterMode charges an op to every module whose hooks are active when it runs, and gave
+    DistilBERT's v_lin the q_lin and k_lin gradients that share its input (its Linears summed to more FLOPs
+    than the step). The random streams are left as they were."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
-    with torch.random.fork_rng(), counter:
-        outputs, targets = task.forward(task.model, next(iter(task.train_batches(0))), lambda x: x)
-        task.compute_loss(outputs, targets).backward()
+    linears = {f"{type(task.model).__name__}.{name}": m for name, m in task.model.named_modules()
+               if isinstance(m, nn.Linear)}
+    input_needs_grad = {}
+    hooks = [m.register_forward_pre_hook(lambda m, args, name=name: input_needs_grad.__setitem__(
+        name, input_needs_grad.get(name, False) or args[0].requires_grad)) for name, m in linears.items()]
+    forward, backward = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    try:
+        with torch.random.fork_rng():
+            with forward:
+                outputs, targets = task.forward(task.model, next(iter(task.train_batches(0))), lambda x: x)
+                loss = task.compute_loss(outputs, targets)
+            with backward:
+                loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
     task.model.zero_grad(set_to_none=True)
-    return {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+    counts = forward.get_flop_counts()
+    return {"Global": forward.get_total_flops() + backward.get_total_flops()} | {
+        name: sum(counts[name].values()) * (3 if input_needs_grad[name] else 2)
+        for name in linears if name in counts}
 
 
 def finished_record(cfg: DictConfig, config: dict | None = None) -> dict | None:

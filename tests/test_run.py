@@ -177,3 +177,19 @@ def test_records_get_the_permissions_the_umask_gives_new_files(tmp_path, umask, 
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "result.json").stat().st_mode) == mode
+
+
+def test_flops_per_linear_are_its_three_gemms_counted_by_hand(make_cfg):
+    """DistilBERT's q_lin, k_lin, v_lin and out_lin are 64 x 64 Linears on the same tokens: each step costs each
+    2·tokens·64·64 FLOPs forward and as much for each gradient GEMM. FlopCounterMode's backward attribution gave
+    v_lin the q_lin and k_lin gradients (3x its share), and the converted layers more FLOPs than the step."""
+    from bench.run import build_cell, preflight, step_flops_by_module
+
+    cfg = make_cfg("model=distilbert_tiny", "model.batch_size=12")
+    cell = build_cell(cfg, preflight(cfg)[1])
+    flops = step_flops_by_module(cell.task)
+    tokens = next(iter(cell.task.train_batches(0)))["input_ids"].numel()
+    root = "DistilBertForSequenceClassification.distilbert.transformer.layer.0.attention"
+    for name in ("q_lin", "k_lin", "v_lin", "out_lin"):
+        assert flops[f"{root}.{name}"] == 3 * 2 * tokens * 64 * 64
+    assert sum(v for k, v in flops.items() if k != "Global") < flops["Global"] == cell.flops_per_step
