@@ -96,34 +96,23 @@ def test_the_native_fp8_path_resumes_from_its_checkpoint(make_cfg, torchao_on_cp
     assert state["loop"]["steps"] == 4
 
 
-def test_rowwise_scaling_runs_torchaos_rowwise_recipe_natively(make_cfg, torchao_on_cpu, monkeypatch):
+@pytest.mark.parametrize("scaling", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_scalings_run_torchaos_recipe_of_that_name_natively(make_cfg, torchao_on_cpu, monkeypatch, scaling):
     import torchao.float8
 
     recipes = []
     convert = torchao.float8.convert_to_float8_training
     monkeypatch.setattr(torchao.float8, "convert_to_float8_training",
                         lambda model, config, **kw: recipes.append(config) or convert(model, config=config, **kw))
-    record = _record(make_cfg("model=bert_tiny", "format=fp8", "scaling=rowwise", "train.max_steps=4"))
+    record = _record(make_cfg("model=bert_tiny", "format=fp8", f"scaling={scaling}", "train.max_steps=4"))
     assert record["status"] == "ok", record.get("traceback")
     precision = record["env"]["precision"]
-    assert precision["backend"] == "native" and precision["native_recipe"].startswith("torchao float8 rowwise")
+    assert precision["backend"] == "native" and precision["native_recipe"].startswith(f"torchao float8 {scaling} ")
     assert recipes and recipes[0].round_scales_to_power_of_2 and recipes[0].cast_config_input.scaling_granularity.name == "AXISWISE"
     assert len(precision["fp8_modules"]["converted"]) == 12 and precision["block"] is None
-
-
-def test_rowwise_with_gw_hp_runs_torchaos_recipe_of_that_name_natively(make_cfg, torchao_on_cpu, monkeypatch):
-    import torchao.float8
-
-    recipes = []
-    convert = torchao.float8.convert_to_float8_training
-    monkeypatch.setattr(torchao.float8, "convert_to_float8_training",
-                        lambda model, config, **kw: recipes.append(config) or convert(model, config=config, **kw))
-    record = _record(make_cfg("model=bert_tiny", "format=fp8", "scaling=rowwise_with_gw_hp", "train.max_steps=4"))
-    assert record["status"] == "ok", record.get("traceback")
-    precision = record["env"]["precision"]
-    assert precision["backend"] == "native" and precision["native_recipe"].startswith("torchao float8 rowwise_with_gw_hp")
-    assert recipes[0].cast_config_input_for_grad_weight.scaling_type.name == "DISABLED"
-    assert recipes[0].cast_config_weight_for_grad_input.scaling_granularity.name == "TENSORWISE"
+    high_precision_grad_weight = recipes[0].cast_config_input_for_grad_weight is not None and \
+        recipes[0].cast_config_input_for_grad_weight.scaling_type.name == "DISABLED"
+    assert high_precision_grad_weight == (scaling == "rowwise_with_gw_hp")
 
 
 def test_block_scaling_is_emulated_even_where_fp8_is_native(make_cfg, torchao_on_cpu):
