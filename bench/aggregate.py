@@ -174,16 +174,17 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
     rows, seen = [], set()
     for r in records:
         cfg, env, numerics, metrics = r["config"], r["env"], r["numerics"], r["metrics"]
+        device = env.get("device_name")
         if r.get("run_id") is not None:
-            if (r["run_id"], env.get("device_name")) in seen:
+            if (r["run_id"], device) in seen:
                 continue
-            seen.add((r["run_id"], env.get("device_name")))
+            seen.add((r["run_id"], device))
         precision = env.get("precision", {})
         model = cfg["model"]["name"]
         metric = PRIMARY_METRIC.get(model)
         quant = numerics.get("quantisation") or {}
         pretrained = cfg["model"].get("pretrained", True)
-        semantic = semantic_config(cfg) | {"device_name": env.get("device_name")}
+        semantic = semantic_config(cfg) | {"device_name": device}
         row = {
             "experiment": cfg["experiment_name"], "model": model, "model_label": model_label(cfg["model"]),
             "task": task_of(cfg["model"]) + ("" if pretrained else "_scratch"),
@@ -195,7 +196,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "_settings": _flatten(semantic),
             "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
             "rounding": cfg["format"].get("rounding", "nearest"),  # of the gradient operands (block formats)
-            "backend": precision.get("backend"), "device": env.get("device_name"), "status": r["status"],
+            "backend": precision.get("backend"), "device": device, "status": r["status"],
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
             "metric": metric, "value": _number(metrics.get(metric)),
             "exact_match": _number(metrics.get("exact_match")), "f1": _number(metrics.get("f1")),

@@ -41,9 +41,10 @@ import torch
 from bench.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
-# FP8 recipes with finer scales than one per tensor: torchao rowwise, torchao rowwise with the weight-gradient GEMM
-# in high precision, Transformer Engine block
-FP8_GRANULARITIES = ("rowwise", "rowwise_with_gw_hp", "block")
+# FP8 recipes with finer scales than one per tensor: torchao's rowwise ones (rowwise, and rowwise with the
+# weight-gradient GEMM in high precision) and Transformer Engine's block scaling
+TORCHAO_ROWWISE = ("rowwise", "rowwise_with_gw_hp")
+FP8_GRANULARITIES = (*TORCHAO_ROWWISE, "block")
 FP8_TILE = 128  # Transformer Engine's Float8BlockScaling tile
 E4M3_MAX = 448.0
 TORCHAO_AMAX_EPS = 1e-12  # torchao.float8.float8_utils.EPS
@@ -84,6 +85,15 @@ def _blocks(x: torch.Tensor, dim: int, k: int) -> tuple[torch.Tensor, int]:
 
 def _unblock(blocks: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return blocks.flatten(-2)[..., :length].movedim(-1, dim)
+
+
+def _blocked(values: torch.Tensor, elements: torch.Tensor, length: int, dim: int, scale: torch.Tensor,
+             amax: torch.Tensor, factor: torch.Tensor, scale_bits: torch.Tensor | None = None) -> Blocked:
+    """A Blocked from `_blocks`' layout: values and elements back in the input's shape, the per-block tensors
+    (one trailing singleton per block) with their block index where `dim` was."""
+    per_block = lambda t: t.squeeze(-1).movedim(-1, dim)  # noqa: E731
+    return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), per_block(scale), per_block(amax),
+                   per_block(factor), None if scale_bits is None else per_block(scale_bits))
 
 
 def _exponent_field(x: torch.Tensor) -> torch.Tensor:
@@ -136,9 +146,7 @@ def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -
     elements = _round_elements(blocks * torch.ldexp(torch.ones_like(amax), E8M0_BIAS - biased).where(
         biased != E8M0_NAN, torch.nan), element, rounding, generator)
     values = elements * scale
-    per_block = lambda t: t.squeeze(-1).movedim(-1, dim)  # noqa: E731
-    return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), per_block(scale), per_block(amax),
-                   per_block(scale), per_block(biased).to(torch.uint8))
+    return _blocked(values, elements, length, dim, scale, amax, scale, biased.to(torch.uint8))
 
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
@@ -163,9 +171,7 @@ def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, di
         scaled = blocks * ((1.0 / tensor_scale) / stored)
         scale = stored * tensor_scale
     elements = _round_elements(scaled.clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX), "fp4_e2m1", rounding, generator)
-    per_block = lambda t: t.squeeze(-1).movedim(-1, dim)  # noqa: E731
-    return Blocked(_unblock(elements * scale, length, dim), _unblock(elements, length, dim), per_block(stored),
-                   per_block(amax), per_block(scale))
+    return _blocked(elements * scale, elements, length, dim, stored, amax, scale)
 
 
 def torchao_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -195,9 +201,7 @@ def _fp8_runs(x: torch.Tensor, dim: int, run: int, scale_rule, rounding: str, ge
     amax = blocks.abs().amax(-1, keepdim=True)
     scale = scale_rule(amax)
     elements, values = _fp8_scaled(blocks, scale, rounding, generator)
-    per_block = lambda t: t.squeeze(-1).movedim(-1, dim)  # noqa: E731
-    return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), per_block(scale), per_block(amax),
-                   per_block(1 / scale))
+    return _blocked(values, elements, length, dim, scale, amax, 1 / scale)
 
 
 def rowwise_quantise(x: torch.Tensor, dim: int = -1, rounding: str = "nearest",

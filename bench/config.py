@@ -342,7 +342,8 @@ def check(cfg: DictConfig) -> None:
                           f"format={cfg.format.name}")
     if not block and cfg.scaling.name not in FP8_GRANULARITIES and cfg.format.rounding != "nearest":
         raise ConfigError(f"format.rounding applies to the block formats (mxfp8, mxfp6, mxfp4, nvfp4) and to fp8 with "
-                          f"scaling=rowwise, rowwise_with_gw_hp or block, not to format={cfg.format.name} with scaling={cfg.scaling.name}")
+                          f"scaling=rowwise, rowwise_with_gw_hp or block, not to format={cfg.format.name} with "
+                          f"scaling={cfg.scaling.name}")
     if cfg.format.overflow is not None:
         _choice(cfg.format.overflow, OVERFLOW_POLICIES, "format.overflow")
     _choice(cfg.scaling.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")

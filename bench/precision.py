@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.blocks import (FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES, mx_quantise, nvfp4_quantise, nvfp4_tensor_scale,
-                          rowwise_quantise, tile2d_quantise, tile_quantise)
+from bench.blocks import (FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES, TORCHAO_ROWWISE, mx_quantise, nvfp4_quantise,
+                          nvfp4_tensor_scale, rowwise_quantise, tile2d_quantise, tile_quantise)
 from bench.device import native_support
 from bench.formats import FORMATS, quantise_value, resolve_overflow
 from bench.scaling import SCALING_METHODS
@@ -236,7 +236,7 @@ class FP8TileOperands:
 
     @property
     def rowwise(self) -> bool:
-        return self.granularity in ("rowwise", "rowwise_with_gw_hp")
+        return self.granularity in TORCHAO_ROWWISE
 
     @property
     def grad_weight_in_high_precision(self) -> bool:
@@ -314,6 +314,11 @@ def set_fp32_precision(tf32: bool) -> dict[str, str]:
     }
 
 
+# what an emulated FP8 granularity scales together (the record's env.precision.block.tile)
+FP8_TILES = {"rowwise": "row",
+             "rowwise_with_gw_hp": "row; the weight one scale in the input-gradient GEMM; the weight-gradient GEMM in "
+                                   "high precision",
+             "block": "1x128 (activations, gradients), 128x128 (weights)"}
 # what a native FP8 cell runs, by scaling method (torchao's recipe names, but per_tensor's)
 NATIVE_FP8_RECIPES = {
     "per_tensor": "torchao float8 tensorwise (per-tensor dynamic scaling)",
@@ -395,7 +400,7 @@ class Precision:
                 raise PrecisionError(f"per-tensor scaling of {fmt} needs emulation (native {fmt} kernels take no "
                                      "per-tensor scales); valid: format.backend=auto or emulated")
             self.native, self.why = False, f"per-tensor scaling of {fmt} needs emulation ({support.why})"
-        if self.native and granularity in ("rowwise", "rowwise_with_gw_hp") and rounding == "stochastic":
+        if self.native and granularity in TORCHAO_ROWWISE and rounding == "stochastic":
             if backend == "native":
                 raise PrecisionError("torchao's rowwise recipe rounds to nearest; format.rounding=stochastic needs "
                                      "emulation: valid here: format.backend=auto or emulated")
@@ -531,10 +536,8 @@ class Precision:
             if self.native and self.format == "fp8" else None,
             "fp8_modules": self.fp8_modules,
             "block": None if self.block is None or self.native else {  # native: torchao scales, fp8_modules says
-                "kind": self.granularity, "tile": {
-                    "rowwise": "row", "rowwise_with_gw_hp": "row; the weight one scale in the input-gradient GEMM; "
-                    "the weight-gradient GEMM in high precision"}.get(self.granularity,
-                                                                      "1x128 (activations, gradients), 128x128 (weights)"), "scale": "the power of two at or below 448 / amax",
+                "kind": self.granularity, "tile": FP8_TILES[self.granularity],
+                "scale": "the power of two at or below 448 / amax",
                 "rounding_of_gradients": self.block.rounding,
                 "kept_in_high_precision": self.kept_in_high_precision} if self.granularity else {
                 "kind": self.recipe.block, "block_size": 16 if self.recipe.block == "nvfp4" else 32,
