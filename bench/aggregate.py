@@ -30,7 +30,7 @@ import pandas as pd
 from scipy import stats
 
 from bench.config import CharDataConfig
-from bench.record import RECORD_KEYS, RecordError, check_record, config_hash, read_record, semantic_config
+from bench.record import RECORD_KEYS, RecordError, check_record, config_hash, read_record, run_id, semantic_config
 from bench.tasks import PRIMARY_METRIC
 from bench.telemetry import TENSOR_CLASSES
 
@@ -175,10 +175,10 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
     for r in records:
         cfg, env, numerics, metrics = r["config"], r["env"], r["numerics"], r["metrics"]
         device = env.get("device_name")
-        if r.get("run_id") is not None:
-            if (r["run_id"], device) in seen:
-                continue
-            seen.add((r["run_id"], device))
+        identity = (run_id(cfg), device)  # recomputed, as a resumed sweep does (bench.record.semantic_config)
+        if identity in seen:
+            continue
+        seen.add(identity)
         precision = env.get("precision", {})
         model = cfg["model"]["name"]
         metric = PRIMARY_METRIC.get(model)

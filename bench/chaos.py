@@ -36,7 +36,7 @@ def truncated_checkpoint(directory: Path) -> Path:
     """A BERT checkpoint directory whose weights file is cut in half (a broken download): loading it raises."""
     from transformers import BertConfig, BertForQuestionAnswering, BertTokenizer
 
-    from bench.config import DATA_DIR
+    from bench.data import DATA_DIR
 
     tokenizer = BertTokenizer(vocab=str(DATA_DIR / "vocab.txt"))
     BertForQuestionAnswering(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,

@@ -23,7 +23,7 @@ from torch import nn
 
 from bench import device as devices
 from bench import hub
-from bench.config import DATA_DIR
+from bench.data import DATA_DIR
 from bench.matrix import SETTINGS
 from bench.precision import Precision, set_fp32_precision
 from bench.tasks.charlm import text_cache

@@ -13,7 +13,7 @@ import sys
 
 from hydra import compose, initialize_config_dir
 
-from bench.config import DATA_DIR
+from bench.data import DATA_DIR
 
 CONF = DATA_DIR.parents[1] / "conf"
 HUB_MODELS = {"distilbert": "AutoModelForSequenceClassification", "bert_base": "AutoModelForQuestionAnswering"}

@@ -15,6 +15,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from bench.data import DATA_DIR
+
 RECORD_KEYS = ("status", "reason", "config", "env", "metrics", "timing", "memory", "numerics")
 STATUSES = ("ok", "diverged", "failed")
 IN_FLIGHT = "in_flight"  # not a record's status: what a sweep reports for a cell another process is training
@@ -140,9 +142,26 @@ NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "d
 NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
 
 
+def _shipped_data(value):
+    """A path to a file shipped in bench/data, of this checkout or any other, as `bench_data:<relative path>`;
+    other values as they are. Configs hold such paths resolved (`${bench_data:vocab.txt}`), and a run's identity
+    must not depend on where the repository was cloned: a sweep resumed from another checkout, or records of two
+    checkouts aggregated together, are the same runs."""
+    if isinstance(value, dict):
+        return {k: _shipped_data(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shipped_data(v) for v in value]
+    if isinstance(value, str) and f"{os.sep}bench{os.sep}data{os.sep}" in value:
+        relative = value.rsplit(f"{os.sep}bench{os.sep}data{os.sep}", 1)[1]
+        if (DATA_DIR / relative).is_file():
+            return f"bench_data:{relative}"
+    return value
+
+
 def semantic_config(config: dict) -> dict:
-    """The part of a config that changes what a run computes (not paths, logging or checkpoint knobs)."""
-    semantic = {k: v for k, v in config.items() if k not in NON_SEMANTIC}
+    """The part of a config that changes what a run computes (not output paths, logging or checkpoint knobs;
+    the shipped data by name, not by where the checkout lives)."""
+    semantic = {k: _shipped_data(v) for k, v in config.items() if k not in NON_SEMANTIC}
     if "train" in config:
         semantic["train"] = {k: v for k, v in config["train"].items() if k not in NON_SEMANTIC_TRAIN}
     return semantic

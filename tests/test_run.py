@@ -193,3 +193,27 @@ def test_flops_per_linear_are_its_three_gemms_counted_by_hand(make_cfg):
     for name in ("q_lin", "k_lin", "v_lin", "out_lin"):
         assert flops[f"{root}.{name}"] == 3 * 2 * tokens * 64 * 64
     assert sum(v for k, v in flops.items() if k != "Global") < flops["Global"] == cell.flops_per_step
+
+
+def test_a_record_made_in_another_checkout_is_the_same_run_for_a_resumed_sweep_and_the_tables(make_cfg):
+    """Configs hold the shipped vocabulary and fixtures as absolute paths of the checkout. A sweep resumed from a
+    re-clone refused every text-model cell ('holds a record of a different configuration'), and the tables put its
+    old records in another design than the new ones, so a new cell had no FP32 to pair with."""
+    import os
+
+    from bench.aggregate import to_frame
+    from bench.data import DATA_DIR
+    from bench.record import config_hash
+
+    fp32 = make_cfg("model=bert_tiny", "train.max_steps=2")
+    assert run_cell(fp32)["status"] == "ok"
+    path = Path(fp32.results_dir) / fp32.cell / "result.json"
+    elsewhere = json.loads(path.read_text().replace(str(DATA_DIR), f"{os.sep}elsewhere{os.sep}bench{os.sep}data"))
+    assert elsewhere["config"]["model"]["vocab"] == "/elsewhere/bench/data/vocab.txt"
+    elsewhere["run_id"] = config_hash(elsewhere["config"])  # as the other checkout's code stored it
+    path.write_text(json.dumps(elsewhere))
+    assert run_cell(fp32)["config"]["model"]["vocab"].startswith("/elsewhere")  # resumed: the record as it was
+    fp8 = make_cfg("model=bert_tiny", "train.max_steps=2", "format=fp8", "scaling=per_tensor")
+    assert run_cell(fp8)["status"] == "ok"
+    frame = to_frame([read_record(Path(c.results_dir) / c.cell / "result.json") for c in (fp32, fp8)])
+    assert frame["design_id"].nunique() == 1  # one design: the FP8 cell pairs with this FP32
