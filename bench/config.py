@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from bench.data import DATA_DIR
 from bench.device import DEVICES
 from bench.formats import OVERFLOW_POLICIES
 from bench.blocks import FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES
@@ -34,7 +35,6 @@ SCHEDULES = ("none", "linear", "cosine")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOGGERS = ("none", "wandb")
 
-DATA_DIR = Path(__file__).resolve().parent / "data"  # shipped vocabulary and fixtures
 OmegaConf.register_new_resolver("bench_data", lambda relative: str(DATA_DIR / relative), replace=True)
 
 # Keys a cell's path already spells out; with the non-semantic keys (record.NON_SEMANTIC), never in its variant.
@@ -102,7 +102,7 @@ class FormatConfig:
     overflow: Optional[str] = None  # saturate | inf | nan; None = each element format's default
     ftz: bool = False  # flush subnormal results to signed zero (TPU bfloat16 semantics)
     scale_mode: str = "floor"  # block formats (MX): floor | ceil | even | rceil (bench/blocks.py)
-    rounding: str = "nearest"  # block formats: nearest | stochastic (the gradient operands)
+    rounding: str = "nearest"  # fp8 and block formats: nearest | stochastic (the gradients entering the backward GEMMs)
 
 
 @dataclass
@@ -340,10 +340,9 @@ def check(cfg: DictConfig) -> None:
     if not block and cfg.format.scale_mode != "floor":
         raise ConfigError(f"format.scale_mode applies to the block formats only (mxfp8, mxfp6, mxfp4, nvfp4), not to "
                           f"format={cfg.format.name}")
-    if not block and cfg.scaling.name not in FP8_GRANULARITIES and cfg.format.rounding != "nearest":
-        raise ConfigError(f"format.rounding applies to the block formats (mxfp8, mxfp6, mxfp4, nvfp4) and to fp8 with "
-                          f"scaling=rowwise, rowwise_with_gw_hp or block, not to format={cfg.format.name} with "
-                          f"scaling={cfg.scaling.name}")
+    if not block and cfg.format.name != "fp8" and cfg.format.rounding != "nearest":
+        raise ConfigError(f"format.rounding applies to fp8 and the block formats (mxfp8, mxfp6, mxfp4, nvfp4), not to "
+                          f"format={cfg.format.name}; valid there: nearest")
     if cfg.format.overflow is not None:
         _choice(cfg.format.overflow, OVERFLOW_POLICIES, "format.overflow")
     _choice(cfg.scaling.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")

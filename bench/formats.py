@@ -181,19 +181,35 @@ def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | No
     return r.to(x.dtype)
 
 
-def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: torch.Generator | None = None) -> torch.Tensor:
-    """x rounded to `fmt` stochastically, saturating: |x| goes to the grid point above it with probability
+def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: torch.Generator | None = None,
+                        overflow: str = "saturate") -> torch.Tensor:
+    """x rounded to `fmt` stochastically: |x| goes to the grid point above it with probability
     (|x| - below) / spacing and to the one below otherwise, so E[result] = x inside the range and the chance of
-    rounding up is proportional to the distance. Values on the grid stay; |x| past max (inf too) becomes max;
-    NaN stays NaN. Seeded by `generator` (one uniform draw per element, in x's order): reproducible."""
+    rounding up is proportional to the distance. Values on the grid stay; NaN stays NaN. Seeded by `generator`
+    (one uniform draw per element, in x's order): reproducible.
+
+    Past max the grid goes on one step of the top binade's spacing (for IEEE formats that step is 2^(emax+1),
+    where RNE's overflow begins), and a value rounded there has overflowed: `overflow` decides, as in
+    `quantise_value` ('saturate': max, the block formats' rule; 'inf': +-inf; 'nan': NaN, an infinite input of a
+    format with inf staying inf). So max < |x| < max + spacing overflows with probability (|x| - max) / spacing."""
     spec = get_format(fmt)
+    policy = resolve_overflow(spec, overflow)
     x32 = x.to(torch.float32)
-    magnitude = x32.abs().clamp(max=spec.max)
-    exponent = (torch.frexp(magnitude)[1] - 1).clamp(min=spec.emin)  # floor(log2 |x|), at least emin
+    top_spacing = 2.0 ** (spec.emax - spec.man_bits)
+    magnitude = x32.abs().clamp(max=spec.max + top_spacing)
+    exponent = (torch.frexp(magnitude)[1] - 1).clamp(min=spec.emin, max=spec.emax)  # floor(log2 |x|) in range
     spacing = torch.ldexp(torch.ones_like(magnitude), exponent - spec.man_bits)
     below = torch.floor(magnitude / spacing) * spacing  # exact: spacing is a power of two
     draw = torch.rand(magnitude.shape, generator=generator, device=x.device)
     rounded = below + spacing * (draw < (magnitude - below) / spacing)
+    overflowed = rounded > spec.max
+    if policy == "saturate":
+        rounded = rounded.clamp(max=spec.max)
+    elif policy == "inf":
+        rounded = torch.where(overflowed, math.inf, rounded)
+    else:  # nan
+        rounded = torch.where(overflowed & ~(x32.isinf() & spec.has_inf), math.nan, rounded)
+        rounded = torch.where(x32.isinf() & spec.has_inf, math.inf, rounded)
     return rounded.copysign(x32).to(x.dtype)
 
 

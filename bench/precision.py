@@ -7,6 +7,7 @@ Emulation rounds exactly where a native kernel would, at every nn.Linear and nn.
   it returns are rounded too, because a 16-bit kernel writes 16-bit results. FP32 master weights.
 - fp8: activations and weights enter as E4M3, gradients enter the backward as E5M2, outputs and
   returned gradients stay in FP32 (FP8 GEMMs accumulate and write in higher precision).
+  `rounding=stochastic` rounds those gradients stochastically (seeded; the same overflow policy).
 - mxfp8 / mxfp6 / mxfp4 / nvfp4 (block formats, bench/blocks.py): each Linear's GEMMs take block-scaled
   operands, blocked along the dimension each GEMM reduces, as torchao's MX linear does: forward, activations and
   weights along in_features; grad_input, the output gradient and the weight along out_features; grad_weight, the
@@ -37,7 +38,7 @@ from torch import nn
 from bench.blocks import (FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES, TORCHAO_ROWWISE, mx_quantise, nvfp4_quantise,
                           nvfp4_tensor_scale, rowwise_quantise, tile2d_quantise, tile_quantise)
 from bench.device import native_support
-from bench.formats import FORMATS, quantise_value, resolve_overflow
+from bench.formats import FORMATS, quantise_stochastic, quantise_value, resolve_overflow
 from bench.scaling import SCALING_METHODS
 from bench.telemetry import QuantTelemetry
 
@@ -88,9 +89,11 @@ class TensorSite:
     """Rounds one stream of tensors (say, conv1's weight) to an element format; optionally per-tensor scaled."""
 
     def __init__(self, tensor_class: str, fmt: str, overflow: str | None, ftz: bool,
-                 telemetry: QuantTelemetry, scaler=None, on_output=None):
-        """on_output(input, output, tensor_class, fmt): told of every tensor the site makes (memory accounting)."""
+                 telemetry: QuantTelemetry, scaler=None, on_output=None, rounding: str = "nearest"):
+        """on_output(input, output, tensor_class, fmt): told of every tensor the site makes (memory accounting).
+        rounding: nearest (RNE) or stochastic (bench.formats.quantise_stochastic, the same overflow policy)."""
         self.tensor_class = tensor_class
+        self.rounding = rounding
         self.on_output = on_output
         self.spec = FORMATS[fmt]
         self.overflow = resolve_overflow(self.spec, overflow)
@@ -101,15 +104,21 @@ class TensorSite:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scaler is None:
             self.telemetry.observe(self.tensor_class, x, self.spec)
-            rounded = quantise_value(x, self.spec, self.overflow, self.ftz)
+            rounded = self._round(x)
         else:
             scale = self.scaler.scale_for(x)
             scaled = x * scale
             self.telemetry.observe(self.tensor_class, scaled, self.spec)
-            rounded = quantise_value(scaled, self.spec, self.overflow, self.ftz) / scale
+            rounded = self._round(scaled) / scale
         if self.on_output is not None:
             self.on_output(x, rounded, self.tensor_class, self.spec.name)
         return rounded
+
+    def _round(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rounding == "nearest":
+            return quantise_value(x, self.spec, self.overflow, self.ftz)
+        rounded = quantise_stochastic(x, self.spec, overflow=self.overflow)  # the run's seeded global generator
+        return rounded * (rounded.abs() >= self.spec.min_normal) if self.ftz else rounded
 
 
 class _Cast(torch.autograd.Function):
@@ -365,12 +374,15 @@ class Precision:
         if rounding not in ROUNDINGS:
             raise PrecisionError(f"unknown format.rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
         self.format, self.mode, self.device, self.requested_backend = fmt, mode, device, backend
+        self.rounding = rounding  # of the gradients entering each GEMM's backward (fp8 and the block formats)
         self.overflow, self.ftz, self.per_tensor = overflow, ftz, per_tensor
         if granularity is not None and (fmt != "fp8" or granularity not in FP8_GRANULARITIES):
             raise PrecisionError(f"scaling={granularity} is an FP8 recipe ({', '.join(FP8_GRANULARITIES)}); it needs "
                                  f"format=fp8, not {fmt}")
         self.granularity = granularity
         self.recipe = RECIPES.get(fmt)
+        if rounding != "nearest" and not (fmt == "fp8" or (self.recipe and self.recipe.block)):
+            raise PrecisionError(f"format.rounding={rounding} applies to fp8 and the block formats, not to {fmt}")
         self.telemetry = QuantTelemetry()
         if granularity is not None:
             self.block = FP8TileOperands(granularity, rounding, self.telemetry)
@@ -400,9 +412,9 @@ class Precision:
                 raise PrecisionError(f"per-tensor scaling of {fmt} needs emulation (native {fmt} kernels take no "
                                      "per-tensor scales); valid: format.backend=auto or emulated")
             self.native, self.why = False, f"per-tensor scaling of {fmt} needs emulation ({support.why})"
-        if self.native and granularity in TORCHAO_ROWWISE and rounding == "stochastic":
+        if self.native and fmt == "fp8" and rounding == "stochastic":
             if backend == "native":
-                raise PrecisionError("torchao's rowwise recipe rounds to nearest; format.rounding=stochastic needs "
+                raise PrecisionError("torchao's float8 recipes round to nearest; format.rounding=stochastic needs "
                                      "emulation: valid here: format.backend=auto or emulated")
             self.native, self.why = False, f"stochastic rounding of gradients exists only as emulation ({support.why})"
         if self.native and granularity == "block":
@@ -439,7 +451,9 @@ class Precision:
 
     def _site(self, tensor_class: str, fmt: str) -> TensorSite:
         scaler = self.per_tensor(tensor_class, FORMATS[fmt]) if self.per_tensor else None
-        return TensorSite(tensor_class, fmt, self.overflow, self.ftz, self.telemetry, scaler, self._note_output)
+        rounding = self.rounding if tensor_class == "gradients" else "nearest"
+        return TensorSite(tensor_class, fmt, self.overflow, self.ftz, self.telemetry, scaler, self._note_output,
+                          rounding)
 
     def _note_output(self, x: torch.Tensor, rounded: torch.Tensor, tensor_class: str, fmt: str) -> None:
         if self.site_listener is not None:
@@ -531,6 +545,7 @@ class Precision:
             "element_formats": elements,
             "overflow": {e: "saturate" if self.block else resolve_overflow(FORMATS[e], self.overflow) for e in elements},
             "ftz": self.ftz,
+            "rounding_of_gradients": self.rounding,
             "fp32_precision_flags": self.flags,
             "native_recipe": NATIVE_FP8_RECIPES[self.granularity or "per_tensor"]
             if self.native and self.format == "fp8" else None,

@@ -314,6 +314,7 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
 BLOCK_FORMAT_ROWS = [
     ("32-true", "none", "nearest", "FP32", 32.0),
     ("fp8-mixed", "per_tensor", "nearest", "FP8 tensorwise (E4M3/E5M2)", 8.0),
+    ("fp8-mixed", "per_tensor", "stochastic", "FP8 tensorwise, stochastic gradients", 8.0),
     ("fp8-mixed", "rowwise", "nearest", "FP8 rowwise (E4M3, FP32 scale per row)", 8.25),
     ("fp8-mixed", "rowwise", "stochastic", "FP8 rowwise, stochastic gradients", 8.25),
     ("fp8-mixed", "block", "nearest", "FP8 block (E4M3, FP32 scale per 1x128 / 128x128)", 8.25),

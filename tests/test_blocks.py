@@ -81,7 +81,8 @@ def test_blocks_run_along_the_requested_dimension():
 
 
 @pytest.mark.parametrize("fmt,value", [("fp4_e2m1", 1.3), ("fp4_e2m1", -2.6), ("fp4_e2m1", 0.3), ("fp4_e2m1", 5.0),
-                                       ("fp8_e4m3", 300.0), ("fp8_e4m3", 2.0**-8 * 1.3), ("fp6_e3m2", 0.1)])
+                                       ("fp8_e4m3", 300.0), ("fp8_e4m3", 2.0**-8 * 1.3), ("fp6_e3m2", 0.1),
+                                       ("fp8_e5m2", 2.0**-16 * 1.3), ("fp8_e5m2", -40000.0)])
 def test_stochastic_rounding_is_unbiased_and_rounds_up_in_proportion_to_the_distance(fmt, value):
     """Over n draws: the mean is the input within 5 standard errors, and the share rounded up is the distance to the
     grid point below over the spacing, within 5 binomial standard errors."""
@@ -104,6 +105,24 @@ def test_stochastic_rounding_is_reproducible_keeps_grid_values_saturates_and_kee
     assert torch.equal(quantise_stochastic(grid, "fp4_e2m1"), grid)
     assert quantise_stochastic(torch.tensor([7.0, -1e30, float("inf")]), "fp4_e2m1").tolist() == [6.0, -6.0, 6.0]
     assert quantise_stochastic(torch.tensor([float("nan")]), "fp4_e2m1").isnan().all()
+
+
+@pytest.mark.parametrize("policy", ["inf", "nan", "saturate"])
+def test_stochastic_rounding_past_max_overflows_in_proportion_and_follows_the_overflow_policy(policy):
+    """E5M2 (max 57344, top spacing 8192): 57344 + 2048 overflows a quarter of the time (to inf, NaN, or max when
+    saturating) and otherwise lands on max; past max + spacing it always overflows; inf stays inf but saturated."""
+    n = 40_000
+    drawn = quantise_stochastic(torch.full((n,), 57344.0 + 2048.0), "fp8_e5m2", torch.Generator().manual_seed(0),
+                                overflow=policy)
+    if policy == "saturate":
+        assert drawn.unique().tolist() == [57344.0]
+    else:
+        share = (~drawn.isfinite()).float().mean().item()
+        assert abs(share - 0.25) < 5 * math.sqrt(0.25 * 0.75 / n)
+        assert drawn[drawn.isfinite()].unique().tolist() == [57344.0]
+    edges = quantise_stochastic(torch.tensor([-1e6, float("inf"), 57344.0]), "fp8_e5m2", overflow=policy).tolist()
+    assert edges[1:] == [57344.0 if policy == "saturate" else math.inf, 57344.0]
+    assert {"inf": edges[0] == -math.inf, "nan": math.isnan(edges[0]), "saturate": edges[0] == -57344.0}[policy]
 
 
 @pytest.mark.parametrize("quantise", [lambda x, **kw: mx_quantise(x, "fp4_e2m1", **kw),
@@ -189,7 +208,7 @@ def test_block_format_cells_train_and_say_what_they_did(make_cfg, tmp_path):
     (["format=mxfp8", "scaling=per_tensor"], "valid for mxfp8: none, static, dynamic"),
     (["format=nvfp4", "scaling=unit"], "valid for nvfp4: none, static, dynamic"),
     (["format=fp8", "format.scale_mode=ceil"], "applies to the block formats only"),
-    (["format=fp8", "scaling=per_tensor", "format.rounding=stochastic"], "and to fp8 with scaling=rowwise, rowwise_with_gw_hp or block"),
+    (["format=bf16", "format.rounding=stochastic"], "applies to fp8 and the block formats.*valid there: nearest"),
     (["format=mxfp4", "format.scale_mode=round"], "valid: floor, ceil, even, rceil"),
     (["format=mxfp6", "format.rounding=up"], "valid: nearest, stochastic"),
     (["format=fp16", "scaling=rowwise"], "FP8 recipes.*valid for fp16: none, static, dynamic, per_tensor, unit$"),

@@ -10,7 +10,7 @@ import torch
 
 import bench.precision
 from bench.device import NativeSupport
-from bench.run import run_cell
+from bench.run import DeviceError, run_cell
 
 pytest.importorskip("torchao.float8")
 
@@ -122,10 +122,14 @@ def test_block_scaling_is_emulated_even_where_fp8_is_native(make_cfg, torchao_on
     assert "Float8BlockScaling is not wired in" in precision["backend_reason"]
 
 
-def test_stochastic_rowwise_gradients_are_emulated_where_torchao_would_round_to_nearest(make_cfg, torchao_on_cpu):
-    record = _record(make_cfg("model=bert_tiny", "format=fp8", "scaling=rowwise", "format.rounding=stochastic",
+@pytest.mark.parametrize("scaling", ["per_tensor", "rowwise"])
+def test_stochastic_fp8_gradients_are_emulated_where_torchao_would_round_to_nearest(make_cfg, torchao_on_cpu, scaling):
+    record = _record(make_cfg("model=bert_tiny", "format=fp8", f"scaling={scaling}", "format.rounding=stochastic",
                               "train.max_steps=2"))
     precision = record["env"]["precision"]
     assert record["status"] == "ok" and precision["backend"] == "emulated"
     assert precision["backend_reason"].startswith("stochastic rounding of gradients exists only as emulation")
-    assert precision["block"]["rounding_of_gradients"] == "stochastic"
+    assert precision["rounding_of_gradients"] == "stochastic"
+    with pytest.raises(DeviceError, match="torchao's float8 recipes round to nearest.*format.backend=auto or emulated"):
+        run_cell(make_cfg("model=bert_tiny", "format=fp8", f"scaling={scaling}", "format.rounding=stochastic",
+                          "format.backend=native", "train.max_steps=2", "experiment_name=native_asked"))

@@ -66,6 +66,40 @@ def test_emulated_fp8_uses_e4m3_forward_and_e5m2_gradients_and_keeps_outputs_fp3
     assert torch.equal(x.grad, quantise_value(grad_out, "fp8_e5m2") @ e4m3(layer.weight))
 
 
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["unscaled", "per_tensor"])
+def test_stochastic_fp8_rounds_only_the_gradients_entering_the_backward_and_is_unbiased_there(per_tensor):
+    """format.rounding=stochastic with tensorwise FP8: the forward is exactly the nearest-rounding forward; the
+    output gradient enters the backward on E5M2's grid (scaled and unscaled by its per-tensor scale), differs from
+    RNE, and averages to the exact gradient over seeded draws where RNE's error does not average out."""
+    from bench.formats import FORMATS
+    from bench.scaling import PerTensorScale
+
+    layer, x = _linear_and_input()
+    grad_out = torch.randn(16, 32) * 2.0**-14  # E5M2's subnormals: coarse enough that rounding shows
+    factory = (lambda tensor_class, spec: PerTensorScale(spec)) if per_tensor else None
+    nearest, stochastic = (Precision("fp8", "mixed", "emulated", None, False, CPU, factory, rounding=r)
+                           for r in ("nearest", "stochastic"))
+    scale = PerTensorScale(FORMATS["fp8_e4m3"]).scale_for(layer.weight) if per_tensor else 1.0
+    exact_grad_x = grad_out @ (quantise_value(layer.weight * scale, "fp8_e4m3") / scale)  # the weight the GEMM took
+    stochastic_layer = stochastic.prepare(_linear_and_input()[0])
+    nearest_layer = nearest.prepare(_linear_and_input()[0])
+    assert torch.equal(stochastic_layer(x), nearest_layer(x))
+    grads = []
+    for draw in range(400):
+        torch.manual_seed(draw)
+        xi = x.clone().requires_grad_(True)
+        stochastic_layer(xi).backward(grad_out)
+        grads.append(xi.grad)
+    xi = x.clone().requires_grad_(True)
+    nearest_layer(xi).backward(grad_out)
+    grads = torch.stack(grads)
+    assert not torch.equal(grads[0], xi.grad) and not torch.equal(grads[0], grads[1])
+    assert (grads.mean(0) - exact_grad_x).abs().mean() < (xi.grad - exact_grad_x).abs().mean() / 4
+    assert stochastic.describe()["rounding_of_gradients"] == "stochastic"
+    with pytest.raises(PrecisionError, match="applies to fp8 and the block formats, not to fp16"):
+        Precision("fp16", "mixed", "emulated", None, False, CPU, rounding="stochastic")
+
+
 def test_true_mode_emulation_keeps_parameters_and_optimiser_state_in_format():
     layer, x = _linear_and_input()
     precision = Precision("fp16", "true", "emulated", None, False, CPU)
