@@ -142,15 +142,20 @@ NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "d
 NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
 
 
-def _shipped_data(value):
-    """A path to a file shipped in bench/data, of this checkout or any other, as `bench_data:<relative path>`;
-    other values as they are. Configs hold such paths resolved (`${bench_data:vocab.txt}`), and a run's identity
-    must not depend on where the repository was cloned: a sweep resumed from another checkout, or records of two
-    checkouts aggregated together, are the same runs."""
+def _identity_form(value):
+    """`value` as a run's identity sees it: shipped data by name, unset options left out.
+
+    - A path to a file shipped in bench/data, of this checkout or any other, becomes `bench_data:<relative path>`.
+      Configs hold such paths resolved (`${bench_data:vocab.txt}`), and a run's identity must not depend on where
+      the repository was cloned: a sweep resumed from another checkout, or records of two checkouts aggregated
+      together, are the same runs.
+    - A key whose value is null is left out, as if absent: null means "unset" throughout the config, so a new
+      option added with a null default leaves the identity of every run made before it unchanged (their records
+      resume and pair with new ones)."""
     if isinstance(value, dict):
-        return {k: _shipped_data(v) for k, v in value.items()}
+        return {k: _identity_form(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_shipped_data(v) for v in value]
+        return [_identity_form(v) for v in value]
     if isinstance(value, str) and f"{os.sep}bench{os.sep}data{os.sep}" in value:
         relative = value.rsplit(f"{os.sep}bench{os.sep}data{os.sep}", 1)[1]
         if (DATA_DIR / relative).is_file():
@@ -159,11 +164,11 @@ def _shipped_data(value):
 
 
 def semantic_config(config: dict) -> dict:
-    """The part of a config that changes what a run computes (not output paths, logging or checkpoint knobs;
-    the shipped data by name, not by where the checkout lives)."""
-    semantic = {k: _shipped_data(v) for k, v in config.items() if k not in NON_SEMANTIC}
+    """The part of a config that changes what a run computes (not output paths, logging or checkpoint knobs), in
+    its identity form (`_identity_form`)."""
+    semantic = {k: _identity_form(v) for k, v in config.items() if k not in NON_SEMANTIC and v is not None}
     if "train" in config:
-        semantic["train"] = {k: v for k, v in config["train"].items() if k not in NON_SEMANTIC_TRAIN}
+        semantic["train"] = {k: v for k, v in _identity_form(config["train"]).items() if k not in NON_SEMANTIC_TRAIN}
     return semantic
 
 

@@ -217,3 +217,23 @@ def test_a_record_made_in_another_checkout_is_the_same_run_for_a_resumed_sweep_a
     assert run_cell(fp8)["status"] == "ok"
     frame = to_frame([read_record(Path(c.results_dir) / c.cell / "result.json") for c in (fp32, fp8)])
     assert frame["design_id"].nunique() == 1  # one design: the FP8 cell pairs with this FP32
+
+
+def test_a_record_made_before_an_option_with_a_null_default_existed_is_the_same_run(make_cfg):
+    """format.gradients came with a null default; a record from before it lacks the key. Its cell resumes and the
+    tables pair it with new runs, instead of the whole results directory refusing to resume."""
+    from bench.aggregate import to_frame
+    from bench.record import config_hash
+
+    fp32 = make_cfg("model=lenet", "train.max_steps=2")
+    assert run_cell(fp32)["status"] == "ok"
+    path = Path(fp32.results_dir) / fp32.cell / "result.json"
+    before = json.loads(path.read_text())
+    assert before["config"]["format"].pop("gradients", "absent") is None
+    before["run_id"] = config_hash(before["config"])
+    path.write_text(json.dumps(before))
+    assert "gradients" not in run_cell(fp32)["config"]["format"]  # resumed: the record as it was
+    fp8 = make_cfg("model=lenet", "train.max_steps=2", "format=fp8")
+    assert run_cell(fp8)["status"] == "ok"
+    frame = to_frame([read_record(Path(c.results_dir) / c.cell / "result.json") for c in (fp32, fp8)])
+    assert frame["design_id"].nunique() == 1
