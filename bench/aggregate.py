@@ -165,6 +165,15 @@ def _number(value):
     return np.nan if value is None else value
 
 
+# Format options that make another recipe of a block format, and their defaults (the format's own recipe).
+RECIPE_OPTIONS = {"gradients": None, "scale_mode": "floor"}
+
+
+def format_options(fmt: dict) -> str:
+    """The recipe options a run's format departs from its defaults in, as "key=value, ..." ("" for none)."""
+    return ", ".join(f"{k}={fmt.get(k)}" for k, default in RECIPE_OPTIONS.items() if fmt.get(k, default) != default)
+
+
 def to_frame(records: list[dict]) -> pd.DataFrame:
     """One row per record (the first of several with the same run_id on the same device).
 
@@ -195,7 +204,8 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "design_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format", "scaling")}),
             "_settings": _flatten(semantic),
             "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
-            "rounding": cfg["format"].get("rounding", "nearest"),  # of the gradient operands (block formats)
+            "rounding": cfg["format"].get("rounding", "nearest"),  # of the gradient operands (fp8, block formats)
+            "format_options": format_options(cfg["format"]),
             "backend": precision.get("backend"), "device": device, "status": r["status"],
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
             "metric": metric, "value": _number(metrics.get(metric)),
@@ -255,6 +265,7 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     cells["baseline_id"] = groups["baseline_id"].first()
     cells["design_id"] = groups["design_id"].first()
     cells["rounding"] = groups["rounding"].first()
+    cells["format_options"] = groups["format_options"].first()
     cells["value_ci_lo"], cells["value_ci_hi"] = zip(*[t_interval(v) for v in finished["value"].apply(list)
                                                        .reindex(cells.index, fill_value=[])])
     cells = cells.reset_index()

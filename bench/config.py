@@ -24,7 +24,7 @@ from bench.data import DATA_DIR
 from bench.device import DEVICES
 from bench.formats import OVERFLOW_POLICIES
 from bench.blocks import FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES
-from bench.precision import BACKENDS, FORMAT_MODES, RECIPES, valid_scalings
+from bench.precision import BACKENDS, FORMAT_MODES, GRADIENT_ELEMENTS, RECIPES, valid_scalings
 from bench.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
 from bench.unit import LR_RULES
 
@@ -103,6 +103,7 @@ class FormatConfig:
     ftz: bool = False  # flush subnormal results to signed zero (TPU bfloat16 semantics)
     scale_mode: str = "floor"  # block formats (MX): floor | ceil | even | rceil (bench/blocks.py)
     rounding: str = "nearest"  # fp8 and block formats: nearest | stochastic (the gradients entering the backward GEMMs)
+    gradients: Optional[str] = None  # mxfp8, mxfp6: the gradient operands' element format; None = the recipe's
 
 
 @dataclass
@@ -343,6 +344,10 @@ def check(cfg: DictConfig) -> None:
     if not block and cfg.format.name != "fp8" and cfg.format.rounding != "nearest":
         raise ConfigError(f"format.rounding applies to fp8 and the block formats (mxfp8, mxfp6, mxfp4, nvfp4), not to "
                           f"format={cfg.format.name}; valid there: nearest")
+    if cfg.format.gradients is not None and cfg.format.gradients not in GRADIENT_ELEMENTS.get(cfg.format.name, ()):
+        valid = {f: ", ".join(e) for f, e in GRADIENT_ELEMENTS.items()}
+        raise ConfigError(f"format.gradients={cfg.format.gradients} does not go with format={cfg.format.name}; valid: "
+                          "null (the format's recipe), or " + "; ".join(f"{e} for {f}" for f, e in valid.items()))
     if cfg.format.overflow is not None:
         _choice(cfg.format.overflow, OVERFLOW_POLICIES, "format.overflow")
     _choice(cfg.scaling.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")

@@ -55,6 +55,12 @@ def torchao_available() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
+def torchao_mxfp8_available() -> bool:
+    """torchao's MXFP8 training Linear (torchao >= 0.18; earlier ones kept MX training elsewhere)."""
+    return torchao_available() and importlib.util.find_spec("torchao.prototype.moe_training") is not None and \
+        importlib.util.find_spec("torchao.prototype.moe_training.mxfp8_linear") is not None
+
+
 @dataclass(frozen=True)
 class NativeSupport:
     available: bool  # the device can run the format natively at all
@@ -71,9 +77,7 @@ def native_support(fmt: str, device: torch.device) -> NativeSupport:
     if fmt == "fp32":
         return NativeSupport(True, True, "FP32 is native everywhere")
     if fmt in BLOCK_FORMATS:
-        return NativeSupport(False, False, f"{fmt} is emulated on every device for now: MX and NVFP4 GEMMs are native on "
-                                           "CUDA compute capability >= 10.0 (torchao MX / NVFP4), a path this runner "
-                                           "does not take yet")
+        return _block_format_support(fmt, device)
     if device.type == "cuda":
         cc = torch.cuda.get_device_capability(device)
         need = {"tf32": (8, 0), "fp16": (7, 0), "bf16": (8, 0), "fp8": (8, 9)}[fmt]
@@ -96,6 +100,25 @@ def native_support(fmt: str, device: torch.device) -> NativeSupport:
         why = f"CPU {'has' if fast else 'lacks'} amx_bf16/avx512_bf16; torch has CPU bf16 kernels"
         return NativeSupport(True, fast, why)
     return NativeSupport(False, False, f"torch has no {fmt} compute path on {device.type}")
+
+
+def _block_format_support(fmt: str, device: torch.device) -> NativeSupport:
+    """MX and NVFP4 GEMMs are native on CUDA compute capability >= 10.0; of their training recipes, torchao 0.18
+    has MXFP8's as a Linear (MXFP8Linear). Its NVFP4 recipe is another one (a random Hadamard transform, BF16,
+    every dimension a multiple of 128), and FP6/FP4 MX training it has not."""
+    if fmt != "mxfp8":
+        why = ("torchao's NVFP4 training is a recipe of its own (random Hadamard transform, BF16 operands, dimensions "
+               "multiples of 128), not this one" if fmt == "nvfp4" else f"torchao has no {fmt} training path")
+        return NativeSupport(False, False, f"{fmt} is emulated on every device: {why}")
+    if device.type != "cuda":
+        return NativeSupport(False, False, f"MXFP8 GEMMs are native on CUDA compute capability >= 10.0, not on "
+                                           f"{device.type}")
+    cc = torch.cuda.get_device_capability(device)
+    why = f"compute capability {cc[0]}.{cc[1]} {'>=' if cc >= (10, 0) else '<'} 10.0"
+    if cc >= (10, 0) and not torchao_mxfp8_available():
+        return NativeSupport(False, False, why + ", but torchao has no MXFP8Linear (pip install '.[fp8-gpu]', "
+                                                 "torchao >= 0.18)")
+    return NativeSupport(cc >= (10, 0), cc >= (10, 0), why + (" (torchao MXFP8Linear)" if cc >= (10, 0) else ""))
 
 
 def synchronize(device: torch.device) -> None:

@@ -39,17 +39,24 @@ def simulated(profile: str):
     kind, flags, capability, torchao = PROFILES[profile]
     with mock.patch.object(devices, "_cpu_flags", lambda: frozenset(flags)), \
             mock.patch.object(devices, "torchao_available", lambda: torchao), \
+            mock.patch.object(devices, "torchao_mxfp8_available", lambda: torchao), \
             mock.patch.object(torch.cuda, "is_available", lambda: kind == "cuda"), \
             mock.patch.object(torch.cuda, "get_device_capability", lambda *_: capability):
         yield torch.device(kind)
 
 
-def decide(profile: str, fmt: str, mode: str, scaling: str) -> tuple[str, str]:
-    """(native | emulated, why) for one cell under format.backend=auto on a simulated device."""
+# Settings whose backend depends on format options the columns leave at their defaults: (cell, options).
+RECIPE_NOTES = [("mxfp8", "mxfp8-mixed with format.gradients=fp8_e4m3 format.scale_mode=rceil (torchao's MXFP8 recipe)",
+                 {"gradients": "fp8_e4m3", "scale_mode": "rceil"})]
+
+
+def decide(profile: str, fmt: str, mode: str, scaling: str, **options) -> tuple[str, str]:
+    """(native | emulated, why) for one cell under format.backend=auto on a simulated device; `options`: more
+    Precision arguments (gradients, scale_mode, rounding)."""
     per_tensor = (lambda tensor_class, spec: None) if scaling == "per_tensor" else None
     granularity = scaling if scaling in FP8_GRANULARITIES else None
     with simulated(profile) as device:
-        precision = Precision(fmt, mode, "auto", None, False, device, per_tensor, granularity=granularity)
+        precision = Precision(fmt, mode, "auto", None, False, device, per_tensor, granularity=granularity, **options)
     return precision.backend, precision.why
 
 
@@ -74,6 +81,9 @@ def markdown() -> str:
     for profile in PROFILES:
         cells = [_summary({s: decide(profile, f, m, s)[0] for s in valid_scalings(f)}) for f, m in SETTINGS]
         lines.append(f"| {profile} | " + " | ".join(cells) + " |")
+    for fmt, cell, options in RECIPE_NOTES:
+        native = [p for p in PROFILES if decide(p, fmt, "mixed", "none", **options)[0] == "native"]
+        lines.append(f"\n{cell}: native on {', '.join(native) or 'none of these'}; emulated elsewhere.")
     return "\n".join(lines)
 
 

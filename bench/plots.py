@@ -149,17 +149,19 @@ def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str) -
     """block_formats: the metric (mean, 95% t interval) against bits per element (BLOCK_FORMAT_ROWS, log scale);
     filled markers round gradients to nearest, hollow ones stochastically."""
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    formats = list(dict.fromkeys(row[:2] for row in BLOCK_FORMAT_ROWS))  # one colour per format, both roundings
-    for setting, scaling, rounding, label, bits in BLOCK_FORMAT_ROWS:
-        match = part[is_cell(part, setting, scaling, rounding)]
+    # one colour per format and recipe, both roundings
+    formats = list(dict.fromkeys((r.setting, r.scaling, r.options) for r in BLOCK_FORMAT_ROWS))
+    for setting, scaling, rounding, label, bits, options in BLOCK_FORMAT_ROWS:
+        match = part[is_cell(part, setting, scaling, rounding, options)]
         if match.empty:
             continue
         c = match.iloc[0]
         value = scaled(c["metric"], c["value"])
         interval = None if pd.isna(c["value_ci_lo"]) else [[value - scaled(c["metric"], c["value_ci_lo"])],
                                                            [scaled(c["metric"], c["value_ci_hi"]) - value]]
-        colour = plt.cm.tab10.colors[formats.index((setting, scaling)) % 10]
-        x = bits * (1.02 if rounding == "stochastic" else 1.0)  # side by side with its nearest twin
+        colour = plt.cm.tab10.colors[formats.index((setting, scaling, options)) % 10]
+        # side by side with its nearest twin, another recipe of the format on the other side
+        x = bits * (1.02 if rounding == "stochastic" else 0.98 if options else 1.0)
         ax.errorbar(x, value, yerr=interval, fmt="none", ecolor=colour, elinewidth=0.8, capsize=2)
         ax.scatter(x, value, s=60, color=colour, facecolors="none" if rounding == "stochastic" else colour,
                    label=label.split(" (")[0] if rounding == "nearest" else None)

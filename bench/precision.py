@@ -29,14 +29,15 @@ Ops other than Linear/Conv2d (norms, softmax, embeddings, loss) stay in FP32, as
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.blocks import (FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES, TORCHAO_ROWWISE, mx_quantise, nvfp4_quantise,
-                          nvfp4_tensor_scale, rowwise_quantise, tile2d_quantise, tile_quantise)
+from bench.blocks import (FP8_GRANULARITIES, MX_BLOCK, ROUNDINGS, SCALE_MODES, TORCHAO_ROWWISE, mx_quantise,
+                          nvfp4_quantise, nvfp4_tensor_scale, rowwise_quantise, tile2d_quantise, tile_quantise)
 from bench.device import native_support
 from bench.formats import FORMATS, quantise_stochastic, quantise_value, resolve_overflow
 from bench.scaling import SCALING_METHODS
@@ -69,6 +70,9 @@ RECIPES = {
     "mxfp4": Recipe("fp4_e2m1", "fp4_e2m1", False, "mx"),
     "nvfp4": Recipe("fp4_e2m1", "fp4_e2m1", False, "nvfp4"),
 }
+# format.gradients: the gradient operands' element format where the format's width offers two (null keeps the
+# recipe's). torchao's and Transformer Engine's MXFP8 recipes take E4M3 gradients, the MX paper E5M2.
+GRADIENT_ELEMENTS = {"mxfp8": ("fp8_e4m3", "fp8_e5m2"), "mxfp6": ("fp6_e2m3", "fp6_e3m2")}
 # Block formats carry their own scales (per_tensor adds nothing); unit scaling's Linear is not block-scaled yet.
 BLOCK_SCALINGS = ("none", "static", "dynamic")
 
@@ -354,15 +358,54 @@ def torchao_converts(module: nn.Module, name: str = "") -> bool:
     return type(module) is nn.Linear and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
+# torchao's MXFP8 training (MXFP8Linear, compute capability >= 10.0): E4M3 for every operand, gradients too, blocks of
+# 32 along each GEMM's reduction dimension, the E8M0 scale by rceil (its default) or floor, rounded to nearest.
+TORCHAO_MXFP8 = {"gradients": "fp8_e4m3", "scale_modes": ("rceil", "floor"), "rounding": "nearest"}
+
+
+def torchao_mx_converts(module: nn.Module, name: str = "") -> bool:
+    """A Linear whose in and out features are whole MX blocks: its forward and input-gradient GEMMs block along
+    them, and torchao's MX casts take whole blocks only."""
+    return type(module) is nn.Linear and module.in_features % MX_BLOCK == 0 and module.out_features % MX_BLOCK == 0
+
+
+def torchao_mx_kernel():
+    """The kernels a native MXFP8 Linear runs: torchao's best for the GPU (tests take its EMULATED ones on CPU)."""
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    return KernelPreference.AUTO
+
+
+@functools.cache
+def padded_mxfp8_linear() -> type:
+    """torchao's MXFP8Linear with the tokens zero-padded to whole blocks of 32.
+
+    Its weight-gradient GEMM blocks along the tokens and asserts whole blocks ("the last dimension ... must be
+    divisible by block_size 32"): a classifier head sees one token per example, and a batch's token count is
+    anybody's. Zero rows change no block's amax and add nothing to a sum, and their outputs are dropped: exact.
+    The module, not the torchao weight-wrapper config (MXFP8TrainingOpConfig), because the wrapper drops the bias
+    of F.linear (pytorch/ao#4846, open in 0.18)."""
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
+    class PaddedMXFP8Linear(MXFP8Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            tokens = x.reshape(-1, x.shape[-1])
+            padded = F.pad(tokens, (0, 0, 0, -len(tokens) % MX_BLOCK))
+            return super().forward(padded)[:len(tokens)].reshape(*x.shape[:-1], -1)
+
+    return PaddedMXFP8Linear
+
+
 class Precision:
     """A run's format decisions, made once: native or emulated, which sites round, TF32 flags."""
 
     def __init__(self, fmt: str, mode: str, backend: str, overflow: str | None, ftz: bool,
                  device: torch.device, per_tensor=None, scale_mode: str = "floor", rounding: str = "nearest",
-                 granularity: str | None = None):
+                 granularity: str | None = None, gradients: str | None = None):
         """per_tensor: a factory `(tensor_class, spec) -> PerTensorScale` when scaling=per_tensor, else None.
-        scale_mode, rounding: block formats only (bench/blocks.py's SCALE_MODES and ROUNDINGS).
-        granularity: FP8 only, scaling=rowwise or block (bench/blocks.py's FP8_GRANULARITIES), else None."""
+        scale_mode: block formats only (bench/blocks.py's SCALE_MODES); rounding: fp8 and block formats (ROUNDINGS).
+        granularity: FP8 only, scaling=rowwise or block (bench/blocks.py's FP8_GRANULARITIES), else None.
+        gradients: the gradient operands' element format (GRADIENT_ELEMENTS), None for the recipe's."""
         if fmt not in FORMAT_MODES:
             raise PrecisionError(f"unknown format {fmt!r}; valid: {', '.join(FORMAT_MODES)}")
         if mode not in FORMAT_MODES[fmt]:
@@ -383,6 +426,11 @@ class Precision:
         self.recipe = RECIPES.get(fmt)
         if rounding != "nearest" and not (fmt == "fp8" or (self.recipe and self.recipe.block)):
             raise PrecisionError(f"format.rounding={rounding} applies to fp8 and the block formats, not to {fmt}")
+        if gradients is not None:
+            if gradients not in GRADIENT_ELEMENTS.get(fmt, ()):
+                raise PrecisionError(f"format.gradients={gradients} does not go with format={fmt}; valid: null" + "".join(
+                    f", {e}" for e in GRADIENT_ELEMENTS.get(fmt, ())) + " (a choice of mxfp8 and mxfp6)")
+            self.recipe = replace(self.recipe, grads=gradients)
         self.telemetry = QuantTelemetry()
         if granularity is not None:
             self.block = FP8TileOperands(granularity, rounding, self.telemetry)
@@ -423,6 +471,17 @@ class Precision:
                                      "Transformer Engine is not a dependency; valid: format.backend=auto or emulated")
             self.native, self.why = False, ("Transformer Engine's Float8BlockScaling is not wired in: block-scaled FP8 "
                                             f"is emulated ({support.why})")
+        if self.native and fmt == "mxfp8":
+            differs = [want for want, ok in (
+                ("format.gradients=fp8_e4m3", self.recipe.grads == TORCHAO_MXFP8["gradients"]),
+                ("format.scale_mode=rceil or floor", scale_mode in TORCHAO_MXFP8["scale_modes"]),
+                ("format.rounding=nearest", rounding == TORCHAO_MXFP8["rounding"])) if not ok]
+            if differs:
+                why = "torchao's MXFP8 recipe (E4M3 gradients, rceil or floor scales, nearest rounding) needs " + \
+                    ", ".join(differs)
+                if backend == "native":
+                    raise PrecisionError(f"format.backend=native: {why}; or format.backend=auto or emulated")
+                self.native, self.why = False, f"{why}: this recipe is emulated ({support.why})"
         if self.native and fmt == "fp8" and per_tensor is None and granularity is None:
             # torchao's FP8 recipes scale every tensor themselves: FP8 without per-tensor scales (scaling=none,
             # static, dynamic, unit) exists only as emulation, so `auto` emulates it and says why.
@@ -432,7 +491,7 @@ class Precision:
             self.native, self.why = False, ("FP8 without per-tensor scales exists only as emulation: native FP8 "
                                             f"(torchao tensorwise) scales every tensor itself ({support.why})")
         self.flags = set_fp32_precision(tf32=(fmt == "tf32"))
-        self.fp8_modules = None  # native FP8: which Linear layers torchao converted and which it left alone
+        self.fp8_modules = None  # native FP8 / MXFP8: which Linear layers torchao converted and which it left alone
         self.kept_in_high_precision = None  # block formats: the Conv2d layers they leave in FP32
         self.dtype = TORCH_DTYPES.get(fmt)
         # While bench.memory counts a step, it listens here: (input, output, tensor class, format) of every
@@ -464,27 +523,8 @@ class Precision:
         if self.format == "fp32":
             return model
         if self.native:
-            if self.format == "fp8":
-                from torchao.float8 import convert_to_float8_training
-
-                if not any(torchao_converts(m) for m in model.modules()):
-                    # Native would train every layer in high precision and be recorded as FP8.
-                    why = ("torchao's float8 training converts only Linear layers whose in and out features are "
-                           "multiples of 16, and this model has none")
-                    if self.requested_backend == "native":
-                        raise PrecisionError(f"format.backend=native: {why}, so nothing would run in FP8; valid "
-                                             "here: format.backend=auto or emulated")
-                    self.native, self.why = False, f"{why}: emulated ({self.why})"
-                    return self.prepare(model)
-                model = convert_to_float8_training(
-                    model, config=torchao_float8_config(self.granularity or "tensorwise"),
-                    module_filter_fn=torchao_converts)
-                self.fp8_modules = {
-                    "converted": [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"],
-                    "kept_in_high_precision": [n for n, m in model.named_modules()
-                                               if type(m) in (nn.Linear, nn.Conv2d)],
-                }
-                return model
+            if self.format in ("fp8", "mxfp8"):
+                return self._convert_with_torchao(model)
             return model.to(self.dtype) if self.mode == "true" else model
         if self.block is not None:
             for module in model.modules():
@@ -501,6 +541,39 @@ class Precision:
                 module.casts = OpCasts(self.recipe, self._site)
         if self.mode == "true":
             self._round_tensors(model.parameters())
+        return model
+
+    def _convert_with_torchao(self, model: nn.Module) -> nn.Module:
+        """Native FP8 and MXFP8: torchao converts the Linear layers its kernels take (`fp8_modules` lists them and
+        the layers left in high precision); a model with none is emulated (auto) or fails (native)."""
+        mx = self.format == "mxfp8"
+        converts = torchao_mx_converts if mx else torchao_converts
+        if not any(converts(m) for m in model.modules()):
+            # Native would train every layer in high precision and be recorded in the format.
+            why = (f"torchao's {'MXFP8' if mx else 'float8'} training converts only Linear layers whose in and out "
+                   f"features are multiples of {MX_BLOCK if mx else 16}, and this model has none")
+            if self.requested_backend == "native":
+                raise PrecisionError(f"format.backend=native: {why}, so nothing would run in {self.format.upper()}; "
+                                     "valid here: format.backend=auto or emulated")
+            self.native, self.why = False, f"{why}: emulated ({self.why})"
+            return self.prepare(model)
+        if mx:
+            from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+            linear, kernel = padded_mxfp8_linear(), torchao_mx_kernel()
+            for module in [m for m in model.modules() if converts(m)]:
+                module.__class__ = linear  # re-class in place: parameters and state-dict keys are untouched
+                module.kernel_preference, module.wgrad_with_hp = kernel, False
+                module.scale_calculation_mode = ScaleCalculationMode(self.block.scale_mode)
+        else:
+            from torchao.float8 import convert_to_float8_training
+
+            model = convert_to_float8_training(model, config=torchao_float8_config(self.granularity or "tensorwise"),
+                                               module_filter_fn=converts)
+        self.fp8_modules = {
+            "converted": [n for n, m in model.named_modules() if type(m).__name__ in ("Float8Linear", "PaddedMXFP8Linear")],
+            "kept_in_high_precision": [n for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)],
+        }
         return model
 
     def autocast(self):
@@ -526,6 +599,14 @@ class Precision:
             self._round_tensors(v for state in optimizer.state.values() for v in state.values()
                                 if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0)
 
+    def _native_recipe(self) -> str | None:
+        if self.native and self.format == "fp8":
+            return NATIVE_FP8_RECIPES[self.granularity or "per_tensor"]
+        if self.native and self.format == "mxfp8":
+            return (f"torchao MXFP8Linear (E4M3 operands, an E8M0 {self.block.scale_mode} scale per 32, tokens "
+                    "zero-padded to whole blocks)")
+        return None
+
     @torch.no_grad()
     def _round_tensors(self, tensors) -> None:
         for t in tensors:
@@ -547,8 +628,7 @@ class Precision:
             "ftz": self.ftz,
             "rounding_of_gradients": self.rounding,
             "fp32_precision_flags": self.flags,
-            "native_recipe": NATIVE_FP8_RECIPES[self.granularity or "per_tensor"]
-            if self.native and self.format == "fp8" else None,
+            "native_recipe": self._native_recipe(),
             "fp8_modules": self.fp8_modules,
             "block": None if self.block is None or self.native else {  # native: torchao scales, fp8_modules says
                 "kind": self.granularity, "tile": FP8_TILES[self.granularity],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -243,10 +244,14 @@ def published_table(cells: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=PUBLISHED_COLUMNS)
 
 
-def is_cell(frame: pd.DataFrame, setting: str, scaling: str, rounding: str | None = None) -> pd.Series:
-    """Which rows of `frame` (runs or cells) have this setting and scaling (and rounding of the gradients)."""
+def is_cell(frame: pd.DataFrame, setting: str, scaling: str, rounding: str | None = None,
+            options: str | None = None) -> pd.Series:
+    """Which rows of `frame` (runs or cells) have this setting and scaling (and rounding of the gradients, and
+    recipe options: bench.aggregate.format_options, "" for the format's own recipe)."""
     match = (frame["setting"].astype(str) == setting) & (frame["scaling"].astype(str) == scaling)
-    return match if rounding is None else match & (frame["rounding"] == rounding)
+    if rounding is not None:
+        match &= frame["rounding"] == rounding
+    return match if options is None else match & (frame["format_options"] == options)
 
 
 # The Unit Scaling paper's char-LM columns in its order, then this suite's FP8 ones: (setting, scaling, heading).
@@ -309,24 +314,38 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
     return pd.DataFrame(rows)
 
 
-# The block_formats preset's columns, by bits per element (scales included): (setting, scaling, rounding of the
-# gradient operands, label, bits). Rowwise and 1 x 128 FP8 keep an FP32 scale per 128 elements at K = 128.
+class BlockRow(NamedTuple):
+    """A row of the block_formats table: the cell (setting, scaling, rounding of the gradient operands, recipe
+    options as bench.aggregate.format_options writes them) and how it is shown (label, bits per element)."""
+
+    setting: str
+    scaling: str
+    rounding: str
+    label: str
+    bits: float
+    options: str = ""
+
+
+# The block_formats preset's rows, by bits per element (scales included). Rowwise and 1 x 128 FP8 keep an FP32 scale
+# per 128 elements at K = 128.
 BLOCK_FORMAT_ROWS = [
-    ("32-true", "none", "nearest", "FP32", 32.0),
-    ("fp8-mixed", "per_tensor", "nearest", "FP8 tensorwise (E4M3/E5M2)", 8.0),
-    ("fp8-mixed", "per_tensor", "stochastic", "FP8 tensorwise, stochastic gradients", 8.0),
-    ("fp8-mixed", "rowwise", "nearest", "FP8 rowwise (E4M3, FP32 scale per row)", 8.25),
-    ("fp8-mixed", "rowwise", "stochastic", "FP8 rowwise, stochastic gradients", 8.25),
-    ("fp8-mixed", "block", "nearest", "FP8 block (E4M3, FP32 scale per 1x128 / 128x128)", 8.25),
-    ("fp8-mixed", "block", "stochastic", "FP8 block, stochastic gradients", 8.25),
-    ("mxfp8-mixed", "none", "nearest", "MXFP8 (E4M3/E5M2, E8M0 per 32)", 8.25),
-    ("mxfp8-mixed", "none", "stochastic", "MXFP8, stochastic gradients", 8.25),
-    ("mxfp6-mixed", "none", "nearest", "MXFP6 (E2M3/E3M2, E8M0 per 32)", 6.25),
-    ("mxfp6-mixed", "none", "stochastic", "MXFP6, stochastic gradients", 6.25),
-    ("nvfp4-mixed", "none", "nearest", "NVFP4 (E2M1, E4M3 per 16, FP32 per tensor)", 4.5),
-    ("nvfp4-mixed", "none", "stochastic", "NVFP4, stochastic gradients", 4.5),
-    ("mxfp4-mixed", "none", "nearest", "MXFP4 (E2M1, E8M0 per 32)", 4.25),
-    ("mxfp4-mixed", "none", "stochastic", "MXFP4, stochastic gradients", 4.25),
+    BlockRow("32-true", "none", "nearest", "FP32", 32.0),
+    BlockRow("fp8-mixed", "per_tensor", "nearest", "FP8 tensorwise (E4M3/E5M2)", 8.0),
+    BlockRow("fp8-mixed", "per_tensor", "stochastic", "FP8 tensorwise, stochastic gradients", 8.0),
+    BlockRow("fp8-mixed", "rowwise", "nearest", "FP8 rowwise (E4M3, FP32 scale per row)", 8.25),
+    BlockRow("fp8-mixed", "rowwise", "stochastic", "FP8 rowwise, stochastic gradients", 8.25),
+    BlockRow("fp8-mixed", "block", "nearest", "FP8 block (E4M3, FP32 scale per 1x128 / 128x128)", 8.25),
+    BlockRow("fp8-mixed", "block", "stochastic", "FP8 block, stochastic gradients", 8.25),
+    BlockRow("mxfp8-mixed", "none", "nearest", "MXFP8 (E4M3/E5M2, E8M0 per 32)", 8.25),
+    BlockRow("mxfp8-mixed", "none", "stochastic", "MXFP8, stochastic gradients", 8.25),
+    BlockRow("mxfp8-mixed", "none", "nearest", "MXFP8, torchao's recipe (E4M3 gradients, rceil)", 8.25,
+             "gradients=fp8_e4m3, scale_mode=rceil"),
+    BlockRow("mxfp6-mixed", "none", "nearest", "MXFP6 (E2M3/E3M2, E8M0 per 32)", 6.25),
+    BlockRow("mxfp6-mixed", "none", "stochastic", "MXFP6, stochastic gradients", 6.25),
+    BlockRow("nvfp4-mixed", "none", "nearest", "NVFP4 (E2M1, E4M3 per 16, FP32 per tensor)", 4.5),
+    BlockRow("nvfp4-mixed", "none", "stochastic", "NVFP4, stochastic gradients", 4.5),
+    BlockRow("mxfp4-mixed", "none", "nearest", "MXFP4 (E2M1, E8M0 per 32)", 4.25),
+    BlockRow("mxfp4-mixed", "none", "stochastic", "MXFP4, stochastic gradients", 4.25),
 ]
 
 
@@ -339,13 +358,13 @@ def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame
     for (label, design), part in cells.groupby(["model_label", "design_id"], sort=False):
         here = ok[ok["design_id"] == design]
         reference = here[is_cell(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
-        for setting, scaling, rounding, name, bits in BLOCK_FORMAT_ROWS:
-            match = part[is_cell(part, setting, scaling, rounding)]
+        for setting, scaling, rounding, name, bits, options in BLOCK_FORMAT_ROWS:
+            match = part[is_cell(part, setting, scaling, rounding, options)]
             if match.empty:
                 continue
             c = match.iloc[0]
             metric = c["metric"]
-            runs_here = here[is_cell(here, setting, scaling, rounding)]
+            runs_here = here[is_cell(here, setting, scaling, rounding, options)]
             differences = [scaled(metric, v - reference[s]) for v, s in zip(runs_here["value"], runs_here["seed"])
                            if s in reference.index]
             rows.append({"model": label, "format": name + (f" {EMULATED}" if c["backend"] == "emulated" else ""),
@@ -420,7 +439,8 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
     lm = cells[cells["metric"] == "val_loss"]
     if len({(str(a), str(b)) for a, b in zip(lm["setting"], lm["scaling"])} & {c[:2] for c in CHARLM_COLUMNS}) >= 2:
         built["unit_scaling_charlm"] = unit_scaling_charlm_table(runs, cells)
-    if cells["rounding"].notna().any() and any(is_cell(cells, *r[:3]).any() for r in BLOCK_FORMAT_ROWS[2:]):
+    if cells["rounding"].notna().any() and any(is_cell(cells, r.setting, r.scaling, r.rounding, r.options).any()
+                                             for r in BLOCK_FORMAT_ROWS[2:]):
         built["block_formats"] = block_formats_table(runs, cells)
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
     timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \

@@ -383,29 +383,36 @@ def test_one_model_in_two_configurations_gets_two_sets_of_plots(tmp_path):
         assert path.stat().st_size > 1000, sorted(p.name for p in path.parent.iterdir())
 
 
-def test_block_formats_table_orders_by_bits_tells_rounding_apart_and_pairs_each_seed_with_fp32(tmp_path):
-    """FP32, FP8 rowwise and MXFP4 with nearest and stochastic gradients, two seeds: rows by bits per element
-    (32, 8.25, 4.25, 4.25), the two roundings their own rows, differences to FP32 of the same seed by hand."""
+def test_block_formats_table_orders_by_bits_tells_rounding_and_recipes_apart_and_pairs_each_seed_with_fp32(tmp_path):
+    """FP32, FP8 rowwise, MXFP8 in its own and in torchao's recipe, MXFP4 with nearest and stochastic gradients, two
+    seeds: rows by bits per element (32, 8.25, 8.25, 8.25, 4.25, 4.25), roundings and recipes their own rows,
+    differences to FP32 of the same seed by hand."""
     root = tmp_path / "runs"
-    accuracy = {("32-true", "fp32", "none", "nearest"): (0.90, 0.94), ("fp8-mixed", "fp8", "rowwise", "nearest"): (0.89, 0.95),
-                ("mxfp4-mixed", "mxfp4", "none", "nearest"): (0.70, 0.80),
-                ("mxfp4-mixed", "mxfp4", "none", "stochastic"): (0.85, 0.87)}
-    for (setting, fmt, scaling, rounding), values in accuracy.items():
+    torchaos = {"gradients": "fp8_e4m3", "scale_mode": "rceil"}
+    accuracy = {("32-true", "fp32", "none", "nearest", ()): (0.90, 0.94),
+                ("fp8-mixed", "fp8", "rowwise", "nearest", ()): (0.89, 0.95),
+                ("mxfp8-mixed", "mxfp8", "none", "nearest", ()): (0.60, 0.62),
+                ("mxfp8-mixed", "mxfp8", "none", "nearest", tuple(torchaos.items())): (0.91, 0.93),
+                ("mxfp4-mixed", "mxfp4", "none", "nearest", ()): (0.70, 0.80),
+                ("mxfp4-mixed", "mxfp4", "none", "stochastic", ()): (0.85, 0.87)}
+    for (setting, fmt, scaling, rounding, options), values in accuracy.items():
         for seed, value in enumerate(values):
             rec = record(fmt=fmt, mode="mixed", setting=setting, scaling=scaling, seed=seed,
                          metrics={"test_accuracy": value}, backend="native" if fmt == "fp32" else "emulated")
-            rec["config"]["format"]["rounding"] = rounding
+            rec["config"]["format"] |= {"rounding": rounding, **dict(options)}
             rec["numerics"]["quantisation"]["gradients"]["blocks"] = {"relative_mse": 0.01, "clipped_block_fraction": 0.2}
-            write_json_atomic(root / f"{setting}-{scaling}-{rounding}-{seed}" / "result.json", rec)
+            write_json_atomic(root / f"{setting}-{scaling}-{rounding}-{len(options)}-{seed}" / "result.json", rec)
     assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
     table = (tmp_path / "tables" / "t" / "block_formats.md").read_text()
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| lenet")]
     assert [(r[1].rstrip(" †"), r[2]) for r in rows] == [
-        ("FP32", "32"), ("FP8 rowwise (E4M3, FP32 scale per row)", "8.25"), ("MXFP4 (E2M1, E8M0 per 32)", "4.25"),
+        ("FP32", "32"), ("FP8 rowwise (E4M3, FP32 scale per row)", "8.25"), ("MXFP8 (E4M3/E5M2, E8M0 per 32)", "8.25"),
+        ("MXFP8, torchao's recipe (E4M3 gradients, rceil)", "8.25"), ("MXFP4 (E2M1, E8M0 per 32)", "4.25"),
         ("MXFP4, stochastic gradients", "4.25")]
     assert rows[0][3] == "test_accuracy" and rows[0][4] == "92.00 ± 2.83 (n=2)"
-    assert rows[2][5].startswith(f"{-100 * (0.20 + 0.14) / 2:+.2f} [")  # (0.70 - 0.90, 0.80 - 0.94)
-    assert rows[3][5].startswith(f"{-100 * (0.05 + 0.07) / 2:+.2f} [")
-    assert rows[3][6] == "1.00e-02" and rows[3][7] == "– / 20%" and rows[0][5] == "baseline"
+    assert rows[2][4] == "61.00 ± 1.41 (n=2)" and rows[3][4] == "92.00 ± 1.41 (n=2)"
+    assert rows[4][5].startswith(f"{-100 * (0.20 + 0.14) / 2:+.2f} [")  # (0.70 - 0.90, 0.80 - 0.94)
+    assert rows[5][5].startswith(f"{-100 * (0.05 + 0.07) / 2:+.2f} [")
+    assert rows[5][6] == "1.00e-02" and rows[5][7] == "– / 20%" and rows[0][5] == "baseline"
     assert main([str(root), "--out", str(tmp_path / "plotted")]) == 0
     assert (tmp_path / "plotted" / "t" / "lenet_metric_vs_bits.png").stat().st_size > 1000

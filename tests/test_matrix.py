@@ -15,13 +15,19 @@ from tests.conftest import CONF
 README = CONF.parent / "README.md"
 
 
-def expected(profile: str, fmt: str, scaling: str) -> tuple[str, str]:
+def expected(profile: str, fmt: str, scaling: str, torchaos_mx_recipe: bool = False) -> tuple[str, str]:
     """The rules, independently of bench/device.py: (backend, a phrase the reason must contain)."""
     kind, flags, capability, torchao = PROFILES[profile]
     if fmt == "fp32":
         return "native", "FP32 is native everywhere"
-    if fmt in ("mxfp8", "mxfp6", "mxfp4", "nvfp4"):
-        return "emulated", "emulated on every device for now"
+    if fmt in ("mxfp6", "mxfp4", "nvfp4"):
+        return "emulated", "emulated on every device"
+    if fmt == "mxfp8":  # torchao's MXFP8Linear on >= 10.0, for its recipe (E4M3 gradients, rceil or floor) only
+        if kind != "cuda" or capability < (10, 0):
+            return "emulated", {"cpu": "not on cpu", "xla": "not on xla", "cuda": "< 10.0"}[kind]
+        if not torchao:
+            return "emulated", "torchao has no MXFP8Linear"
+        return ("native", ">= 10.0") if torchaos_mx_recipe else ("emulated", "needs format.gradients=fp8_e4m3")
     if fmt == "fp8":
         if kind != "cuda" or capability < (8, 9):
             return "emulated", {"cpu": "no fp8 compute path", "xla": "bf16 only", "cuda": "< 8.9"}[kind]
@@ -48,6 +54,14 @@ def test_every_decision_follows_the_rules(profile):
         backend, why = decide(profile, fmt, mode, scaling)
         want, reason = expected(profile, fmt, scaling)
         assert (backend, reason in why) == (want, True), (profile, fmt, mode, scaling, backend, why)
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+@pytest.mark.parametrize("scale_mode", ["rceil", "floor"])
+def test_mxfp8_in_torchaos_recipe_is_native_where_torchao_has_it(profile, scale_mode):
+    backend, why = decide(profile, "mxfp8", "mixed", "none", gradients="fp8_e4m3", scale_mode=scale_mode)
+    want, reason = expected(profile, "mxfp8", "none", torchaos_mx_recipe=True)
+    assert (backend, reason in why) == (want, True), (profile, backend, why)
 
 
 def test_the_readme_shows_the_table_the_code_makes():

@@ -133,3 +133,87 @@ def test_stochastic_fp8_gradients_are_emulated_where_torchao_would_round_to_near
     with pytest.raises(DeviceError, match="torchao's float8 recipes round to nearest.*format.backend=auto or emulated"):
         run_cell(make_cfg("model=bert_tiny", "format=fp8", f"scaling={scaling}", "format.rounding=stochastic",
                           "format.backend=native", "train.max_steps=2", "experiment_name=native_asked"))
+
+
+@pytest.fixture
+def torchao_mx_on_cpu(monkeypatch):
+    """MXFP8 counts as native on this CPU, and torchao's MXFP8Linear runs its EMULATED kernels."""
+    pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    monkeypatch.setattr(bench.precision, "torchao_mx_kernel", lambda: KernelPreference.EMULATED)
+    support = bench.precision.native_support
+    monkeypatch.setattr(bench.precision, "native_support", lambda fmt, device: NativeSupport(
+        True, True, "test: torchao MXFP8Linear with its EMULATED kernels on CPU") if fmt == "mxfp8" else support(fmt, device))
+
+
+@pytest.mark.parametrize("tokens", [64, 12])
+@pytest.mark.parametrize("scale_mode", ["rceil", "floor"])
+def test_native_mxfp8_is_torchaos_mxfp8linear_and_our_emulation_of_its_recipe_equals_it_bit_for_bit(
+        torchao_mx_on_cpu, tokens, scale_mode):
+    """format=mxfp8 format.gradients=fp8_e4m3 (torchao's recipe): emulated (bench/blocks.py) and native (torchao's
+    MXFP8Linear, tokens zero-padded to whole blocks) give the same output, input, weight and bias gradients to the
+    bit, on a layer with a non-zero bias and rows of very different scales. torchao's own layer refuses 12 tokens."""
+    import copy
+
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    from bench.precision import Precision
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(96, 64)
+    torch.nn.init.normal_(base.bias)
+    x = torch.randn(tokens, 96) * torch.exp2(torch.randint(-6, 6, (tokens, 1)).float())
+    grad = torch.randn(tokens, 64) * torch.exp2(torch.randint(-10, 4, (tokens, 1)).float())
+    results = {}
+    for backend in ("emulated", "native"):
+        layer = copy.deepcopy(base)
+        precision = Precision("mxfp8", "mixed", backend, None, False, torch.device("cpu"), scale_mode=scale_mode,
+                              gradients="fp8_e4m3")
+        precision.prepare(layer)
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.backward(grad)
+        results[backend] = (y.detach(), xi.grad, layer.weight.grad, layer.bias.grad)
+        assert type(layer).__name__ == {"emulated": "BlockLinear", "native": "PaddedMXFP8Linear"}[backend]
+    for emulated, native in zip(results["emulated"], results["native"]):
+        assert torch.equal(emulated, native)
+    assert not torch.equal(results["native"][0], base(x).detach())  # it did round
+    unpadded = MXFP8Linear(96, 64, kernel_preference=KernelPreference.EMULATED)
+    if tokens % 32:
+        with pytest.raises(AssertionError, match="divisible by block_size 32"):
+            unpadded(x.clone().requires_grad_(True)).sum().backward()
+
+
+def test_a_transformer_trains_natively_in_mxfp8_and_the_record_says_what_was_converted(make_cfg, torchao_mx_on_cpu):
+    """DistilBERT's pre-classifier sees one token per example: 12 here, padded to a block of 32."""
+    record = _record(make_cfg("model=distilbert_tiny", "model.batch_size=12", "format=mxfp8",
+                              "format.gradients=fp8_e4m3", "format.scale_mode=rceil", "train.max_steps=3"))
+    assert record["status"] == "ok", record.get("traceback")
+    precision = record["env"]["precision"]
+    assert precision["backend"] == "native" and precision["native_recipe"].startswith("torchao MXFP8Linear")
+    assert precision["element_formats"] == ["fp8_e4m3"] and precision["block"] is None
+    modules = precision["fp8_modules"]
+    assert len(modules["converted"]) == 13 and "pre_classifier" in modules["converted"]  # 2 layers x 6, and the head
+    assert modules["kept_in_high_precision"] == ["classifier"] and 0 < modules["converted_flop_share"] <= 1
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    (["model=bert_tiny"], "needs format.gradients=fp8_e4m3"),  # the MX paper's E5M2 gradients
+    (["model=bert_tiny", "format.gradients=fp8_e4m3", "format.scale_mode=even"], "needs format.scale_mode=rceil or floor"),
+    (["model=bert_tiny", "format.gradients=fp8_e4m3", "format.rounding=stochastic"], "needs format.rounding=nearest"),
+    (["model=lenet", "format.gradients=fp8_e4m3"], "converts only Linear layers whose in and out features are multiples of 32"),
+])
+def test_mxfp8_outside_torchaos_recipe_is_emulated_and_native_refused(make_cfg, torchao_mx_on_cpu, overrides, reason):
+    record = _record(make_cfg("format=mxfp8", "train.max_steps=2", *overrides))
+    precision = record["env"]["precision"]
+    assert record["status"] == "ok" and precision["backend"] == "emulated" and reason in precision["backend_reason"]
+    asked = make_cfg("format=mxfp8", "train.max_steps=2", "format.backend=native", "experiment_name=native_asked",
+                     *overrides)
+    if overrides[0] == "model=lenet":  # found when the model is converted: the cell fails, nothing trained
+        refused = _record(asked)
+        assert refused["status"] == "failed" and reason in refused["reason"] and not refused["metrics"]
+    else:
+        with pytest.raises(DeviceError, match=reason):
+            run_cell(asked)
