@@ -66,27 +66,27 @@ default-tables: setup ## regenerate the committed results/tables/default from a 
 	$(MAKE) --no-print-directory sweep RESULTS=results/runs/committed TABLES=results/tables
 
 raschka-memory: setup ## Raschka's DistilBERT memory (A100) beside the modelled step on this CPU (results/tables/raschka_memory)
-	$(PY) -m bench.raschka_memory --out results/tables/raschka_memory
+	$(PY) -m bench.tools.raschka_memory --out results/tables/raschka_memory
 
 bench: setup ## measure harness overhead, emulation cost, native speed (on CUDA), aggregation; JSON to results/bench/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(PY) -m bench.benchmark --out results/bench $(if $(ONLY),--only $(ONLY))
+	$(PY) -m bench.tools.benchmark --out results/bench $(if $(ONLY),--only $(ONLY))
 
 dashboard: setup ## W&B workspace + report for EXPERIMENT (default: default); specs to results/dashboards/ offline
-	$(PY) -m bench.dashboard $(or $(EXPERIMENT),default) --results $(RESULTS) --tables $(TABLES) --tables results/tables \
+	$(PY) -m bench.reporting.dashboard $(or $(EXPERIMENT),default) --results $(RESULTS) --tables $(TABLES) --tables results/tables \
 		$(if $(ENTITY),--entity $(ENTITY)) $(if $(PROJECT),--project $(PROJECT))
 
 prepare: setup ## download and cache the hub models and datasets once (needs internet; see README)
-	$(PY) -m bench.prepare
+	$(PY) -m bench.tools.prepare
 
 sync: setup ## upload the offline W&B runs under RESULTS (needs WANDB_API_KEY)
 	find $(RESULTS) -type d -name 'offline-run-*' -exec $(VENV)/bin/wandb sync {} +
 
 chaos: setup ## kill, crash, diverge and corrupt cells of a small sweep; re-run until complete; check the records
-	$(PY) -m bench.chaos
+	$(PY) -m bench.tools.chaos
 
 doctor: setup ## self-test of this node: device, one step per native path, W&B, HF cache, SLURM (< 2 min)
-	$(PY) -m bench.doctor
+	$(PY) -m bench.tools.doctor
 
 clean: ## remove the virtual environment and caches (records are kept)
 	rm -rf $(VENV) .pytest_cache

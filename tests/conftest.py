@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import bench.config  # noqa: F401 - registers the schema and the `lower` resolver
+import bench.running.config  # noqa: F401 - registers the schema and the `lower` resolver
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -44,11 +44,10 @@ def make_checkpoint(tmp_path):
     """make_checkpoint("bert" | "distilbert") -> a local directory laid out as the hub's checkpoints are
     (BertForPreTraining / DistilBertForMaskedLM weights, config.json, the shipped WordPiece vocabulary), with
     weights that look pretrained."""
-    from transformers import (BertConfig, BertForPreTraining, BertTokenizer, DistilBertConfig,
-                              DistilBertForMaskedLM)
+    from transformers import BertConfig, BertForPreTraining, BertTokenizer, DistilBertConfig, DistilBertForMaskedLM
 
     def _make(arch: str, seed: int = 0, **size):
-        tokenizer = BertTokenizer(vocab=str(Path(bench.config.DATA_DIR) / "vocab.txt"), do_lower_case=True)
+        tokenizer = BertTokenizer(vocab=str(Path(bench.running.config.DATA_DIR) / "vocab.txt"), do_lower_case=True)
         if arch == "bert":
             config = BertConfig(**{"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2,
                                    "num_attention_heads": 2, "intermediate_size": 128, **size})
@@ -67,7 +66,7 @@ def make_checkpoint(tmp_path):
 
 @pytest.fixture
 def hub_answers(monkeypatch):
-    """For tests whose stand-ins replace the hub's loaders: the hub counts as reachable (bench.hub's probe)."""
-    import bench.hub
+    """For tests whose stand-ins replace the hub's loaders: the hub counts as reachable (bench.running.hub's probe)."""
+    import bench.running.hub
 
-    monkeypatch.setattr(bench.hub, "reachable", lambda *a, **k: True)
+    monkeypatch.setattr(bench.running.hub, "reachable", lambda *a, **k: True)

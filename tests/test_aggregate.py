@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.aggregate import load_wandb, main, summarise, to_frame
-from bench.record import write_json_atomic
+from bench.aggregate import main  # the entry point users type
+from bench.reporting.aggregate import load_wandb, summarise, to_frame
+from bench.running.record import write_json_atomic
 
 MiB = 2**20
 
@@ -173,7 +174,7 @@ def test_a_wandb_source_gives_the_same_cells_as_local_records(results):
     found, problems = load_wandb("wandb://me/precision-bench/t", api=api)
     assert api.calls == [("me/precision-bench", {"group": "t"})]
     assert len(found) == len(RECORDS) and problems == ["wandb://me/precision-bench/t: run run11 lacks reason, config, env, metrics, timing, memory, numerics"]
-    from bench.aggregate import load_directory
+    from bench.reporting.aggregate import load_directory
 
     local, _ = load_directory(root)
     columns = ["model", "setting", "scaling", "backend", "value", "value_std", "value_n", "train_s", "ok", "failed"]
@@ -310,7 +311,7 @@ def test_unit_scaling_charlm_table_is_the_papers_layout_with_paired_differences_
     hand), the paper's WikiText-103 figures and their differences beside."""
     import math
 
-    from bench.config import CharDataConfig
+    from bench.running.config import CharDataConfig
 
     root = tmp_path / "runs"
     losses = {("16-mixed", "fp16", "mixed", "none"): (1.20, 1.30), ("16-mixed", "fp16", "mixed", "static"): (1.10, 1.12),
@@ -345,7 +346,7 @@ def test_unit_scaling_charlm_table_pairs_each_learning_rate_with_its_own_fp32_re
     rows come once per norm."""
     import math
 
-    from bench.config import CharDataConfig
+    from bench.running.config import CharDataConfig
 
     root = tmp_path / "runs"
     losses = {("none", 1e-3): 1.90, ("none", 4e-3): 1.77, ("unit", 1e-3): 1.72, ("unit", 4e-3): 2.02}
@@ -369,7 +370,7 @@ def test_unit_scaling_charlm_table_pairs_each_learning_rate_with_its_own_fp32_re
 
 def test_one_model_in_two_configurations_gets_two_sets_of_plots(tmp_path):
     """charlm pre- and post-norm in one experiment: each its own files (they overwrote each other)."""
-    from bench.config import CharDataConfig
+    from bench.running.config import CharDataConfig
 
     root = tmp_path / "runs"
     for norm in ("pre", "post"):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import benchmark
+from bench.tools import benchmark
 
 
 @pytest.mark.slow

@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 import torch
 
-from bench.blocks import mx_quantise, nvfp4_quantise, nvfp4_tensor_scale
-from bench.conformance import conformance_table
-from bench.formats import quantise_stochastic, quantise_value
+from bench.numerics.blocks import mx_quantise, nvfp4_quantise, nvfp4_tensor_scale
+from bench.numerics.formats import quantise_stochastic, quantise_value
+from bench.tools.conformance import conformance_table
 
 COMMITTED = Path(__file__).resolve().parents[1] / "results" / "conformance" / "block_formats.csv"
 
@@ -37,7 +37,7 @@ def test_every_block_format_matches_its_reference_except_the_named_departures(ta
 def test_the_committed_conformance_table_is_what_the_command_writes(table):
     committed = pd.read_csv(COMMITTED)
     assert committed.drop(columns="note").equals(table.drop(columns="note").astype(committed.dtypes.drop("note"))), \
-        "results/conformance is stale: run python -m bench.conformance"
+        "results/conformance is stale: run python -m bench.tools.conformance"
 
 
 # E4M3: emax 8, max 448, 3 mantissa bits. (amax, floor, ceil, even, rceil) unbiased scale exponents, by hand:
@@ -145,7 +145,7 @@ def test_stochastic_block_rounding_keeps_the_scales_and_is_unbiased_inside_each_
 
 
 def _blocked_linear(fmt: str, rounding: str = "nearest"):
-    from bench.precision import Precision
+    from bench.numerics.precision import Precision
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48)
@@ -190,7 +190,7 @@ def test_nvfp4_linear_uses_each_tensors_own_amax_for_its_tensor_scale_and_stocha
 
 
 def test_block_format_cells_train_and_say_what_they_did(make_cfg, tmp_path):
-    from bench.run import run_cell
+    from bench.running.run import run_cell
 
     lenet = run_cell(make_cfg("model=lenet", "format=mxfp8", "train.max_steps=20", "train.log_every=10"))
     assert lenet["status"] == "ok", lenet["reason"]
@@ -218,15 +218,15 @@ def test_block_format_cells_train_and_say_what_they_did(make_cfg, tmp_path):
     (["format=fp8", "scaling=block", "format.overflow=ieee"], "valid there: null or saturate"),
 ])
 def test_block_format_combinations_that_do_not_exist_are_refused_before_training(make_cfg, overrides, message):
-    from bench.config import ConfigError, check
+    from bench.running.config import ConfigError, check
 
     with pytest.raises(ConfigError, match=message):
         check(make_cfg("model=lenet", *overrides))
 
 
 def test_the_device_and_the_recipes_name_the_same_block_formats():
-    from bench.device import BLOCK_FORMATS
-    from bench.precision import FORMAT_MODES, RECIPES
+    from bench.numerics.hardware import BLOCK_FORMATS
+    from bench.numerics.precision import FORMAT_MODES, RECIPES
 
     assert set(BLOCK_FORMATS) == {name for name, recipe in RECIPES.items() if recipe.block} <= set(FORMAT_MODES)
 
@@ -242,7 +242,7 @@ def test_rowwise_fp8_linear_is_torchaos_rowwise_recipe_bit_for_bit(recipe):
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from bench.precision import BlockLinear, FP8TileOperands
+    from bench.numerics.precision import BlockLinear, FP8TileOperands
 
     torch.manual_seed(0)
     reference = torch.nn.Linear(256, 128)
@@ -274,7 +274,7 @@ def test_rowwise_fp8_linear_is_torchaos_rowwise_recipe_bit_for_bit(recipe):
 ])
 def test_transformer_engines_power_of_two_scale_by_hand(amax, scale):
     """TE's compute_scale_from_amax with force_pow_2_scales and epsilon 0."""
-    from bench.blocks import te_pow2_scale
+    from bench.numerics.blocks import te_pow2_scale
 
     assert te_pow2_scale(torch.tensor([amax])).item() == scale
 
@@ -283,7 +283,7 @@ def test_torchaos_power_of_two_scale_rounds_up_just_below_a_power_of_two_where_t
     """amax one ulp above 3.5, 448 / amax one ulp under 128: TE floors to 64; torchao's float32 log2 rounds to 7
     and gives 128, so amax times its scale exceeds 448 and the cast saturates (the departure the conformance
     output names)."""
-    from bench.blocks import te_pow2_scale, torchao_pow2_scale
+    from bench.numerics.blocks import te_pow2_scale, torchao_pow2_scale
 
     amax = torch.tensor([3.5 + 2.0**-22])
     assert te_pow2_scale(amax).item() == 64.0 and torchao_pow2_scale(amax).item() == 128.0
@@ -293,8 +293,8 @@ def test_torchaos_power_of_two_scale_rounds_up_just_below_a_power_of_two_where_t
 def test_block_scaled_fp8_uses_1x128_tiles_for_activations_and_gradients_and_128x128_for_weights():
     """Transformer Engine's Float8BlockScaling layout: each 1 x 128 run along the reduced dimension has its own
     scale; each 128 x 128 weight square one scale, the same for W (forward) and W^T (grad_input)."""
-    from bench.blocks import te_pow2_scale, tile2d_quantise, tile_quantise
-    from bench.precision import FP8TileOperands
+    from bench.numerics.blocks import te_pow2_scale, tile2d_quantise, tile_quantise
+    from bench.numerics.precision import FP8TileOperands
 
     torch.manual_seed(0)
     x = torch.randn(3, 300) * torch.exp2(torch.randint(-8, 8, (3, 300)).float())
@@ -315,7 +315,7 @@ def test_block_scaled_fp8_uses_1x128_tiles_for_activations_and_gradients_and_128
 
 
 def test_fp8_rowwise_and_block_cells_train_and_say_what_they_did(make_cfg):
-    from bench.run import run_cell
+    from bench.running.run import run_cell
 
     for scaling, kind in (("rowwise", "rowwise"), ("rowwise_with_gw_hp", "rowwise_with_gw_hp"), ("block", "block")):
         record = run_cell(make_cfg("model=bert_tiny", "format=fp8", f"scaling={scaling}", "train.max_steps=6",
@@ -330,8 +330,8 @@ def test_block_telemetry_counts_clipped_blocks_flushed_elements_error_and_scale_
     """Two MX E4M3 blocks under floor: the first's amax 1.99 * 2^8 clips to 448 (floor's scale 2^0 leaves it past
     448 + 16); the second holds 2^-20 beside 1.0, which flushes (below E4M3's smallest subnormal 2^-9 under scale
     2^-8). Then the same through a cell: every class of an mxfp8 LeNet run carries the statistics."""
-    from bench.formats import FORMATS
-    from bench.telemetry import QuantTelemetry
+    from bench.numerics.formats import FORMATS
+    from bench.numerics.telemetry import QuantTelemetry
 
     x = torch.zeros(2, 32)
     x[0, 0], x[0, 1] = 1.99 * 2**8, 3.0
@@ -349,9 +349,8 @@ def test_block_telemetry_counts_clipped_blocks_flushed_elements_error_and_scale_
 
 
 def test_block_format_cells_record_block_statistics_per_tensor_class(make_cfg):
-    from bench.run import run_cell
-
     from bench.aggregate import main
+    from bench.running.run import run_cell
 
     cfg = make_cfg("model=lenet", "format=mxfp4", "train.max_steps=10", "train.log_every=5")
     record = run_cell(cfg)
@@ -369,8 +368,8 @@ def test_block_format_cells_record_block_statistics_per_tensor_class(make_cfg):
 def test_stochastic_fp8_tiles_round_only_the_gradients_unbiased_and_keep_their_scales():
     """scaling=rowwise|block with format.rounding=stochastic: gradient operands are rounded stochastically under the
     same power-of-two scales (the mean of many roundings is the input), forward operands to nearest."""
-    from bench.blocks import rowwise_quantise, tile_quantise
-    from bench.precision import FP8TileOperands
+    from bench.numerics.blocks import rowwise_quantise, tile_quantise
+    from bench.numerics.precision import FP8TileOperands
 
     torch.manual_seed(0)
     x = torch.randn(4, 256) * torch.exp2(torch.randint(-6, 6, (4, 256)).float())

@@ -9,12 +9,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bench.config import ConfigError, check
-from bench.record import read_record
-from bench.run import run_cell
-from bench.scaling import LossScaler
+from bench.numerics.scaling import LossScaler
+from bench.running.config import ConfigError, check
+from bench.running.record import read_record
+from bench.running.run import run_cell
+from bench.running.train import build_optimizer, build_schedule
 from bench.tasks.charlm import CharGPT, encode, load_text, validation_windows
-from bench.train import build_optimizer, build_schedule
 
 
 @pytest.fixture(scope="module")

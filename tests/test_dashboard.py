@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import dashboard
-from bench.record import read_record
-from bench.run import run_cell
+from bench.reporting import dashboard
+from bench.running.record import read_record
+from bench.running.run import run_cell
 
 
 def _flatten(value, prefix="") -> dict:
@@ -23,7 +23,7 @@ def _flatten(value, prefix="") -> dict:
 
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory):
-    """What W&B receives from three real cells (bench/logger.py): LeNet, emulated FP8 with dynamic loss scaling
+    """What W&B receives from three real cells (bench/running/logger.py): LeNet, emulated FP8 with dynamic loss scaling
     (telemetry, loss scale), the tiny BERT on SQuAD (exact match, F1), a tiny char-LM (validation loss and bits
     per character). Per source, the keys with values."""
     from hydra import compose, initialize_config_dir

@@ -1,11 +1,11 @@
 """`make doctor` on this machine: every claimed native path passes; one that breaks makes it exit 1."""
 
-import bench.doctor
-import bench.precision
+import bench.numerics.precision
+import bench.tools.doctor
 
 
 def test_doctor_reports_every_setting_and_passes_here(capsys):
-    assert bench.doctor.main() == 0
+    assert bench.tools.doctor.main() == 0
     out = capsys.readouterr().out
     assert "| 32-true (TF32 off) | native" in out and "pass" in out
     for setting in ("tf32", "fp16-mixed", "fp16-true", "bf16-mixed", "bf16-true", "fp8"):
@@ -14,24 +14,24 @@ def test_doctor_reports_every_setting_and_passes_here(capsys):
 
 
 def test_a_native_path_that_breaks_makes_the_doctor_fail(capsys, monkeypatch):
-    native = bench.precision.native_support
-    monkeypatch.setattr(bench.doctor.devices, "native_support", lambda fmt, device: bench.doctor.devices.NativeSupport(
+    native = bench.numerics.precision.native_support
+    monkeypatch.setattr(bench.tools.doctor.hardware, "native_support", lambda fmt, device: bench.tools.doctor.hardware.NativeSupport(
         True, True, "claimed for the test") if fmt == "bf16" else native(fmt, device))
-    prepare = bench.precision.Precision.prepare
+    prepare = bench.numerics.precision.Precision.prepare
 
     def broken(self, model):
         if self.format == "bf16":
             raise RuntimeError("no kernel for bf16 here")
         return prepare(self, model)
 
-    monkeypatch.setattr(bench.precision.Precision, "prepare", broken)
-    assert bench.doctor.main() == 1
+    monkeypatch.setattr(bench.numerics.precision.Precision, "prepare", broken)
+    assert bench.tools.doctor.main() == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "no kernel for bf16 here" in out and "a native path FAILED" in out
 
 
 def test_the_char_lm_presets_say_whether_their_text_is_downloaded_yet(tmp_path, monkeypatch):
-    from bench.doctor import preset_rows
+    from bench.tools.doctor import preset_rows
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     rows = dict(preset_rows())

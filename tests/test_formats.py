@@ -1,11 +1,11 @@
-"""`bench.formats.quantise` against independent references: ml_dtypes, and integer-bit RNE for TF32."""
+"""`bench.numerics.formats.quantise` against independent references: ml_dtypes, and integer-bit RNE for TF32."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
-from bench.formats import FORMATS, quantise, quantise_value
+from bench.numerics.formats import FORMATS, quantise, quantise_value
 
 ML_DTYPES = {
     "fp16": np.float16,

@@ -15,9 +15,9 @@ import traceback
 import pytest
 import torch
 
-import bench.device
-from bench.run import build_cell, preflight
-from bench.train import train
+import bench.running.device
+from bench.running.run import build_cell, preflight
+from bench.running.train import train
 
 READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
 LOG_EVERY, STEPS = 10, 25
@@ -44,9 +44,9 @@ def counting_syncs(monkeypatch, counter: SyncCounter):
 
     for name in READS:
         monkeypatch.setattr(torch.Tensor, name, wrap(getattr(torch.Tensor, name), f"Tensor.{name}"))
-    for module in (torch.cuda, bench.device):
+    for module in (torch.cuda, bench.running.device):
         monkeypatch.setattr(module, "synchronize", wrap(module.synchronize, f"{module.__name__}.synchronize"))
-    monkeypatch.setattr("bench.train.synchronize", wrap(bench.device.synchronize, "bench.train.synchronize"))
+    monkeypatch.setattr("bench.running.train.synchronize", wrap(bench.running.device.synchronize, "bench.running.train.synchronize"))
     yield counter
 
 
@@ -137,7 +137,7 @@ def test_a_divergence_noticed_at_the_next_log_step_records_the_step_it_happened_
 def test_cuda_step_times_come_from_events_read_only_at_collect(monkeypatch):
     """StepTimer on CUDA, with torch.cuda.Event stood in for: events around each step, no wait until collect(),
     which waits once (for the last event) and returns each step's elapsed time in seconds."""
-    from bench.device import StepTimer
+    from bench.running.device import StepTimer
 
     clock, waits = iter(range(0, 1000, 5)), []
 

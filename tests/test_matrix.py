@@ -6,17 +6,17 @@ import itertools
 import pytest
 import yaml
 
-from bench.config import check
-from bench.matrix import PROFILES, SETTINGS, decide, markdown, simulated
-from bench.precision import valid_scalings
-from bench.run import build_precision
+from bench.numerics.precision import valid_scalings
+from bench.running.config import check
+from bench.running.run import build_precision
+from bench.tools.matrix import PROFILES, SETTINGS, decide, markdown, simulated
 from tests.conftest import CONF
 
 README = CONF.parent / "README.md"
 
 
 def expected(profile: str, fmt: str, scaling: str, torchaos_mx_recipe: bool = False) -> tuple[str, str]:
-    """The rules, independently of bench/device.py: (backend, a phrase the reason must contain)."""
+    """The rules, independently of bench/running/device.py: (backend, a phrase the reason must contain)."""
     kind, flags, capability, torchao = PROFILES[profile]
     if fmt == "fp32":
         return "native", "FP32 is native everywhere"
@@ -65,7 +65,7 @@ def test_mxfp8_in_torchaos_recipe_is_native_where_torchao_has_it(profile, scale_
 
 
 def test_the_readme_shows_the_table_the_code_makes():
-    assert markdown() in README.read_text(), "README's device matrix is stale: paste `python -m bench.matrix`"
+    assert markdown() in README.read_text(), "README's device matrix is stale: paste `python -m bench.tools.matrix`"
 
 
 def _grids() -> dict[str, list[dict]]:

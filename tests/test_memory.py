@@ -1,10 +1,10 @@
-"""Memory as the format stores it (bench/memory.py) and FLOPs per step, against hand counts and against native
+"""Memory as the format stores it (bench/numerics/memory.py) and FLOPs per step, against hand counts and against native
 runs: on CPU, bf16 autocast and model.to(bfloat16) run natively, so an emulated bf16 run's model can be held
 to what the native run really holds, category by category."""
 
 import pytest
 
-from bench.run import run_cell
+from bench.running.run import run_cell
 
 B = 32  # LeNet's batch
 LENET_PARAMS = (6 * 25 + 6) + (16 * 6 * 25 + 16) + (400 * 120 + 120) + (120 * 84 + 84) + (84 * 10 + 10)
@@ -81,7 +81,7 @@ def test_the_raschka_comparison_counts_a_distilbert_step_per_setting():
     gradients at half of 32-true's bytes, mixed modes at 32-true's, and the table sits beside Raschka's GB."""
     from transformers import DistilBertConfig
 
-    from bench.raschka_memory import SETTINGS, comparison, step_breakdown
+    from bench.tools.raschka_memory import SETTINGS, comparison, step_breakdown
 
     config = DistilBertConfig(vocab_size=100, dim=32, n_layers=1, n_heads=2, hidden_dim=64,
                               max_position_embeddings=64, num_labels=2)

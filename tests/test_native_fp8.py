@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench.precision
-from bench.device import NativeSupport
-from bench.run import DeviceError, run_cell
+import bench.numerics.precision
+from bench.numerics.hardware import NativeSupport
+from bench.running.run import DeviceError, run_cell
 
 pytest.importorskip("torchao.float8")
 
@@ -18,11 +18,11 @@ pytest.importorskip("torchao.float8")
 @pytest.fixture
 def torchao_on_cpu(monkeypatch):
     """FP8 counts as native on this CPU, and torchao's recipes run with emulate=True."""
-    recipe = bench.precision.torchao_float8_config
-    monkeypatch.setattr(bench.precision, "torchao_float8_config",
+    recipe = bench.numerics.precision.torchao_float8_config
+    monkeypatch.setattr(bench.numerics.precision, "torchao_float8_config",
                         lambda name="tensorwise": dataclasses.replace(recipe(name), emulate=True))
-    support = bench.precision.native_support
-    monkeypatch.setattr(bench.precision, "native_support", lambda fmt, device: NativeSupport(
+    support = bench.numerics.precision.native_support
+    monkeypatch.setattr(bench.numerics.precision, "native_support", lambda fmt, device: NativeSupport(
         True, True, "test: torchao float8 with emulate=True on CPU") if fmt == "fp8" else support(fmt, device))
 
 
@@ -74,8 +74,8 @@ def test_native_fp8_meets_the_gpu_kernels_multiple_of_16_with_a_head_on_one_toke
         return cpu_scaled_mm(a, b, **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_with_cuda_shape_check)
-    support = bench.precision.native_support
-    monkeypatch.setattr(bench.precision, "native_support", lambda fmt, device: NativeSupport(
+    support = bench.numerics.precision.native_support
+    monkeypatch.setattr(bench.numerics.precision, "native_support", lambda fmt, device: NativeSupport(
         True, True, "test: torchao float8 through CPU _scaled_mm") if fmt == "fp8" else support(fmt, device))
     record = _record(make_cfg("model=distilbert_tiny", "format=fp8", f"scaling={scaling}", "model.batch_size=12",
                               "train.max_steps=2"))
@@ -141,9 +141,9 @@ def torchao_mx_on_cpu(monkeypatch):
     pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-    monkeypatch.setattr(bench.precision, "torchao_mx_kernel", lambda: KernelPreference.EMULATED)
-    support = bench.precision.native_support
-    monkeypatch.setattr(bench.precision, "native_support", lambda fmt, device: NativeSupport(
+    monkeypatch.setattr(bench.numerics.precision, "torchao_mx_kernel", lambda: KernelPreference.EMULATED)
+    support = bench.numerics.precision.native_support
+    monkeypatch.setattr(bench.numerics.precision, "native_support", lambda fmt, device: NativeSupport(
         True, True, "test: torchao MXFP8Linear with its EMULATED kernels on CPU") if fmt == "mxfp8" else support(fmt, device))
 
 
@@ -151,7 +151,7 @@ def torchao_mx_on_cpu(monkeypatch):
 @pytest.mark.parametrize("scale_mode", ["rceil", "floor"])
 def test_native_mxfp8_is_torchaos_mxfp8linear_and_our_emulation_of_its_recipe_equals_it_bit_for_bit(
         torchao_mx_on_cpu, tokens, scale_mode):
-    """format=mxfp8 format.gradients=fp8_e4m3 (torchao's recipe): emulated (bench/blocks.py) and native (torchao's
+    """format=mxfp8 format.gradients=fp8_e4m3 (torchao's recipe): emulated (bench/numerics/blocks.py) and native (torchao's
     MXFP8Linear, tokens zero-padded to whole blocks) give the same output, input, weight and bias gradients to the
     bit, on a layer with a non-zero bias and rows of very different scales. torchao's own layer refuses 12 tokens."""
     import copy
@@ -159,7 +159,7 @@ def test_native_mxfp8_is_torchaos_mxfp8linear_and_our_emulation_of_its_recipe_eq
     from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-    from bench.precision import Precision
+    from bench.numerics.precision import Precision
 
     torch.manual_seed(0)
     base = torch.nn.Linear(96, 64)

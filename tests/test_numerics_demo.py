@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.run import run_cell
+from bench.running.run import run_cell
 
 STRESS = ["format=fp16", "format.backend=emulated", f"train.loss_multiplier={2.0**-17}", "train.max_steps=600"]
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.formats import quantise_value
-from bench.precision import Precision, PrecisionError
+from bench.numerics.formats import quantise_value
+from bench.numerics.precision import Precision, PrecisionError
 
 CPU = torch.device("cpu")
 
@@ -71,8 +71,8 @@ def test_stochastic_fp8_rounds_only_the_gradients_entering_the_backward_and_is_u
     """format.rounding=stochastic with tensorwise FP8: the forward is exactly the nearest-rounding forward; the
     output gradient enters the backward on E5M2's grid (scaled and unscaled by its per-tensor scale), differs from
     RNE, and averages to the exact gradient over seeded draws where RNE's error does not average out."""
-    from bench.formats import FORMATS
-    from bench.scaling import PerTensorScale
+    from bench.numerics.formats import FORMATS
+    from bench.numerics.scaling import PerTensorScale
 
     layer, x = _linear_and_input()
     grad_out = torch.randn(16, 32) * 2.0**-14  # E5M2's subnormals: coarse enough that rounding shows
@@ -122,10 +122,10 @@ def test_state_dict_keys_survive_emulation():
 
 
 def test_backend_decisions_are_explicit(monkeypatch):
-    monkeypatch.setattr("bench.device._cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr("bench.numerics.hardware._cpu_flags", lambda: frozenset({"avx512f"}))
     assert Precision("fp16", "mixed", "auto", None, False, CPU).backend == "emulated"  # slow CPU fp16: emulate
     assert Precision("bf16", "mixed", "auto", None, False, CPU).backend == "emulated"
-    monkeypatch.setattr("bench.device._cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr("bench.numerics.hardware._cpu_flags", lambda: frozenset({"avx512_bf16"}))
     auto_bf16 = Precision("bf16", "mixed", "auto", None, False, CPU)
     assert auto_bf16.backend == "native" and "avx512_bf16" in auto_bf16.why
     assert Precision("fp16", "mixed", "native", None, False, CPU).backend == "native"  # torch has CPU fp16 kernels

@@ -3,7 +3,7 @@
 import datasets
 import transformers
 
-from bench import prepare
+from bench.tools import prepare
 
 
 def test_prepare_fetches_every_configured_model_and_dataset(monkeypatch, hub_answers):

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.record import RECORD_KEYS, read_record
-from bench.run import run_cell
+from bench.running.record import RECORD_KEYS, read_record
+from bench.running.run import run_cell
 
 CELLS = [(f, m, s) for f, modes in [("fp32", ["true"]), ("tf32", ["true"]), ("fp16", ["mixed", "true"]),
                                     ("bf16", ["mixed", "true"]), ("fp8", ["mixed"])]
@@ -56,7 +56,7 @@ def test_a_failure_is_recorded_with_its_reason(make_cfg, monkeypatch):
     def broken(*_):
         raise RuntimeError("dataset exploded")
 
-    monkeypatch.setattr("bench.run.build_task", broken)
+    monkeypatch.setattr("bench.running.run.build_task", broken)
     record = run_cell(make_cfg("train.max_steps=2"))
     assert record["status"] == "failed" and "dataset exploded" in record["reason"]
     assert "Traceback" in record["traceback"]
@@ -92,7 +92,7 @@ def test_an_unreachable_wandb_never_fails_a_run(make_cfg, monkeypatch):
     def unreachable(*args, **kwargs):
         raise ConnectionError("no route to the W&B server")
 
-    monkeypatch.setattr("bench.logger.WandbLogger", unreachable)
+    monkeypatch.setattr("bench.running.logger.WandbLogger", unreachable)
     assert run_cell(make_cfg("logger=wandb", "train.max_steps=2"))["status"] == "ok"
 
 
@@ -110,7 +110,7 @@ def test_a_logger_failing_mid_run_is_switched_off(make_cfg, monkeypatch):
         def finish(self, record):
             calls.append("finish")
 
-    monkeypatch.setattr("bench.logger.WandbLogger", Flaky)
+    monkeypatch.setattr("bench.running.logger.WandbLogger", Flaky)
     record = run_cell(make_cfg("logger=wandb", "train.max_steps=25"))
     assert record["status"] == "ok" and calls == [0]  # the first failure turns the logger off
 
@@ -119,7 +119,7 @@ def test_an_interrupted_run_leaves_no_record_so_it_resumes(make_cfg, tmp_path, m
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("bench.run.train", interrupted)
+    monkeypatch.setattr("bench.running.run.train", interrupted)
     cfg = make_cfg("train.max_steps=2")
     with pytest.raises(KeyboardInterrupt):
         run_cell(cfg)
@@ -128,9 +128,9 @@ def test_an_interrupted_run_leaves_no_record_so_it_resumes(make_cfg, tmp_path, m
 
 def test_threads_are_set_part_of_the_identity_and_the_timing_conditions_recorded(make_cfg, tmp_path):
     import torch
-
-    from bench.record import run_id
     from omegaconf import OmegaConf
+
+    from bench.running.record import run_id
 
     records = {}
     for threads in (1, 2):
@@ -150,7 +150,7 @@ def test_a_device_the_cell_cannot_use_fails_at_once_here_and_is_recorded_on_a_co
                                                                                           monkeypatch):
     """device=cuda on a machine without a GPU: a config error where the user typed it; in a SLURM job, where the
     login node could not know what the node has, a failed record naming the reason."""
-    from bench.run import DeviceError
+    from bench.running.run import DeviceError
 
     cfg = make_cfg("device=cuda", "train.max_steps=2")
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
@@ -169,7 +169,7 @@ def test_records_get_the_permissions_the_umask_gives_new_files(tmp_path, umask, 
     import os
     import stat
 
-    from bench.record import write_json_atomic
+    from bench.running.record import write_json_atomic
 
     old = os.umask(umask)
     try:
@@ -183,7 +183,7 @@ def test_flops_per_linear_are_its_three_gemms_counted_by_hand(make_cfg):
     """DistilBERT's q_lin, k_lin, v_lin and out_lin are 64 x 64 Linears on the same tokens: each step costs each
     2·tokens·64·64 FLOPs forward and as much for each gradient GEMM. FlopCounterMode's backward attribution gave
     v_lin the q_lin and k_lin gradients (3x its share), and the converted layers more FLOPs than the step."""
-    from bench.run import build_cell, preflight, step_flops_by_module
+    from bench.running.run import build_cell, preflight, step_flops_by_module
 
     cfg = make_cfg("model=distilbert_tiny", "model.batch_size=12")
     cell = build_cell(cfg, preflight(cfg)[1])
@@ -201,9 +201,9 @@ def test_a_record_made_in_another_checkout_is_the_same_run_for_a_resumed_sweep_a
     old records in another design than the new ones, so a new cell had no FP32 to pair with."""
     import os
 
-    from bench.aggregate import to_frame
     from bench.data import DATA_DIR
-    from bench.record import config_hash
+    from bench.reporting.aggregate import to_frame
+    from bench.running.record import config_hash
 
     fp32 = make_cfg("model=bert_tiny", "train.max_steps=2")
     assert run_cell(fp32)["status"] == "ok"
@@ -222,8 +222,8 @@ def test_a_record_made_in_another_checkout_is_the_same_run_for_a_resumed_sweep_a
 def test_a_record_made_before_an_option_with_a_null_default_existed_is_the_same_run(make_cfg):
     """format.gradients came with a null default; a record from before it lacks the key. Its cell resumes and the
     tables pair it with new runs, instead of the whole results directory refusing to resume."""
-    from bench.aggregate import to_frame
-    from bench.record import config_hash
+    from bench.reporting.aggregate import to_frame
+    from bench.running.record import config_hash
 
     fp32 = make_cfg("model=lenet", "train.max_steps=2")
     assert run_cell(fp32)["status"] == "ok"

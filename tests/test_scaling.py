@@ -4,12 +4,11 @@ import math
 
 import pytest
 import torch
-
 from omegaconf import OmegaConf
 
-from bench.scaling import LossScaler, PerTensorScale
-from bench.train import build_optimizer
-from bench.formats import FORMATS
+from bench.numerics.formats import FORMATS
+from bench.numerics.scaling import LossScaler, PerTensorScale
+from bench.running.train import build_optimizer
 
 INF, NAN = math.inf, math.nan
 # A scripted sequence of gradients: clean runs long enough to grow, inf and NaN in between.
@@ -37,7 +36,7 @@ def _optimizers(name):
 
 
 # Clean runs long enough to grow, inf and NaN in between; the second starts with a skipped step (torch's fused
-# SGD left its momentum buffer uninitialised there: bench.train.build_optimizer works around it).
+# SGD left its momentum buffer uninitialised there: bench.running.train.build_optimizer works around it).
 SCRIPTS = {"grows": SCRIPT, "first_step_skipped": [INF, 1.0, 2.0, NAN, 1.0, 1.0, 1.0, 1.0]}
 
 

@@ -5,9 +5,15 @@ import numpy as np
 import pytest
 from transformers import BertTokenizer
 
-from bench.config import DATA_DIR
-from bench.tasks.squad_processing import (exact_match_score, f1_score, postprocess_predictions,
-                                          prepare_eval_features, prepare_train_features, squad_scores)
+from bench.running.config import DATA_DIR
+from bench.tasks.squad_processing import (
+    exact_match_score,
+    f1_score,
+    postprocess_predictions,
+    prepare_eval_features,
+    prepare_train_features,
+    squad_scores,
+)
 
 MAX_LENGTH, STRIDE = 48, 16  # short windows, so contexts overflow into several windows
 

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.chaos import raising_cell
+from bench.tools.chaos import raising_cell
 from tests.conftest import CONF
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_SILENT": "true"}
 
 
 def bench(tmp_path, *args, wait=True):
-    cmd = [sys.executable, "-m", "bench.run", *args, f"results_dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "bench.running.run", *args, f"results_dir={tmp_path}"]
     env = os.environ | OFFLINE
     if not wait:
         return subprocess.Popen(cmd, cwd=CONF.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -180,7 +180,7 @@ def test_two_sweeps_into_one_directory_at_once_train_each_cell_once(tmp_path):
 def test_a_signal_handler_that_returns_does_not_keep_the_cell_training(tmp_path):
     """submitit's SIGTERM handler only logs: after the checkpoint the cell stops all the same (SIGKILL would
     otherwise end it mid-step)."""
-    from bench.checkpoint import Checkpointer
+    from bench.running.checkpoint import Checkpointer
 
     logged = []
     previous = signal.signal(signal.SIGTERM, lambda *a: logged.append("bypassed"))
@@ -197,10 +197,10 @@ def test_a_signal_handler_that_returns_does_not_keep_the_cell_training(tmp_path)
 
 def test_the_checkpoint_outlives_the_final_evaluation_and_goes_with_the_record(make_cfg, tmp_path, monkeypatch):
     """A pre-emption during a long evaluation (BERT on SQuAD's dev set) must not retrain from step 0."""
-    import bench.run
+    import bench.running.run
 
     seen = {}
-    build = bench.run.build_task
+    build = bench.running.run.build_task
 
     def build_watching(*args):
         task = build(*args)
@@ -213,8 +213,8 @@ def test_the_checkpoint_outlives_the_final_evaluation_and_goes_with_the_record(m
         task.evaluate = watched
         return task
 
-    monkeypatch.setattr(bench.run, "build_task", build_watching)
-    record = bench.run.run_cell(make_cfg("train.max_steps=20"))
+    monkeypatch.setattr(bench.running.run, "build_task", build_watching)
+    record = bench.running.run.run_cell(make_cfg("train.max_steps=20"))
     assert record["status"] == "ok" and seen == {"checkpoint during evaluation": True}
     assert not any(Path(tmp_path).rglob("checkpoint.pt"))  # keep_checkpoint=false: gone once the record is written
 
@@ -274,7 +274,7 @@ def test_a_slurm_sweep_without_accounting_stops_before_submitting(tmp_path, sacc
         (stubs / "sacct").write_text("#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n")
     for stub in stubs.iterdir():
         stub.chmod(0o755)
-    cmd = [sys.executable, "-m", "bench.run", "-m", "hydra/launcher=slurm", "format=fp32,bf16",
+    cmd = [sys.executable, "-m", "bench.running.run", "-m", "hydra/launcher=slurm", "format=fp32,bf16",
            f"results_dir={tmp_path / 'runs'}"]
     out = subprocess.run(cmd, cwd=CONF.parent, env=os.environ | OFFLINE | {"PATH": str(stubs)}, capture_output=True,
                          text=True, timeout=120)
@@ -314,7 +314,7 @@ def test_a_key_set_by_both_the_settings_and_the_command_line_stops_the_sweep(tmp
 def test_unit_scaling_charlm_preset_is_the_papers_columns_plus_fp8_and_every_cell_passes_the_checks(make_cfg):
     from hydra import compose, initialize_config_dir
 
-    from bench.config import check
+    from bench.running.config import check
 
     cfg = make_cfg("experiment=unit_scaling_charlm")
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -335,13 +335,13 @@ def test_unit_scaling_charlm_preset_is_the_papers_columns_plus_fp8_and_every_cel
 
 
 def test_block_formats_preset_covers_every_row_of_its_table_and_every_cell_passes_the_checks(make_cfg):
-    """Each of block_formats.md's rows (bench.tables.BLOCK_FORMAT_ROWS) is one of the preset's settings, on each
+    """Each of block_formats.md's rows (bench.reporting.tables.BLOCK_FORMAT_ROWS) is one of the preset's settings, on each
     model, and each cell passes the config checks."""
     from hydra import compose, initialize_config_dir
 
-    from bench.config import check
-    from bench.run import build_precision
-    from bench.tables import BLOCK_FORMAT_ROWS
+    from bench.reporting.tables import BLOCK_FORMAT_ROWS
+    from bench.running.config import check
+    from bench.running.run import build_precision
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         sweep = compose("config", overrides=["experiment=block_formats"], return_hydra_config=True).hydra.sweeper

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench.formats import FORMATS
-from bench.precision import TensorSite
-from bench.telemetry import QuantTelemetry, category_counts
+from bench.numerics.formats import FORMATS
+from bench.numerics.precision import TensorSite
+from bench.numerics.telemetry import QuantTelemetry, category_counts
 
 
 def test_fractions_match_a_hand_count():

@@ -7,8 +7,8 @@ import datasets
 import pytest
 import torch
 
-from bench.config import DATA_DIR
-from bench.run import run_cell
+from bench.running.config import DATA_DIR
+from bench.running.run import run_cell
 from bench.tasks.imdb import pooled_split
 
 
@@ -77,7 +77,7 @@ def test_unit_conversion_of_a_pretrained_checkpoint_keeps_its_function(make_cfg,
 def test_a_conversion_that_changes_the_function_fails_the_cell_naming_the_layer(make_cfg, make_checkpoint, tmp_path,
                                                                                  monkeypatch):
     """The conversion as it was (bias kept while the output is multiplied by alpha) must not be recorded ok."""
-    import bench.unit
+    import bench.numerics.unit
 
     def carry_weight_only(new, old, output_scale):
         with torch.no_grad():
@@ -85,7 +85,7 @@ def test_a_conversion_that_changes_the_function_fails_the_cell_naming_the_layer(
             new.bias.copy_(old.bias)
         return new
 
-    monkeypatch.setattr(bench.unit, "_carry_weights", carry_weight_only)
+    monkeypatch.setattr(bench.numerics.unit, "_carry_weights", carry_weight_only)
     cfg = make_cfg("model=bert_tiny", "model.pretrained=true", f"model.hub_name={make_checkpoint('bert')}",
                    "scaling=unit", "train.max_steps=2")
     record = _record(cfg, tmp_path)
@@ -136,7 +136,7 @@ def test_a_checkpoint_of_another_architecture_is_a_config_error_naming_the_weigh
     """DistilBERT weights under a BERT config.json (a mislabelled or converted-wrong checkpoint): no record."""
     import shutil
 
-    from bench.config import ConfigError
+    from bench.running.config import ConfigError
 
     bert, distil = make_checkpoint("bert"), make_checkpoint("distilbert")
     shutil.copy(distil / "model.safetensors", bert / "model.safetensors")
@@ -150,7 +150,7 @@ def test_a_checkpoint_with_more_layers_than_its_config_is_a_config_error(make_cf
     """Weights the model has a module for but did not load (here a third layer) are refused too."""
     import json as json_
 
-    from bench.config import ConfigError
+    from bench.running.config import ConfigError
 
     checkpoint = make_checkpoint("bert", num_hidden_layers=3)  # fixture's size, one layer more
     config = json_.loads((checkpoint / "config.json").read_text())

@@ -7,10 +7,23 @@ import pytest
 import torch
 from torch import nn
 
+from bench.numerics.ops import Add, CausalAttention, Residual
+from bench.numerics.unit import (
+    UnitAdd,
+    UnitCausalAttention,
+    UnitConv2d,
+    UnitEmbedding,
+    UnitGELU,
+    UnitLayerNorm,
+    UnitLinear,
+    UnitMaxPool2d,
+    UnitReLU,
+    UnitResidual,
+    residual_taus,
+    unit_cross_entropy,
+    unit_scale,
+)
 from bench.tasks.lenet import LeNet5
-from bench.ops import Add, CausalAttention, Residual
-from bench.unit import (UnitAdd, UnitCausalAttention, UnitConv2d, UnitEmbedding, UnitGELU, UnitLayerNorm, UnitLinear,
-                        UnitMaxPool2d, UnitReLU, UnitResidual, residual_taus, unit_cross_entropy, unit_scale)
 
 
 def _stds(layer, x):
@@ -144,7 +157,7 @@ def test_unknown_parameterised_module_is_refused():
         unit_scale(nn.Sequential(nn.BatchNorm2d(3)))
 
 
-# The transformer ops a from-scratch unit-scaled GPT needs (bench/ops.py's modules and their unit versions), each
+# The transformer ops a from-scratch unit-scaled GPT needs (bench/numerics/ops.py's modules and their unit versions), each
 # against its plain version, which must miss the band so that the test can fail. Attention's scale is the library's
 # empirical model of the causal average, hence its wider band.
 def _op_stds(op, inputs, weight=None):
@@ -261,9 +274,9 @@ def test_relative_lr_rule_gives_every_tensor_the_regular_models_relative_adam_st
     unit-scaled model has moved by the same fraction of its RMS as in the regular model, weight decay included."""
     from omegaconf import OmegaConf
 
+    from bench.numerics.unit import relative_lr_multipliers
+    from bench.running.train import build_optimizer
     from bench.tasks.charlm import CharGPT
-    from bench.train import build_optimizer
-    from bench.unit import relative_lr_multipliers
 
     cfg = OmegaConf.create({"name": "adamw", "lr": 1e-3, "beta2": 0.99, "weight_decay": 0.1, "decay_matrices_only": True})
     x, y = torch.randint(0, 65, (4, 16)), torch.randint(0, 65, (4, 16))

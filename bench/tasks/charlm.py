@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from bench.ops import Add, CausalAttention, Residual
+from bench.numerics.ops import Add, CausalAttention, Residual
 from bench.tasks.base import Task
 
 

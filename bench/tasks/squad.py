@@ -11,8 +11,12 @@ import torch
 from omegaconf import DictConfig
 
 from bench.tasks.base import Task
-from bench.tasks.squad_processing import (postprocess_predictions, prepare_eval_features, prepare_train_features,
-                                          squad_scores)
+from bench.tasks.squad_processing import (
+    postprocess_predictions,
+    prepare_eval_features,
+    prepare_train_features,
+    squad_scores,
+)
 from bench.tasks.text import batches, build_model, load_splits, load_tokenizer, require_hub
 
 

@@ -20,8 +20,8 @@ import datasets
 import torch
 from omegaconf import DictConfig
 
-from bench import hub
-from bench.config import ConfigError
+from bench.running import hub
+from bench.running.config import ConfigError
 
 _LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 

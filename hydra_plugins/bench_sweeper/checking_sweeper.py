@@ -26,8 +26,8 @@ from typing import Any, Sequence
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import OmegaConf, open_dict
 
-from bench.config import ConfigError, cell_path, check_results_dir
-from bench.record import IN_FLIGHT, STATUSES, in_flight, run_id
+from bench.running.config import ConfigError, cell_path, check_results_dir
+from bench.running.record import IN_FLIGHT, STATUSES, in_flight, run_id
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class CheckingSweeper(BasicSweeper):
         The whole batch is checked before it is returned, so a bad cell anywhere stops the sweep before any
         cell trains (exit 2).
         """
-        from bench.run import finished_record, preflight  # the runner's own checks, nothing re-implemented
+        from bench.running.run import finished_record, preflight  # the runner's own checks, nothing re-implemented
 
         batch, places = [], {}
         for overrides in super().get_job_batch():

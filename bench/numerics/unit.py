@@ -1,7 +1,7 @@
 """Unit scaling (Blake, Orr, Luschi, "Unit Scaling", ICML 2023) as a model transform.
 
 Two uses. From scratch (`preserve=False`): fresh unit-variance weights, every op scaled, including the
-transformer ops that bench/ops.py exposes as modules (residual adds, causal attention, embedding sums) and
+transformer ops that bench/numerics/ops.py exposes as modules (residual adds, causal attention, embedding sums) and
 Embedding / LayerNorm (unit_scaling's functional ops, their weight gradients scaled). A pretrained
 checkpoint (`preserve=True`): each matmul's weight *and bias* are divided by its forward scale alpha, so
 alpha * (x (W/alpha)^T + b/alpha) = x W^T + b reproduces the pretrained output; activations keep their
@@ -42,8 +42,8 @@ from unit_scaling.constraints import apply_constraint
 from unit_scaling.core.functional import scale_elementwise, transformer_residual_scaling_rule
 from unit_scaling.scale import scale_bwd, scale_fwd
 
-from bench.ops import Add, CausalAttention, Residual
-from bench.precision import CastOp
+from bench.numerics.ops import Add, CausalAttention, Residual
+from bench.numerics.precision import CastOp
 
 RESIDUAL_CONSTRAINT = "gmean"  # ops with a residual add after them; unit-scaling leaves the rest unconstrained
 # (forward, backward) factors from the paper. ReLU on N(0, 1): output std sqrt(1/2 - 1/(2 pi)) = 0.584
@@ -277,7 +277,7 @@ def _unit_module(module: nn.Module, preserve: bool, constraint: str | None) -> n
 
 def unit_scale(model: nn.Module, preserve: bool = False) -> nn.Module:
     """Replace, in place, Linear / Conv2d / ReLU / GELU / MaxPool2d by their unit-scaled versions; from scratch,
-    also Embedding, LayerNorm, causal attention, embedding sums and residual adds (bench/ops.py).
+    also Embedding, LayerNorm, causal attention, embedding sums and residual adds (bench/numerics/ops.py).
 
     preserve=False: fresh unit-variance weights (training from scratch). preserve=True: keep the
     pretrained function (weights and biases rescaled, activations scaled in the backward pass only; the

@@ -1,6 +1,6 @@
 """`make doctor`: a self-test to run on a new node before a sweep (well under 2 minutes).
 
-    python -m bench.doctor
+    python -m bench.tools.doctor
 
 Prints the device and its flags; for every precision setting the device claims to run natively, one training
 step of a tiny model (pass/fail and step time), with fp32 checked against float64 so that TF32 is provably
@@ -21,14 +21,13 @@ from hydra import compose, initialize_config_dir
 from tabulate import tabulate
 from torch import nn
 
-from bench import device as devices
-from bench import hub
-from bench.data import DATA_DIR
-from bench.matrix import SETTINGS
-from bench.precision import Precision, set_fp32_precision
+from bench.numerics import hardware
+from bench.numerics.precision import Precision, set_fp32_precision
+from bench.running import device as devices
+from bench.running import hub
+from bench.running.config import CONF_DIR
 from bench.tasks.charlm import text_cache
-
-CONF = DATA_DIR.parents[1] / "conf"
+from bench.tools.matrix import SETTINGS
 
 
 def fp32_is_ieee(device: torch.device) -> tuple[bool, str]:
@@ -75,7 +74,7 @@ def precision_rows(device: torch.device) -> tuple[list[list[str]], bool]:
         if fmt == "fp32":
             continue
         setting = f"{fmt}-{mode}" if fmt in ("fp16", "bf16") else fmt
-        support = devices.native_support(fmt, device)
+        support = hardware.native_support(fmt, device)
         if not support.available:
             rows.append([setting, "emulated", "–", support.why])
             continue
@@ -102,8 +101,8 @@ def preset_rows() -> list[list[str]]:
     """For every preset and the default: whether its hub models and datasets (or its downloaded text) are here."""
     reachable = hub.reachable()
     rows = []
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        for preset in [None, *sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))]:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for preset in [None, *sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))]:
             cfg = compose("config", overrides=[f"experiment={preset}"] if preset else [])
             model = cfg.model
             needs = [("model", model.hub_name)] if model.get("pretrained") else []
@@ -125,7 +124,7 @@ def preset_rows() -> list[list[str]]:
 def main() -> int:
     device = devices.select_device("auto")
     described = devices.describe(device)
-    flags = sorted(devices._cpu_flags() & {"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512f"})
+    flags = sorted(hardware._cpu_flags() & {"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512f"})
     print(f"device: {device.type}, {described['device_name']}"
           + (f", compute capability {described['compute_capability']}" if described["compute_capability"] else "")
           + f"; CPU flags: {', '.join(flags) or 'no 16-bit units'}; torch {described['torch_version']}, "

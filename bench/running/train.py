@@ -14,13 +14,12 @@ from omegaconf import DictConfig
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from tqdm import tqdm
 
-from bench.checkpoint import Checkpointer
-from bench.device import StepTimer, end_step, synchronize
-from bench.memory import StepMemory
-from bench.precision import Precision
-from bench.scaling import LossScaler
+from bench.numerics.memory import StepMemory
+from bench.numerics.precision import Precision
+from bench.numerics.scaling import LossScaler
+from bench.running.checkpoint import Checkpointer
+from bench.running.device import StepTimer, end_step, synchronize
 from bench.tasks.base import Task
-
 
 ADAM_FAMILY = ("adam", "adamw")  # optimisers whose step size does not follow the gradient's scale
 
@@ -31,7 +30,7 @@ def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None)
     decay_matrices_only: weight decay on parameters of two or more dimensions only (nanoGPT's groups).
     lr_multipliers: parameter -> factor k on cfg.lr, its weight decay divided by k (one group per factor; schedules
     scale every group alike): AdamW's decoupled decay shrinks a weight by lr * weight_decay per step, so the
-    shrink per step stays what it was while Adam's step grows k-fold (bench/unit.py's relative rule)."""
+    shrink per step stays what it was while Adam's step grows k-fold (bench/numerics/unit.py's relative rule)."""
     params = list(dict.fromkeys(params))  # a tied parameter once
     fused = bool(params) and params[0].device.type in _get_fused_kernels_supported_devices()
     groups = {}
@@ -84,8 +83,8 @@ class TrainOutcome:
     final_loss: float | None = None
     diverged_at_step: int | None = None
     per_epoch: list[dict] = field(default_factory=list)  # the task's validation metrics after each epoch
-    step_memory: dict | None = None  # bytes the first step held, by category (bench/memory.py)
-    step_time_method: str = "wall_clock"  # how step_s was measured (bench.device.StepTimer)
+    step_memory: dict | None = None  # bytes the first step held, by category (bench/numerics/memory.py)
+    step_time_method: str = "wall_clock"  # how step_s was measured (bench.running.device.StepTimer)
     epoch: int = 0  # position: the epoch in progress...
     position: int = 0  # ...and the batches of it already consumed
 
@@ -123,7 +122,7 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
     (data, forward, backward, step, per-epoch validation, as Raschka's timing does), synchronised at its
     start and end; a resumed run adds the time of its earlier segments. `resume` is the loop state a
     checkpoint restored; with a `checkpointer`, the loop saves at step boundaries. `count_memory`: count
-    the first step's memory (bench/memory.py); `make bench` turns it off to time the loop's per-step
+    the first step's memory (bench/numerics/memory.py); `make bench` turns it off to time the loop's per-step
     cost alone.
     """
     model = task.model

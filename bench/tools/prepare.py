@@ -1,6 +1,6 @@
 """Download and cache every hub model and dataset the configs name, once, for compute nodes without internet.
 
-    python -m bench.prepare            # or: make prepare
+    python -m bench.tools.prepare            # or: make prepare
 
 Caches go where the Hugging Face libraries put them (HF_HOME, default ~/.cache/huggingface); point
 HF_HOME at a shared filesystem before running this on a login node, then set HF_HOME to the same path
@@ -13,16 +13,15 @@ import sys
 
 from hydra import compose, initialize_config_dir
 
-from bench.data import DATA_DIR
+from bench.running.config import CONF_DIR
 
-CONF = DATA_DIR.parents[1] / "conf"
 HUB_MODELS = {"distilbert": "AutoModelForSequenceClassification", "bert_base": "AutoModelForQuestionAnswering"}
 
 
 def hub_assets() -> tuple[list[tuple[str, str]], list[str]]:
     """(transformers class, checkpoint) pairs and dataset ids named by the model configs."""
     models, data = [], []
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for option in ("lenet", *HUB_MODELS):
             cfg = compose("config", overrides=[f"model={option}"]).model
             data.append(cfg.data.name)
@@ -35,7 +34,7 @@ def main() -> int:
     import datasets
     import transformers
 
-    from bench import hub
+    from bench.running import hub
 
     if not hub.reachable():
         print(f"make prepare downloads from the Hugging Face hub, which cannot be reached from here "

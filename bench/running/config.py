@@ -21,12 +21,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from bench.data import DATA_DIR
-from bench.device import DEVICES
-from bench.formats import OVERFLOW_POLICIES
-from bench.blocks import FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES
-from bench.precision import BACKENDS, FORMAT_MODES, GRADIENT_ELEMENTS, RECIPES, valid_scalings
-from bench.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
-from bench.unit import LR_RULES
+from bench.numerics.blocks import FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES
+from bench.numerics.formats import OVERFLOW_POLICIES
+from bench.numerics.precision import BACKENDS, FORMAT_MODES, GRADIENT_ELEMENTS, RECIPES, valid_scalings
+from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
+from bench.numerics.unit import LR_RULES
+from bench.running.device import DEVICES
 
 MODELS = ("lenet", "distilbert", "bert_base", "charlm")
 DATA_SOURCES = {"lenet": ("digits", "hub"), "distilbert": ("hub", "local"), "bert_base": ("hub", "local"),
@@ -35,6 +35,7 @@ SCHEDULES = ("none", "linear", "cosine")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOGGERS = ("none", "wandb")
 
+CONF_DIR = DATA_DIR.parents[1] / "conf"  # the Hydra configs, beside the package in the checkout
 OmegaConf.register_new_resolver("bench_data", lambda relative: str(DATA_DIR / relative), replace=True)
 
 # Keys a cell's path already spells out; with the non-semantic keys (record.NON_SEMANTIC), never in its variant.
@@ -53,7 +54,7 @@ def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from bench.record import NON_SEMANTIC, NON_SEMANTIC_TRAIN
+    from bench.running.record import NON_SEMANTIC, NON_SEMANTIC_TRAIN
 
     choices = choices or {}
     excluded = set(PATH_KEYS) | set(NON_SEMANTIC) | {f"train.{k}" for k in NON_SEMANTIC_TRAIN}
@@ -101,7 +102,7 @@ class FormatConfig:
     backend: str = "auto"  # auto | native | emulated
     overflow: Optional[str] = None  # saturate | inf | nan; None = each element format's default
     ftz: bool = False  # flush subnormal results to signed zero (TPU bfloat16 semantics)
-    scale_mode: str = "floor"  # block formats (MX): floor | ceil | even | rceil (bench/blocks.py)
+    scale_mode: str = "floor"  # block formats (MX): floor | ceil | even | rceil (bench/numerics/blocks.py)
     rounding: str = "nearest"  # fp8 and block formats: nearest | stochastic (the gradients entering the backward GEMMs)
     gradients: Optional[str] = None  # mxfp8, mxfp6: the gradient operands' element format; None = the recipe's
 
@@ -119,7 +120,7 @@ class ScalingConfig:
     margin: int = 0  # per_tensor: s = (max / amax) / 2^margin
     pow2: bool = False  # per_tensor: round s down to a power of two
     conversion_tolerance: float = 1e-4  # unit, pretrained: largest relative output change the conversion may make
-    lr_rule: str = "same"  # unit, from scratch, Adam/AdamW: same | relative (bench.unit.relative_lr_multipliers)
+    lr_rule: str = "same"  # unit, from scratch, Adam/AdamW: same | relative (bench.numerics.unit.relative_lr_multipliers)
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""Conformance of the block formats (bench/blocks.py) with the references users trust, as a generated table.
+"""Conformance of the block formats (bench/numerics/blocks.py) with the references users trust, as a generated table.
 
-    python -m bench.conformance [--out results/conformance]
+    python -m bench.tools.conformance [--out results/conformance]
 
 For every MX element format and scale mode, against torchao's `to_mx` + `to_dtype`; NVFP4 (one- and two-level)
 against torchao's `nvfp4_quantize`; rowwise FP8 (scaling=rowwise) against torchao's axiswise power-of-two cast,
@@ -21,9 +21,17 @@ import numpy as np
 import pandas as pd
 import torch
 
-from bench.blocks import (MX_ELEMENTS, SCALE_MODES, mx_quantise, nvfp4_quantise, nvfp4_tensor_scale, rowwise_quantise,
-                          te_pow2_scale, torchao_pow2_scale)
-from bench.formats import FORMATS, quantise_value
+from bench.numerics.blocks import (
+    MX_ELEMENTS,
+    SCALE_MODES,
+    mx_quantise,
+    nvfp4_quantise,
+    nvfp4_tensor_scale,
+    rowwise_quantise,
+    te_pow2_scale,
+    torchao_pow2_scale,
+)
+from bench.numerics.formats import FORMATS, quantise_value
 
 RANDOM_VALUES = 2**20
 E4M3_NEAR = 448.0
@@ -239,7 +247,7 @@ def pow2_scale_disagreement(count: int = RANDOM_VALUES) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.conformance", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.conformance", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/conformance"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.scaling import LossScaler
+from bench.numerics.scaling import LossScaler
 
 PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 CHECKPOINT_NAME = "checkpoint.pt"

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from bench.formats import ElementFormat
+from bench.numerics.formats import ElementFormat
 
 TENSOR_CLASSES = ("weights", "activations", "gradients")
 _COUNTS = ("total", "underflow", "subnormal", "overflow")
@@ -63,7 +63,7 @@ class QuantTelemetry:
         self._step[tensor_class].append(category_counts(x, spec))
 
     def observe_blocks(self, tensor_class: str, x: torch.Tensor, blocked, spec: ElementFormat) -> None:
-        """Block statistics of one block-scaled operand (`blocked`: a bench.blocks.Blocked of `x`)."""
+        """Block statistics of one block-scaled operand (`blocked`: a bench.numerics.blocks.Blocked of `x`)."""
         if not self.sampling:
             return
         x = x.detach().float()

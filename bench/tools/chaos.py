@@ -1,6 +1,6 @@
 """`make chaos`: a small CPU sweep under fire, re-run until complete, then every record checked.
 
-    python -m bench.chaos [--results DIR] [--seed N]
+    python -m bench.tools.chaos [--results DIR] [--seed N]
 
 - the grid (8 LeNet cells, checkpointing every 25 steps) is SIGKILLed at random moments, again and
   again, and re-launched each time: finished cells must be skipped, killed ones resumed;
@@ -24,9 +24,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench.record import RecordError, read_record
+from bench.running.record import RecordError, read_record
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GRID = ["format=fp32,fp16,bf16,fp8", "scaling=none,dynamic", "train.max_steps=600", "train.checkpoint_every=25"]
 DIVERGING = ["format=tf32", "model.optimizer.lr=1e8", "train.max_steps=200"]
 ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -54,7 +54,7 @@ def raising_cell(directory: Path) -> list[str]:
 
 
 def launch(results: Path, overrides: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "bench.run", "-m", "experiment_name=chaos", f"results_dir={results}", *overrides]
+    cmd = [sys.executable, "-m", "bench.running.run", "-m", "experiment_name=chaos", f"results_dir={results}", *overrides]
     return subprocess.Popen(cmd, cwd=ROOT, env=os.environ | ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
@@ -113,7 +113,7 @@ def check(results: Path) -> tuple[Counter, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.chaos", description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, help="where the chaos records go (default: a fresh temp dir)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

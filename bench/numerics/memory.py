@@ -33,7 +33,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from bench.formats import FORMATS, quantise_value
+from bench.numerics.formats import FORMATS, quantise_value
+
 
 def _float8_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
     """torchao's float8 training tensors carry their FP8 data and scale as attributes."""

@@ -1,6 +1,6 @@
 """`make bench`: is the harness free, is the emulation cheap, are native formats as fast as promised?
 
-    python -m bench.benchmark [--out results/bench] [--quick] [--only harness,native,...]
+    python -m bench.tools.benchmark [--out results/bench] [--quick] [--only harness,native,...]
 
 Writes results/bench/<device>-<date>.json: {"device", "env", "rows": [{"metric", "value", "unit", "target"}]}
 and prints the rows as a table. Every timing is the median of repeats after a warm-up, alternating the
@@ -14,7 +14,7 @@ things compared, in one process:
   (torch.cuda.set_sync_debug_mode), ordinary steps only but for step 0 (a log step) and the end, apart from those
   made inside the transformers model (.in_model), which a bare loop makes too. Target: ~0.
 - emulation_ratio.<model>.<format>: step time of an emulated format / fp32, same loop and model; the formats
-  include FP8 rowwise/block scaling and the block formats (bench/blocks.py). Targets on CPU: <= 1.5 for fp8,
+  include FP8 rowwise/block scaling and the block formats (bench/numerics/blocks.py). Targets on CPU: <= 1.5 for fp8,
   <= 2.5 for mxfp8. telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off
   (target <= 1.5).
 - peer_ratio.bert_tiny.<peer>: step time of unit-scaling's simulate_fp8 and of torchao float8 training
@@ -24,10 +24,10 @@ things compared, in one process:
   samples/s, tokens/s, peak memory, MFU against the device's dense peak for the dtype (6 x parameters x
   tokens FLOPs per step), speed-up vs fp32 (TF32 off) and vs tf32.
 - accounting_share.lenet.<format>: what a run's one-off accounting costs (the memory breakdown of its first
-  step, bench/memory.py, plus the FLOP count of one step) as a share of a default LeNet cell's training time
+  step, bench/numerics/memory.py, plus the FLOP count of one step) as a share of a default LeNet cell's training time
   (its steps x a plain step's median time). Target <= 0.05.
 - aggregate_s.10k: reading, summarising and tabulating 10,000 synthetic records. Target <= 5 s.
-- quantise_ns.<format>: nanoseconds per value of bench.formats.quantise on 2^20 float32 values, and of the block
+- quantise_ns.<format>: nanoseconds per value of bench.numerics.formats.quantise on 2^20 float32 values, and of the block
   quantisers (MX, NVFP4, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix.
 """
 
@@ -51,19 +51,26 @@ import torch
 from hydra import compose, initialize_config_dir
 from tabulate import tabulate
 
-from bench import device as devices
-from bench.blocks import mx_quantise, nvfp4_quantise, nvfp4_tensor_scale, rowwise_quantise, tile2d_quantise, tile_quantise
-from bench.formats import quantise
-from bench.memory import StepMemory
-from bench.run import build_cell, preflight, step_flops_by_module
-from bench.train import total_steps, train
+from bench.numerics.blocks import (
+    mx_quantise,
+    nvfp4_quantise,
+    nvfp4_tensor_scale,
+    rowwise_quantise,
+    tile2d_quantise,
+    tile_quantise,
+)
+from bench.numerics.formats import quantise
+from bench.numerics.memory import StepMemory
+from bench.running import device as devices
+from bench.running.config import CONF_DIR
+from bench.running.run import build_cell, preflight, step_flops_by_module
+from bench.running.train import total_steps, train
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 NO_TELEMETRY = 10**9  # train.log_every that never samples within a measurement
 
 
 def cell_config(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=["results_dir=/tmp/bench-unused", *overrides])
 
 
@@ -334,9 +341,9 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
 
 
 def aggregate_rows(n: int = 10_000) -> list[dict]:
-    from bench.aggregate import load_directory, summarise, to_frame
-    from bench.record import write_json_atomic
-    from bench.tables import write_all
+    from bench.reporting.aggregate import load_directory, summarise, to_frame
+    from bench.reporting.tables import write_all
+    from bench.running.record import write_json_atomic
 
     _, precision, _ = make_cell("train.max_steps=1")
     template = {"status": "ok", "reason": None, "run_id": "x",
@@ -390,7 +397,7 @@ CUDA_ONLY = ("host_syncs", "native")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.benchmark", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
     parser.add_argument("--quick", action="store_true", help="few steps and repeats (a smoke test of the benchmark)")
     parser.add_argument("--only", default=",".join(SECTIONS),

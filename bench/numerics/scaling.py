@@ -1,6 +1,6 @@
 """Scaling methods. Loss scalers (none / static / dynamic) share one small protocol; per-tensor
 scaling is a cast policy (`PerTensorScale`, used by the precision sites); unit scaling is a model
-transform (bench/unit.py).
+transform (bench/numerics/unit.py).
 
 `LossScaler` follows torch.amp.GradScaler's semantics step for step, with GradScaler's own kernels
 (tests check it against GradScaler itself), but is our own because GradScaler cannot express a static
@@ -15,7 +15,7 @@ from collections import defaultdict, deque
 
 import torch
 
-from bench.formats import ElementFormat
+from bench.numerics.formats import ElementFormat
 
 LOSS_SCALING = ("none", "static", "dynamic")
 SCALING_METHODS = ("none", "static", "dynamic", "per_tensor", "unit", "rowwise", "rowwise_with_gw_hp", "block")

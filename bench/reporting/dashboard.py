@@ -1,9 +1,9 @@
 """`make dashboard`: one experiment's W&B workspace and report, built as code from the keys its runs log.
 
-    python -m bench.dashboard EXPERIMENT [--entity E] [--project P] [--results DIR] [--tables DIR ...]
+    python -m bench.reporting.dashboard EXPERIMENT [--entity E] [--project P] [--results DIR] [--tables DIR ...]
                               [--out results/dashboards]
 
-Every cell logs one W&B run (bench/logger.py): config = the resolved config plus `precision` (the record's
+Every cell logs one W&B run (bench/running/logger.py): config = the resolved config plus `precision` (the record's
 env.precision), history = the metrics.jsonl rows, summary = the record. The panels below read those keys
 and nothing else; `PANELS` names each key with where it lives, so a test can check every one against
 records the runner wrote. The workspace mirrors the paper tables (metric by setting and by scaling, time
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from bench.telemetry import TENSOR_CLASSES
+from bench.numerics.telemetry import TENSOR_CLASSES
 
 # The metric(s) each task's table reports (bench/tasks PRIMARY_METRIC, plus SQuAD's exact match and charlm's bits
 # per character).
@@ -212,7 +212,7 @@ def describe(dashboard: Dashboard) -> str:
 
 
 def main(argv: list[str] | None = None, save: Callable = save_to_wandb) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.dashboard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.reporting.dashboard", description=__doc__.splitlines()[0])
     parser.add_argument("experiment", help="the experiment_name (W&B group) to build the dashboard for")
     parser.add_argument("--entity", default=os.environ.get("WANDB_ENTITY"))
     parser.add_argument("--project", default=os.environ.get("WANDB_PROJECT", "precision-bench"))

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value
+from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
 # FP8 recipes with finer scales than one per tensor: torchao's rowwise ones (rowwise, and rowwise with the
@@ -102,7 +102,7 @@ def _exponent_field(x: torch.Tensor) -> torch.Tensor:
 
 
 def _round_elements(x: torch.Tensor, element: str, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
-    """Scaled values onto the element grid, saturating: RNE, or stochastic (bench.formats.quantise_stochastic)."""
+    """Scaled values onto the element grid, saturating: RNE, or stochastic (bench.numerics.formats.quantise_stochastic)."""
     if rounding == "nearest":
         return quantise_value(x, element, overflow="saturate")
     if rounding == "stochastic":

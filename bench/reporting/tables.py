@@ -1,4 +1,4 @@
-"""Paper-style tables from the per-run frame and the per-cell summary (bench/aggregate.py).
+"""Paper-style tables from the per-run frame and the per-cell summary (bench/reporting/aggregate.py).
 
 Written to <out>/<experiment>/, each as Markdown, LaTeX (booktabs) and CSV:
 - precision: Raschka's table, one row per setting (and scaling method): time, speed-up vs 32-true, modelled
@@ -24,8 +24,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from bench.aggregate import SCALING_ORDER, t_interval
-from bench.telemetry import TENSOR_CLASSES
+from bench.numerics.telemetry import TENSOR_CLASSES
+from bench.reporting.aggregate import SCALING_ORDER, t_interval
 
 PUBLISHED = Path(__file__).parent / "reference" / "published.yaml"
 EMULATED = "†"
@@ -57,7 +57,7 @@ NOTES = {
                   "slower than FP32 (README, 'On an H100'); it is not what FP8 hardware gains.",
     "memory": "modelled memory: the bytes one training step holds (parameters, gradients, optimiser state, low-"
               "precision weight copies, activations saved for backward) as the format stores them, counted on the "
-              "run's first step (bench/memory.py), the same for native and emulated runs; measured peak: the "
+              "run's first step (bench/numerics/memory.py), the same for native and emulated runs; measured peak: the "
               "process's peak resident set on CPU (mostly the Python/torch runtime), max_memory_allocated on CUDA; "
               "TFLOP/s: FLOPs of a step over its median time, native runs only.",
 }
@@ -247,7 +247,7 @@ def published_table(cells: pd.DataFrame) -> pd.DataFrame:
 def is_cell(frame: pd.DataFrame, setting: str, scaling: str, rounding: str | None = None,
             options: str | None = None) -> pd.Series:
     """Which rows of `frame` (runs or cells) have this setting and scaling (and rounding of the gradients, and
-    recipe options: bench.aggregate.format_options, "" for the format's own recipe)."""
+    recipe options: bench.reporting.aggregate.format_options, "" for the format's own recipe)."""
     match = (frame["setting"].astype(str) == setting) & (frame["scaling"].astype(str) == scaling)
     if rounding is not None:
         match &= frame["rounding"] == rounding
@@ -316,7 +316,7 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
 
 class BlockRow(NamedTuple):
     """A row of the block_formats table: the cell (setting, scaling, rounding of the gradient operands, recipe
-    options as bench.aggregate.format_options writes them) and how it is shown (label, bits per element)."""
+    options as bench.reporting.aggregate.format_options writes them) and how it is shown (label, bits per element)."""
 
     setting: str
     scaling: str

@@ -16,8 +16,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from bench.aggregate import SCALING_ORDER  # noqa: E402
-from bench.tables import BLOCK_FORMAT_ROWS, PERCENT_METRICS, SIGNIFICANT, fmt_difference, is_cell, scaled  # noqa: E402
+from bench.reporting.aggregate import SCALING_ORDER  # noqa: E402
+from bench.reporting.tables import BLOCK_FORMAT_ROWS, PERCENT_METRICS, SIGNIFICANT, fmt_difference, is_cell, scaled  # noqa: E402
 
 MARKERS = dict(zip(SCALING_ORDER, "os^Dv"))
 

@@ -8,7 +8,7 @@ Emulation rounds exactly where a native kernel would, at every nn.Linear and nn.
 - fp8: activations and weights enter as E4M3, gradients enter the backward as E5M2, outputs and
   returned gradients stay in FP32 (FP8 GEMMs accumulate and write in higher precision).
   `rounding=stochastic` rounds those gradients stochastically (seeded; the same overflow policy).
-- mxfp8 / mxfp6 / mxfp4 / nvfp4 (block formats, bench/blocks.py): each Linear's GEMMs take block-scaled
+- mxfp8 / mxfp6 / mxfp4 / nvfp4 (block formats, bench/numerics/blocks.py): each Linear's GEMMs take block-scaled
   operands, blocked along the dimension each GEMM reduces, as torchao's MX linear does: forward, activations and
   weights along in_features; grad_input, the output gradient and the weight along out_features; grad_weight, the
   output gradient and the activations along the tokens. Forward operands use the recipe's `inputs` element
@@ -36,12 +36,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.blocks import (FP8_GRANULARITIES, MX_BLOCK, ROUNDINGS, SCALE_MODES, TORCHAO_ROWWISE, mx_quantise,
-                          nvfp4_quantise, nvfp4_tensor_scale, rowwise_quantise, tile2d_quantise, tile_quantise)
-from bench.device import native_support
-from bench.formats import FORMATS, quantise_stochastic, quantise_value, resolve_overflow
-from bench.scaling import SCALING_METHODS
-from bench.telemetry import QuantTelemetry
+from bench.numerics.blocks import (
+    FP8_GRANULARITIES,
+    MX_BLOCK,
+    ROUNDINGS,
+    SCALE_MODES,
+    TORCHAO_ROWWISE,
+    mx_quantise,
+    nvfp4_quantise,
+    nvfp4_tensor_scale,
+    rowwise_quantise,
+    tile2d_quantise,
+    tile_quantise,
+)
+from bench.numerics.formats import FORMATS, quantise_stochastic, quantise_value, resolve_overflow
+from bench.numerics.hardware import native_support
+from bench.numerics.scaling import SCALING_METHODS
+from bench.numerics.telemetry import QuantTelemetry
 
 FORMAT_MODES = {"fp32": ("true",), "tf32": ("true",), "fp16": ("mixed", "true"), "bf16": ("mixed", "true"),
                 "fp8": ("mixed",), "mxfp8": ("mixed",), "mxfp6": ("mixed",), "mxfp4": ("mixed",), "nvfp4": ("mixed",)}
@@ -56,7 +67,7 @@ class Recipe:
     inputs: str  # activations and weights entering the op (forward)
     grads: str  # gradients entering the op's backward
     sixteen_bit_kernel: bool  # output, bias and returned gradients are rounded to `inputs` too
-    block: str | None = None  # "mx" or "nvfp4": block-scaled GEMM operands (bench/blocks.py)
+    block: str | None = None  # "mx" or "nvfp4": block-scaled GEMM operands (bench/numerics/blocks.py)
 
 
 RECIPES = {
@@ -95,7 +106,7 @@ class TensorSite:
     def __init__(self, tensor_class: str, fmt: str, overflow: str | None, ftz: bool,
                  telemetry: QuantTelemetry, scaler=None, on_output=None, rounding: str = "nearest"):
         """on_output(input, output, tensor_class, fmt): told of every tensor the site makes (memory accounting).
-        rounding: nearest (RNE) or stochastic (bench.formats.quantise_stochastic, the same overflow policy)."""
+        rounding: nearest (RNE) or stochastic (bench.numerics.formats.quantise_stochastic, the same overflow policy)."""
         self.tensor_class = tensor_class
         self.rounding = rounding
         self.on_output = on_output
@@ -103,7 +114,7 @@ class TensorSite:
         self.overflow = resolve_overflow(self.spec, overflow)
         self.ftz = ftz
         self.telemetry = telemetry
-        self.scaler = scaler  # a bench.scaling.PerTensorScale, or None
+        self.scaler = scaler  # a bench.numerics.scaling.PerTensorScale, or None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scaler is None:
@@ -231,7 +242,7 @@ class BlockOperands:
 class FP8TileOperands:
     """FP8 GEMM operands with finer scales than one per tensor (scaling=rowwise | rowwise_with_gw_hp | block),
     E4M3 throughout: rowwise, one torchao scale per row along the reduced dimension; block, Transformer Engine's
-    1 x 128 tiles along it for activations and gradients and 128 x 128 tiles for weights (bench/blocks.py).
+    1 x 128 tiles along it for activations and gradients and 128 x 128 tiles for weights (bench/numerics/blocks.py).
 
     rowwise_with_gw_hp is torchao's recipe of that name: the output and input-gradient GEMMs as rowwise but for
     the weight, which the input-gradient GEMM takes with one scale for the whole tensor, and the weight-gradient
@@ -403,8 +414,8 @@ class Precision:
                  device: torch.device, per_tensor=None, scale_mode: str = "floor", rounding: str = "nearest",
                  granularity: str | None = None, gradients: str | None = None):
         """per_tensor: a factory `(tensor_class, spec) -> PerTensorScale` when scaling=per_tensor, else None.
-        scale_mode: block formats only (bench/blocks.py's SCALE_MODES); rounding: fp8 and block formats (ROUNDINGS).
-        granularity: FP8 only, scaling=rowwise or block (bench/blocks.py's FP8_GRANULARITIES), else None.
+        scale_mode: block formats only (bench/numerics/blocks.py's SCALE_MODES); rounding: fp8 and block formats (ROUNDINGS).
+        granularity: FP8 only, scaling=rowwise or block (bench/numerics/blocks.py's FP8_GRANULARITIES), else None.
         gradients: the gradient operands' element format (GRADIENT_ELEMENTS), None for the recipe's."""
         if fmt not in FORMAT_MODES:
             raise PrecisionError(f"unknown format {fmt!r}; valid: {', '.join(FORMAT_MODES)}")
@@ -494,7 +505,7 @@ class Precision:
         self.fp8_modules = None  # native FP8 / MXFP8: which Linear layers torchao converted and which it left alone
         self.kept_in_high_precision = None  # block formats: the Conv2d layers they leave in FP32
         self.dtype = TORCH_DTYPES.get(fmt)
-        # While bench.memory counts a step, it listens here: (input, output, tensor class, format) of every
+        # While bench.numerics.memory counts a step, it listens here: (input, output, tensor class, format) of every
         # tensor a rounding site makes. None otherwise.
         self.site_listener = None
 

@@ -1,6 +1,6 @@
-"""What `format.backend=auto` decides on each device a cluster may have: `python -m bench.matrix`.
+"""What `format.backend=auto` decides on each device a cluster may have: `python -m bench.tools.matrix`.
 
-The decision is `bench.precision.Precision`'s, asked on simulated devices (the CPU's flags, a CUDA compute
+The decision is `bench.numerics.precision.Precision`'s, asked on simulated devices (the CPU's flags, a CUDA compute
 capability, whether torchao is installed, an XLA device), so the table below is what the code does, not a
 description of it. The README carries the table; a test keeps the two equal and checks every decision
 against the rules written out by hand.
@@ -14,9 +14,9 @@ from unittest import mock
 
 import torch
 
-from bench import device as devices
-from bench.blocks import FP8_GRANULARITIES
-from bench.precision import FORMAT_MODES, Precision, valid_scalings
+from bench.numerics import hardware
+from bench.numerics.blocks import FP8_GRANULARITIES
+from bench.numerics.precision import FORMAT_MODES, Precision, valid_scalings
 
 # name -> (device type, CPU flags, CUDA compute capability, torchao installed)
 PROFILES = {
@@ -35,11 +35,11 @@ SETTINGS = [(fmt, mode) for fmt, modes in FORMAT_MODES.items() for mode in modes
 
 @contextlib.contextmanager
 def simulated(profile: str):
-    """Within the block, bench.device answers as the named device would; yields its torch.device."""
+    """Within the block, bench.numerics.hardware answers as the named device would; yields its torch.device."""
     kind, flags, capability, torchao = PROFILES[profile]
-    with mock.patch.object(devices, "_cpu_flags", lambda: frozenset(flags)), \
-            mock.patch.object(devices, "torchao_available", lambda: torchao), \
-            mock.patch.object(devices, "torchao_mxfp8_available", lambda: torchao), \
+    with mock.patch.object(hardware, "_cpu_flags", lambda: frozenset(flags)), \
+            mock.patch.object(hardware, "torchao_available", lambda: torchao), \
+            mock.patch.object(hardware, "torchao_mxfp8_available", lambda: torchao), \
             mock.patch.object(torch.cuda, "is_available", lambda: kind == "cuda"), \
             mock.patch.object(torch.cuda, "get_device_capability", lambda *_: capability):
         yield torch.device(kind)

@@ -1,11 +1,11 @@
-"""Raschka's DistilBERT memory figures beside what bench/memory.py models for the same training step.
+"""Raschka's DistilBERT memory figures beside what bench/numerics/memory.py models for the same training step.
 
-    python -m bench.raschka_memory [--out results/tables/raschka_memory]     (make raschka-memory)
+    python -m bench.tools.raschka_memory [--out results/tables/raschka_memory]     (make raschka-memory)
 
 Raschka measured DistilBERT fine-tuning on an A100 (batch 12, length 512, Adam) per precision setting with
 torch.cuda.max_memory_reserved(). Memory does not depend on the weights, so this builds distilbert-base-uncased's
 architecture (transformers' DistilBertConfig defaults) with random weights, runs one training step at that
-shape on this CPU per setting, counts it with bench.memory.StepMemory, and writes the modelled totals and
+shape on this CPU per setting, counts it with bench.numerics.memory.StepMemory, and writes the modelled totals and
 their ratios to 32-true beside the published ones (`vs_published.md`/`.csv`, labelled "modelled on CPU").
 16-mixed is emulated (native fp16 on a CPU is orders of magnitude slower); 32-true, bf16-mixed and bf16-true
 run natively where the CPU has bf16 units. Attention is transformers' eager implementation, as DistilBERT ran
@@ -25,9 +25,9 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from bench.memory import StepMemory
-from bench.precision import Precision
-from bench.tables import published_rows, to_markdown
+from bench.numerics.memory import StepMemory
+from bench.numerics.precision import Precision
+from bench.reporting.tables import published_rows, to_markdown
 
 SETTINGS = {"32-true": ("fp32", "true"), "16-mixed": ("fp16", "mixed"), "bf16-mixed": ("bf16", "mixed"),
             "bf16-true": ("bf16", "true")}
@@ -81,7 +81,7 @@ def comparison(breakdowns: dict[str, dict]) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.raschka_memory", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.raschka_memory", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/tables/raschka_memory"))
     args = parser.parse_args(argv)
     breakdowns = {}
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     table = comparison(breakdowns)
     args.out.mkdir(parents=True, exist_ok=True)
     notes = [f"One training step of distilbert-base-uncased's architecture (random weights, eager attention) at batch "
-             f"{SHAPE['batch']}, length {SHAPE['length']}, Adam, counted by bench/memory.py on "
+             f"{SHAPE['batch']}, length {SHAPE['length']}, Adam, counted by bench/numerics/memory.py on "
              f"{torch.backends.cpu.get_cpu_capability()} CPU (modelled on CPU; 16-mixed emulated). Published: "
              "Raschka 2023, one A100, torch.cuda.max_memory_reserved(), decimal GB. The model counts parameters, "
              "gradients, optimiser state, weight copies and saved activations; a GPU adds the CUDA context, cuBLAS "

@@ -1,6 +1,6 @@
 """Parameter-free ops as modules, so that a model transform can find and swap them by type.
 
-Unit scaling (bench/unit.py) replaces nn.Linear by UnitLinear; the same way it replaces these: a residual add
+Unit scaling (bench/numerics/unit.py) replaces nn.Linear by UnitLinear; the same way it replaces these: a residual add
 by the weighted sqrt(1-tau) x + sqrt(tau) f(x), causal attention by its unit-scaled version, a sum of
 embeddings by a unit-scaled add. A model that writes `x + f(x)` or calls F.scaled_dot_product_attention inline
 hides those ops from any transform. Being parameter-free, they leave a model's initialisation untouched.

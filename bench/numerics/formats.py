@@ -1,0 +1,239 @@
+"""Numeric formats and `quantise`: round a tensor to a format, with explicit overflow and FTZ policy.
+
+Every format is described by its bits (`ElementFormat`), and `quantise` rounds with
+round-to-nearest-even (RNE) and then applies an *explicit* overflow policy, so no library's
+accident defines a format (torch 2.13's CPU float32->float8_e4m3fn cast saturates while
+ml_dtypes returns NaN; here the policy decides, and it is recorded with every run).
+
+How each format is rounded (each path is checked bit-for-bit against ml_dtypes in tests):
+- fp16, bf16, fp8_e5m2: torch's native casts (RNE, subnormals, IEEE overflow to inf; fast).
+- fp8_e4m3: exact float32 arithmetic, because torch's float8_e4m3fn cast has no IEEE overflow
+  (NaN on some code paths, saturation on others) and is slower on CPU than this. Adding and
+  subtracting a power of two 2^(e+23-m) rounds |x| to a multiple of 2^(e-m) with the FPU's own
+  RNE, where e is x's exponent clamped to [emin, emax+1]. This gives the subnormal grid below
+  emin and keeps values past max finite-and-too-large (or inf), so overflow is detected by
+  `|r| > max`. Under saturation |x| is clamped to max first (max is on the grid, so this is
+  the same as rounding then clamping) and the exponent needs no upper clamp: the training path.
+- tf32: integer RNE on the float32 bit pattern (drop 13 mantissa bits), FP32 range.
+
+Carrier: results are returned in x's dtype. float64 inputs are rounded to float32 first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+OVERFLOW_POLICIES = ("saturate", "inf", "nan")
+# Formats whose rounding path already turns overflow into +-inf (native casts, or FP32 range).
+_ROUNDS_OVERFLOW_TO_INF = {"fp32", "tf32", "fp16", "bf16", "fp8_e5m2"}
+_NATIVE_CAST = {"fp16", "bf16", "fp8_e5m2"}  # torch's cast is RNE with IEEE overflow: the rounding itself
+
+
+@dataclass(frozen=True)
+class ElementFormat:
+    """A floating-point element format: 1 sign bit, `exp_bits`, `man_bits` explicit mantissa bits."""
+
+    name: str
+    exp_bits: int
+    man_bits: int
+    emin: int  # exponent of the smallest normal number
+    emax: int  # exponent of the largest finite number
+    max: float  # largest finite value
+    has_inf: bool
+    default_overflow: str
+    torch_dtype: torch.dtype | None  # storage dtype where torch has one (for native paths)
+
+    @property
+    def storage_bytes(self) -> float:
+        """Bytes per element where the format is stored: its bits, except TF32, which lives in FP32 storage
+        (only tensor cores read 10 mantissa bits)."""
+        return 4.0 if self.name == "tf32" else (1 + self.exp_bits + self.man_bits) / 8
+
+    @property
+    def min_normal(self) -> float:
+        return 2.0**self.emin
+
+    @property
+    def min_subnormal(self) -> float:
+        return 2.0 ** (self.emin - self.man_bits)
+
+    def rounding_edges(self) -> list[float]:
+        """Magnitudes where RNE's outcome changes class (exact in float32), for telemetry's bucketize:
+        |x| <= e0: zero stays zero; <= e1 = min_sub/2: rounds to zero (the tie goes to even 0);
+        <= e2: lands subnormal (below min_normal - min_sub/2, whose tie rounds up to min_normal);
+        <= e3: normal; beyond: overflow, i.e. past max + half an ulp, or on that tie when max's last
+        mantissa bit is odd (IEEE formats; E4M3's max 1.110b * 2^8 is even, so its tie rounds to max)."""
+        half_ulp = 2.0 ** (self.emax - self.man_bits - 1)
+        max_is_odd = int(self.max / (2 * half_ulp)) % 2 == 1
+        edges = torch.tensor([0.0, self.min_subnormal / 2, self.min_normal - self.min_subnormal / 2,
+                              self.max + half_ulp], dtype=torch.float32)
+        below = torch.nextafter(edges, torch.zeros_like(edges))
+        return [0.0, edges[1].item(), below[2].item(), (below[3] if max_is_odd else edges[3]).item()]
+
+
+def _ieee(name, exp_bits, man_bits, dtype) -> ElementFormat:
+    bias = 2 ** (exp_bits - 1) - 1
+    emax = bias
+    return ElementFormat(
+        name, exp_bits, man_bits, emin=1 - bias, emax=emax,
+        max=(2 - 2.0**-man_bits) * 2.0**emax, has_inf=True, default_overflow="inf", torch_dtype=dtype,
+    )
+
+
+FORMATS: dict[str, ElementFormat] = {
+    "fp32": _ieee("fp32", 8, 23, torch.float32),
+    "tf32": _ieee("tf32", 8, 10, None),
+    "fp16": _ieee("fp16", 5, 10, torch.float16),
+    "bf16": _ieee("bf16", 8, 7, torch.bfloat16),
+    # OCP E4M3 ("fn"): no inf, only S.1111.111 is NaN, so the top binade reaches 1.75 * 2^8 = 448.
+    # Saturation is the default because torchao and Transformer Engine clamp before casting.
+    "fp8_e4m3": ElementFormat("fp8_e4m3", 4, 3, emin=-6, emax=8, max=448.0, has_inf=False,
+                              default_overflow="saturate", torch_dtype=torch.float8_e4m3fn),
+    "fp8_e5m2": _ieee("fp8_e5m2", 5, 2, torch.float8_e5m2),
+    # OCP MX element formats: no inf, no NaN (the block scale carries NaN); every exponent code is finite.
+    "fp6_e2m3": ElementFormat("fp6_e2m3", 2, 3, emin=0, emax=2, max=7.5, has_inf=False, default_overflow="saturate",
+                              torch_dtype=None),
+    "fp6_e3m2": ElementFormat("fp6_e3m2", 3, 2, emin=-2, emax=4, max=28.0, has_inf=False,
+                              default_overflow="saturate", torch_dtype=None),
+    "fp4_e2m1": ElementFormat("fp4_e2m1", 2, 1, emin=0, emax=2, max=6.0, has_inf=False, default_overflow="saturate",
+                              torch_dtype=None),
+}
+
+
+def get_format(fmt: str | ElementFormat) -> ElementFormat:
+    if isinstance(fmt, ElementFormat):
+        return fmt
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown element format {fmt!r}; valid: {', '.join(FORMATS)}") from None
+
+
+def resolve_overflow(spec: ElementFormat, overflow: str | None) -> str:
+    policy = spec.default_overflow if overflow is None else overflow
+    if policy not in OVERFLOW_POLICIES:
+        raise ValueError(f"unknown overflow policy {policy!r}; valid: {', '.join(OVERFLOW_POLICIES)}")
+    return policy
+
+
+def round_unbounded(x: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
+    """RNE to `spec`'s grid (subnormals included) on float32 `x`, with no overflow policy yet.
+
+    Values past the rounding boundary above max come back either as inf (native casts) or as a
+    finite value > max (the arithmetic path); both satisfy `|r| > spec.max`.
+    """
+    if spec.name == "fp32":
+        return x
+    if spec.name == "tf32":
+        return _round_mantissa_bits(x, spec.man_bits)
+    if spec.name in _NATIVE_CAST:
+        return x.to(spec.torch_dtype).to(torch.float32)
+    return _round_on_grid(x.abs(), spec, top_exponent=spec.emax + 1).copysign_(x)
+
+
+def _round_on_grid(magnitude: torch.Tensor, spec: ElementFormat, top_exponent: int | None) -> torch.Tensor:
+    """RNE of a float32 magnitude (overwritten) by adding and subtracting 2^(e+23-m), e its exponent clamped
+    to [emin, top_exponent] (no upper clamp when top_exponent is None: the caller bounded it)."""
+    shift = (23 - spec.man_bits) << 23
+    magic_bits = (magnitude.view(torch.int32) & 0x7F800000).add_(shift)
+    magic_bits.clamp_(min=((spec.emin + 127) << 23) + shift,
+                      max=None if top_exponent is None else ((top_exponent + 127) << 23) + shift)
+    magic = magic_bits.view(torch.float32)
+    return magnitude.add_(magic).sub_(magic)
+
+
+def _round_mantissa_bits(x: torch.Tensor, man_bits: int) -> torch.Tensor:
+    """RNE of float32 to `man_bits` mantissa bits in FP32's exponent range (carry may reach inf)."""
+    drop = 23 - man_bits
+    bits = x.view(torch.int32)
+    lsb = (bits >> drop) & 1
+    rounded = ((bits + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)).view(torch.float32)
+    return torch.where(x.isnan(), x, rounded)
+
+
+def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | None = None,
+                   ftz: bool = False) -> torch.Tensor:
+    """The forward value of `quantise` (no autograd): x rounded to `fmt`, in x's dtype."""
+    spec = get_format(fmt)
+    policy = resolve_overflow(spec, overflow)
+    x32 = x.to(torch.float32)
+    if policy == "saturate" and spec.name not in _ROUNDS_OVERFLOW_TO_INF:  # the arithmetic path, saturating
+        # clamping |x| to max (on the grid) first is the same as rounding, then clamping; it saves passes
+        r = _round_on_grid(x32.abs().clamp_(max=spec.max), spec, top_exponent=None).copysign_(x32)
+    else:
+        r = round_unbounded(x32, spec)
+        if policy == "saturate":
+            r = r.clamp(-spec.max, spec.max)
+        elif policy == "inf":
+            if spec.name not in _ROUNDS_OVERFLOW_TO_INF:
+                r = torch.where(r.abs() > spec.max, r.sign() * math.inf, r)
+        else:  # nan
+            overflowed = r.abs() > spec.max
+            if spec.has_inf:  # an infinite input stays infinite; only finite overflow becomes NaN
+                overflowed &= x32.isfinite()
+            r = torch.where(overflowed, math.nan, r)
+    if ftz:
+        # Multiplying by the mask keeps the sign (-tiny * 0 = -0) and keeps NaN and inf.
+        r = r * (r.abs() >= spec.min_normal)
+    return r.to(x.dtype)
+
+
+def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: torch.Generator | None = None,
+                        overflow: str = "saturate") -> torch.Tensor:
+    """x rounded to `fmt` stochastically: |x| goes to the grid point above it with probability
+    (|x| - below) / spacing and to the one below otherwise, so E[result] = x inside the range and the chance of
+    rounding up is proportional to the distance. Values on the grid stay; NaN stays NaN. Seeded by `generator`
+    (one uniform draw per element, in x's order): reproducible.
+
+    Past max the grid goes on one step of the top binade's spacing (for IEEE formats that step is 2^(emax+1),
+    where RNE's overflow begins), and a value rounded there has overflowed: `overflow` decides, as in
+    `quantise_value` ('saturate': max, the block formats' rule; 'inf': +-inf; 'nan': NaN, an infinite input of a
+    format with inf staying inf). So max < |x| < max + spacing overflows with probability (|x| - max) / spacing."""
+    spec = get_format(fmt)
+    policy = resolve_overflow(spec, overflow)
+    x32 = x.to(torch.float32)
+    top_spacing = 2.0 ** (spec.emax - spec.man_bits)
+    magnitude = x32.abs().clamp(max=spec.max + top_spacing)
+    exponent = (torch.frexp(magnitude)[1] - 1).clamp(min=spec.emin, max=spec.emax)  # floor(log2 |x|) in range
+    spacing = torch.ldexp(torch.ones_like(magnitude), exponent - spec.man_bits)
+    below = torch.floor(magnitude / spacing) * spacing  # exact: spacing is a power of two
+    draw = torch.rand(magnitude.shape, generator=generator, device=x.device)
+    rounded = below + spacing * (draw < (magnitude - below) / spacing)
+    overflowed = rounded > spec.max
+    if policy == "saturate":
+        rounded = rounded.clamp(max=spec.max)
+    elif policy == "inf":
+        rounded = torch.where(overflowed, math.inf, rounded)
+    else:  # nan
+        rounded = torch.where(overflowed & ~(x32.isinf() & spec.has_inf), math.nan, rounded)
+        rounded = torch.where(x32.isinf() & spec.has_inf, math.inf, rounded)
+    return rounded.copysign(x32).to(x.dtype)
+
+
+class _QuantiseSTE(torch.autograd.Function):
+    """Round in the forward pass; pass the gradient straight through."""
+
+    @staticmethod
+    def forward(ctx, x, spec, overflow, ftz):
+        return quantise_value(x, spec, overflow, ftz)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+def quantise(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | None = None,
+             ftz: bool = False) -> torch.Tensor:
+    """Round `x` to `fmt` (RNE) in x's dtype; in autograd the gradient passes straight through.
+
+    fmt: one of fp32, tf32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp6_e2m3, fp6_e3m2, fp4_e2m1.
+    overflow: 'saturate' (clamp to +-max), 'inf' (past the rounding boundary -> +-inf, also for
+      e4m3, whose carrier can hold inf though the format cannot), 'nan' (-> NaN, as ml_dtypes'
+      e4m3fn); None = the format's default (e4m3: saturate, others: inf).
+    ftz: flush results below the smallest normal to signed zero (TPU bfloat16 semantics).
+    NaN stays NaN; +-inf stays +-inf (+-max under saturate; NaN under 'nan' for e4m3); -0 stays -0.
+    """
+    return _QuantiseSTE.apply(x, get_format(fmt), overflow, ftz)

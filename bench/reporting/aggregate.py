@@ -1,0 +1,312 @@
+"""Records -> one DataFrame per run, one summary per cell: what the tables and plots are made from.
+
+Records come from a results directory (every result.json below it) or wandb://entity/project[/group] (the runs'
+summaries, which hold the same records, pulled through wandb.Api). A corrupt, partial or malformed record
+is reported by name and skipped; a record found twice (the same run_id) counts once.
+
+A cell is one configuration over seeds: runs that differ in anything that changes what they compute
+(steps, learning rate, data, model size, a format or scaling knob) are never averaged together, and a
+speed-up compares a cell only with the 32-true cell of otherwise the same configuration. Means and spreads
+are over the runs that finished (status ok); diverged and failed runs are counted beside them.
+
+Seeds are paired: the same seed gives every cell the same initial weights and data order, so a cell's
+difference to its 32-true cell is the mean of per-seed differences, with a 95% confidence interval from
+Student's t over those paired seeds (n - 1 degrees of freedom); an interval that excludes 0 is a difference
+the seeds can tell apart from noise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from bench.numerics.telemetry import TENSOR_CLASSES
+from bench.running.config import CharDataConfig
+from bench.running.record import (
+    RECORD_KEYS,
+    RecordError,
+    check_record,
+    config_hash,
+    read_record,
+    run_id,
+    semantic_config,
+)
+from bench.tasks import PRIMARY_METRIC
+
+SETTING_ORDER = ["64-true", "32-true", "tf32", "16-mixed", "16-true", "bf16-mixed", "bf16-true", "fp8-mixed",
+                 "mxfp8-mixed", "mxfp6-mixed", "mxfp4-mixed", "nvfp4-mixed"]
+SCALING_ORDER = ["none", "static", "dynamic", "per_tensor", "unit", "rowwise", "rowwise_with_gw_hp", "block"]
+CELL_KEYS = ["experiment", "model", "task", "model_label", "setting", "scaling", "backend", "variant"]
+# Keys a cell's row already names (setting, scaling, model) or that never differ between its runs (seed).
+LABELLED = {"experiment_name", "seed", "format.name", "format.mode", "format.backend", "scaling.name", "model.name"}
+QUANT_FIELDS = ("underflow", "subnormal", "overflow")
+# block-scaled operands' statistics (bench.numerics.telemetry.BLOCK_FIELDS), as <class>_<column>
+BLOCK_COLUMNS = {"clipped_blocks": "clipped_block_fraction", "flushed": "flushed_fraction", "rel_mse": "relative_mse"}
+# Averaged over a cell's finished runs (train time is its median instead: see summarise).
+SUMMED = ["value", "exact_match", "f1", "step_median_s", "samples_per_s", "peak_bytes", "step_bytes", "tflop_per_s",
+          "skipped_steps", "overflow_steps",
+          "final_loss_scale", *(f"{c}_{f}" for c in TENSOR_CLASSES for f in (*QUANT_FIELDS, *BLOCK_COLUMNS))]
+
+
+def load_directory(root: Path) -> tuple[list[dict], list[str]]:
+    """All valid records under `root` (each with its directory under "_dir"), and one message per bad one."""
+    records, problems = [], []
+    for path in sorted(Path(root).rglob("result.json")):
+        try:
+            records.append(read_record(path) | {"_dir": str(path.parent)})
+        except RecordError as e:
+            problems.append(str(e))
+    return records, problems
+
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
+    return flat
+
+
+def model_label(model_cfg: dict) -> str:
+    """The model as configured, for tables and plots: name, size or checkpoint, and the data it ran on."""
+    name, task = model_cfg["name"], task_of(model_cfg)
+    if name == "lenet":
+        return f"lenet ({task})"
+    if name == "charlm":
+        arch = model_cfg["arch"]
+        return f"charlm ({arch['layers']}L×{arch['embedding']} {arch['norm']}-norm, {task})"
+    if model_cfg.get("pretrained", True):
+        return f"{name} ({model_cfg.get('hub_name', 'pretrained')}, {task})"
+    arch = model_cfg.get("arch") or {}
+    return f"{name} ({arch.get('layers', '?')}L×{arch.get('hidden', '?')} random init, {task})"
+
+
+def variants(frame: pd.DataFrame) -> pd.Series:
+    """For each run, the settings in which it differs from its experiment's usual runs, as `key=value, ...`.
+
+    Keys under format and scaling are compared among runs of the same setting and scaling method; all
+    others among every run of the same experiment and model. The usual value of a key is the one most
+    runs have; where values tie there is none, and every run shows its own.
+    """
+    labels = pd.Series("", index=frame.index)
+    flat = frame["_settings"]
+    for _, part in frame.groupby(["experiment", "model_label"], sort=False):
+        within = part.groupby(["setting", "scaling"], observed=True, sort=False)
+        for group in [part] + [g for _, g in within]:
+            per_run = pd.DataFrame(list(flat[group.index]), index=group.index)
+            compares_format_and_scaling = group is not part  # those keys only among runs of one setting/scaling
+            own = [c for c in per_run.columns if c not in LABELLED
+                   and (c.split(".")[0] in ("format", "scaling")) == compares_format_and_scaling]
+            for column in own:
+                values = per_run[column].map(lambda v: json.dumps(v, default=str))
+                counts = values.value_counts()
+                if len(counts) < 2:
+                    continue
+                usual = counts.index[0] if counts.iloc[0] > counts.iloc[1] else None
+                for index in values.index[values != usual]:
+                    item = f"{column}={per_run.at[index, column]}"
+                    labels[index] = f"{labels[index]}, {item}" if labels[index] else item
+    return labels
+
+
+def load_wandb(source: str, api=None) -> tuple[list[dict], list[str]]:
+    """wandb://entity/project[/group]: each run's summary is the record its cell wrote (bench/running/logger.py)."""
+    parts = source.removeprefix("wandb://").strip("/").split("/")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"{source}: expected wandb://entity/project[/group]")
+    if api is None:
+        import wandb
+
+        api = wandb.Api()
+    filters = {"group": parts[2]} if len(parts) == 3 else {}
+    records, problems = [], []
+    for run in api.runs(f"{parts[0]}/{parts[1]}", filters=filters):
+        try:
+            summary = check_record(dict(run.summary), f"{source}: run {run.id}")
+        except RecordError as e:
+            problems.append(str(e))
+            continue
+        records.append({k: summary[k] for k in (*RECORD_KEYS, "traceback") if k in summary} | {"_dir": None})
+    return records, problems
+
+
+def load_sources(sources: list[str], api=None) -> tuple[list[dict], list[str]]:
+    records, problems = [], []
+    for source in sources:
+        if str(source).startswith("wandb://"):
+            found, bad = load_wandb(str(source), api)
+        elif Path(source).is_dir():
+            found, bad = load_directory(Path(source))
+        else:
+            found, bad = [], [f"{source}: not a directory or wandb:// source"]
+        records += found
+        problems += bad
+    return records, problems
+
+
+def task_of(model_cfg: dict) -> str:
+    """The task a record measured: published figures match on it (fixtures and digits never match)."""
+    data = model_cfg["data"]
+    if model_cfg["name"] == "charlm":  # Tiny Shakespeare is known by its checksum; other text is not it
+        return "shakespeare_char" if data.get("sha256") == CharDataConfig.sha256 else "char_text"
+    if data["source"] == "hub":
+        return {"ylecun/mnist": "mnist", "stanfordnlp/imdb": "imdb", "rajpurkar/squad": "squad_v1.1"}.get(
+            data["name"], data["name"])
+    return {"lenet": "digits", "distilbert": "imdb_fixture", "bert_base": "squad_fixture"}[model_cfg["name"]]
+
+
+def _number(value):
+    """Record values as floats (non-finite values are stored as strings in strict JSON)."""
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    return np.nan if value is None else value
+
+
+# Format options that make another recipe of a block format, and their defaults (the format's own recipe).
+RECIPE_OPTIONS = {"gradients": None, "scale_mode": "floor"}
+
+
+def format_options(fmt: dict) -> str:
+    """The recipe options a run's format departs from its defaults in, as "key=value, ..." ("" for none)."""
+    return ", ".join(f"{k}={fmt.get(k)}" for k, default in RECIPE_OPTIONS.items() if fmt.get(k, default) != default)
+
+
+def to_frame(records: list[dict]) -> pd.DataFrame:
+    """One row per record (the first of several with the same run_id on the same device).
+
+    The device is part of what a run is here: the same config run on a CPU and on an H100 (or on two GPU types
+    of one cluster) makes two cells, labelled `device_name=...`, each paired with its own device's FP32, since their
+    times cannot be averaged and their numerics need not agree."""
+    rows, seen = [], set()
+    for r in records:
+        cfg, env, numerics, metrics = r["config"], r["env"], r["numerics"], r["metrics"]
+        device = env.get("device_name")
+        identity = (run_id(cfg), device)  # recomputed, as a resumed sweep does (bench.running.record.semantic_config)
+        if identity in seen:
+            continue
+        seen.add(identity)
+        precision = env.get("precision", {})
+        model = cfg["model"]["name"]
+        metric = PRIMARY_METRIC.get(model)
+        quant = numerics.get("quantisation") or {}
+        pretrained = cfg["model"].get("pretrained", True)
+        semantic = semantic_config(cfg) | {"device_name": device}
+        row = {
+            "experiment": cfg["experiment_name"], "model": model, "model_label": model_label(cfg["model"]),
+            "task": task_of(cfg["model"]) + ("" if pretrained else "_scratch"),
+            "config_id": config_hash({k: v for k, v in semantic.items() if k != "seed"}),
+            "baseline_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format")}),
+            # the same model, data and training apart from format and scaling method: what a format x scaling
+            # layout (the unit_scaling_charlm table) compares across its columns
+            "design_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format", "scaling")}),
+            "_settings": _flatten(semantic),
+            "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
+            "rounding": cfg["format"].get("rounding", "nearest"),  # of the gradient operands (fp8, block formats)
+            "format_options": format_options(cfg["format"]),
+            "backend": precision.get("backend"), "device": device, "status": r["status"],
+            "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
+            "metric": metric, "value": _number(metrics.get(metric)),
+            "exact_match": _number(metrics.get("exact_match")), "f1": _number(metrics.get("f1")),
+            "steps": _number(r["timing"].get("steps")), "train_s": _number(r["timing"].get("train_s")),
+            "disturbed": bool((r["timing"].get("conditions") or {}).get("disturbed")), "step_median_s": _number(r["timing"].get("step_median_s")),
+            "samples_per_s": _number(r["timing"].get("samples_per_s")),
+            "peak_bytes": _number(r["memory"].get("peak_bytes")),
+            "step_bytes": _number((r["memory"].get("step") or {}).get("total")),
+            "tflop_per_s": _number(r["timing"].get("tflop_per_s")),
+            "skipped_steps": _number(numerics.get("skipped_steps")),
+            "overflow_steps": _number(numerics.get("overflow_steps")),
+            "final_loss_scale": _number(numerics.get("final_loss_scale")),
+            "loss_scale_history": (numerics.get("loss_scale") or {}).get("history"),
+            "dir": r.get("_dir"),
+        }
+        for c in TENSOR_CLASSES:
+            for f in QUANT_FIELDS:
+                row[f"{c}_{f}"] = _number((quant.get(c) or {}).get(f"{f}_fraction"))
+            for column, field in BLOCK_COLUMNS.items():
+                row[f"{c}_{column}"] = _number(((quant.get(c) or {}).get("blocks") or {}).get(field))
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return frame
+    frame["setting"] = pd.Categorical(frame["setting"], SETTING_ORDER, ordered=True)
+    frame["scaling"] = pd.Categorical(frame["scaling"], SCALING_ORDER, ordered=True)
+    frame["variant"] = variants(frame)
+    return frame.drop(columns="_settings").sort_values([*CELL_KEYS, "seed"]).reset_index(drop=True)
+
+
+def summarise(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell (one configuration over seeds): mean, std (sample, ddof=1), n and the mean's 95% t interval
+    over the runs that finished, status counts over all of them, ratios to 32-true, and the paired difference
+    to 32-true (paired_differences).
+
+    Ratios compare median train time and mean peak memory with the 32-true cell of the same configuration apart
+    from the format (same experiment, model, data, steps, scaling method and its knobs, on the same device),
+    the published tables' convention; a cell without such a baseline gets none.
+    """
+    keys = [*CELL_KEYS, "config_id"]
+    groups = frame.groupby(keys, observed=True, sort=True)
+    finished = frame[frame["status"] == "ok"].groupby(keys, observed=True, sort=True)
+    cells = finished[SUMMED].mean().reindex(groups.size().index)
+    for column in ("value", "train_s", "peak_bytes", "exact_match", "f1"):
+        cells[f"{column}_std"] = finished[column].std(ddof=1)
+        cells[f"{column}_n"] = finished[column].count().reindex(cells.index, fill_value=0)
+    # a time is the median over seeds, with its range: one slow, disturbed seed does not move it
+    cells["train_s"] = finished["train_s"].median()
+    cells["train_s_min"], cells["train_s_max"] = finished["train_s"].min(), finished["train_s"].max()
+    cells["disturbed"] = groups["disturbed"].any()
+    cells["metric"] = groups["metric"].first()
+    cells["runs"] = groups.size()
+    for status in ("ok", "diverged", "failed"):
+        cells[status] = groups["status"].apply(lambda s, st=status: int((s == st).sum()))
+    cells["device"] = groups["device"].first()
+    cells["baseline_id"] = groups["baseline_id"].first()
+    cells["design_id"] = groups["design_id"].first()
+    cells["rounding"] = groups["rounding"].first()
+    cells["format_options"] = groups["format_options"].first()
+    cells["value_ci_lo"], cells["value_ci_hi"] = zip(*[t_interval(v) for v in finished["value"].apply(list)
+                                                       .reindex(cells.index, fill_value=[])])
+    cells = cells.reset_index()
+    base = cells[cells["setting"] == "32-true"][["baseline_id", "train_s", "peak_bytes", "step_bytes"]]
+    base = base.rename(columns={"train_s": "fp32_train_s", "peak_bytes": "fp32_peak_bytes",
+                                "step_bytes": "fp32_step_bytes"})
+    base = base.groupby("baseline_id").first().reset_index()  # native and emulated fp32 are one thing
+    cells = cells.merge(base, on="baseline_id", how="left")
+    cells["speedup_vs_fp32"] = cells["fp32_train_s"] / cells["train_s"]
+    cells["memory_ratio_vs_fp32"] = cells["peak_bytes"] / cells["fp32_peak_bytes"]
+    cells["step_memory_ratio_vs_fp32"] = cells["step_bytes"] / cells["fp32_step_bytes"]
+    cells = cells.merge(paired_differences(frame), on="config_id", how="left")
+    return cells.drop(columns=["fp32_train_s", "fp32_peak_bytes", "fp32_step_bytes", "baseline_id", "config_id"])
+
+
+def t_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Student's t interval for the mean of `values` (NaN, NaN with fewer than two)."""
+    values = np.asarray([v for v in values if not pd.isna(v)], dtype=float)
+    if len(values) < 2:
+        return np.nan, np.nan
+    half = stats.t.ppf((1 + confidence) / 2, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
+    return values.mean() - half, values.mean() + half
+
+
+def paired_differences(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per cell (config_id): the mean over seeds of (this run's metric - the 32-true run's of the same seed and
+    otherwise the same configuration), over the seeds where both finished; its 95% t interval; and whether that
+    interval excludes 0. A 32-true cell is its own baseline (every difference 0)."""
+    ok = frame[(frame["status"] == "ok") & frame["value"].notna()]
+    baseline = ok[ok["setting"] == "32-true"].drop_duplicates(["baseline_id", "seed"]) \
+        .set_index(["baseline_id", "seed"])["value"]
+    rows = []
+    for config_id, runs in ok.groupby("config_id", sort=False):
+        pairs = zip(runs["value"], zip(runs["baseline_id"], runs["seed"]))
+        differences = [value - baseline[key] for value, key in pairs if key in baseline.index]
+        lo, hi = t_interval(differences)
+        rows.append({"config_id": config_id, "value_vs_fp32": np.mean(differences) if differences else np.nan,
+                     "value_vs_fp32_n": len(differences), "value_vs_fp32_lo": lo, "value_vs_fp32_hi": hi,
+                     "value_vs_fp32_significant": bool(lo > 0 or hi < 0)})
+    return pd.DataFrame(rows, columns=["config_id", "value_vs_fp32", "value_vs_fp32_n", "value_vs_fp32_lo",
+                                       "value_vs_fp32_hi", "value_vs_fp32_significant"])

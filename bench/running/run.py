@@ -1,0 +1,365 @@
+"""Run one cell (model x format x scaling x seed) and write its record.
+
+    python -m bench.run model=lenet format=bf16 scaling=dynamic seed=1
+    python -m bench.run -m format=fp32,fp16 scaling=none,dynamic      # a sweep
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from bench.numerics.blocks import FP8_GRANULARITIES
+from bench.numerics.precision import Precision, PrecisionError
+from bench.numerics.scaling import LossScaler, PerTensorScale
+from bench.numerics.unit import ConversionError, unit_scale_task
+from bench.running import device as devices
+from bench.running.checkpoint import Checkpointer
+from bench.running.config import CONF_DIR, ConfigError, check
+from bench.running.logger import NullLogger, open_logger
+from bench.running.record import IN_FLIGHT, LOCK_NAME, MetricsLog, cell_lock, previous_record, run_id, write_json_atomic
+from bench.running.train import ADAM_FAMILY, build_optimizer, build_schedule, total_steps, train
+from bench.tasks import Task, build_task
+
+log = logging.getLogger(__name__)
+
+
+class DeviceError(ConfigError):
+    """This machine's device cannot run the cell (no GPU, no native path for the format)."""
+
+
+def preflight(cfg: DictConfig, device_checks: bool = True) -> tuple[torch.device, Precision] | None:
+    """Every check that can fail before training: choices and combinations, then (unless `device_checks` is
+    off, as for cells that will run on other machines) what the device here supports."""
+    check(cfg)
+    return device_preflight(cfg) if device_checks else None
+
+
+def device_preflight(cfg: DictConfig) -> tuple[torch.device, Precision]:
+    """The device this machine offers for the cell, and the precision decided on it; DeviceError if it cannot."""
+    try:
+        device = devices.select_device(cfg.device)
+        return device, build_precision(cfg, device)
+    except (ValueError, PrecisionError) as e:
+        raise DeviceError(str(e)) from None
+
+
+def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
+    per_tensor = None
+    if cfg.scaling.name == "per_tensor":
+        s = cfg.scaling
+
+        def per_tensor(tensor_class, spec):
+            return PerTensorScale(spec, s.amax, s.history_len, s.margin, s.pow2,
+                                  on_scale=lambda a, sc: precision.telemetry.observe_scale(tensor_class, a, sc))
+
+    f = cfg.format
+    granularity = cfg.scaling.name if cfg.scaling.name in FP8_GRANULARITIES else None
+    precision = Precision(f.name, f.mode, f.backend, f.overflow, f.ftz, device, per_tensor, f.scale_mode, f.rounding,
+                          granularity, f.gradients)
+    return precision
+
+
+def build_scaler(cfg: DictConfig) -> LossScaler:
+    s = cfg.scaling
+    return LossScaler(s.loss_scaling, s.init_scale, s.growth_factor, s.backoff_factor, s.growth_interval,
+                      loss_multiplier=cfg.train.loss_multiplier, max_grad_norm=cfg.model.optimizer.grad_clip)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Cell:
+    """Everything one cell trains with, built from its config."""
+
+    task: Task
+    scaler: LossScaler
+    optimizer: torch.optim.Optimizer
+    schedule: object
+    unit_conversion: dict | None
+    flops_per_step: int  # forward and backward of one training batch (torch.utils.flop_counter)
+
+
+def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
+    """Set threads, seed, build the task, unit-scale it if asked, apply the precision, build optimiser, schedule,
+    scaler."""
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    task = build_task(cfg.model, precision.device, cfg.seed)
+    conversion = None
+    if cfg.scaling.name == "unit":
+        conversion = unit_scale_task(task, preserve=cfg.model.get("pretrained", False),
+                                     tolerance=cfg.scaling.conversion_tolerance,
+                                     relative_lr=cfg.scaling.lr_rule == "relative"
+                                     and cfg.model.optimizer.name in ADAM_FAMILY)
+    flops = step_flops_by_module(task)
+    precision.prepare(task.model)
+    if precision.fp8_modules is not None:  # how much of a training step torchao's filter actually put in FP8
+        root = type(task.model).__name__
+        converted = sum(flops.get(f"{root}.{name}", 0) for name in precision.fp8_modules["converted"])
+        precision.fp8_modules["converted_flop_share"] = converted / flops["Global"] if flops["Global"] else None
+    optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters(), task.lr_multipliers)
+    schedule = build_schedule(cfg.model.optimizer, optimizer, total_steps(task, cfg.train))
+    return Cell(task, build_scaler(cfg), optimizer, schedule, conversion, flops["Global"])
+
+
+def step_flops_by_module(task: Task) -> dict[str, int]:
+    """FLOPs of one training step (forward and backward on the first batch): "Global", all of them; per Linear,
+    as FlopCounterMode names it (`<root class>.<name>`), its three GEMMs: the forward's FLOPs twice (output and
+    weight gradient), thrice where its input needs a gradient. Per-module counts are taken in the forward only:
+    in the backward FlopCounterMode charges an op to every module whose hooks are active when it runs, and gave
+    DistilBERT's v_lin the q_lin and k_lin gradients that share its input (its Linears summed to more FLOPs
+    than the step). The random streams are left as they were."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    linears = {f"{type(task.model).__name__}.{name}": m for name, m in task.model.named_modules()
+               if isinstance(m, nn.Linear)}
+    input_needs_grad = {}
+    hooks = [m.register_forward_pre_hook(lambda m, args, name=name: input_needs_grad.__setitem__(
+        name, input_needs_grad.get(name, False) or args[0].requires_grad)) for name, m in linears.items()]
+    forward, backward = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    try:
+        with torch.random.fork_rng():
+            with forward:
+                outputs, targets = task.forward(task.model, next(iter(task.train_batches(0))), lambda x: x)
+                loss = task.compute_loss(outputs, targets)
+            with backward:
+                loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    task.model.zero_grad(set_to_none=True)
+    counts = forward.get_flop_counts()
+    return {"Global": forward.get_total_flops() + backward.get_total_flops()} | {
+        name: sum(counts[name].values()) * (3 if input_needs_grad[name] else 2)
+        for name in linears if name in counts}
+
+
+def finished_record(cfg: DictConfig, config: dict | None = None) -> dict | None:
+    """The record that makes this cell done (so it is skipped), or None when it must run.
+
+    ok records are final; failed and diverged ones count as done unless retry_failed=true. A corrupt
+    record is reported and the cell re-runs. A record of a *different* configuration at the same place
+    is refused rather than overwritten.
+    """
+    config = config or OmegaConf.to_container(cfg, resolve=True)
+    run_dir = Path(cfg.results_dir) / cfg.cell
+    record, problem = previous_record(run_dir)
+    if problem:
+        log.warning("%s; the cell runs again", problem)
+    if record is None:
+        return None
+    if run_id(record["config"]) != run_id(config):  # recomputed: the identity rules may know more than the record
+        raise ConfigError(f"{run_dir} holds a record of a different configuration (run_id {run_id(record['config'])}, "
+                          f"this one {run_id(config)}): use another experiment_name or results_dir, or delete it")
+    if record["status"] == "ok" or not cfg.retry_failed:
+        return record
+    return None
+
+
+def run_cell(cfg: DictConfig) -> dict:
+    """Train and evaluate one cell; write `<results_dir>/<cell>/result.json`; return the record.
+
+    Raises ConfigError (before anything is written) for a bad config. A cell with a finished record is
+    skipped (its record is returned with "skipped": true), and so is a cell another process is training
+    now (status "in_flight"). Any other failure is recorded as status=failed with the error and the
+    traceback tail.
+    """
+    check(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    if (done := finished_record(cfg, config)) is not None:
+        log.info("%s: skipped, already recorded as %s", cfg.cell, done["status"])
+        return done | {"skipped": True}
+    try:
+        device, precision = device_preflight(cfg)
+    except DeviceError as e:
+        if not os.environ.get("SLURM_JOB_ID"):
+            raise  # here, before anything starts: exit 2
+        # on a compute node the device is decided where the cell runs; a node that cannot run it is a result
+        return _record_device_failure(cfg, config, e)
+    with cell_lock(Path(cfg.results_dir) / cfg.cell) as mine:
+        if not mine:
+            log.warning("%s: skipped, another process is training it now", cfg.cell)
+            return {"status": IN_FLIGHT, "skipped": True}
+        if (done := finished_record(cfg, config)) is not None:  # finished while this process was starting
+            log.info("%s: skipped, already recorded as %s", cfg.cell, done["status"])
+            return done | {"skipped": True}
+        return _train_cell(cfg, config, device, precision)
+
+
+def _record_device_failure(cfg: DictConfig, config: dict, error: DeviceError) -> dict:
+    record = {"status": "failed", "reason": f"DeviceError: {error}", "run_id": run_id(config), "config": config,
+              "env": devices.describe(torch.device("cpu")) | {"precision": {}}, "metrics": {}, "timing": {},
+              "memory": {}, "numerics": {}}
+    write_json_atomic(Path(cfg.results_dir) / cfg.cell / "result.json", record)
+    log.error("%s: failed on this node: %s", cfg.cell, error)
+    return record
+
+
+def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: Precision) -> dict:
+    """run_cell's work once the cell is this process's to train."""
+    run_dir = Path(cfg.results_dir) / cfg.cell
+    identity = run_id(config)
+    memory = devices.PeakMemory(device)
+    conditions = devices.TimingConditions(device)
+    checkpointer = Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint)
+    scaler = build_scaler(cfg)  # replaced by the cell's; here so that a failed build still records its state
+    record = {"status": "failed", "reason": None, "run_id": identity, "config": config,
+              "env": devices.describe(device) | {"precision": precision.describe()},
+              "metrics": {}, "timing": {}, "memory": {"peak_bytes": None, "measures": memory.measures}, "numerics": {}}
+    logger, metrics_log = NullLogger(), None
+    try:
+        memory.reset()
+        cell = build_cell(cfg, precision)
+        record["env"]["precision"] = precision.describe()  # now with what prepare() did to the model
+        task, scaler, optimizer, schedule = cell.task, cell.scaler, cell.optimizer, cell.schedule
+        if task.source is not None:
+            record["model_source"] = task.source
+        if cell.unit_conversion is not None:
+            record["numerics"]["unit_conversion"] = cell.unit_conversion
+        with checkpointer:
+            resume = checkpointer.restore(task.model, optimizer, scaler, schedule)
+            if resume:
+                precision.telemetry.load_state(resume.pop("telemetry"))
+                log.info("%s: resuming from its checkpoint at step %d", cfg.cell, resume["steps"])
+            metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume["steps"] if resume else None)
+            # W&B groups by what ran (setting, native/emulated), not by what was asked (backend: auto)
+            tags = [cfg.format.name, cfg.format.mode, precision.backend, cfg.scaling.name]  # as prepare() decided
+            logger = open_logger(cfg, run_dir, config | {"precision": record["env"]["precision"]}, tags, identity)
+
+            progress = ProgressLine(run_dir / "run.log", total_steps(task, cfg.train))
+            env = record["env"]
+            progress.note(f"start on {env['hostname']} (pid {env['pid']}"
+                          + (f", SLURM job {env['slurm_job']}" if env["slurm_job"] else "") + "), "
+                          + (f"resuming at step {resume['steps']}" if resume else "from step 0"))
+
+            def log_row(row: dict) -> None:
+                metrics_log(row)
+                logger.log(row)
+                progress(row)
+
+            conditions.start()
+            outcome = train(task, precision, scaler, optimizer, schedule, cfg.train, device, log_row,
+                            label=cfg.cell, checkpointer=checkpointer, resume=resume)
+            timing_conditions = conditions.finish()
+            metrics = task.evaluate(task.model, precision.inputs)  # inside: pre-empted here, it resumes here
+        record["memory"]["peak_bytes"] = memory.peak_bytes()
+        record["memory"]["step"] = outcome.step_memory
+        record["metrics"] = {**metrics, "final_train_loss": outcome.final_loss}
+        if outcome.per_epoch:
+            record["metrics"]["per_epoch"] = outcome.per_epoch
+        record["timing"] = outcome.timing(cell.flops_per_step, precision.native) | {"conditions": timing_conditions}
+        record["numerics"]["diverged_at_step"] = outcome.diverged_at_step
+        if outcome.diverged_at_step is None:
+            record["status"] = "ok"
+        else:
+            record["status"] = "diverged"
+            record["reason"] = f"non-finite loss ({outcome.final_loss}) at step {outcome.diverged_at_step}"
+    except ConfigError:
+        raise  # a setup problem found while building the cell (e.g. a checkpoint that does not fit): no record
+    except Exception as e:  # noqa: BLE001 - recorded, then reported by the caller
+        if isinstance(e, ConversionError):
+            record["numerics"]["unit_conversion"] = e.measured
+        record["reason"] = f"{type(e).__name__}: {e}"
+        record["traceback"] = traceback.format_exc()[-4000:]
+    except BaseException:
+        # Interrupted (Ctrl-C, pre-emption, exit): no record, so that the next launch resumes from the checkpoint.
+        logger.finish(None)
+        raise
+    finally:
+        if metrics_log is not None:
+            metrics_log.close()
+    record["numerics"] |= scaler.state() | {"quantisation": precision.telemetry.summary()}
+    write_json_atomic(run_dir / "result.json", record)
+    if record["status"] != "failed":  # a failed cell keeps its checkpoint: retry_failed=true resumes it
+        checkpointer.remove()
+    logger.finish(record)
+    log.info("%s: %s %s", cfg.cell, record["status"], record["reason"] or record["metrics"])
+    return record
+
+
+class ProgressLine:
+    """One line per log step in the cell's run.log (step, loss, loss scale, steps/s, ETA), with or without a
+    terminal; the console keeps tqdm's bar."""
+
+    def __init__(self, path: Path, total: int):
+        self.path, self.total, self.last = path, total, None
+
+    def note(self, text: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {text}\n")
+
+    def __call__(self, row: dict) -> None:
+        if "loss" not in row:
+            return
+        now = time.perf_counter()
+        rate = None
+        if self.last is not None and row["step"] > self.last[0]:
+            rate = (row["step"] - self.last[0]) / (now - self.last[1])
+        self.last = (row["step"], now)
+        eta = f"{(self.total - row['step']) / rate:.0f} s" if rate else "?"
+        with open(self.path, "a") as f:
+            f.write(f"[progress] step {row['step']}/{self.total} loss {row['loss']:.4g} scale {row['loss_scale']:g} "
+                    f"{f'{rate:.1f}' if rate else '?'} steps/s ETA {eta}\n")
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> dict:
+    try:
+        record = run_cell(cfg)
+    except KeyboardInterrupt:
+        print(f"interrupted: {cfg.cell} (its checkpoint is saved at the last step boundary); run the same command "
+              "again to resume it", file=sys.stderr)
+        sys.exit(130)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        _remove_setup_leftovers(Path(cfg.results_dir), cfg.cell)
+        sys.exit(2)
+    if record["status"] == "failed" and (cfg.fail_fast or not _in_multirun()):
+        # SystemExit passes through Hydra's launcher, so with fail_fast a sweep stops here
+        print(record.get("traceback", "") if cfg.fail_fast else "", f"run failed: {record['reason']}", file=sys.stderr)
+        sys.exit(1)
+    return {"status": record["status"], "skipped": record.get("skipped", False)}
+
+
+SETUP_FILES = {".hydra", "run.log", LOCK_NAME}  # what Hydra and the lock leave in a cell directory before training
+
+
+def _remove_setup_leftovers(results_dir: Path, cell: str) -> None:
+    """After a config error, remove the cell's directory if it holds nothing but set-up files, and its parents up
+    to results_dir while they are empty: bad input leaves no empty run directories (and never touches a record)."""
+    run_dir = results_dir / cell
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= SETUP_FILES:
+        shutil.rmtree(run_dir)
+        for parent in run_dir.parents:
+            if parent == results_dir or not parent.is_relative_to(results_dir) or any(parent.iterdir()):
+                break
+            parent.rmdir()
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN"
+
+
+if __name__ == "__main__":
+    main()

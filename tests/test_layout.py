@@ -1,0 +1,59 @@
+"""The package's shape: concerns in their own folders, no two modules importing each other, and the entry points
+users type where they have always been."""
+
+import ast
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+LAYERS = ("numerics", "running", "reporting", "tools")
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(BENCH.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """bench module -> the bench modules it imports (at any depth of the file)."""
+    modules = {_module(p): p for p in BENCH.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bench"):
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                          for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("bench")}
+        graph[name] = found - {name}
+    return graph
+
+
+def test_no_two_modules_import_each_other():
+    graph = _imports()
+    mutual = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps if a in graph.get(b, ())})
+    assert not mutual
+
+
+def test_numerics_is_the_base_layer_and_tools_are_imported_by_nothing():
+    """numerics (what a format does to numbers) needs nothing from running, reporting or tools; no library module
+    imports a tool."""
+    graph = _imports()
+    for name, deps in graph.items():
+        if name.startswith("bench.numerics"):
+            assert not [d for d in deps if d.split(".")[1] in ("running", "reporting", "tools", "tasks")], name
+        if not name.startswith("bench.tools"):
+            assert not [d for d in deps if d.startswith("bench.tools")], name
+    assert all((BENCH / layer / "__init__.py").is_file() for layer in LAYERS)
+
+
+def test_the_entry_points_users_type_are_where_they_were():
+    import bench.aggregate
+    import bench.formats
+    import bench.run
+    from bench.numerics import formats
+    from bench.reporting import report
+    from bench.running import run
+
+    assert bench.run.main is run.main and bench.aggregate.main is report.main
+    assert bench.formats.quantise is formats.quantise
