@@ -163,3 +163,18 @@ def test_validation_is_the_mean_over_every_window_of_the_split(text_file):
     assert metrics["val_loss"] == pytest.approx(float(losses.mean()), rel=1e-6)
     assert metrics["val_window_loss_std"] == pytest.approx(float(losses.mean(1).std()), rel=1e-6)
     assert metrics["val_tokens"] == y.numel() and metrics["vocabulary"] == len(vocabulary)
+
+
+def test_a_steps_flops_count_the_causal_attention_on_cpu(make_cfg, text_file):
+    """FlopCounterMode had no formula for SDPA's CPU kernel: charlm's step counted its Linears only. Now the
+    attention adds, per layer, torch's SDPA count: 2 GEMMs of 2·b·h·s²·d forward, 5 backward (by hand)."""
+    from bench.running.run import build_cell, preflight, step_flops_by_module
+
+    cfg = make_cfg("model=charlm", "model.data.source=local", f"model.data.path={text_file}", "model.data.sha256=null",
+                   "model.arch.layers=2", "model.arch.heads=2", "model.arch.embedding=32", "model.arch.block_size=16",
+                   "model.batch_size=3")
+    cell = build_cell(cfg, preflight(cfg)[1])
+    flops = step_flops_by_module(cell.task)
+    linears = sum(v for k, v in flops.items() if k != "Global")
+    b, h, s, d = 3, 2, 16, 32 // 2
+    assert flops["Global"] - linears == 2 * (2 + 5) * 2 * b * h * s * s * d

@@ -121,6 +121,20 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     return Cell(task, build_scaler(cfg), optimizer, schedule, conversion, flops["Global"])
 
 
+def _count_cpu_attention() -> None:
+    """FlopCounterMode has formulas for SDPA's CUDA kernels but not for the CPU one (torch 2.13): charlm's causal
+    attention added nothing to its step's FLOPs on CPU (its Linears summed to exactly "Global"), so its TFLOP/s
+    came out low. The CPU kernel takes its arguments in the same order; give it the same formulas (which count
+    the full score matrix, causal or not, as torch does on CUDA)."""
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    for cpu, cuda in ((aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention),
+                      (aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                       aten._scaled_dot_product_flash_attention_backward)):
+        flop_registry.setdefault(cpu, flop_registry[cuda])
+
+
 def step_flops_by_module(task: Task) -> dict[str, int]:
     """FLOPs of one training step (forward and backward on the first batch): "Global", all of them; per Linear,
     as FlopCounterMode names it (`<root class>.<name>`), its three GEMMs: the forward's FLOPs twice (output and
@@ -130,6 +144,7 @@ def step_flops_by_module(task: Task) -> dict[str, int]:
     than the step). The random streams are left as they were."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    _count_cpu_attention()
     linears = {f"{type(task.model).__name__}.{name}": m for name, m in task.model.named_modules()
                if isinstance(m, nn.Linear)}
     input_needs_grad = {}
