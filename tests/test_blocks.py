@@ -205,8 +205,7 @@ def test_block_format_cells_train_and_say_what_they_did(make_cfg, tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["format=mxfp8", "scaling=per_tensor"], "valid for mxfp8: none, static, dynamic"),
-    (["format=nvfp4", "scaling=unit"], "valid for nvfp4: none, static, dynamic"),
+    (["format=mxfp8", "scaling=per_tensor"], "valid for mxfp8: none, static, dynamic, unit$"),
     (["format=fp8", "format.scale_mode=ceil"], "applies to the block formats only"),
     (["format=bf16", "format.rounding=stochastic"], "applies to fp8 and the block formats.*valid there: nearest"),
     (["format=fp8", "format.gradients=fp8_e4m3"], "does not go with format=fp8; valid: null .*fp8_e4m3, fp8_e5m2 for mxfp8"),
@@ -214,7 +213,7 @@ def test_block_format_cells_train_and_say_what_they_did(make_cfg, tmp_path):
     (["format=mxfp4", "format.scale_mode=round"], "valid: floor, ceil, even, rceil"),
     (["format=mxfp6", "format.rounding=up"], "valid: nearest, stochastic"),
     (["format=fp16", "scaling=rowwise"], "FP8 recipes.*valid for fp16: none, static, dynamic, per_tensor, unit$"),
-    (["format=mxfp8", "scaling=block"], "valid for mxfp8: none, static, dynamic"),
+    (["format=mxfp8", "scaling=block"], "valid for mxfp8: none, static, dynamic, unit$"),
     (["format=fp8", "scaling=block", "format.overflow=ieee"], "valid there: null or saturate"),
 ])
 def test_block_format_combinations_that_do_not_exist_are_refused_before_training(make_cfg, overrides, message):
@@ -384,3 +383,47 @@ def test_stochastic_fp8_tiles_round_only_the_gradients_unbiased_and_keep_their_s
     operands = FP8TileOperands("block", "stochastic")
     assert torch.equal(operands.forward(x, -1), tile_quantise(x).values)  # the forward stays nearest
     assert not torch.equal(operands.gradient(x, -1), tile_quantise(x).values)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_unit_scaling_puts_its_scales_around_the_block_scaled_gemm(fmt):
+    """A unit-scaled Linear under a block format: output alpha * (the block-scaled GEMM + b), input gradient beta
+    times the block GEMM's, weight and bias gradients batch^-1/2 times theirs: bit for bit what the plain
+    block-scaled Linear computes on the same tensors, scaled."""
+    import copy
+
+    from bench.numerics.precision import Precision
+    from bench.numerics.unit import UnitLinear, _linear_scales
+
+    torch.manual_seed(0)
+    unit = UnitLinear(64, 32)
+    torch.nn.init.normal_(unit.bias)
+    plain = torch.nn.Linear(64, 32)
+    plain.load_state_dict(copy.deepcopy(unit.state_dict()))
+    for layer in (unit, plain):
+        Precision(fmt, "mixed", "emulated", None, False, torch.device("cpu")).prepare(layer)
+    assert type(plain).__name__ == "BlockLinear" and unit.operands is not None
+    x = torch.randn(48, 64) * torch.exp2(torch.randint(-4, 4, (48, 1)).float())
+    grad = torch.randn(48, 32)
+    results = []
+    for layer in (unit, plain):
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.backward(grad)
+        results.append((y.detach(), xi.grad, layer.weight.grad, layer.bias.grad))
+    (y_u, gx_u, gw_u, gb_u), (y_p, gx_p, gw_p, gb_p) = results
+    alpha, beta = _linear_scales(unit.weight, None)
+    assert torch.equal(y_u, y_p * alpha) and torch.equal(gx_u, gx_p * beta)
+    assert torch.equal(gw_u, gw_p * 48**-0.5) and torch.equal(gb_u, gb_p * 48**-0.5)
+    assert not torch.equal(y_p, torch.nn.functional.linear(x, plain.weight, plain.bias))  # the GEMM was blocked
+
+
+def test_a_unit_scaled_model_trains_in_a_block_format_and_its_convolutions_stay_fp32(make_cfg):
+    from bench.running.run import run_cell
+
+    record = run_cell(make_cfg("model=lenet", "format=mxfp4", "scaling=unit", "train.max_steps=20",
+                               "train.log_every=10"))
+    assert record["status"] == "ok", record["reason"]
+    block = record["env"]["precision"]["block"]
+    assert block["kind"] == "mx" and block["kept_in_high_precision"] == ["0", "3"]  # the UnitConv2d layers
+    assert record["numerics"]["quantisation"]["gradients"]["blocks"]["relative_mse"] > 0

@@ -133,7 +133,8 @@ def test_a_bad_norm_or_a_path_without_source_local_is_refused_before_training(ma
 
 
 @pytest.mark.parametrize("overrides", [["format=fp32"], ["format=fp8", "scaling=dynamic", "model.arch.norm=post"],
-                                       ["format=fp16", "scaling=unit"], ["format=fp8", "scaling=unit", "model.arch.norm=post"]])
+                                       ["format=fp16", "scaling=unit"], ["format=fp8", "scaling=unit", "model.arch.norm=post"],
+                                       ["format=mxfp8", "scaling=unit"]])
 def test_a_charlm_cell_trains_and_reports_validation_loss_and_bpc(make_cfg, text_file, tmp_path, overrides):
     cfg = make_cfg("model=charlm", "model.data.source=local", f"model.data.path={text_file}", "model.data.sha256=null", "model.iterations=30",
                    "model.arch.layers=2", "model.arch.embedding=32", "model.arch.block_size=16", "train.log_every=10",

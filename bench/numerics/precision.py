@@ -84,8 +84,8 @@ RECIPES = {
 # format.gradients: the gradient operands' element format where the format's width offers two (null keeps the
 # recipe's). torchao's and Transformer Engine's MXFP8 recipes take E4M3 gradients, the MX paper E5M2.
 GRADIENT_ELEMENTS = {"mxfp8": ("fp8_e4m3", "fp8_e5m2"), "mxfp6": ("fp6_e2m3", "fp6_e3m2")}
-# Block formats carry their own scales (per_tensor adds nothing); unit scaling's Linear is not block-scaled yet.
-BLOCK_SCALINGS = ("none", "static", "dynamic")
+# Block formats carry their own scales (per_tensor adds nothing); unit scaling's Linear takes block operands too.
+BLOCK_SCALINGS = ("none", "static", "dynamic", "unit")
 
 
 def valid_scalings(fmt: str) -> tuple[str, ...]:
@@ -184,10 +184,18 @@ class OpCasts:
 class CastOp:
     """Mixin for a matmul/conv module whose inputs, output and gradients an emulated precision rounds.
 
-    `casts` is None (nothing rounded) until `Precision.prepare` gives the module its sites.
+    `casts` is None (nothing rounded) until `Precision.prepare` gives the module its sites; a block format gives a
+    Linear its GEMM `operands` instead (unit scaling's Linear, whose scales sit around the GEMM).
     """
 
     casts: OpCasts | None = None
+    operands: BlockOperands | None = None
+
+    def linear(self, x, weight, bias):
+        """F.linear as the precision computes it: on block-scaled GEMM operands, or on rounded inputs and output."""
+        if self.operands is not None:
+            return _BlockLinear.apply(x, weight, bias, self.operands)
+        return self.cast_result(F.linear(*self.cast_inputs(x, weight, bias)))
 
     def cast_inputs(self, x, weight, bias):
         return (x, weight, bias) if self.casts is None else self.casts.inputs(x, weight, bias)
@@ -198,7 +206,7 @@ class CastOp:
 
 class EmulatedLinear(CastOp, nn.Linear):
     def forward(self, x):
-        return self.cast_result(F.linear(*self.cast_inputs(x, self.weight, self.bias)))
+        return self.linear(x, self.weight, self.bias)
 
 
 class EmulatedConv2d(CastOp, nn.Conv2d):
@@ -541,8 +549,10 @@ class Precision:
             for module in model.modules():
                 if type(module) is nn.Linear:
                     module.__class__ = BlockLinear  # re-class in place: parameters and state-dict keys are untouched
-                    module.operands = self.block
-            self.kept_in_high_precision = [n for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)]
+                if isinstance(module, (BlockLinear, CastOp)) and isinstance(module, nn.Linear):
+                    module.operands = self.block  # unit scaling's Linear scales around the block-scaled GEMM
+            self.kept_in_high_precision = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))
+                                           and getattr(m, "operands", None) is None]
             return model
         for module in model.modules():
             emulated = _EMULATED.get(type(module))
@@ -561,8 +571,9 @@ class Precision:
         converts = torchao_mx_converts if mx else torchao_converts
         if not any(converts(m) for m in model.modules()):
             # Native would train every layer in high precision and be recorded in the format.
-            why = (f"torchao's {'MXFP8' if mx else 'float8'} training converts only Linear layers whose in and out "
-                   f"features are multiples of {MX_BLOCK if mx else 16}, and this model has none")
+            why = (f"torchao's {'MXFP8' if mx else 'float8'} training converts only nn.Linear layers whose in and out "
+                   f"features are multiples of {MX_BLOCK if mx else 16} (a unit-scaled Linear is none), and this model "
+                   "has none")
             if self.requested_backend == "native":
                 raise PrecisionError(f"format.backend=native: {why}, so nothing would run in {self.format.upper()}; "
                                      "valid here: format.backend=auto or emulated")

@@ -25,7 +25,7 @@ the backward pass). No loss scale is needed.
 The scale primitives (`scale_fwd`, `scale_bwd`, `scale_elementwise`, `apply_constraint`) and the
 cross-entropy come from the `unit-scaling` package; its Linear calls F.linear internally, so the
 scaled Linear and the Conv2d it lacks are written here in the same style, with the emulated
-precision's rounding sites (`CastOp`) between the scaling and the matmul.
+precision's rounding sites (`CastOp`), or a block format's GEMM operands, between the scaling and the matmul.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class UnitLinear(CastOp, nn.Linear):
         x = scale_bwd(x, grad_input_scale)
         weight = scale_bwd(self.weight, grad_weight_scale)
         bias = None if self.bias is None else scale_bwd(self.bias, grad_weight_scale)
-        return scale_fwd(self.cast_result(F.linear(*self.cast_inputs(x, weight, bias))), output_scale)
+        return scale_fwd(self.linear(x, weight, bias), output_scale)
 
 
 class UnitConv2d(CastOp, nn.Conv2d):

@@ -331,9 +331,8 @@ def check(cfg: DictConfig) -> None:
     block = RECIPES.get(cfg.format.name) and RECIPES[cfg.format.name].block
     _choice(cfg.scaling.name, SCALING_METHODS, "scaling")
     if cfg.scaling.name not in valid_scalings(cfg.format.name):
-        why = ("block formats scale every block themselves (per_tensor would add nothing) and unit scaling's Linear "
-               "is not block-scaled yet" if block else "rowwise, rowwise_with_gw_hp and block scaling are FP8 "
-               "recipes (E4M3 with a scale per row or tile)")
+        why = ("block formats scale every block themselves (per_tensor would add nothing)" if block else
+               "rowwise, rowwise_with_gw_hp and block scaling are FP8 recipes (E4M3 with a scale per row or tile)")
         raise ConfigError(f"scaling={cfg.scaling.name} does not combine with format={cfg.format.name}: {why}; valid "
                           f"for {cfg.format.name}: {', '.join(valid_scalings(cfg.format.name))}")
     if (block or cfg.scaling.name in FP8_GRANULARITIES) and cfg.format.overflow not in (None, "saturate"):
