@@ -236,9 +236,12 @@ def accounting_rows(repeats: int) -> list[dict]:
 
 EMULATED = {"tf32": ["format=tf32"], "fp16": ["format=fp16"], "bf16": ["format=bf16", "format.backend=emulated"],
             "fp8": ["format=fp8"], "fp8+per_tensor": ["format=fp8", "scaling=per_tensor"],
+            "fp8+per_tensor+stochastic": ["format=fp8", "scaling=per_tensor", "format.rounding=stochastic"],
             "fp8+rowwise": ["format=fp8", "scaling=rowwise", "format.backend=emulated"],
-            "fp8+block": ["format=fp8", "scaling=block"], "mxfp8": ["format=mxfp8"], "mxfp6": ["format=mxfp6"],
-            "mxfp4": ["format=mxfp4"], "nvfp4": ["format=nvfp4"],
+            "fp8+block": ["format=fp8", "scaling=block"], "mxfp8": ["format=mxfp8"],
+            "mxfp8+torchao_recipe": ["format=mxfp8", "format.gradients=fp8_e4m3", "format.scale_mode=rceil",
+                                     "format.backend=emulated"],
+            "mxfp6": ["format=mxfp6"], "mxfp4": ["format=mxfp4"], "nvfp4": ["format=nvfp4"],
             "nvfp4+stochastic": ["format=nvfp4", "format.rounding=stochastic"]}
 EMULATION_TARGETS = {"fp8": "<= 1.5", "mxfp8": "<= 2.5"}  # on CPU
 
