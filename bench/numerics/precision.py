@@ -89,8 +89,8 @@ BLOCK_SCALINGS = ("none", "static", "dynamic", "unit")
 
 
 def valid_scalings(fmt: str) -> tuple[str, ...]:
-    """The scaling methods a format combines with: block formats carry their own scales; rowwise and block
-    scaling are FP8 recipes."""
+    """The scaling methods a format combines with: block formats carry their own scales (loss and unit scaling
+    still apply; per-tensor would add nothing); rowwise and block scaling are FP8 recipes."""
     if RECIPES.get(fmt) and RECIPES[fmt].block:
         return BLOCK_SCALINGS
     return SCALING_METHODS if fmt == "fp8" else tuple(s for s in SCALING_METHODS if s not in FP8_GRANULARITIES)
