@@ -54,7 +54,7 @@ def test_bad_choices_and_combinations_name_the_valid_ones(make_cfg, overrides, m
 
 
 def _bench(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "bench.running.run", *args, f"results_dir={tmp_path}"],
+    return subprocess.run([sys.executable, "-m", "bench.run", *args, f"results_dir={tmp_path}"],
                           capture_output=True, text=True, cwd=CONF.parent, timeout=120)
 
 
@@ -131,7 +131,7 @@ def test_keys_that_no_schema_declares_are_rejected_however_they_are_added(tmp_pa
 
 
 def test_help_lists_only_real_models_and_schemas_are_not_choices(tmp_path):
-    shown = subprocess.run([sys.executable, "-m", "bench.running.run", "--help"], cwd=CONF.parent, capture_output=True,
+    shown = subprocess.run([sys.executable, "-m", "bench.run", "--help"], cwd=CONF.parent, capture_output=True,
                            text=True).stdout
     assert "model: bert_base, bert_tiny, charlm, distilbert, distilbert_tiny, lenet\n" in shown and "schema" not in shown
     out = _bench(tmp_path, "model=lenet_schema")
@@ -141,6 +141,6 @@ def test_help_lists_only_real_models_and_schemas_are_not_choices(tmp_path):
 def test_an_unusable_results_dir_stops_a_sweep_before_anything_starts(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    out = subprocess.run([sys.executable, "-m", "bench.running.run", "-m", "format=fp32,fp16", f"results_dir={blocker}/runs"],
+    out = subprocess.run([sys.executable, "-m", "bench.run", "-m", "format=fp32,fp16", f"results_dir={blocker}/runs"],
                          capture_output=True, text=True, cwd=CONF.parent, timeout=120)
     assert out.returncode == 2 and f"results_dir={blocker}/runs: {blocker} is not a directory" in out.stderr

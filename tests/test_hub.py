@@ -13,7 +13,7 @@ from tests.conftest import CONF
 
 
 def _bench(tmp_path, *args, env):
-    return subprocess.run([sys.executable, "-m", "bench.running.run", *args, f"results_dir={tmp_path / 'runs'}"],
+    return subprocess.run([sys.executable, "-m", "bench.run", *args, f"results_dir={tmp_path / 'runs'}"],
                           cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=300)
 
 

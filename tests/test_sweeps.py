@@ -20,7 +20,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_SILENT": "t
 
 
 def bench(tmp_path, *args, wait=True):
-    cmd = [sys.executable, "-m", "bench.running.run", *args, f"results_dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "bench.run", *args, f"results_dir={tmp_path}"]
     env = os.environ | OFFLINE
     if not wait:
         return subprocess.Popen(cmd, cwd=CONF.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -274,7 +274,7 @@ def test_a_slurm_sweep_without_accounting_stops_before_submitting(tmp_path, sacc
         (stubs / "sacct").write_text("#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n")
     for stub in stubs.iterdir():
         stub.chmod(0o755)
-    cmd = [sys.executable, "-m", "bench.running.run", "-m", "hydra/launcher=slurm", "format=fp32,bf16",
+    cmd = [sys.executable, "-m", "bench.run", "-m", "hydra/launcher=slurm", "format=fp32,bf16",
            f"results_dir={tmp_path / 'runs'}"]
     out = subprocess.run(cmd, cwd=CONF.parent, env=os.environ | OFFLINE | {"PATH": str(stubs)}, capture_output=True,
                          text=True, timeout=120)

@@ -571,9 +571,9 @@ class Precision:
         converts = torchao_mx_converts if mx else torchao_converts
         if not any(converts(m) for m in model.modules()):
             # Native would train every layer in high precision and be recorded in the format.
-            why = (f"torchao's {'MXFP8' if mx else 'float8'} training converts only nn.Linear layers whose in and out "
-                   f"features are multiples of {MX_BLOCK if mx else 16} (a unit-scaled Linear is none), and this model "
-                   "has none")
+            why = (f"torchao's {'MXFP8' if mx else 'float8'} training converts only Linear layers whose in and out "
+                   f"features are multiples of {MX_BLOCK if mx else 16}, and this model has none (a unit-scaled Linear "
+                   "is not one)")
             if self.requested_backend == "native":
                 raise PrecisionError(f"format.backend=native: {why}, so nothing would run in {self.format.upper()}; "
                                      "valid here: format.backend=auto or emulated")

@@ -40,7 +40,3 @@ def main(argv: list[str] | None = None, api=None) -> int:
         print(f"## {experiment}: what each setting costs in accuracy and gains in time and memory against 32-true "
               f"(all tables: {directory})\n\n{written['precision']}\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

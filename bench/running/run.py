@@ -374,7 +374,3 @@ def _in_multirun() -> bool:
     from hydra.core.hydra_config import HydraConfig
 
     return HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN"
-
-
-if __name__ == "__main__":
-    main()

@@ -76,7 +76,7 @@ def uninterrupted(tmp_path_factory):
     """The MEDIUM and LONG cells trained without interruption, outside SLURM: started in the background when the
     module starts, waited for by the first test that reads them."""
     results = tmp_path_factory.mktemp("uninterrupted")
-    proc = subprocess.Popen([sys.executable, "-m", "bench.running.run", "-m", *CELL, f"model.epochs={MEDIUM},{LONG}",
+    proc = subprocess.Popen([sys.executable, "-m", "bench.run", "-m", *CELL, f"model.epochs={MEDIUM},{LONG}",
                              f"results_dir={results}"], cwd=CONF.parent, env=os.environ | SLURM_ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -90,7 +90,7 @@ def uninterrupted(tmp_path_factory):
 
 
 def sweep(results: Path, *overrides: str, wait: bool = True):
-    cmd = [sys.executable, "-m", "bench.running.run", "-m", "hydra/launcher=slurm", *overrides, f"results_dir={results}"]
+    cmd = [sys.executable, "-m", "bench.run", "-m", "hydra/launcher=slurm", *overrides, f"results_dir={results}"]
     kwargs = dict(cwd=CONF.parent, env=os.environ | SLURM_ENV, text=True)
     if not wait:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
