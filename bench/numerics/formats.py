@@ -175,14 +175,17 @@ def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | No
             if spec.has_inf:  # an infinite input stays infinite; only finite overflow becomes NaN
                 overflowed &= x32.isfinite()
             r = torch.where(overflowed, math.nan, r)
-    if ftz:
-        # Multiplying by the mask keeps the sign (-tiny * 0 = -0) and keeps NaN and inf.
-        r = r * (r.abs() >= spec.min_normal)
-    return r.to(x.dtype)
+    return (_flush_subnormals(r, spec) if ftz else r).to(x.dtype)
+
+
+def _flush_subnormals(r: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
+    """Results below the smallest normal to signed zero: multiplying by the mask keeps the sign (-tiny * 0 = -0),
+    NaN and inf."""
+    return r * (r.abs() >= spec.min_normal)
 
 
 def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: torch.Generator | None = None,
-                        overflow: str = "saturate") -> torch.Tensor:
+                        overflow: str = "saturate", ftz: bool = False) -> torch.Tensor:
     """x rounded to `fmt` stochastically: |x| goes to the grid point above it with probability
     (|x| - below) / spacing and to the one below otherwise, so E[result] = x inside the range and the chance of
     rounding up is proportional to the distance. Values on the grid stay; NaN stays NaN. Seeded by `generator`
@@ -191,7 +194,8 @@ def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: to
     Past max the grid goes on one step of the top binade's spacing (for IEEE formats that step is 2^(emax+1),
     where RNE's overflow begins), and a value rounded there has overflowed: `overflow` decides, as in
     `quantise_value` ('saturate': max, the block formats' rule; 'inf': +-inf; 'nan': NaN, an infinite input of a
-    format with inf staying inf). So max < |x| < max + spacing overflows with probability (|x| - max) / spacing."""
+    format with inf staying inf). So max < |x| < max + spacing overflows with probability (|x| - max) / spacing.
+    ftz: as in `quantise_value`."""
     spec = get_format(fmt)
     policy = resolve_overflow(spec, overflow)
     x32 = x.to(torch.float32)
@@ -207,10 +211,10 @@ def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: to
         rounded = rounded.clamp(max=spec.max)
     elif policy == "inf":
         rounded = torch.where(overflowed, math.inf, rounded)
-    else:  # nan
-        rounded = torch.where(overflowed & ~(x32.isinf() & spec.has_inf), math.nan, rounded)
-        rounded = torch.where(x32.isinf() & spec.has_inf, math.inf, rounded)
-    return rounded.copysign(x32).to(x.dtype)
+    else:  # nan: finite overflow becomes NaN; an infinite input of a format with inf stays infinite
+        rounded = torch.where(x32.isinf() & spec.has_inf, math.inf, torch.where(overflowed, math.nan, rounded))
+    rounded = rounded.copysign(x32)
+    return (_flush_subnormals(rounded, spec) if ftz else rounded).to(x.dtype)
 
 
 class _QuantiseSTE(torch.autograd.Function):

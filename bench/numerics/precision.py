@@ -132,8 +132,7 @@ class TensorSite:
     def _round(self, x: torch.Tensor) -> torch.Tensor:
         if self.rounding == "nearest":
             return quantise_value(x, self.spec, self.overflow, self.ftz)
-        rounded = quantise_stochastic(x, self.spec, overflow=self.overflow)  # the run's seeded global generator
-        return rounded * (rounded.abs() >= self.spec.min_normal) if self.ftz else rounded
+        return quantise_stochastic(x, self.spec, overflow=self.overflow, ftz=self.ftz)  # the run's seeded generator
 
 
 class _Cast(torch.autograd.Function):
@@ -475,21 +474,18 @@ class Precision:
         else:
             self.native, self.why = support.fast, support.why
         if self.native and per_tensor is not None and fmt in ("tf32", "fp16", "bf16"):
-            if backend == "native":
-                raise PrecisionError(f"per-tensor scaling of {fmt} needs emulation (native {fmt} kernels take no "
-                                     "per-tensor scales); valid: format.backend=auto or emulated")
-            self.native, self.why = False, f"per-tensor scaling of {fmt} needs emulation ({support.why})"
+            self._emulate_instead(f"per-tensor scaling of {fmt} needs emulation (native {fmt} kernels take no "
+                                  "per-tensor scales); valid: format.backend=auto or emulated",
+                                  f"per-tensor scaling of {fmt} needs emulation ({support.why})")
         if self.native and fmt == "fp8" and rounding == "stochastic":
-            if backend == "native":
-                raise PrecisionError("torchao's float8 recipes round to nearest; format.rounding=stochastic needs "
-                                     "emulation: valid here: format.backend=auto or emulated")
-            self.native, self.why = False, f"stochastic rounding of gradients exists only as emulation ({support.why})"
+            self._emulate_instead("torchao's float8 recipes round to nearest; format.rounding=stochastic needs "
+                                  "emulation: valid here: format.backend=auto or emulated",
+                                  f"stochastic rounding of gradients exists only as emulation ({support.why})")
         if self.native and granularity == "block":
-            if backend == "native":
-                raise PrecisionError("scaling=block (Transformer Engine's Float8BlockScaling) has no native path here: "
-                                     "Transformer Engine is not a dependency; valid: format.backend=auto or emulated")
-            self.native, self.why = False, ("Transformer Engine's Float8BlockScaling is not wired in: block-scaled FP8 "
-                                            f"is emulated ({support.why})")
+            self._emulate_instead("scaling=block (Transformer Engine's Float8BlockScaling) has no native path here: "
+                                  "Transformer Engine is not a dependency; valid: format.backend=auto or emulated",
+                                  "Transformer Engine's Float8BlockScaling is not wired in: block-scaled FP8 is "
+                                  f"emulated ({support.why})")
         if self.native and fmt == "mxfp8":
             differs = [want for want, ok in (
                 ("format.gradients=fp8_e4m3", self.recipe.grads == TORCHAO_MXFP8["gradients"]),
@@ -498,17 +494,15 @@ class Precision:
             if differs:
                 why = "torchao's MXFP8 recipe (E4M3 gradients, rceil or floor scales, nearest rounding) needs " + \
                     ", ".join(differs)
-                if backend == "native":
-                    raise PrecisionError(f"format.backend=native: {why}; or format.backend=auto or emulated")
-                self.native, self.why = False, f"{why}: this recipe is emulated ({support.why})"
+                self._emulate_instead(f"format.backend=native: {why}; or format.backend=auto or emulated",
+                                      f"{why}: this recipe is emulated ({support.why})")
         if self.native and fmt == "fp8" and per_tensor is None and granularity is None:
             # torchao's FP8 recipes scale every tensor themselves: FP8 without per-tensor scales (scaling=none,
             # static, dynamic, unit) exists only as emulation, so `auto` emulates it and says why.
-            if backend == "native":
-                raise PrecisionError("native FP8 (torchao) always scales per tensor; use scaling=per_tensor, "
-                                     "or format.backend=auto or emulated to study FP8 without per-tensor scales")
-            self.native, self.why = False, ("FP8 without per-tensor scales exists only as emulation: native FP8 "
-                                            f"(torchao tensorwise) scales every tensor itself ({support.why})")
+            self._emulate_instead("native FP8 (torchao) always scales per tensor; use scaling=per_tensor, or "
+                                  "format.backend=auto or emulated to study FP8 without per-tensor scales",
+                                  "FP8 without per-tensor scales exists only as emulation: native FP8 (torchao "
+                                  f"tensorwise) scales every tensor itself ({support.why})")
         self.flags = set_fp32_precision(tf32=(fmt == "tf32"))
         self.fp8_modules = None  # native FP8 / MXFP8: which Linear layers torchao converted and which it left alone
         self.kept_in_high_precision = None  # block formats: the Conv2d layers they leave in FP32
@@ -516,6 +510,13 @@ class Precision:
         # While bench.numerics.memory counts a step, it listens here: (input, output, tensor class, format) of every
         # tensor a rounding site makes. None otherwise.
         self.site_listener = None
+
+    def _emulate_instead(self, refusal: str, reason: str) -> None:
+        """A native path this cell cannot take: format.backend=native is refused with `refusal` (which names the
+        valid choices); auto emulates and records `reason`."""
+        if self.requested_backend == "native":
+            raise PrecisionError(refusal)
+        self.native, self.why = False, reason
 
     @property
     def backend(self) -> str:
@@ -574,10 +575,8 @@ class Precision:
             why = (f"torchao's {'MXFP8' if mx else 'float8'} training converts only Linear layers whose in and out "
                    f"features are multiples of {MX_BLOCK if mx else 16}, and this model has none (a unit-scaled Linear "
                    "is not one)")
-            if self.requested_backend == "native":
-                raise PrecisionError(f"format.backend=native: {why}, so nothing would run in {self.format.upper()}; "
-                                     "valid here: format.backend=auto or emulated")
-            self.native, self.why = False, f"{why}: emulated ({self.why})"
+            self._emulate_instead(f"format.backend=native: {why}, so nothing would run in {self.format.upper()}; "
+                                  "valid here: format.backend=auto or emulated", f"{why}: emulated ({self.why})")
             return self.prepare(model)
         if mx:
             from torchao.prototype.mx_formats.config import ScaleCalculationMode
