@@ -32,7 +32,6 @@ from bench.running.record import (
     check_record,
     config_hash,
     read_record,
-    run_id,
     semantic_config,
 )
 from bench.tasks import PRIMARY_METRIC
@@ -187,7 +186,8 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
     for r in records:
         cfg, env, numerics, metrics = r["config"], r["env"], r["numerics"], r["metrics"]
         device = env.get("device_name")
-        identity = (run_id(cfg), device)  # recomputed, as a resumed sweep does (bench.running.record.semantic_config)
+        semantic = semantic_config(cfg)
+        identity = (config_hash(semantic), device)  # its run_id, recomputed as a resumed sweep does
         if identity in seen:
             continue
         seen.add(identity)
@@ -196,7 +196,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
         metric = PRIMARY_METRIC.get(model)
         quant = numerics.get("quantisation") or {}
         pretrained = cfg["model"].get("pretrained", True)
-        semantic = semantic_config(cfg) | {"device_name": device}
+        semantic |= {"device_name": device}
         row = {
             "experiment": cfg["experiment_name"], "model": model, "model_label": model_label(cfg["model"]),
             "task": task_of(cfg["model"]) + ("" if pretrained else "_scratch"),

@@ -166,9 +166,9 @@ def _identity_form(value):
 def semantic_config(config: dict) -> dict:
     """The part of a config that changes what a run computes (not output paths, logging or checkpoint knobs), in
     its identity form (`_identity_form`)."""
-    semantic = {k: _identity_form(v) for k, v in config.items() if k not in NON_SEMANTIC and v is not None}
-    if "train" in config:
-        semantic["train"] = {k: v for k, v in _identity_form(config["train"]).items() if k not in NON_SEMANTIC_TRAIN}
+    semantic = _identity_form({k: v for k, v in config.items() if k not in NON_SEMANTIC})
+    if "train" in semantic:
+        semantic["train"] = {k: v for k, v in semantic["train"].items() if k not in NON_SEMANTIC_TRAIN}
     return semantic
 
 

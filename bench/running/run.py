@@ -182,9 +182,10 @@ def finished_record(cfg: DictConfig, config: dict | None = None) -> dict | None:
         log.warning("%s; the cell runs again", problem)
     if record is None:
         return None
-    if run_id(record["config"]) != run_id(config):  # recomputed: the identity rules may know more than the record
-        raise ConfigError(f"{run_dir} holds a record of a different configuration (run_id {run_id(record['config'])}, "
-                          f"this one {run_id(config)}): use another experiment_name or results_dir, or delete it")
+    recorded, wanted = run_id(record["config"]), run_id(config)  # recomputed: the rules may know more than the record
+    if recorded != wanted:
+        raise ConfigError(f"{run_dir} holds a record of a different configuration (run_id {recorded}, "
+                          f"this one {wanted}): use another experiment_name or results_dir, or delete it")
     if record["status"] == "ok" or not cfg.retry_failed:
         return record
     return None
