@@ -241,14 +241,14 @@ def test_rowwise_fp8_linear_is_torchaos_rowwise_recipe_bit_for_bit(recipe):
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from bench.numerics.precision import BlockLinear, FP8TileOperands
+    from bench.numerics.precision import EmulatedLinear, FP8TileOperands
 
     torch.manual_seed(0)
     reference = torch.nn.Linear(256, 128)
     with torch.no_grad():
         reference.weight.mul_(torch.logspace(-2, 2, 256))
     ours = copy.deepcopy(reference)
-    ours.__class__, ours.operands = BlockLinear, FP8TileOperands(recipe)
+    ours.__class__, ours.operands = EmulatedLinear, FP8TileOperands(recipe)
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
     reference = convert_to_float8_training(torch.nn.Sequential(reference), config=config)[0]
     x = torch.randn(4, 32, 256) * torch.logspace(-3, 1, 32).view(1, 32, 1)
@@ -402,7 +402,7 @@ def test_unit_scaling_puts_its_scales_around_the_block_scaled_gemm(fmt):
     plain.load_state_dict(copy.deepcopy(unit.state_dict()))
     for layer in (unit, plain):
         Precision(fmt, "mixed", "emulated", None, False, torch.device("cpu")).prepare(layer)
-    assert type(plain).__name__ == "BlockLinear" and unit.operands is not None
+    assert type(plain).__name__ == "EmulatedLinear" and plain.operands is not None and unit.operands is not None
     x = torch.randn(48, 64) * torch.exp2(torch.randint(-4, 4, (48, 1)).float())
     grad = torch.randn(48, 32)
     results = []

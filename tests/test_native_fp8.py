@@ -176,7 +176,7 @@ def test_native_mxfp8_is_torchaos_mxfp8linear_and_our_emulation_of_its_recipe_eq
         y = layer(xi)
         y.backward(grad)
         results[backend] = (y.detach(), xi.grad, layer.weight.grad, layer.bias.grad)
-        assert type(layer).__name__ == {"emulated": "BlockLinear", "native": "PaddedMXFP8Linear"}[backend]
+        assert type(layer).__name__ == {"emulated": "EmulatedLinear", "native": "PaddedMXFP8Linear"}[backend]
     for emulated, native in zip(results["emulated"], results["native"]):
         assert torch.equal(emulated, native)
     assert not torch.equal(results["native"][0], base(x).detach())  # it did round

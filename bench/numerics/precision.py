@@ -188,7 +188,7 @@ class CastOp:
     """
 
     casts: OpCasts | None = None
-    operands: BlockOperands | None = None
+    operands: BlockOperands | FP8TileOperands | None = None
 
     def linear(self, x, weight, bias):
         """F.linear as the precision computes it: on block-scaled GEMM operands, or on rounded inputs and output."""
@@ -314,15 +314,6 @@ class _BlockLinear(torch.autograd.Function):
         grad_x = (operands.gradient(grad_2d, -1) @ operands.weight(weight, 0)).reshape(x.shape)
         grad_weight = operands.gradient(grad_2d, 0).t() @ operands.forward(x_2d, 0)
         return grad_x, grad_weight, grad_2d.sum(0) if ctx.has_bias else None, None
-
-
-class BlockLinear(nn.Linear):
-    """nn.Linear whose GEMMs take block-scaled operands (`operands` is set by Precision.prepare)."""
-
-    operands: BlockOperands | FP8TileOperands
-
-    def forward(self, x):
-        return _BlockLinear.apply(x, self.weight, self.bias, self.operands)
 
 
 def set_fp32_precision(tf32: bool) -> dict[str, str]:
@@ -549,9 +540,9 @@ class Precision:
         if self.block is not None:
             for module in model.modules():
                 if type(module) is nn.Linear:
-                    module.__class__ = BlockLinear  # re-class in place: parameters and state-dict keys are untouched
-                if isinstance(module, (BlockLinear, CastOp)) and isinstance(module, nn.Linear):
-                    module.operands = self.block  # unit scaling's Linear scales around the block-scaled GEMM
+                    module.__class__ = EmulatedLinear  # re-class in place: parameters and state-dict keys are untouched
+                if isinstance(module, CastOp) and isinstance(module, nn.Linear):  # unit scaling's Linear too
+                    module.operands = self.block  # CastOp.linear then runs its GEMMs on block-scaled operands
             self.kept_in_high_precision = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))
                                            and getattr(m, "operands", None) is None]
             return model
