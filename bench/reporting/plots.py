@@ -151,8 +151,9 @@ def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str) -
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     # one colour per format and recipe, both roundings
     formats = list(dict.fromkeys((r.setting, r.scaling, r.options) for r in BLOCK_FORMAT_ROWS))
-    for setting, scaling, rounding, label, bits, options in BLOCK_FORMAT_ROWS:
-        match = part[is_cell(part, setting, scaling, rounding, options)]
+    for block_row in BLOCK_FORMAT_ROWS:
+        setting, scaling, rounding, label, bits, options = block_row
+        match = part[block_row.selects(part)]
         if match.empty:
             continue
         c = match.iloc[0]

@@ -325,6 +325,10 @@ class BlockRow(NamedTuple):
     bits: float
     options: str = ""
 
+    def selects(self, frame: pd.DataFrame) -> pd.Series:
+        """Which rows of `frame` (runs or cells) are this row's cell."""
+        return is_cell(frame, self.setting, self.scaling, self.rounding, self.options)
+
 
 # The block_formats preset's rows, by bits per element (scales included). Rowwise and 1 x 128 FP8 keep an FP32 scale
 # per 128 elements at K = 128.
@@ -358,18 +362,19 @@ def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame
     for (label, design), part in cells.groupby(["model_label", "design_id"], sort=False):
         here = ok[ok["design_id"] == design]
         reference = here[is_cell(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
-        for setting, scaling, rounding, name, bits, options in BLOCK_FORMAT_ROWS:
-            match = part[is_cell(part, setting, scaling, rounding, options)]
+        for block_row in BLOCK_FORMAT_ROWS:
+            match = part[block_row.selects(part)]
             if match.empty:
                 continue
             c = match.iloc[0]
             metric = c["metric"]
-            runs_here = here[is_cell(here, setting, scaling, rounding, options)]
+            runs_here = here[block_row.selects(here)]
             differences = [scaled(metric, v - reference[s]) for v, s in zip(runs_here["value"], runs_here["seed"])
                            if s in reference.index]
-            rows.append({"model": label, "format": name + (f" {EMULATED}" if c["backend"] == "emulated" else ""),
-                         "bits / element": f"{bits:g}", "metric": metric, "mean ± std": _metric_text(c),
-                         "Δ vs FP32": _paired_text(differences, setting == "32-true", DIGITS.get(metric, 2)),
+            rows.append({"model": label,
+                         "format": block_row.label + (f" {EMULATED}" if c["backend"] == "emulated" else ""),
+                         "bits / element": f"{block_row.bits:g}", "metric": metric, "mean ± std": _metric_text(c),
+                         "Δ vs FP32": _paired_text(differences, block_row.setting == "32-true", DIGITS.get(metric, 2)),
                          "gradients rel. MSE": "–" if pd.isna(c["gradients_rel_mse"]) else f"{c['gradients_rel_mse']:.2e}",
                          "blocks clipped (act. / grad.)": " / ".join(
                              "–" if pd.isna(c[f"{tc}_clipped_blocks"]) else f"{100 * c[f'{tc}_clipped_blocks']:.2g}%"
@@ -439,8 +444,7 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
     lm = cells[cells["metric"] == "val_loss"]
     if len({(str(a), str(b)) for a, b in zip(lm["setting"], lm["scaling"])} & {c[:2] for c in CHARLM_COLUMNS}) >= 2:
         built["unit_scaling_charlm"] = unit_scaling_charlm_table(runs, cells)
-    if cells["rounding"].notna().any() and any(is_cell(cells, r.setting, r.scaling, r.rounding, r.options).any()
-                                             for r in BLOCK_FORMAT_ROWS[2:]):
+    if cells["rounding"].notna().any() and any(r.selects(cells).any() for r in BLOCK_FORMAT_ROWS[2:]):
         built["block_formats"] = block_formats_table(runs, cells)
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
     timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \

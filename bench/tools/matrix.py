@@ -45,7 +45,8 @@ def simulated(profile: str):
         yield torch.device(kind)
 
 
-# Settings whose backend depends on format options the columns leave at their defaults: (cell, options).
+# Settings whose backend depends on format options the columns leave at their defaults: (format, how the line
+# names the cell, the options).
 RECIPE_NOTES = [("mxfp8", "mxfp8-mixed with format.gradients=fp8_e4m3 format.scale_mode=rceil (torchao's MXFP8 recipe)",
                  {"gradients": "fp8_e4m3", "scale_mode": "rceil"})]
 
