@@ -15,15 +15,20 @@ from bench.running.run import DeviceError, run_cell
 pytest.importorskip("torchao.float8")
 
 
+def _native_on_cpu(monkeypatch, native_format: str, why: str) -> None:
+    """`native_format` counts as native (and fast) on this CPU; every other format as the CPU really has it."""
+    support = bench.numerics.precision.native_support
+    monkeypatch.setattr(bench.numerics.precision, "native_support", lambda fmt, device: NativeSupport(
+        True, True, why) if fmt == native_format else support(fmt, device))
+
+
 @pytest.fixture
 def torchao_on_cpu(monkeypatch):
     """FP8 counts as native on this CPU, and torchao's recipes run with emulate=True."""
     recipe = bench.numerics.precision.torchao_float8_config
     monkeypatch.setattr(bench.numerics.precision, "torchao_float8_config",
                         lambda name="tensorwise": dataclasses.replace(recipe(name), emulate=True))
-    support = bench.numerics.precision.native_support
-    monkeypatch.setattr(bench.numerics.precision, "native_support", lambda fmt, device: NativeSupport(
-        True, True, "test: torchao float8 with emulate=True on CPU") if fmt == "fp8" else support(fmt, device))
+    _native_on_cpu(monkeypatch, "fp8", "test: torchao float8 with emulate=True on CPU")
 
 
 def _record(cfg) -> dict:
@@ -74,9 +79,7 @@ def test_native_fp8_meets_the_gpu_kernels_multiple_of_16_with_a_head_on_one_toke
         return cpu_scaled_mm(a, b, **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_with_cuda_shape_check)
-    support = bench.numerics.precision.native_support
-    monkeypatch.setattr(bench.numerics.precision, "native_support", lambda fmt, device: NativeSupport(
-        True, True, "test: torchao float8 through CPU _scaled_mm") if fmt == "fp8" else support(fmt, device))
+    _native_on_cpu(monkeypatch, "fp8", "test: torchao float8 through CPU _scaled_mm")
     record = _record(make_cfg("model=distilbert_tiny", "format=fp8", f"scaling={scaling}", "model.batch_size=12",
                               "train.max_steps=2"))
     assert record["status"] == "ok", record.get("reason")
@@ -142,9 +145,7 @@ def torchao_mx_on_cpu(monkeypatch):
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
     monkeypatch.setattr(bench.numerics.precision, "torchao_mx_kernel", lambda: KernelPreference.EMULATED)
-    support = bench.numerics.precision.native_support
-    monkeypatch.setattr(bench.numerics.precision, "native_support", lambda fmt, device: NativeSupport(
-        True, True, "test: torchao MXFP8Linear with its EMULATED kernels on CPU") if fmt == "mxfp8" else support(fmt, device))
+    _native_on_cpu(monkeypatch, "mxfp8", "test: torchao MXFP8Linear with its EMULATED kernels on CPU")
 
 
 @pytest.mark.parametrize("tokens", [64, 12])
