@@ -7,37 +7,121 @@ import pandas as pd
 import pytest
 import torch
 
-from bench.numerics.blocks import mx_quantise, nvfp4_quantise, nvfp4_tensor_scale
+from bench.numerics.blocks import (
+    MX_ELEMENTS,
+    SCALE_MODES,
+    mx_quantise,
+    nvfp4_quantise,
+    nvfp4_tensor_scale,
+    rowwise_quantise,
+    tile2d_quantise,
+    tile_quantise,
+)
 from bench.numerics.formats import quantise_stochastic, quantise_value
-from bench.tools.conformance import conformance_table
+from bench.tools.conformance import (
+    DEPARTURES,
+    conformance_rows,
+    conformance_table,
+    departure_examples,
+    family_table,
+    torchao_rceil_byte,
+)
 
-COMMITTED = Path(__file__).resolve().parents[1] / "results" / "conformance" / "block_formats.csv"
+CONFORMANCE = Path(__file__).resolve().parents[1] / "results" / "conformance"
 
 
 @pytest.fixture(scope="module")
-def table():
-    return conformance_table()  # 2^20 random values per format, plus the adversarial blocks
+def rows():
+    return conformance_rows()  # 2^20 random values per format, plus six adversarial families
 
 
-def test_every_block_format_matches_its_reference_except_the_named_departures(table):
+@pytest.fixture(scope="module")
+def table(rows):
+    return conformance_table(rows)
+
+
+def test_every_block_format_matches_its_reference_except_the_named_departures(rows, table):
     """0 differing scale bytes and 0 differing dequantised values against torchao (every MX element format and scale
-    mode, NVFP4 one- and two-level), ml_dtypes (element casts), and between edge, transposed and plain inputs; what
-    differs is confined to the named departures: torchao's round trip of a block whose scale is 2^-127, and its E2M1
-    code for a NaN."""
+    mode, NVFP4 one- and two-level, rowwise FP8), ml_dtypes (element casts), and between edge, transposed and plain
+    inputs, on every input family; what differs is confined to the named departures, each where it belongs."""
     assert len(table) == 5 * (4 + 3) + 2 + 2  # MX, its edge/transposed/ml_dtypes rows; NVFP4 x 2; rowwise FP8 x 2
+    assert set(rows["family"]) >= {"random", "zero", "scale boundaries", "element ties", "subnormal",
+                                   "mixed extremes", "bf16 inputs"}
     assert table["values"].min() >= 1024
     assert (table[table["reference"].str.startswith("torchao to_mx")]["values"] >= 10**6).all()
-    bad = table[(table["scale_mismatches"] > 0) | (table["value_mismatches"] > 0)]
+    bad = rows[(rows["scale_mismatches"] > 0) | (rows["value_mismatches"] > 0)]
     assert bad.empty, bad.to_string()
-    departures = table[table["documented"] > 0]
-    assert set(departures["reference"]) == {"torchao to_mx + to_dtype", "torchao nvfp4_quantize"}
-    assert (departures["documented"] <= 32).all()  # one adversarial block each
+    where = {name: rows[rows[name] > 0] for name in DEPARTURES}
+    assert set(where["round_trip_2^-127"]["reference"]) == {"torchao to_mx + to_dtype"}
+    rceil = where["rceil_float32_log2"]
+    assert set(rceil["scale mode"]) == {"rceil"} and set(rceil["family"]) == {"scale boundaries"}
+    assert set(rceil["format"]) == {f"MX {element}" for element in MX_ELEMENTS}
+    assert set(where["e2m1_nan_code"]["format"]) == {"NVFP4"}
+    floor = where["tensor_scale_floor"]
+    assert set(floor["scale mode"]) == {"E4M3 block x FP32 tensor"} and set(floor["family"]) == {"zero", "subnormal"}
+    assert (rows[rows["family"] == "random"][list(DEPARTURES)] == 0).all().all()  # random inputs never reach them
 
 
-def test_the_committed_conformance_table_is_what_the_command_writes(table):
-    committed = pd.read_csv(COMMITTED)
-    assert committed.drop(columns="note").equals(table.drop(columns="note").astype(committed.dtypes.drop("note"))), \
-        "results/conformance is stale: run python -m bench.tools.conformance"
+def test_the_committed_conformance_tables_are_what_the_command_writes(rows, table):
+    for name, made in (("block_formats.csv", table), ("block_formats_by_family.csv", family_table(rows))):
+        committed = pd.read_csv(CONFORMANCE / name).fillna("")
+        made = made.astype(committed.dtypes)
+        assert committed.equals(made), f"results/conformance/{name} is stale: run python -m bench.tools.conformance"
+
+
+def _exact_rceil_byte(amax: float, spec) -> int:
+    """ceil(log2(amax / max_elem)) in exact rational arithmetic, clamped and biased as E8M0."""
+    from fractions import Fraction
+
+    q = Fraction(amax) / Fraction(spec.max)
+    if q == 0:
+        return 0
+    e = q.numerator.bit_length() - q.denominator.bit_length()
+    while Fraction(2) ** e < q:
+        e += 1
+    while Fraction(2) ** (e - 1) >= q:
+        e -= 1
+    return max(-127, min(127, e)) + 127
+
+
+@pytest.mark.parametrize("element", MX_ELEMENTS)
+def test_rceil_follows_the_exact_rule_where_torchaos_float32_log2_rounds_down(element):
+    """At, one ulp below and one ulp above max_elem * 2^j for every j: ours is the exact ceil(log2(amax / max_elem))
+    (rational arithmetic); torchao's byte is its float32 log2's (torchao_rceil_byte reproduces it), and the two
+    differ exactly one ulp above max_elem * 2^j where log2 of it, j + log2(1 + 2^-23), rounds to j in float32
+    (|j| >= 4 or 5), torchao a binade low."""
+    from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
+
+    from bench.numerics.formats import FORMATS
+    from bench.tools.conformance import _torchao
+
+    spec = FORMATS[element]
+    j = torch.arange(-120, 118, dtype=torch.float64)
+    j = j[(spec.max * torch.exp2(j)).float().isfinite()]
+    anchors = (spec.max * torch.exp2(j)).float()
+    below, above = torch.nextafter(anchors, torch.zeros_like(anchors)), torch.nextafter(anchors, anchors * 2)
+    amax = torch.cat([below, anchors, above])
+    x = torch.zeros(len(amax), 32)
+    x[:, 0], x[:, 1] = amax, -amax / 3
+    ours = mx_quantise(x, element, "rceil").scale_bits[:, 0]
+    assert ours.tolist() == [_exact_rceil_byte(a, spec) for a in amax.tolist()]
+    scale, _ = to_mx(x, _torchao()[2][element], 32, ScaleCalculationMode.RCEIL)
+    theirs = scale.view(torch.uint8)[:, 0]
+    assert torch.equal(theirs, torchao_rceil_byte(amax, element))
+    differs = theirs != ours
+    one_ulp_above = torch.zeros_like(differs)
+    one_ulp_above[2 * len(j):] = (j + math.log2(1 + 2.0**-23)).float() == j.float()
+    assert torch.equal(differs, one_ulp_above)
+    assert (ours[differs].int() - theirs[differs].int() == 1).all()
+
+
+def test_each_named_departure_has_its_example():
+    """The README's examples: MXFP4 rceil with block amax 96.0000076 beside a 24 (torchao keeps 24, the exact rule
+    gives 32); a zero tensor under two-level NVFP4 (torchao NaN, ours 0)."""
+    examples = departure_examples().set_index("departure")
+    assert list(examples.index) == list(DEPARTURES)
+    assert examples.loc["rceil_float32_log2", ["element", "torchao", "ours"]].tolist() == ["24", "24", "32"]
+    assert examples.loc["tensor_scale_floor", ["torchao", "ours"]].tolist() == ["nan", "0"]
 
 
 # E4M3: emax 8, max 448, 3 mantissa bits. (amax, floor, ceil, even, rceil) unbiased scale exponents, by hand:
@@ -70,6 +154,93 @@ def test_a_nan_block_dequantises_to_nan_and_leaves_its_neighbours_alone():
     got = mx_quantise(x, "fp4_e2m1")
     assert got.values[0, 32:].isnan().all() and not got.values[0, :32].isnan().any()
     assert int(got.scale_bits[0, 1]) == 255 and not got.values[1].isnan().any()
+
+
+BLOCK_QUANTISERS = {
+    **{f"mx {element} {mode}": (lambda element, mode: lambda x: mx_quantise(x, element, mode))(element, mode)
+       for element in MX_ELEMENTS for mode in SCALE_MODES},
+    "nvfp4 one-level": lambda x: nvfp4_quantise(x),
+    "nvfp4 two-level": lambda x: nvfp4_quantise(x, nvfp4_tensor_scale(x)),
+    "fp8 rowwise": lambda x: rowwise_quantise(x),
+    "fp8 1x128 tiles": lambda x: tile_quantise(x),
+    "fp8 128x128 tiles": lambda x: tile2d_quantise(x),
+}
+
+
+@pytest.mark.parametrize("quantise", BLOCK_QUANTISERS.values(), ids=BLOCK_QUANTISERS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_zero_tensor_quantises_to_exact_zeros_with_finite_scales(quantise, dtype):
+    """Two-level NVFP4 turned an all-zero tensor into NaN (a tensor scale of 0, as torchao's): now every block
+    format gives exact zeros and finite, positive scales and factors."""
+    got = quantise(torch.zeros(4, 256, dtype=dtype))
+    assert torch.equal(got.values, torch.zeros(4, 256)) and torch.equal(got.elements, torch.zeros(4, 256))
+    for per_block in (got.scale, got.factor):
+        assert per_block.isfinite().all() and (per_block > 0).all()
+
+
+@pytest.mark.parametrize("quantise", BLOCK_QUANTISERS.values(), ids=BLOCK_QUANTISERS.keys())
+@pytest.mark.parametrize("amax", [1e-30, 1e-34, 1e-36, 1e-39, 2.0**-149])
+def test_a_tiny_tensor_quantises_to_finite_values_keeping_zeros_and_signs(quantise, amax):
+    """A tensor whose amax is far below 1 (gradients late in training; float32 subnormals included): two-level
+    NVFP4 gave a tensor scale whose reciprocal overflowed, so its zeros became NaN and every other element
+    saturated to its block's max. Now: finite, zeros stay zero, no sign flips, nothing rounded past twice the amax."""
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
+    x = (x / x.abs().max() * amax).float()
+    x[0, :40] = 0.0
+    got = quantise(x).values
+    assert got.isfinite().all()
+    assert torch.equal(got[0, :40], torch.zeros(40))
+    assert (got * x >= 0).all() and (got.abs() <= 2 * x.abs().max()).all()
+
+
+def test_nvfp4_tensor_scale_is_torchaos_above_its_floor_and_never_zero_below_it():
+    from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
+
+    for amax in (2688 * 2.0**-121, 2e-33, 1e-20, 1.0, 3e4, 3e38):
+        assert torch.equal(nvfp4_tensor_scale(torch.tensor([amax, -amax / 3])), per_tensor_amax_to_scale(torch.tensor(amax)))
+    for amax in (0.0, 1e-36, 1e-40):
+        t = nvfp4_tensor_scale(torch.tensor([amax]))
+        assert float(t) == 2.0**-121 and torch.isfinite(1 / t / 2.0**-6)
+    assert nvfp4_tensor_scale(torch.tensor([float("inf")])).isinf()  # an overflow stays visible
+    assert nvfp4_tensor_scale(torch.tensor([1.0, float("nan")])).isnan()
+
+
+BLOCK_CELLS = {"mxfp8": {}, "mxfp6": {}, "mxfp4": {}, "nvfp4": {}, "fp8 rowwise": {"granularity": "rowwise"},
+               "fp8 block": {"granularity": "block"}}
+
+
+@pytest.mark.parametrize("fmt", BLOCK_CELLS, ids=BLOCK_CELLS.keys())
+def test_a_zero_initialised_linear_trains_in_every_block_format_without_nan_or_skipped_steps(fmt):
+    """The output layer starts at zero (a common init for output projections and adapters): its input gradient
+    g W is a zero GEMM operand, and so is every gradient of the layer below on the first step. Under two-level
+    NVFP4 those operands were NaN, and the loss scaler skipped step after step."""
+    from bench.numerics.precision import Precision
+    from bench.numerics.scaling import LossScaler
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    torch.nn.init.zeros_(model[2].weight)
+    torch.nn.init.zeros_(model[2].bias)
+    Precision(fmt.split()[0], "mixed", "emulated", None, False, torch.device("cpu"), **BLOCK_CELLS[fmt]).prepare(model)
+    x, target = torch.randn(64, 64), torch.randint(0, 32, (64,))
+    y = model(x)
+    y.backward(torch.zeros_like(y))  # a zero upstream gradient: both gradient GEMMs take all-zero operands
+    for p in model.parameters():
+        assert torch.equal(p.grad, torch.zeros_like(p))
+    model.zero_grad()
+    optimiser, scaler = torch.optim.SGD(model.parameters(), lr=0.5), LossScaler("dynamic", init_scale=2.0**10)
+    losses = []
+    for _ in range(5):
+        loss = torch.nn.functional.cross_entropy(model(x), target)
+        scaler.scale_loss(loss).backward()
+        scaler.step(optimiser, list(model.parameters()))
+        optimiser.zero_grad()
+        losses.append(float(loss))
+    scaler.sync()
+    assert scaler.skipped_steps == 0 and scaler.overflow_steps == 0
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    assert all(p.isfinite().all() for p in model.parameters())
+    assert not torch.equal(model[2].weight, torch.zeros_like(model[2].weight))
 
 
 def test_blocks_run_along_the_requested_dimension():

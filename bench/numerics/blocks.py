@@ -13,7 +13,8 @@ block's amax and the element format's largest exponent emax_elem, by scale mode 
 A block holding a NaN gets the NaN scale; every element of it dequantises to NaN.
 
 NVFP4: k = 16, E2M1 elements, an E4M3 block scale s = amax / 6 (RNE to E4M3, clamped to [2^-6, 448]); with an
-FP32 per-tensor scale t = tensor amax / (448 * 6) (torchao's per_tensor_amax_to_scale), the stored block scale is
+FP32 per-tensor scale t = tensor amax / (448 * 6) (torchao's per_tensor_amax_to_scale; ours never below 2^-121, so
+that a zero or tiny tensor cannot turn into NaN: see nvfp4_tensor_scale), the stored block scale is
 amax / 6 / t and the elements x * ((1 / t) / s), as torchao's nvfp4_quantize computes them (a reciprocal times,
 not a division: the same bits as its Triton kernel).
 
@@ -57,6 +58,9 @@ E8M0_NAN = 255
 NVFP4_ELEMENT_MAX = 6.0  # E2M1
 NVFP4_SCALE_MAX = 448.0  # E4M3
 NVFP4_SCALE_MIN = 2.0**-6  # torch.finfo(float8_e4m3fn).tiny: torchao's clamp before the E4M3 cast
+# the floor of the two-level tensor scale t: (1 / t) / NVFP4_SCALE_MIN, the largest factor an element is
+# multiplied by, is then 2^127, still finite
+NVFP4_TENSOR_SCALE_MIN = 2.0**-121
 
 
 @dataclass
@@ -150,8 +154,14 @@ def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -
 
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
-    """The FP32 per-tensor scale of two-level NVFP4: amax / (448 * 6), so block scales can use E4M3's whole range."""
-    return x.detach().abs().amax().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)
+    """The FP32 per-tensor scale of two-level NVFP4: amax / (448 * 6), so block scales can use E4M3's whole range,
+    floored at NVFP4_TENSOR_SCALE_MIN. torchao's per_tensor_amax_to_scale has no floor: an all-zero tensor (a
+    zero-initialised layer, a dead gradient) gets t = 0 and quantises to NaN, and in a tensor whose amax is under
+    about 1e-33 a block with the smallest block scale gets an infinite factor (its zeros become NaN, every other
+    element saturates to 6). With the floor a zero tensor quantises to exact zeros and a tiny one to finite values
+    on its grid; the result equals torchao's wherever the amax is 2688 * 2^-121 (about 1.05e-33) or more. An infinite or NaN amax
+    still gives a non-finite t, so an overflow stays visible."""
+    return (x.detach().abs().amax().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
 
 
 def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1,

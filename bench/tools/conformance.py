@@ -6,9 +6,11 @@ For every MX element format and scale mode, against torchao's `to_mx` + `to_dtyp
 against torchao's `nvfp4_quantize`; rowwise FP8 (scaling=rowwise) against torchao's axiswise power-of-two cast,
 along both dimensions; the element casts against ml_dtypes; and where the references themselves
 disagree (OCP's floor against Transformer Engine's rceil, ml_dtypes' rounding E8M0 cast against MX's floor), how
-often, on the same inputs. Inputs: 2^20 random values (blocks of unit normals times 2^U[-30, 30)) plus adversarial
-blocks (`adversarial_blocks`). A mismatch is a differing scale byte or a dequantised value that differs bit for
-bit (NaN equals NaN); differences that come from a reference departing from the spec are counted apart, named.
+often, on the same inputs. Inputs: 2^20 random values plus six adversarial families, each its own tensor: zero,
+scale boundaries (each power of two and each max_elem * 2^j, at and one ulp either side), element ties, subnormal,
+mixed extremes, and all of them in bfloat16 (`families`). A mismatch is a differing scale byte or a dequantised
+value that differs bit for bit (NaN equals NaN); where a reference departs from the spec, or from a finite answer,
+the differences are counted apart in a column named for the departure (`DEPARTURES`), never as agreement.
 """
 
 from __future__ import annotations
@@ -35,9 +37,27 @@ from bench.numerics.formats import FORMATS, quantise_value
 
 RANDOM_VALUES = 2**20
 E4M3_NEAR = 448.0
-TIE_NOTE = ("torchao's to_mx divides a block whose E8M0 scale is 2^-127 (byte 0) by 2^-126 (floor, ceil, even: it "
-            "clamps the FP32 scale to the smallest normal) or by 1 (rceil), then to_dtype multiplies by 2^-127; "
-            "ours divides by 2^-127, the spec's x / X")
+FLOAT32_MAX = torch.finfo(torch.float32).max
+# What a reference does that departs from the spec (or, for NVFP4's tensor scale, from a finite answer): each is
+# counted in its own column (differing values plus differing scale bytes in the blocks it concerns) and shown
+# with an example under "Named departures"; anything else that differs is a mismatch.
+DEPARTURES = {
+    "round_trip_2^-127": "torchao's to_mx divides a block whose E8M0 scale is 2^-127 (byte 0) by 2^-126 (floor, ceil, "
+                         "even: it clamps the FP32 scale to the smallest normal) or by 1 (rceil), then to_dtype "
+                         "multiplies by 2^-127; ours divides by 2^-127, the spec's x / X",
+    "rceil_float32_log2": "torchao's eager rceil computes ceil(log2(amax / max_elem)) in float32: one ulp above "
+                          "max_elem * 2^j (for |j| >= 4 or 5) the log2 rounds down to exactly j and it picks the scale 2^j, a "
+                          "binade below the exact rule (and below the cvt.rp.satfinite.ue8m0x2 instruction torchao "
+                          "uses on Blackwell); ours takes the exponent exactly (frexp). Tiny for FP8 elements, it "
+                          "moves FP6/FP4 values",
+    "e2m1_nan_code": "E2M1 has no NaN: for a NaN element torchao writes an element code and ours NaN; the block's "
+                     "scale is NaN, so the value dequantises to NaN either way",
+    "tensor_scale_floor": "two-level NVFP4: torchao's tensor scale amax / 2688 is 0 for an all-zero tensor (every "
+                          "value NaN) and, for a tensor amax under 2688 * 2^-121 (about 1.05e-33), so small that a "
+                          "block's factor (1 / t) / s overflows (zeros NaN, every other element saturated); ours floors "
+                          "t at 2^-121 (bench.numerics.blocks.nvfp4_tensor_scale): zeros stay zeros, values finite",
+}
+NO_DEPARTURES = dict.fromkeys(DEPARTURES, 0)
 
 
 def random_blocks(count: int = RANDOM_VALUES, width: int = 32, seed: int = 0) -> torch.Tensor:
@@ -47,41 +67,127 @@ def random_blocks(count: int = RANDOM_VALUES, width: int = 32, seed: int = 0) ->
         * torch.exp2(torch.randint(-30, 30, (rows, 1), generator=generator).float())
 
 
-def adversarial_blocks(element: str, width: int = 32) -> torch.Tensor:
-    """One block per row: all zero; one NaN; one +inf; one -inf; amax exactly a power of two and exactly
-    max_elem * 2^k; amax just below the next power of two (floor clips it); every rounding tie of the element grid
-    (midpoints between neighbours, under a fixed scale); subnormal elements beside a large one; a block so small
-    that its scale is E8M0's smallest, 2^-127; a block past FP32's range after scaling."""
+def _ulp_neighbours(anchors: torch.Tensor) -> torch.Tensor:
+    """Each positive finite float32 anchor, one ulp below it and one ulp above it."""
+    anchors = anchors[anchors.isfinite() & (anchors > 0)]
+    below = torch.nextafter(anchors, torch.zeros_like(anchors))
+    above = torch.nextafter(anchors, torch.full_like(anchors, float("inf")))
+    both = torch.cat([below, anchors, above])
+    return torch.unique(both[both.isfinite() & (both > 0)])
+
+
+def _grid(element: str) -> torch.Tensor:
+    """The element format's non-negative grid points, subnormals included, ascending."""
     spec = FORMATS[element]
+    points = {m * 2.0**e for e in range(spec.emin, spec.emax + 1)
+              for m in np.arange(1, 2, 2.0**-spec.man_bits) if m * 2.0**e <= spec.max}
+    points |= {m * 2.0**spec.emin for m in np.arange(0, 1, 2.0**-spec.man_bits)}
+    return torch.tensor(sorted(points), dtype=torch.float32)
+
+
+def _rows_with_amax(amax: torch.Tensor, width: int) -> torch.Tensor:
+    """One block per amax: the amax itself (its sign alternating by row) beside amax times fixed fractions in
+    (-1, 1), so that each block also exercises element rounding under the scale its amax chooses."""
+    fractions = torch.rand(width - 1, generator=torch.Generator().manual_seed(7)) * 2 - 1
+    signs = 1.0 - 2.0 * (torch.arange(len(amax)) % 2)
+    return torch.cat([(amax * signs)[:, None], amax[:, None] * fractions], 1)
+
+
+def scale_boundary_blocks(element: str, width: int) -> torch.Tensor:
+    """Blocks whose amax sits at, one float32 ulp below and one above every scale boundary the format reaches:
+    each power of two 2^j (floor and ceil change scale there), max_elem * 2^j (rceil and the FP8 recipes' scales
+    do), and the point where rounding amax to the element's mantissa carries into the next binade (even's), for
+    every j from FP32's smallest subnormal to its largest finite; for NVFP4 (E2M1 in blocks of 16) also 6 times
+    every E4M3 block scale and every midpoint between two of them (the block scale's own rounding ties)."""
+    spec = FORMATS[element]
+    j = torch.arange(-160, 130, dtype=torch.float64)
+    anchors = [torch.exp2(j), spec.max * torch.exp2(j), (2 - 2.0 ** -(spec.man_bits + 1)) * torch.exp2(j)]
+    if element == "fp4_e2m1" and width == 16:
+        scales = _grid("fp8_e4m3").double()
+        anchors += [6 * scales, 6 * (scales[1:] + scales[:-1]) / 2]
+    return _rows_with_amax(_ulp_neighbours(torch.cat(anchors).float()), width)
+
+
+def element_tie_blocks(element: str, width: int) -> torch.Tensor:
+    """Every grid point of the element format, every midpoint between neighbours (ties whose lower neighbour is
+    even and ties whose lower neighbour is odd alternate along the grid) and each midpoint one float32 ulp either
+    side, positive and negative, under block scales from 2^-127 to 2^(126 - emax_elem); max_elem * scale pins each block's
+    scale (floor's 2^0 at scale 1). Also subnormal elements (and ones that flush) beside the block's amax."""
+    spec = FORMATS[element]
+    grid = _grid(element)
+    ties = (grid[1:] + grid[:-1]) / 2
+    points = torch.cat([grid, ties, torch.nextafter(ties, torch.zeros_like(ties)),
+                        torch.nextafter(ties, torch.full_like(ties, float("inf")))])
+    points = torch.cat([points, -points])
     rows = []
+    for exponent in (-127, -100, -3, 0, 5, 100, 126 - spec.emax):  # the last: the largest with max_elem * 2^e finite
+        scale = 2.0**exponent
+        for start in range(0, len(points), width - 1):
+            row = torch.zeros(width)
+            chunk = points[start:start + width - 1] * scale
+            row[:len(chunk)] = chunk
+            row[-1] = spec.max * scale
+            rows.append(row)
+    row = torch.full((width,), spec.min_subnormal * 0.75)
+    row[0] = spec.max
+    rows.append(row)
+    row = torch.full((width,), spec.min_subnormal * 0.5)  # a tie with zero: flushes (zero is even)
+    row[0] = spec.max
+    rows.append(row)
+    return torch.stack(rows)
+
+
+def subnormal_blocks(width: int) -> torch.Tensor:
+    """A tensor of FP32 subnormals and near-subnormals only (so its own amax is tiny too: two-level NVFP4's tensor
+    scale): blocks whose amax is 2^-149 (FP32's smallest subnormal), 2^-140, 2^-130, 2^-126 (smallest normal) and
+    2^-125 (an E8M0 scale of 2^-127 for every element format), and blocks mixing subnormals with zeros."""
     base = torch.linspace(-1, 1, width)
-    rows.append(torch.zeros(width))
+    rows = [torch.nextafter(torch.zeros(width), base.sign()).abs() * base.sign()]  # +-2^-149 and 0
+    rows += [base * 2.0**k for k in (-140, -130, -126, -125)]
+    row = torch.zeros(width)
+    row[::3] = 2.0**-149 * torch.arange(1, len(row[::3]) + 1)
+    rows.append(row)
+    return torch.stack(rows).float()
+
+
+def mixed_extreme_blocks(width: int) -> torch.Tensor:
+    """A NaN, a +inf and a -inf beside ordinary values; FP32's largest finite beside its smallest subnormal;
+    blocks near FP32's top (3e38: scales past FP32's range after division); a constant block; a block of -0.0."""
+    base = torch.linspace(-1, 1, width)
+    rows = []
     for special in (float("nan"), float("inf"), float("-inf")):
         row = base.clone()
         row[width // 3] = special
         rows.append(row)
-    for k in (-20, 0, 7):
-        rows.append(base * 2.0**k)  # amax exactly 2^k
-        rows.append(base / base.abs().max() * spec.max * 2.0**k)  # amax exactly max_elem * 2^k
-        rows.append(base * (2.0 - 2.0**-20) * 2.0**k)  # just under 2^(k+1): floor's scale clips it
-    # the element grid's positive points (one binade per exponent, subnormals included) and the midpoints between
-    grid = torch.tensor(sorted({m * 2.0**e for e in range(spec.emin, spec.emax + 1)
-                                for m in np.arange(0, 2, 2.0**-spec.man_bits) if m * 2.0**e <= spec.max}
-                               | {m * 2.0**spec.emin for m in np.arange(0, 1, 2.0**-spec.man_bits)}))
-    ties = (grid[1:] + grid[:-1]) / 2
-    scale_one = torch.cat([ties, -ties])  # under floor with amax in max's binade, the block scale is 1
-    for start in range(0, len(scale_one), width - 1):
-        row = torch.zeros(width)
-        chunk = scale_one[start:start + width - 1]
-        row[:len(chunk)] = chunk
-        row[-1] = spec.max  # pins the block scale at 2^0
-        rows.append(row)
-    row = torch.full((width,), spec.min_subnormal * 0.75)
-    row[0] = spec.max
-    rows.append(row)  # subnormal elements (and ones that flush) beside the block's amax
-    rows.append(base * 2.0**-125)  # scale 2^-127: the documented torchao departure
-    rows.append(base * 3.0e38)
+    row = torch.zeros(width)
+    row[0], row[1], row[2], row[3] = FLOAT32_MAX, -(2.0**-149), 2.0**-126, -1.0
+    rows += [row, base * 3.0e38, torch.full((width,), 3.0), torch.full((width,), -0.0)]
     return torch.stack(rows).float()
+
+
+FAMILY_NOTES = {
+    "random": "2^20 values, blocks of unit normals times 2^U[-30, 30)",
+    "zero": "an all-zero tensor",
+    "scale boundaries": "block amax at, one float32 ulp below and one above 2^j, max_elem * 2^j and the point where "
+                        "even's mantissa rounding carries, for every j from FP32's smallest subnormal to its largest "
+                        "finite (NVFP4: also 6 times every E4M3 block scale and every midpoint between two)",
+    "element ties": "every grid point, every midpoint (even and odd lower neighbours alternate) and each midpoint "
+                    "one ulp either side, under block scales 2^-127 to 2^(126 - emax_elem); subnormal elements beside the amax",
+    "subnormal": "a tensor of FP32 subnormals (amax 2^-149 to 2^-125, an E8M0 scale of 2^-127) and zeros",
+    "mixed extremes": "NaN, +inf, -inf beside ordinary values; FP32's largest beside its smallest; 3e38; a "
+                      "constant block; -0.0",
+    "bf16 inputs": "every family above but random, plus 2^14 random values, as bfloat16 tensors",
+}
+
+
+def families(element: str, width: int, count: int = RANDOM_VALUES) -> dict[str, torch.Tensor]:
+    """The inputs the conformance runs on, by family (each its own tensor: two-level NVFP4 takes its tensor scale
+    from each one's amax). "bf16 inputs" is every adversarial family plus 2^14 random values, as bfloat16."""
+    adversarial = {"zero": torch.zeros(4, width), "scale boundaries": scale_boundary_blocks(element, width),
+                   "element ties": element_tie_blocks(element, width), "subnormal": subnormal_blocks(width),
+                   "mixed extremes": mixed_extreme_blocks(width)}
+    bf16 = torch.cat([*adversarial.values(), random_blocks(2**14, width, seed=3)]).bfloat16()
+    return {"random": random_blocks(count, width), **adversarial, "bf16 inputs": bf16}
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -100,43 +206,81 @@ def _torchao():
     return to_mx, to_dtype, dtypes, modes
 
 
+def torchao_rceil_byte(amax: torch.Tensor, element: str) -> torch.Tensor:
+    """The E8M0 byte torchao's eager rceil (_to_mx_rceil's fallback) picks: ceil(log2(amax / max_elem)) with log2
+    in float32, clamped to [-127, 127] and biased; 255 for NaN, 254 for inf."""
+    descale = amax.float() / FORMATS[element].max
+    exponent = torch.ceil(torch.log2(descale)).clamp(-127, 127) + 127
+    return torch.where(descale.isnan(), 255, torch.where(descale.isinf(), 254, exponent)).to(torch.uint8)
+
+
+def _per_element(per_block: torch.Tensor, k: int) -> torch.Tensor:
+    return per_block.repeat_interleave(k, dim=-1)
+
+
+def _under_scale(x: torch.Tensor, element: str, divide_by: torch.Tensor, multiply_by: torch.Tensor) -> torch.Tensor:
+    """x (rows, 32 * n) divided by a per-block power of two, rounded to the element saturating, multiplied by
+    another: how torchao's to_mx + to_dtype dequantise a block under a scale of their choosing."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    elements = quantise_value(blocks / divide_by.unsqueeze(-1), element, overflow="saturate")
+    return (elements * multiply_by.unsqueeze(-1)).reshape(x.shape)
+
+
 def compare_mx_with_torchao(x: torch.Tensor, element: str, mode: str) -> dict:
-    """x: (rows, 32 * n), contiguous. Counts of scale bytes and dequantised values that differ, the value
-    differences inside blocks whose scale is 2^-127 counted apart (TIE_NOTE)."""
+    """x: (rows, 32 * n), contiguous, float32 or bfloat16. Differing scale bytes and dequantised values. What
+    differs because torchao departs from the spec is counted apart (DEPARTURES) when torchao's value is exactly
+    what the departure predicts: in a block whose scale is 2^-127, x divided by 2^-126 (by 1 under rceil) and
+    multiplied by 2^-127; under rceil, where torchao's byte is the float32-log2 one (torchao_rceil_byte) a binade
+    below ours, the block quantised under that scale."""
     to_mx, to_dtype, dtypes, modes = _torchao()
     scale, data = to_mx(x.contiguous(), dtypes[element], 32, modes[mode])
+    theirs = scale.view(torch.uint8)
     reference = to_dtype(data, scale, dtypes[element], 32, torch.float32)
     ours = mx_quantise(x, element, mode)
-    differs = ~_same(reference, ours.values)
-    smallest_scale = (ours.scale_bits == 0).repeat_interleave(32, dim=-1)
-    return {"values": x.numel(), "scale_mismatches": int((scale.view(torch.uint8) != ours.scale_bits).sum()),
-            "value_mismatches": int((differs & ~smallest_scale).sum()),
-            "documented": int((differs & smallest_scale).sum())}
+    amax = x.float().reshape(*x.shape[:-1], -1, 32).abs().amax(-1)
+    log2_rounded = torch.zeros_like(theirs, dtype=torch.bool) if mode != "rceil" else \
+        (theirs.int() == ours.scale_bits.int() - 1) & (theirs == torchao_rceil_byte(amax, element))
+    round_trip = (ours.scale_bits == 0) & ~log2_rounded
+    their_scale = torch.ldexp(torch.ones_like(amax), theirs.int() - 127)
+    predicted = torch.where(_per_element(log2_rounded, 32), _under_scale(x, element, their_scale, their_scale),
+                            _under_scale(x, element, torch.full_like(amax, 1.0 if mode == "rceil" else 2.0**-126),
+                                         torch.full_like(amax, 2.0**-127)))
+    scale_differs, value_differs = theirs != ours.scale_bits, ~_same(reference, ours.values)
+    explained = _same(reference, predicted)
+    departing = {"round_trip_2^-127": value_differs & explained & _per_element(round_trip, 32),
+                 "rceil_float32_log2": value_differs & explained & _per_element(log2_rounded, 32)}
+    return {"values": x.numel(), "scale_mismatches": int((scale_differs & ~log2_rounded).sum()),
+            "value_mismatches": int((value_differs & ~departing["round_trip_2^-127"]
+                                     & ~departing["rceil_float32_log2"]).sum()),
+            **NO_DEPARTURES, "round_trip_2^-127": int(departing["round_trip_2^-127"].sum()),
+            "rceil_float32_log2": int(log2_rounded.sum() + departing["rceil_float32_log2"].sum())}
 
 
 def compare_nvfp4_with_torchao(x: torch.Tensor, two_level: bool) -> dict:
-    """Scales (E4M3), elements and dequantised values against torchao's nvfp4_quantize. E2M1 has no NaN: torchao
-    writes a code for a NaN element (its block's scale is NaN, so it dequantises to NaN either way); those element
-    differences are counted apart."""
+    """Scales (E4M3), elements and dequantised values against torchao's nvfp4_quantize, each side with its own
+    tensor scale from x's finite amax (two-level). Counted apart (DEPARTURES): E2M1 element codes in blocks
+    holding a NaN; and, where torchao's tensor scale is under ours's floor, everything that differs."""
     warnings.filterwarnings("ignore")
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
     from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
 
-    finite = x[x.isfinite()]
-    tensor_scale = per_tensor_amax_to_scale(finite.abs().amax()) if two_level else None
-    if two_level:
-        assert torch.equal(tensor_scale, nvfp4_tensor_scale(finite))
-    scale, data = nvfp4_quantize(x.contiguous(), 16, tensor_scale)
+    finite = x[x.isfinite()].float()
+    theirs_t = per_tensor_amax_to_scale(finite.abs().amax()) if two_level else None
+    ours_t = nvfp4_tensor_scale(finite) if two_level else None
+    scale, data = nvfp4_quantize(x.contiguous(), 16, theirs_t)
     elements = f4_unpacked_to_f32(unpack_uint4(data)).reshape(x.shape)
-    block_scale = scale.float() if tensor_scale is None else tensor_scale * scale.float()
+    block_scale = scale.float() if theirs_t is None else theirs_t * scale.float()
     reference = (elements.reshape(*x.shape[:-1], -1, 16) * block_scale.unsqueeze(-1)).reshape(x.shape)
-    ours = nvfp4_quantise(x, tensor_scale)
-    nan_block = x.reshape(*x.shape[:-1], -1, 16).isnan().any(-1, keepdim=True).expand(-1, -1, 16).reshape(x.shape)
-    element_differs = ~_same(elements, ours.elements)
-    return {"values": x.numel(), "scale_mismatches": int((~_same(scale.float(), ours.scale)).sum()),
-            "value_mismatches": int((~_same(reference, ours.values)).sum()
-                                    + (element_differs & ~nan_block).sum()),
-            "documented": int((element_differs & nan_block).sum())}
+    ours = nvfp4_quantise(x, ours_t)
+    nan_block = _per_element(x.reshape(*x.shape[:-1], -1, 16).isnan().any(-1), 16)
+    scale_differs = ~_same(scale.float(), ours.scale)
+    element_differs, value_differs = ~_same(elements, ours.elements), ~_same(reference, ours.values)
+    if two_level and not torch.equal(theirs_t, ours_t):
+        return {"values": x.numel(), "scale_mismatches": 0, "value_mismatches": 0, **NO_DEPARTURES,
+                "tensor_scale_floor": int(scale_differs.sum() + (value_differs | element_differs).sum())}
+    return {"values": x.numel(), "scale_mismatches": int(scale_differs.sum()),
+            "value_mismatches": int((value_differs | (element_differs & ~nan_block)).sum()),
+            **NO_DEPARTURES, "e2m1_nan_code": int((element_differs & nan_block).sum())}
 
 
 def compare_rowwise_with_torchao(x: torch.Tensor, dim: int) -> dict:
@@ -152,7 +296,7 @@ def compare_rowwise_with_torchao(x: torch.Tensor, dim: int) -> dict:
                                          round_scales_to_power_of_2=True)
     ours = rowwise_quantise(x, dim)
     return {"values": x.numel(), "scale_mismatches": int((~_same(theirs._scale, ours.scale)).sum()),
-            "value_mismatches": int((~_same(theirs.to_original_precision(), ours.values)).sum()), "documented": 0}
+            "value_mismatches": int((~_same(theirs.to_original_precision(), ours.values)).sum()), **NO_DEPARTURES}
 
 
 ML_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "fp6_e2m3": "float6_e2m3fn",
@@ -168,7 +312,7 @@ def compare_elements_with_ml_dtypes(element: str, x: torch.Tensor) -> dict:
     theirs = torch.from_numpy(x.numpy().astype(getattr(ml_dtypes, ML_DTYPES[element])).astype(np.float32))
     return {"values": x.numel(), "scale_mismatches": 0,
             "value_mismatches": int((~_same(theirs, quantise_value(x, element, overflow="saturate"))).sum()),
-            "documented": 0}
+            **NO_DEPARTURES}
 
 
 def reference_disagreements(x: torch.Tensor, element: str) -> dict:
@@ -191,42 +335,113 @@ def reference_disagreements(x: torch.Tensor, element: str) -> dict:
             "ml_dtypes_e8m0_vs_floor_differs": float((rounded != floor.scale.reshape(-1))[nonzero].float().mean())}
 
 
-def conformance_table(count: int = RANDOM_VALUES) -> pd.DataFrame:
+KEYS = ["reference", "format", "scale mode"]
+
+
+def conformance_rows(count: int = RANDOM_VALUES) -> pd.DataFrame:
+    """One row per reference, format, scale mode and input family (`families`): values compared, mismatches, and
+    each named departure's count."""
     rows = []
+
+    def add(reference, fmt, mode, family, counts):
+        rows.append({"reference": reference, "format": fmt, "scale mode": mode, "family": family, **counts})
+
     for element in MX_ELEMENTS:
-        x = torch.cat([random_blocks(count), adversarial_blocks(element)])
+        inputs = families(element, 32, count)
         for mode in SCALE_MODES:
-            rows.append({"reference": "torchao to_mx + to_dtype", "format": f"MX {element}", "scale mode": mode,
-                         **compare_mx_with_torchao(x, element, mode),
-                         "note": TIE_NOTE if mode == SCALE_MODES[0] else "as above"})
+            for family, x in inputs.items():
+                add("torchao to_mx + to_dtype", f"MX {element}", mode, family, compare_mx_with_torchao(x, element, mode))
+        x = torch.cat([x.float() for x in inputs.values()])
         edge = torch.cat([x[:64, :8], x[:64, :8]], 1)  # 16 wide: one short block of 16 per row
         padded = torch.nn.functional.pad(edge, (0, 16))
-        short = mx_quantise(edge, element).values
-        rows.append({"reference": "torchao on the zero-padded tensor", "format": f"MX {element}",
-                     "scale mode": "floor", "values": edge.numel(), "scale_mismatches": 0,
-                     "value_mismatches": int((~_same(short, mx_quantise(padded, element).values[:, :16])).sum()),
-                     "documented": 0, "note": "a block shorter than 32 at the tensor's edge"})
+        add("torchao on the zero-padded tensor", f"MX {element}", "floor", "random", {
+            "values": edge.numel(), "scale_mismatches": 0, **NO_DEPARTURES,
+            "value_mismatches": int((~_same(mx_quantise(edge, element).values,
+                                            mx_quantise(padded, element).values[:, :16])).sum())})
         transposed = x[:4096].t()  # non-contiguous, blocked along dim 0
-        rows.append({"reference": "ours on the contiguous copy", "format": f"MX {element}", "scale mode": "floor",
-                     "values": transposed.numel(), "scale_mismatches": 0,
-                     "value_mismatches": int((~_same(mx_quantise(transposed, element, dim=0).values.t(),
-                                                     mx_quantise(x[:4096], element).values)).sum()),
-                     "documented": 0, "note": "a transposed (non-contiguous) input blocked along dim 0"})
-        rows.append({"reference": "ml_dtypes cast", "format": element, "scale mode": "–",
-                     **compare_elements_with_ml_dtypes(element, torch.cat([x.flatten(), x.flatten() * 2.0**-20])),
-                     "note": "element rounding (RNE) inside the range"})
-    x = torch.cat([random_blocks(count, 256), adversarial_blocks("fp8_e4m3", 256)])
-    for dim in (-1, 0):
-        rows.append({"reference": "torchao float8 axiswise cast", "format": "FP8 E4M3 rowwise",
-                     "scale mode": f"power of two, per row along dim {dim}", **compare_rowwise_with_torchao(x, dim),
-                     "note": "scaling=rowwise (torchao's rowwise recipe)"})
-    x = torch.cat([random_blocks(count, 16), adversarial_blocks("fp4_e2m1", 16)])
-    for two_level in (False, True):
-        rows.append({"reference": "torchao nvfp4_quantize", "format": "NVFP4", "scale mode":
-                     "E4M3 block x FP32 tensor" if two_level else "E4M3 block",
-                     **compare_nvfp4_with_torchao(x, two_level),
-                     "note": "E2M1 has no NaN: torchao's element code for a NaN differs (the block is NaN either way)"})
+        add("ours on the contiguous copy", f"MX {element}", "floor", "random", {
+            "values": transposed.numel(), "scale_mismatches": 0, **NO_DEPARTURES,
+            "value_mismatches": int((~_same(mx_quantise(transposed, element, dim=0).values.t(),
+                                            mx_quantise(x[:4096], element).values)).sum())})
+        add("ml_dtypes cast", element, "–", "all",
+            compare_elements_with_ml_dtypes(element, torch.cat([x.flatten(), x.flatten() * 2.0**-20])))
+    for family, x in families("fp8_e4m3", 256, count).items():
+        for dim in (-1, 0):
+            add("torchao float8 axiswise cast", "FP8 E4M3 rowwise", f"power of two, per row along dim {dim}", family,
+                compare_rowwise_with_torchao(x, dim))
+    for family, x in families("fp4_e2m1", 16, count).items():
+        for two_level in (False, True):
+            add("torchao nvfp4_quantize", "NVFP4", "E4M3 block x FP32 tensor" if two_level else "E4M3 block", family,
+                compare_nvfp4_with_torchao(x, two_level))
     return pd.DataFrame(rows)
+
+
+NOTES = {"torchao on the zero-padded tensor": "a block shorter than 32 at the tensor's edge",
+         "ours on the contiguous copy": "a transposed (non-contiguous) input blocked along dim 0",
+         "ml_dtypes cast": "element rounding (RNE) inside the range",
+         "torchao float8 axiswise cast": "scaling=rowwise (torchao's rowwise recipe)"}
+
+
+def conformance_table(rows: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per reference, format and scale mode, every family summed."""
+    rows = conformance_rows() if rows is None else rows
+    table = rows.drop(columns="family").groupby(KEYS, sort=False).sum().reset_index()
+    table["note"] = table["reference"].map(NOTES).fillna("")
+    return table
+
+
+def family_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per input family and format (scale modes and dimensions summed), for the torchao references."""
+    torchao = rows[rows["reference"].isin(["torchao to_mx + to_dtype", "torchao float8 axiswise cast",
+                                           "torchao nvfp4_quantize"])]
+    fmt = torchao["format"].where(torchao["format"] != "NVFP4", "NVFP4 " + torchao["scale mode"])
+    return torchao.assign(format=fmt).drop(columns=["reference", "scale mode"]) \
+        .groupby(["family", "format"], sort=False).sum().reset_index()
+
+
+def departure_examples() -> pd.DataFrame:
+    """One input per named departure, with what torchao and ours make of it (the first element that differs)."""
+    rceil = torch.zeros(1, 32)
+    rceil[0, 0], rceil[0, 1] = torch.nextafter(torch.tensor(96.0), torch.tensor(100.0)), 24.0
+    round_trip = (torch.linspace(-1, 1, 32) * 2.0**-125)[None]
+    nan_block = torch.linspace(-6, 6, 16)[None].clone()
+    nan_block[0, 3] = float("nan")
+    cases = [("round_trip_2^-127", "MX fp4_e2m1, floor", round_trip, lambda x: _mx_pair(x, "fp4_e2m1", "floor")),
+             ("rceil_float32_log2", "MX fp4_e2m1, rceil", rceil, lambda x: _mx_pair(x, "fp4_e2m1", "rceil")),
+             ("e2m1_nan_code", "NVFP4, element code", nan_block, lambda x: _nvfp4_pair(x, False, elements=True)),
+             ("tensor_scale_floor", "NVFP4 two-level", torch.zeros(1, 16), lambda x: _nvfp4_pair(x, True))]
+    rows = []
+    for name, fmt, x, pair in cases:
+        theirs, ours = pair(x)
+        i = int((~_same(theirs, ours)).flatten().nonzero()[0])
+        rows.append({"departure": name, "format": fmt, "block (first elements)": _short(x[0, :4]),
+                     "element": f"{x.flatten()[i].item():.9g}", "torchao": f"{theirs.flatten()[i].item():.9g}",
+                     "ours": f"{ours.flatten()[i].item():.9g}"})
+    return pd.DataFrame(rows)
+
+
+def _short(values: torch.Tensor) -> str:
+    return ", ".join(f"{v:.9g}" for v in values.tolist()) + ", ..."
+
+
+def _mx_pair(x: torch.Tensor, element: str, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    to_mx, to_dtype, dtypes, modes = _torchao()
+    scale, data = to_mx(x, dtypes[element], 32, modes[mode])
+    return to_dtype(data, scale, dtypes[element], 32, torch.float32), mx_quantise(x, element, mode).values
+
+
+def _nvfp4_pair(x: torch.Tensor, two_level: bool, elements: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+
+    theirs_t = per_tensor_amax_to_scale(x.abs().amax()) if two_level else None
+    scale, data = nvfp4_quantize(x, 16, theirs_t)
+    codes = f4_unpacked_to_f32(unpack_uint4(data)).reshape(x.shape)
+    ours = nvfp4_quantise(x, nvfp4_tensor_scale(x) if two_level else None)
+    if elements:
+        return codes, ours.elements
+    block_scale = scale.float() if theirs_t is None else theirs_t * scale.float()
+    return (codes.reshape(-1, 16) * block_scale.reshape(-1, 1)).reshape(x.shape), ours.values
 
 
 def disagreement_table(count: int = RANDOM_VALUES) -> pd.DataFrame:
@@ -251,11 +466,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results/conformance"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    table, disagreements, pow2 = conformance_table(), disagreement_table(), pow2_scale_disagreement()
+    rows = conformance_rows()
+    table, by_family, examples = conformance_table(rows), family_table(rows), departure_examples()
+    disagreements, pow2 = disagreement_table(), pow2_scale_disagreement()
     table.to_csv(args.out / "block_formats.csv", index=False)
+    by_family.to_csv(args.out / "block_formats_by_family.csv", index=False)
     disagreements.to_csv(args.out / "reference_disagreements.csv", index=False)
     text = ["# Block formats against their references", "", __doc__.split("\n\n")[2].strip(), "",
-            table.to_markdown(index=False), "", "## Where the references disagree (2^20 random values, finite blocks)", "",
+            table.to_markdown(index=False), "", "## Named departures", "",
+            *[f"- `{name}`: {why}." for name, why in DEPARTURES.items()], "", "One example of each:", "",
+            examples.to_markdown(index=False), "",
+            "## By input family (torchao references; scale modes and dimensions summed)", "",
+            *[f"- **{name}**: {what}." for name, what in FAMILY_NOTES.items()],
+            "", by_family.to_markdown(index=False), "",
+            "## Where the references disagree (2^20 random values, finite blocks)", "",
             disagreements.to_markdown(index=False, floatfmt=".4f"), "",
             "FP8 power-of-two scales, torchao (rowwise) against Transformer Engine (block), share of amaxes where "
             "they differ: " + ", ".join(f"{name} {share:.6f}" for name, share in pow2.items()) + ". They differ "
