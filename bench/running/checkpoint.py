@@ -12,23 +12,49 @@ boundary, hands the signal to the previous handler (submitit requeues on SIGUSR2
 exit or raise KeyboardInterrupt) and, if that handler returns (submitit only logs SIGTERM), stops the cell
 itself: the next launch resumes from the checkpoint. When training ends a final checkpoint is saved, so
 that a pre-emption during a long evaluation resumes at the evaluation; the runner deletes it once the
-record is written (unless keep). Writes are atomic (temporary file + rename).
+record is written (unless keep). Writes are atomic (temporary file + rename); one that fails for want of
+space raises StorageError and leaves no temporary file.
+
+A checkpoint that cannot be resumed from (truncated, corrupt, another configuration's, written by a torch
+that cannot read it) is moved aside as `checkpoint.pt.unreadable-<time>` with a warning saying why, and
+the cell resumes from the previous checkpoint where one is kept (`keep_checkpoint=true` keeps the last two:
+`checkpoint.pt` and `checkpoint.previous.pt`), else starts from step 0. What happened goes in the record
+(`resumed_from`, `discarded_checkpoints`).
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.numerics.scaling import LossScaler
+from bench.running.record import storage_errors
+
+log = logging.getLogger(__name__)
 
 PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 CHECKPOINT_NAME = "checkpoint.pt"
+PREVIOUS_NAME = "checkpoint.previous.pt"  # with keep_checkpoint: the one before the last
+UNREADABLE_SUFFIX = ".unreadable-"
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """What a checkpoint of `model` and `optimizer` takes, estimated before the first step (an optimiser makes its
+    state lazily): the model's state, plus a copy of the trainable parameters per optimiser slot (Adam's two
+    moments, SGD's momentum buffer)."""
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    defaults = optimizer.defaults
+    slots = 2 if "betas" in defaults else 1 if defaults.get("momentum") else 0
+    return model_bytes + slots * trainable
 
 
 def _rng_state() -> dict:
@@ -46,14 +72,26 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointMismatch(Exception):
+    """A readable checkpoint that is not this run's."""
+
+
 class Checkpointer:
     """Saves and restores one cell's training state under `run_dir`."""
 
     def __init__(self, run_dir: Path, run_id: str, every: int | None, keep: bool):
         self.path = Path(run_dir) / CHECKPOINT_NAME
+        self.previous = Path(run_dir) / PREVIOUS_NAME
         self.run_id, self.every, self.keep = run_id, every, keep
         self.preempted: int | None = None
         self._previous = {}
+        self.resumed_from: dict | None = None  # {"checkpoint": name, "step": n} once restore() resumed
+        self.discarded: list[dict] = []  # {"moved_to": name, "reason": why} per checkpoint moved aside
+
+    def bytes_needed(self, model, optimizer) -> int:
+        """Disk a cell's checkpoints take at their peak: the one being written beside the one it replaces, and
+        with keep the previous one as well."""
+        return (3 if self.keep else 2) * state_bytes(model, optimizer)
 
     def __enter__(self):
         if os.name == "posix":
@@ -70,26 +108,60 @@ class Checkpointer:
         self.preempted = signum
 
     def restore(self, model, optimizer, scaler: LossScaler, schedule) -> dict | None:
-        """Load the saved state into the given objects; return the loop state, or None to start afresh."""
-        if not self.path.exists():
-            return None
-        state = torch.load(self.path, map_location="cpu", weights_only=False)
-        if state["run_id"] != self.run_id:
-            return None  # a checkpoint of another configuration: start afresh (it is overwritten)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if schedule is not None:
-            schedule.load_state_dict(state["schedule"])
-        scaler.load_state_dict(state["scaler"])
-        _set_rng_state(state["rng"])
-        return state["loop"]
+        """Load the newest checkpoint this run can resume from into the given objects and return its loop state;
+        None to start afresh. Each one that cannot be loaded is moved aside (`_discard`) and the objects are left
+        as they were before it was tried."""
+        for path in (self.path, self.previous):
+            if not path.exists():
+                continue
+            before = _snapshot(model, optimizer, scaler, schedule)
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=False)
+                if not isinstance(state, dict) or state.get("run_id") != self.run_id:
+                    found = state.get("run_id") if isinstance(state, dict) else type(state).__name__
+                    raise CheckpointMismatch(f"it is another configuration's (run_id {found}, this run {self.run_id})")
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
+                if schedule is not None:
+                    schedule.load_state_dict(state["schedule"])
+                scaler.load_state_dict(state["scaler"])
+                loop, rng = state["loop"], state["rng"]
+                steps = int(loop["steps"])
+            except Exception as e:  # noqa: BLE001 - whatever makes a checkpoint unusable, the answer is the same
+                _restore_snapshot(before, model, optimizer, scaler, schedule)
+                self._discard(path, e)
+                continue
+            _set_rng_state(rng)
+            self.resumed_from = {"checkpoint": path.name, "step": steps}
+            return loop
+        return None
+
+    def _discard(self, path: Path, error: Exception) -> None:
+        why = str(error) if isinstance(error, CheckpointMismatch) else \
+            f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+        target = path.with_name(f"{path.name}{UNREADABLE_SUFFIX}{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(path, target)
+        self.discarded.append({"moved_to": target.name, "reason": why})
+        fallback = "the previous checkpoint" if path == self.path and self.previous.exists() else "step 0"
+        log.warning("%s: cannot resume from it (%s); moved aside to %s, starting from %s", path, why, target.name,
+                    fallback)
 
     def save(self, model, optimizer, scaler: LossScaler, schedule, loop: dict) -> None:
         state = {"run_id": self.run_id, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "schedule": schedule.state_dict() if schedule is not None else None,
                  "scaler": scaler.state_dict(), "rng": _rng_state(), "loop": loop}
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        torch.save(state, tmp)
+        with storage_errors(tmp):
+            try:
+                with open(tmp, "wb") as f:  # a Python file: a failed write keeps its errno (torch's own reports none)
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        if self.keep and self.path.exists():
+            os.replace(self.path, self.previous)
         os.replace(tmp, self.path)
 
     def after_step(self, step: int, save) -> None:
@@ -112,3 +184,19 @@ class Checkpointer:
         """Once the record is written: delete the checkpoint unless asked to keep it."""
         if not self.keep:
             self.path.unlink(missing_ok=True)
+
+
+def _snapshot(model, optimizer, scaler: LossScaler, schedule) -> dict:
+    """Copies of the states `restore` may overwrite, so that a checkpoint that fails half-way through loading
+    (a model that took its weights, then an optimiser that refused its state) leaves nothing of itself behind."""
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                          "schedule": schedule.state_dict() if schedule is not None else None,
+                          "scaler": scaler.state_dict()})
+
+
+def _restore_snapshot(before: dict, model, optimizer, scaler: LossScaler, schedule) -> None:
+    model.load_state_dict(before["model"])
+    optimizer.load_state_dict(before["optimizer"])
+    if schedule is not None:
+        schedule.load_state_dict(before["schedule"])
+    scaler.load_state_dict(before["scaler"])

@@ -7,11 +7,13 @@ The schema is documented in results/README.md. Non-finite floats are written as 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -38,20 +40,59 @@ def _umask() -> int:
     return mask
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename: old or new, never torn."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+# A write that fails with one of these is the disk's fault, not the cell's: no space, over quota, too large for the
+# file-size limit, or an I/O error (a flaky network filesystem).
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
+# Free space a cell needs beyond its checkpoints: the record, metrics.jsonl, run.log and an offline W&B run.
+WRITE_MARGIN_BYTES = 32 * 2**20
+
+
+class StorageError(Exception):
+    """The results disk cannot take a cell's files (full, over quota, failing). The cell stops without a record,
+    its temporary files removed; the next launch runs it again, from its last checkpoint."""
+
+
+@contextlib.contextmanager
+def storage_errors(path: Path):
+    """Turn an OSError with a STORAGE_ERRNOS errno, raised while writing `path`, into a StorageError naming it;
+    also when a library reports it as a RuntimeError raised while handling it (torch.save's zip writer)."""
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a shared results folder needs the umask's mode
-        with os.fdopen(fd, "w") as f:
-            json.dump(_finite_json(obj), f, indent=2, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        yield
+    except (OSError, RuntimeError) as e:
+        cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
+        if not isinstance(cause, OSError) or cause.errno not in STORAGE_ERRNOS:
+            raise
+        raise StorageError(f"cannot write {path}: {cause.strerror or os.strerror(cause.errno)} "
+                           f"({errno.errorcode.get(cause.errno, cause.errno)})") from e
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def require_free_space(directory: Path, needed: int, what: str) -> None:
+    """StorageError unless the filesystem holding `directory` has `needed` bytes free (for `what`)."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise StorageError(f"{directory} has {_size(free)} free; {what} needs {_size(needed)}")
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename: old or new, never torn. A full disk
+    raises StorageError and leaves no temporary file."""
+    with storage_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a shared results folder needs the umask's mode
+            with os.fdopen(fd, "w") as f:
+                json.dump(_finite_json(obj), f, indent=2, allow_nan=False)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 class MetricsLog:
@@ -62,6 +103,7 @@ class MetricsLog:
     """
 
     def __init__(self, path: Path, resume_step: int | None = None):
+        self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if resume_step is not None and path.exists():
@@ -71,15 +113,18 @@ class MetricsLog:
                         kept.append(line + "\n")
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue
-        self._file = open(path, "w")
-        self._file.writelines(kept)
+        with storage_errors(path):
+            self._file = open(path, "w")
+            self._file.writelines(kept)
 
     def __call__(self, row: dict) -> None:
-        self._file.write(json.dumps(_finite_json(row), allow_nan=False) + "\n")
-        self._file.flush()
+        with storage_errors(self.path):
+            self._file.write(json.dumps(_finite_json(row), allow_nan=False) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        with storage_errors(self.path):
+            self._file.close()
 
 
 class RecordError(ValueError):

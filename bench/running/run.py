@@ -30,7 +30,19 @@ from bench.running import device as devices
 from bench.running.checkpoint import Checkpointer
 from bench.running.config import CONF_DIR, ConfigError, check
 from bench.running.logger import NullLogger, open_logger
-from bench.running.record import IN_FLIGHT, LOCK_NAME, MetricsLog, cell_lock, previous_record, run_id, write_json_atomic
+from bench.running.record import (
+    IN_FLIGHT,
+    LOCK_NAME,
+    WRITE_MARGIN_BYTES,
+    MetricsLog,
+    StorageError,
+    cell_lock,
+    previous_record,
+    require_free_space,
+    run_id,
+    storage_errors,
+    write_json_atomic,
+)
 from bench.running.train import ADAM_FAMILY, build_optimizer, build_schedule, total_steps, train
 from bench.tasks import Task, build_task
 
@@ -247,12 +259,16 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
         cell = build_cell(cfg, precision)
         record["env"]["precision"] = precision.describe()  # now with what prepare() did to the model
         task, scaler, optimizer, schedule = cell.task, cell.scaler, cell.optimizer, cell.schedule
+        require_free_space(run_dir, checkpointer.bytes_needed(task.model, optimizer) + WRITE_MARGIN_BYTES,
+                           "this cell (its checkpoints, estimated from its model and optimiser, and "
+                           f"{WRITE_MARGIN_BYTES // 2**20} MiB for its record and logs)")
         if task.source is not None:
             record["model_source"] = task.source
         if cell.unit_conversion is not None:
             record["numerics"]["unit_conversion"] = cell.unit_conversion
         with checkpointer:
             resume = checkpointer.restore(task.model, optimizer, scaler, schedule)
+            record["resumed_from"], record["discarded_checkpoints"] = checkpointer.resumed_from, checkpointer.discarded
             if resume:
                 precision.telemetry.load_state(resume.pop("telemetry"))
                 log.info("%s: resuming from its checkpoint at step %d", cfg.cell, resume["steps"])
@@ -291,6 +307,9 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
             record["reason"] = f"non-finite loss ({outcome.final_loss}) at step {outcome.diverged_at_step}"
     except ConfigError:
         raise  # a setup problem found while building the cell (e.g. a checkpoint that does not fit): no record
+    except StorageError:
+        logger.finish(None)  # no record (the disk cannot take one): the next launch resumes from the last checkpoint
+        raise
     except Exception as e:  # noqa: BLE001 - recorded, then reported by the caller
         if isinstance(e, ConversionError):
             record["numerics"]["unit_conversion"] = e.measured
@@ -319,9 +338,12 @@ class ProgressLine:
     def __init__(self, path: Path, total: int):
         self.path, self.total, self.last = path, total, None
 
+    def _append(self, line: str) -> None:
+        with storage_errors(self.path), open(self.path, "a") as f:
+            f.write(line)
+
     def note(self, text: str) -> None:
-        with open(self.path, "a") as f:
-            f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {text}\n")
+        self._append(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {text}\n")
 
     def __call__(self, row: dict) -> None:
         if "loss" not in row:
@@ -332,9 +354,8 @@ class ProgressLine:
             rate = (row["step"] - self.last[0]) / (now - self.last[1])
         self.last = (row["step"], now)
         eta = f"{(self.total - row['step']) / rate:.0f} s" if rate else "?"
-        with open(self.path, "a") as f:
-            f.write(f"[progress] step {row['step']}/{self.total} loss {row['loss']:.4g} scale {row['loss_scale']:g} "
-                    f"{f'{rate:.1f}' if rate else '?'} steps/s ETA {eta}\n")
+        self._append(f"[progress] step {row['step']}/{self.total} loss {row['loss']:.4g} scale {row['loss_scale']:g} "
+                     f"{f'{rate:.1f}' if rate else '?'} steps/s ETA {eta}\n")
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -349,6 +370,13 @@ def main(cfg: DictConfig) -> dict:
         print(f"config error: {e}", file=sys.stderr)
         _remove_setup_leftovers(Path(cfg.results_dir), cfg.cell)
         sys.exit(2)
+    except StorageError as e:
+        print(f"storage error: {cfg.cell}: {e}. Nothing recorded; run the same command again once there is space "
+              "(or with another results_dir=)", file=sys.stderr)
+        _remove_setup_leftovers(Path(cfg.results_dir), cfg.cell)
+        if cfg.fail_fast or not _in_multirun():
+            sys.exit(1)
+        return {"status": "failed", "skipped": False, "recorded": False}  # the sweep goes on, and counts it
     if record["status"] == "failed" and (cfg.fail_fast or not _in_multirun()):
         # SystemExit passes through Hydra's launcher, so with fail_fast a sweep stops here
         print(record.get("traceback", "") if cfg.fail_fast else "", f"run failed: {record['reason']}", file=sys.stderr)

@@ -7,6 +7,10 @@
 - after the first kill one finished record is corrupted: the next launch must report and re-run it;
 - one cell raises (its checkpoint's weights file is truncated, as by a broken download) and one diverges
   (lr 1e8);
+- disk faults, in a results folder of their own: a full disk (a 2-cell sweep whose every write past 64 KiB
+  fails, RLIMIT_FSIZE; and, as root, into a 64 KiB tmpfs) must stop each cell with one line and end with the
+  summary and exit 1, leaving no record and no temporary file, and complete once there is space; a truncated
+  checkpoint and another run's checkpoint must be moved aside and their cells complete, the record saying so;
 then: every cell has exactly one valid record with the expected status, and no checkpoint or temporary
 file is left behind. Prints the counts; exits non-zero if any check fails.
 """
@@ -14,8 +18,10 @@ file is left behind. Prints the counts; exits non-zero if any check fails.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -53,10 +59,71 @@ def raising_cell(directory: Path) -> list[str]:
             "train.max_steps=5"]
 
 
-def launch(results: Path, overrides: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "bench.running.run", "-m", "experiment_name=chaos", f"results_dir={results}", *overrides]
+def launch(results: Path, overrides: list[str], file_limit: int | None = None) -> subprocess.Popen:
+    """The sweep as users start it (python -m bench.run), optionally under a file-size limit (RLIMIT_FSIZE)."""
+    cmd = [sys.executable, "-m", "bench.run", "-m", "experiment_name=chaos", f"results_dir={results}", *overrides]
+    limit = None if file_limit is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit,) * 2)
     return subprocess.Popen(cmd, cwd=ROOT, env=os.environ | ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=limit)
+
+
+DISK_GRID = ["format=fp32,bf16", "train.max_steps=40", "train.checkpoint_every=20", "train.keep_checkpoint=true"]
+
+
+def _tiny_tmpfs() -> Path | None:
+    """A 64 KiB tmpfs (a really full disk), where this process may mount one (root); else None."""
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return None
+    where = Path(tempfile.mkdtemp(prefix="bench-chaos-full-"))
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True).returncode:
+        where.rmdir()
+        return None
+    return where
+
+
+def _full_disk_stops_each_cell_cleanly(results: Path, file_limit: int | None, problems: list[str], how: str) -> None:
+    proc = launch(results, DISK_GRID, file_limit)
+    _, err = proc.communicate()
+    left = [p for p in results.rglob("*") if p.name == "result.json" or p.name.endswith(".tmp")]
+    if proc.returncode != 1 or err.count("storage error:") != 2 or "2 failed without a record" not in err \
+            or "Traceback" in err or left:
+        problems.append(f"full disk ({how}): exit {proc.returncode}, left {left}, said: {err[-1500:]}")
+
+
+def disk_faults(results: Path, counts: Counter) -> list[str]:
+    """A full disk, a truncated checkpoint and another run's checkpoint; the problems found."""
+    problems: list[str] = []
+    _full_disk_stops_each_cell_cleanly(results, 64 * 2**10, problems, "writes past 64 KiB fail")
+    counts["full disk"] += 1
+    if (mount := _tiny_tmpfs()) is not None:
+        try:
+            _full_disk_stops_each_cell_cleanly(mount / "runs", None, problems, "a 64 KiB tmpfs")
+            counts["full disk"] += 1
+        finally:
+            subprocess.run(["umount", str(mount)], check=False)
+            mount.rmdir()
+    if launch(results, DISK_GRID).wait() != 0:  # space again: both cells complete
+        problems.append("the full-disk grid did not complete once there was space")
+    cells = sorted(p.parent for p in results.rglob("result.json"))
+    if len(cells) != 2:
+        return problems + [f"full-disk grid: {len(cells)} records, expected 2"]
+    truncated, foreign = cells
+    for cell in cells:
+        (cell / "result.json").unlink()
+    mine, theirs = (truncated / "checkpoint.pt").read_bytes(), (foreign / "checkpoint.pt").read_bytes()
+    (truncated / "checkpoint.pt").write_bytes(mine[: len(mine) // 2])
+    (truncated / "checkpoint.previous.pt").write_bytes(theirs)  # its fallback: another run's
+    (foreign / "checkpoint.pt").write_bytes(mine)  # another run's, and no fallback
+    (foreign / "checkpoint.previous.pt").unlink()
+    if launch(results, DISK_GRID).wait() != 0:
+        problems.append("cells with unusable checkpoints did not complete")
+    for cell, expected in ((truncated, 2), (foreign, 1)):
+        record = json.loads((cell / "result.json").read_text())
+        discarded = record.get("discarded_checkpoints", [])
+        if record["status"] != "ok" or len(discarded) != expected or record["resumed_from"] is not None:
+            problems.append(f"{cell}: {record['status']}, discarded {discarded}, resumed from {record['resumed_from']}")
+        counts["checkpoints moved aside"] += len(discarded)
+    return problems
 
 
 def run_under_fire(results: Path, rng: random.Random, counts: Counter) -> None:
@@ -103,7 +170,7 @@ def check(results: Path) -> tuple[Counter, list[str]]:
             statuses[read_record(found[0])["status"]] += 1
         except RecordError as e:
             problems.append(str(e))
-        leftovers = [p.name for p in cell.iterdir() if p.name == "checkpoint.pt" or p.name.endswith(".tmp")]
+        leftovers = [p.name for p in cell.iterdir() if p.name.startswith("checkpoint.") or p.name.endswith(".tmp")]
         if leftovers:
             problems.append(f"{cell}: left behind {leftovers}")
     expected = Counter({"ok": 8, "failed": 1, "diverged": 1})
@@ -131,13 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     statuses, problems = check(results)
     if not run_grid_once_more_skips_everything(results):
         problems.append("a complete grid was not skipped when launched again")
+    problems += disk_faults(results.with_name(results.name + "-disk"), counts)
     print(f"chaos: {counts['launches']} launches, {counts['kills']} SIGKILLs, {counts['corrupted']} corrupted record; "
           f"records: {statuses['ok']} ok, {statuses['diverged']} diverged, {statuses['failed']} failed; "
+          f"disk: {counts['full disk']} full-disk sweeps, {counts['checkpoints moved aside']} checkpoints moved aside; "
           f"{len(problems)} problems; {time.time() - start:.0f} s ({results})")
     for problem in problems:
         print(f"  {problem}", file=sys.stderr)
     if not problems and args.results is None:
         shutil.rmtree(results)
+        shutil.rmtree(results.with_name(results.name + "-disk"), ignore_errors=True)
     return 1 if problems else 0
 
 

@@ -9,7 +9,8 @@ Hydra's basic sweeper with four additions:
 - cells whose record is already finished are not launched at all (on SLURM: no job is submitted),
   and the log names each one; failed or diverged cells re-run with retry_failed=true;
 - the sweep ends with a status summary and a non-zero exit if any cell (run now or before) failed,
-  including a SLURM job that ended without a result (cancelled, killed), which no longer ends the sweep;
+  including a SLURM job that ended without a result (cancelled, killed) and a cell stopped by a full or failing
+  disk (no record), neither of which ends the sweep;
 - a SLURM sweep starts only where `sacct` answers (submitit sees a job end only through SLURM accounting).
 """
 
@@ -27,7 +28,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import OmegaConf, open_dict
 
 from bench.running.config import ConfigError, cell_path, check_results_dir
-from bench.running.record import IN_FLIGHT, STATUSES, in_flight, run_id
+from bench.running.record import IN_FLIGHT, STATUSES, STORAGE_ERRNOS, in_flight, run_id
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,17 @@ class CheckingSweeper(BasicSweeper):
         def launch_unless_empty(batch, initial_job_idx):
             if not batch:
                 return []  # submitit refuses an empty array
-            with _jobs_without_a_result_count_as_failed():
-                return launch(batch, initial_job_idx=initial_job_idx)
+            try:
+                with _jobs_without_a_result_count_as_failed():
+                    return launch(batch, initial_job_idx=initial_job_idx)
+            except OSError as e:  # the launcher's own files (submitit's job pickles) did not fit on the disk
+                if e.errno not in STORAGE_ERRNOS:
+                    raise
+                print(f"storage error: the launcher could not start {len(batch)} cells: {e}", file=sys.stderr)
+                from hydra.core.utils import JobReturn, JobStatus
+
+                return [JobReturn(status=JobStatus.COMPLETED, _return_value={
+                    "status": "failed", "skipped": False, "recorded": False}) for _ in batch]
 
         self.launcher.launch = launch_unless_empty
 
@@ -176,8 +186,11 @@ class CheckingSweeper(BasicSweeper):
         busy = total.pop(IN_FLIGHT, 0)
         skipped = sum(n for status, n in self.already.items() if status != IN_FLIGHT) \
             + sum(r.get("skipped", False) and r["status"] != IN_FLIGHT for r in launched)
+        unrecorded = sum(r.get("recorded") is False for r in launched)
         print("sweep: " + ", ".join(f"{total.get(s, 0)} {s}" for s in STATUSES)
-              + f" ({skipped} skipped as already recorded)"
+              + f" ({skipped} skipped as already recorded"
+              + (f"; {unrecorded} failed without a record, the disk being full or failing: run again once it has "
+                 "space" if unrecorded else "") + ")"
               + (f"; {busy} in flight in another process, not run here (run again once it ends)" if busy else ""),
               file=sys.stderr)
         if total.get("failed"):
