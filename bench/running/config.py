@@ -26,7 +26,7 @@ from bench.numerics.formats import OVERFLOW_POLICIES
 from bench.numerics.precision import BACKENDS, FORMAT_MODES, GRADIENT_ELEMENTS, RECIPES, valid_scalings
 from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
 from bench.numerics.unit import LR_RULES
-from bench.running.device import DEVICES
+from bench.running.device import DEVICES, parallel_jobs
 
 MODELS = ("lenet", "distilbert", "bert_base", "charlm")
 DATA_SOURCES = {"lenet": ("digits", "hub"), "distilbert": ("hub", "local"), "bert_base": ("hub", "local"),
@@ -37,6 +37,7 @@ LOGGERS = ("none", "wandb")
 
 CONF_DIR = DATA_DIR.parents[1] / "conf"  # the Hydra configs, beside the package in the checkout
 OmegaConf.register_new_resolver("bench_data", lambda relative: str(DATA_DIR / relative), replace=True)
+OmegaConf.register_new_resolver("bench_parallel_jobs", parallel_jobs, replace=True)  # LAUNCHER=parallel's n_jobs
 
 # Keys a cell's path already spells out; with the non-semantic keys (record.NON_SEMANTIC), never in its variant.
 PATH_KEYS = ("experiment_name", "seed", "format.name", "format.mode")

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import importlib.util
 import os
 import platform
+import re
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +35,67 @@ def select_device(name: str) -> torch.device:
 
         return xm.xla_device()
     return torch.device(name)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them where it is set (by SLURM, by a user),
+    else every device CUDA sees. An empty list on a machine without GPUs."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return [str(i) for i in range(torch.cuda.device_count())]
+    gpus = []
+    for name in (part.strip() for part in listed.split(",")):
+        if not name or name.startswith("-"):
+            break  # CUDA stops at the first invalid entry
+        gpus.append(name)
+    return gpus
+
+
+def parallel_jobs() -> int:
+    """How many cells LAUNCHER=parallel runs side by side: BENCH_PARALLEL_JOBS where set (to pack small cells onto
+    a GPU, or to leave cores free), else one per visible GPU (cells that share a GPU time each other), else one
+    per core (-1, joblib's spelling)."""
+    if os.environ.get("BENCH_PARALLEL_JOBS"):
+        return int(os.environ["BENCH_PARALLEL_JOBS"])
+    return len(visible_gpus()) or -1
+
+
+_gpu_claim: tuple[int, object] | None = None  # (index among the visible GPUs, the open lock file) for life
+
+
+def claim_gpu() -> int | None:
+    """One of the visible GPUs for this process, for the rest of its life: the first that no other process of this
+    user holds (an flock on a file in the temp directory, which the kernel releases when the process exits,
+    however it exits). LAUNCHER=parallel starts one process per GPU, so each cell has a GPU to itself; a process
+    reused for the next cell keeps its GPU. Returns the GPU's index among the visible ones (what cuda:<index>
+    names); None without GPUs. Where every GPU is held (cells packed on purpose, BENCH_PARALLEL_JOBS), the
+    process shares one, and its timings say so (TimingConditions)."""
+    global _gpu_claim
+    if _gpu_claim is not None:
+        return _gpu_claim[0]
+    gpus = visible_gpus()
+    if not gpus:
+        return None
+    for index, gpu in enumerate(gpus):
+        handle = open(Path(tempfile.gettempdir()) / f"precision-bench-gpu-{os.getuid()}-{gpu}.lock", "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            continue
+        _gpu_claim = (index, handle)
+        return index
+    _gpu_claim = (os.getpid() % len(gpus), None)
+    return _gpu_claim[0]
+
+
+def cell_device(device: torch.device) -> torch.device:
+    """The device a cell trains on: on CUDA, the GPU this process claimed (claim_gpu), made current."""
+    if device.type != "cuda":
+        return device
+    index = claim_gpu() or 0
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def synchronize(device: torch.device) -> None:
@@ -196,6 +260,9 @@ class TimingConditions:
         }
         if self.device.type == "cuda":
             conditions["gpu_before"], conditions["gpu_after"] = self._gpu, self._gpu_state()
+            shared = sorted(_other_gpu_processes(conditions["gpu_before"]) | _other_gpu_processes(conditions["gpu_after"]))
+            conditions["gpu_shared_with"] = shared  # pids of other processes on this GPU while it trained
+            conditions["disturbed"] = conditions["disturbed"] or bool(shared)
         return conditions
 
     def _gpu_state(self) -> dict | None:
@@ -208,6 +275,14 @@ class TimingConditions:
             except Exception as e:  # noqa: BLE001
                 state[key] = f"unavailable ({type(e).__name__})"
         return state
+
+
+def _other_gpu_processes(state: dict | None) -> set[int]:
+    """Pids of processes other than this one in torch.cuda.list_gpu_processes's report ('process 123 uses ...')."""
+    report = (state or {}).get("other_processes")
+    if not isinstance(report, str):
+        return set()
+    return {int(pid) for pid in re.findall(r"process\s+(\d+)", report)} - {os.getpid()}
 
 
 def describe(device: torch.device) -> dict:
@@ -230,6 +305,8 @@ def describe(device: torch.device) -> dict:
         "pid": os.getpid(),
         "slurm_job": slurm_job(),
         "git_commit": _git_commit(),
+        "visible_gpus": visible_gpus(),  # CUDA_VISIBLE_DEVICES's GPUs (or all CUDA sees)
+        "gpu_index": device.index if device.type == "cuda" else None,  # the one among them this cell used
     }
 
 

@@ -223,6 +223,7 @@ def run_cell(cfg: DictConfig) -> dict:
             raise  # here, before anything starts: exit 2
         # on a compute node the device is decided where the cell runs; a node that cannot run it is a result
         return _record_device_failure(cfg, config, e)
+    device = devices.cell_device(device)  # on CUDA: the GPU this process has to itself
     with cell_lock(Path(cfg.results_dir) / cfg.cell) as mine:
         if not mine:
             log.warning("%s: skipped, another process is training it now", cfg.cell)
