@@ -26,6 +26,7 @@ from bench.numerics.formats import OVERFLOW_POLICIES
 from bench.numerics.precision import BACKENDS, FORMAT_MODES, GRADIENT_ELEMENTS, RECIPES, valid_scalings
 from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
 from bench.numerics.unit import LR_RULES
+from bench.running.compile import COMPILE_CHOICES
 from bench.running.device import DEVICES, parallel_jobs
 
 MODELS = ("lenet", "distilbert", "bert_base", "charlm")
@@ -237,6 +238,7 @@ class TrainConfig:
     log_every: int = 10  # metrics.jsonl line and telemetry sample every N steps
     checkpoint_every: Optional[int] = None  # also checkpoint every N steps (always on SIGUSR2/SIGTERM)
     keep_checkpoint: bool = False  # keep the final checkpoint (weights, optimiser) after a finished run
+    compile: Any = None  # torch.compile the forward and loss: null or auto (on CUDA only), true, false
 
 
 @dataclass
@@ -363,6 +365,9 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"threads={cfg.threads} must be >= 1 (or null for torch's default, one per core)")
     if cfg.train.epochs < 1:
         raise ConfigError(f"train.epochs={cfg.train.epochs} must be >= 1")
+    if cfg.train.compile not in (None, *COMPILE_CHOICES) or isinstance(cfg.train.compile, (int, float)) \
+            and not isinstance(cfg.train.compile, bool):
+        raise ConfigError(f"train.compile={cfg.train.compile!r} is not a choice; valid: null, auto, true, false")
     if cfg.train.checkpoint_every is not None and cfg.train.checkpoint_every < 1:
         raise ConfigError(f"train.checkpoint_every={cfg.train.checkpoint_every} must be >= 1 (or null)")
     if cfg.train.max_steps is not None and cfg.train.max_steps < 1:

@@ -185,6 +185,7 @@ def read_record(path: Path) -> dict:
 # Config keys that do not change what a run computes: they never enter its identity.
 NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "device")
 NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
+SPELLINGS_OF_NULL = {("compile", "auto")}  # train keys whose named default means what null means
 
 
 def _identity_form(value):
@@ -213,7 +214,8 @@ def semantic_config(config: dict) -> dict:
     its identity form (`_identity_form`)."""
     semantic = _identity_form({k: v for k, v in config.items() if k not in NON_SEMANTIC})
     if "train" in semantic:
-        semantic["train"] = {k: v for k, v in semantic["train"].items() if k not in NON_SEMANTIC_TRAIN}
+        semantic["train"] = {k: v for k, v in semantic["train"].items()
+                             if k not in NON_SEMANTIC_TRAIN and (k, v) not in SPELLINGS_OF_NULL}
     return semantic
 
 

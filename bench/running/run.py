@@ -300,6 +300,7 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
         if outcome.per_epoch:
             record["metrics"]["per_epoch"] = outcome.per_epoch
         record["timing"] = outcome.timing(cell.flops_per_step, precision.native) | {"conditions": timing_conditions}
+        record["env"]["compile"] = outcome.compile
         record["numerics"]["diverged_at_step"] = outcome.diverged_at_step
         if outcome.diverged_at_step is None:
             record["status"] = "ok"

@@ -18,6 +18,7 @@ from bench.numerics.memory import StepMemory
 from bench.numerics.precision import Precision
 from bench.numerics.scaling import LossScaler
 from bench.running.checkpoint import Checkpointer
+from bench.running.compile import CompiledStep
 from bench.running.device import StepTimer, end_step, synchronize
 from bench.tasks.base import Task
 
@@ -85,21 +86,30 @@ class TrainOutcome:
     per_epoch: list[dict] = field(default_factory=list)  # the task's validation metrics after each epoch
     step_memory: dict | None = None  # bytes the first step held, by category (bench/numerics/memory.py)
     step_time_method: str = "wall_clock"  # how step_s was measured (bench.running.device.StepTimer)
+    compile_steps: list[int] = field(default_factory=list)  # steps during which torch.compile compiled
+    compile: dict | None = None  # what compiling did (bench.running.compile.CompiledStep.describe)
     epoch: int = 0  # position: the epoch in progress...
     position: int = 0  # ...and the batches of it already consumed
 
     def timing(self, flops_per_step: int | None = None, native: bool = False) -> dict:
         """The record's timing; achieved TFLOP/s (FLOPs of a step over its median time) only where the format
-        ran natively: an emulated step's time says nothing about the format's throughput."""
-        median = statistics.median(self.step_s) if self.step_s else None
+        ran natively: an emulated step's time says nothing about the format's throughput. Steps that compiled
+        are left out of the median and counted apart (`compile`); `train_s` includes them and
+        `train_s_without_compile` does not."""
+        compiling = set(self.compile_steps)
+        steady = [s for i, s in enumerate(self.step_s) if i not in compiling]
+        median = statistics.median(steady) if steady else None
+        compile_s = sum(s for i, s in enumerate(self.step_s) if i in compiling)
         return {
             "train_s": self.train_s,
+            "train_s_without_compile": self.train_s - compile_s,
             "step_median_s": median,
             "samples_per_s": self.samples / self.train_s if self.train_s > 0 else None,
             "steps": self.steps,
             "step_time_method": self.step_time_method,
             "flops_per_step": flops_per_step,
             "tflop_per_s": flops_per_step / median / 1e12 if native and flops_per_step and median else None,
+            "compile": {"steps": list(self.compile_steps), "seconds": compile_s},
         }
 
 
@@ -129,6 +139,12 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
     params = [p for p in model.parameters() if p.requires_grad]
     total = total_steps(task, cfg)
     out = TrainOutcome(**resume) if resume else TrainOutcome()
+
+    def forward_and_loss(model, batch):
+        outputs, targets = task.forward(model, batch, precision.inputs)
+        return task.compute_loss(outputs, targets)
+
+    step_loss = CompiledStep(cfg.get("compile"), device, forward_and_loss)
     timer = StepTimer(device)
     out.step_time_method = timer.method
     unread_losses: list[tuple[int, torch.Tensor]] = []  # (step, loss) still on the device
@@ -173,8 +189,9 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
             precision.telemetry.sampling = sampled
             counting = StepMemory(model, precision) if count_memory and out.step_memory is None else None
             with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
-                outputs, targets = task.forward(model, batch, precision.inputs)
-                loss = task.compute_loss(outputs, targets)
+                loss = step_loss(model, batch, eager=counting is not None)  # saved-tensor hooks count eagerly
+            if step_loss.compiled_now:
+                out.compile_steps.append(out.steps)
             unread_losses.append((out.steps, loss.detach()))
             optimizer.zero_grad(set_to_none=True)
             scaler.scale_loss(loss).backward()
@@ -213,6 +230,7 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
             break
     settle()
     synchronize(device)
+    out.compile = step_loss.describe()
     out.train_s += time.perf_counter() - segment_start
     segment_start = time.perf_counter()  # counted: a final checkpoint adds no time
     progress.close()

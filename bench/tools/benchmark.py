@@ -17,6 +17,9 @@ things compared, in one process:
   include FP8 rowwise/block scaling and the block formats (bench/numerics/blocks.py). Targets on CPU: <= 1.5 for fp8,
   <= 2.5 for mxfp8. telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off
   (target <= 1.5).
+- compile_speedup.<model>.<format>: step time of our loop eager / compiled (train.compile=true, inductor), for
+  fp32, bf16 and emulated fp8, the medians of 3 alternating runs (steps that compiled left out, as records do);
+  compile_step_ms, and compile_s: the first compile's time (the steps that compiled, whole).
 - peer_ratio.bert_tiny.<peer>: step time of unit-scaling's simulate_fp8 and of torchao float8 training
   with emulate=True / ours (fp8, same bare loop). Target > 1 (ours faster). On the small BERT, where every
   matmul is an nn.Linear for all three (torchao converts Linear layers only).
@@ -265,6 +268,32 @@ def emulation_rows(steps: int, repeats: int) -> list[dict]:
     return rows
 
 
+COMPILED_FORMATS = {"fp32": ["format=fp32"], "bf16": ["format=bf16"], "fp8": ["format=fp8"]}
+
+
+def compile_rows(steps: int, repeats: int) -> list[dict]:
+    """Per model and format, our loop compiled (train.compile=true) and eager: the median step time of each (steps
+    that compiled left out, as records do) over `repeats` alternating runs, and the first compile's seconds."""
+    rows = []
+    for model, model_args in MODELS.items():
+        for fmt, args in COMPILED_FORMATS.items():
+            medians, compile_s = {"eager": [], "compiled": []}, None
+            for _ in range(repeats):
+                for mode in medians:
+                    cfg, precision, cell = make_cell(*model_args, *args, f"train.log_every={NO_TELEMETRY}",
+                                                     f"train.compile={mode == 'compiled'}")
+                    outcome = our_loop(cfg, precision, cell, batches(cell, steps))()
+                    timing = outcome.timing()
+                    medians[mode].append(timing["step_median_s"])
+                    if mode == "compiled" and compile_s is None:
+                        compile_s = timing["compile"]["seconds"]
+            eager, compiled = statistics.median(medians["eager"]), statistics.median(medians["compiled"])
+            rows += [row(f"compile_speedup.{model}.{fmt}", eager / compiled, "eager / compiled step time (median)"),
+                     row(f"compile_step_ms.{model}.{fmt}", compiled * 1e3, "ms per compiled step (median)"),
+                     row(f"compile_s.{model}.{fmt}", compile_s, "s, the first compile (steps that compiled)")]
+    return rows
+
+
 def peer_rows(steps: int, repeats: int) -> list[dict]:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from unit_scaling.transforms import simulate_fp8
@@ -395,7 +424,7 @@ def quantise_rows() -> list[dict]:
     return rows
 
 
-SECTIONS = ("harness", "emulation", "peers", "accounting", "host_syncs", "native", "aggregate", "quantise")
+SECTIONS = ("harness", "emulation", "compile", "peers", "accounting", "host_syncs", "native", "aggregate", "quantise")
 CUDA_ONLY = ("host_syncs", "native")
 
 
@@ -414,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     steps, repeats = (5, 1) if args.quick else (100, 7)
     device = devices.select_device("auto")
     measure = {"harness": lambda: harness_rows(steps, repeats), "emulation": lambda: emulation_rows(steps, repeats),
+               "compile": lambda: compile_rows(steps, min(repeats, 3)),
                "peers": lambda: peer_rows(steps, repeats), "accounting": lambda: accounting_rows(repeats),
                "host_syncs": lambda: host_sync_rows(steps),
                "native": lambda: native_rows(steps=10 if not args.quick else 2, repeats=repeats),

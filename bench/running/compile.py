@@ -1,0 +1,108 @@
+"""Compiled training steps (train.compile): when a cell is compiled, what compiling cost, and what it could not take.
+
+Every published FP8 speed-up is measured compiled: eager torchao FP8 spends its step in tensor-subclass dispatch
+(on an H100, 184 ms eager against 40 ms compiled for the same BERT-base step). So on CUDA a cell's forward and
+loss run through torch.compile (inductor) by default; on CPU they run eagerly unless asked, since a compile costs
+more than the short CPU cells it would speed up (`make bench` has the compiled and eager rows).
+
+What is compiled is one function, the forward and the loss of a training batch; the backward follows through
+AOTAutograd; the optimiser, the loss scaler (found_inf stays on the device) and the checkpoints work on the
+uncompiled module, whose state-dict keys are unchanged. The first step (whose memory is counted through saved-
+tensor hooks) and the evaluation run eagerly. A step during which dynamo compiled is a compile step: its time is
+kept out of the step-time median and reported apart (`timing.compile`): the first compiled step, and the first
+telemetry-sampled one, whose observers read values on the host (graph breaks, counted in `env.compile`), so that
+sampled steps run as pieces of graph while ordinary steps run as one. Under `auto`, a path that fails to compile
+runs eagerly from that step on, and the record says why (`env.compile.eager_because`): emulated FP8 with
+per-tensor scales (its amax state leaves the autograd.Function that casts, which dynamo refuses) is one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+COMPILE_CHOICES = ("auto", True, False)  # train.compile; null means auto
+BACKEND, MODE = "inductor", "default"
+
+
+def compile_wanted(setting, device: torch.device) -> bool:
+    """auto (or null): compiled on CUDA, eager elsewhere; true / false as said."""
+    if setting in (None, "auto"):
+        return device.type == "cuda"
+    return bool(setting)
+
+
+class _RecompileLimitHits(logging.Handler):
+    """Counts dynamo's 'hit config.recompile_limit' warnings: past the limit a function runs eagerly, silently."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.functions: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("torch._dynamo hit config."):
+            self.functions.append(str(record.args[2]) if len(record.args or ()) > 2 else "?")
+
+
+def _dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this cell so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+class CompiledStep:
+    """`loss = step(model, batch)`: the forward and the loss, compiled when asked (compile_wanted)."""
+
+    def __init__(self, setting, device: torch.device, forward_and_loss: Callable):
+        self.requested = "auto" if setting is None else setting
+        self.enabled = compile_wanted(setting, device)
+        self.eager_because: str | None = None if self.enabled else f"train.compile={self.requested} on {device.type}"
+        self._eager = forward_and_loss
+        self._compiled = None
+        self.compiled_now = False  # whether dynamo compiled during the last call
+        if self.enabled:
+            from torch._dynamo.utils import counters
+
+            torch._dynamo.reset()  # a fresh cache per cell: guards on the last cell's model would fill it
+            counters.clear()  # graph breaks counted per cell
+            self._compiled = torch.compile(forward_and_loss, backend=BACKEND, mode=MODE)
+            self._graphs = _dynamo_graphs()
+            self._limit_hits = _RecompileLimitHits()
+            logging.getLogger("torch._dynamo.convert_frame").addHandler(self._limit_hits)
+
+    def __call__(self, model, batch, eager: bool = False):
+        self.compiled_now = False
+        if self._compiled is None or eager:
+            return self._eager(model, batch)
+        try:
+            loss = self._compiled(model, batch)
+        except Exception as e:  # noqa: BLE001 - under auto any compile failure means: run eagerly, say why
+            if self.requested is True:
+                raise
+            self.eager_because = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+            self._compiled = None
+            return self._eager(model, batch)
+        graphs = _dynamo_graphs()
+        self.compiled_now, self._graphs = graphs != self._graphs, graphs  # the first step, or a recompile
+        return loss
+
+    def describe(self) -> dict:
+        """The record's env.compile (the compile steps and their time are in timing.compile)."""
+        from torch._dynamo.utils import counters
+
+        reasons: dict[str, int] = {}
+        for reason, count in (counters["graph_break"] if self.enabled else {}).items():
+            first_line = reason.strip().splitlines()[0][:200]  # dynamo's reasons run on with hints and links
+            reasons[first_line] = reasons.get(first_line, 0) + count
+        limit_hits = []
+        if self.enabled:
+            logging.getLogger("torch._dynamo.convert_frame").removeHandler(self._limit_hits)
+            limit_hits = sorted(set(self._limit_hits.functions))
+        return {"requested": self.requested, "compiled": self._compiled is not None,
+                "eager_because": self.eager_because, "backend": BACKEND if self.enabled else None,
+                "mode": MODE if self.enabled else None, "graph_breaks": sum(reasons.values()),
+                "graph_break_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:5]),
+                "recompile_limit_hit_by": limit_hits}  # functions that ran eagerly past dynamo's limit
