@@ -15,7 +15,7 @@ LAUNCHER ?= parallel
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
-.PHONY: help setup test test-slow test-cluster sweep tables default-tables raschka-memory bench dashboard prepare sync chaos doctor clean
+.PHONY: help setup test test-slow test-cluster sweep tables default-tables raschka-memory bench gpu-report dashboard prepare sync chaos doctor clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -71,6 +71,10 @@ raschka-memory: setup ## Raschka's DistilBERT memory (A100) beside the modelled 
 bench: setup ## measure harness overhead, emulation cost, native speed (on CUDA), aggregation; JSON to results/bench/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m bench.tools.benchmark --out results/bench $(if $(ONLY),--only $(ONLY))
+
+gpu-report: setup ## on a CUDA machine, the GPU checks in one command (~9 min): doctor, native rows eager and compiled, a compiled Raschka-shape run; elsewhere prints the plan
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(PY) -m bench.tools.gpu_report
 
 dashboard: setup ## W&B workspace + report for EXPERIMENT (default: default); specs to results/dashboards/ offline
 	$(PY) -m bench.reporting.dashboard $(or $(EXPERIMENT),default) --results $(RESULTS) --tables $(TABLES) --tables results/tables \

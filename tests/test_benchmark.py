@@ -38,11 +38,22 @@ def test_only_measures_the_named_sections_and_names_the_valid_ones(tmp_path, cap
 def test_native_rows_measure_what_the_device_runs_natively():
     shapes = {"tiny": (["model=bert_tiny", "model.batch_size=4", "model.doc_stride=8"], 32)}
     rows = {r["metric"]: r for r in benchmark.native_rows(steps=2, repeats=1, shapes=shapes,
-                                                          formats={"fp32": ["format=fp32"]})}
+                                                          formats={"fp32": ["format=fp32"]}, compiled=False)}
     assert rows["native.tiny.fp32.samples_per_s"]["value"] > 0
     assert rows["native.tiny.fp32.tokens_per_s"]["value"] == pytest.approx(rows["native.tiny.fp32.samples_per_s"]["value"] * 32)
     assert rows["native.tiny.fp32.speedup_vs_fp32"]["value"] == 1.0
     assert rows["native.tiny.fp32.mfu"]["value"] is None  # a CPU has no entry in the peak table
+
+
+@pytest.mark.slow
+def test_native_rows_time_the_compiled_loop_too_and_compare_it_with_its_compiled_baselines():
+    shapes = {"tiny": (["model=bert_tiny", "model.batch_size=4", "model.doc_stride=8"], 32)}
+    rows = {r["metric"]: r["value"] for r in benchmark.native_rows(
+        steps=2, repeats=1, shapes=shapes, formats={"fp32": ["format=fp32"], "bf16-mixed": ["format=bf16"]})}
+    assert rows["native.tiny.fp32.compiled.step_s"] > 0 and rows["native.tiny.bf16-mixed.compiled.step_s"] > 0
+    assert rows["native.tiny.bf16-mixed.compiled.speedup_vs_fp32.compiled"] == pytest.approx(
+        rows["native.tiny.fp32.compiled.step_s"] / rows["native.tiny.bf16-mixed.compiled.step_s"])
+    assert "native.tiny.bf16-mixed.compiled.speedup_vs_fp32" not in rows  # compiled is compared with compiled
 
 
 def test_synthetic_batch_keeps_the_task_shape():
@@ -87,3 +98,21 @@ def test_host_sync_rows_count_the_harness_apart_from_the_model(monkeypatch):
         assert rows[f"host_syncs_per_100_steps.{model}.fp16+dynamic"] == 100 * (3 + 2) / 20  # + telemetry at step 0
     assert rows["host_syncs_per_100_steps.lenet.fp32+none.in_model"] == 0
     assert rows["host_syncs_per_100_steps.bert_tiny.fp32+none.in_model"] == 100  # one per forward
+
+
+def test_gpu_report_on_a_machine_without_cuda_prints_its_plan_and_exits_0(capsys):
+    from bench.tools import gpu_report
+
+    assert gpu_report.main([]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA device here" in out and "bench.tools.doctor" in out and "train.compile=true" in out
+    assert "--only host_syncs,native" in out and "model.arch.hidden=768" in out
+    assert sum(limit for *_, limit in gpu_report.steps()) <= 9 * 60
+
+
+def test_benchmark_steps_and_repeats_can_be_set(tmp_path, monkeypatch):
+    calls = {}
+    monkeypatch.setattr(benchmark, "quantise_rows", lambda: calls.setdefault("quantise", []) or [])
+    monkeypatch.setattr(benchmark, "emulation_rows", lambda steps, repeats: calls.update(emulation=(steps, repeats)) or [])
+    assert benchmark.main(["--out", str(tmp_path), "--only", "emulation", "--steps", "12", "--repeats", "2"]) == 0
+    assert calls["emulation"] == (12, 2)

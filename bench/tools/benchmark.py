@@ -92,12 +92,16 @@ def batches(cell, steps: int) -> list:
     return out[:steps]
 
 
-def bare_loop(model, task, precision, optimizer, data) -> None:
-    """What a user would write by hand: forward, loss, backward, step."""
+def bare_loop(model, task, precision, optimizer, data, forward_and_loss=None) -> None:
+    """What a user would write by hand: forward, loss, backward, step (the forward and loss by
+    `forward_and_loss(model, batch)` where given: compiled_forward)."""
     for batch in data:
         with precision.autocast():
-            outputs, targets = task.forward(model, batch, precision.inputs)
-            loss = task.compute_loss(outputs, targets)
+            if forward_and_loss is None:
+                outputs, targets = task.forward(model, batch, precision.inputs)
+                loss = task.compute_loss(outputs, targets)
+            else:
+                loss = forward_and_loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -337,8 +341,20 @@ def synthetic_batch(template: dict, batch_size: int, seq_len: int, vocab: int) -
     return {key: fill(key, value) for key, value in template.items()}
 
 
-def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: dict = NATIVE_FORMATS) -> list[dict]:
-    """Native formats at the papers' shapes (random init, synthetic token batches of full length)."""
+def compiled_forward(task, precision):
+    """The forward and loss of a batch through torch.compile, as train.compile=true runs them."""
+    from bench.running.compile import CompiledStep
+
+    def forward_and_loss(model, batch):
+        return task.compute_loss(*task.forward(model, batch, precision.inputs))
+
+    return CompiledStep(True, precision.device, forward_and_loss)
+
+
+def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: dict = NATIVE_FORMATS,
+                compiled: bool = True) -> list[dict]:
+    """Native formats at the papers' shapes (random init, synthetic token batches of full length), eager and,
+    with `compiled`, with the forward and loss compiled (rows `.compiled.*`; speed-ups compiled over compiled)."""
     rows = []
     for model, (args, seq_len) in shapes.items():
         step_s = {}
@@ -353,6 +369,12 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
             seconds = alternate({name: lambda: bare_loop(cell.task.model, cell.task, precision, cell.optimizer, data)},
                                 precision.device, repeats)[name] / steps
             step_s[name] = seconds
+            if compiled:  # the same loop with the forward and loss compiled (its warm-up round compiles)
+                forward = compiled_forward(cell.task, precision)
+                step_s[f"{name}.compiled"] = alternate(
+                    {name: lambda: bare_loop(cell.task.model, cell.task, precision, cell.optimizer, data, forward)},
+                    precision.device, repeats)[name] / steps
+                rows.append(row(f"native.{model}.{name}.compiled.step_s", step_s[f"{name}.compiled"], "s", None))
             params = sum(p.numel() for p in cell.task.model.parameters())
             tokens = cfg.model.batch_size * seq_len
             dtype = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16",
@@ -366,9 +388,11 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
                      row(f"native.{model}.{name}.mfu", 6 * params * tokens / seconds / (peak * 1e12) if peak else None,
                          f"of {peak} TFLOP/s" if peak else "unknown peak", None)]
         for name, seconds in step_s.items():
-            for baseline in ("fp32", "tf32"):
-                if baseline in step_s:
-                    rows.append(row(f"native.{model}.{name}.speedup_vs_{baseline}", step_s[baseline] / seconds, "x", None))
+            suffix = ".compiled" if name.endswith(".compiled") else ""
+            for baseline in ("fp32", "tf32", "bf16-mixed"):
+                if baseline + suffix in step_s:
+                    rows.append(row(f"native.{model}.{name}.speedup_vs_{baseline}{suffix}",
+                                    step_s[baseline + suffix] / seconds, "x", None))
     return rows
 
 
@@ -432,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tools.benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
     parser.add_argument("--quick", action="store_true", help="few steps and repeats (a smoke test of the benchmark)")
+    parser.add_argument("--steps", type=int, help="steps per timed loop (default 100; native rows 10)")
+    parser.add_argument("--repeats", type=int, help="alternating rounds per figure (default 7)")
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections to measure (default all: {','.join(SECTIONS)}; "
                              f"{' and '.join(CUDA_ONLY)} on CUDA only)")
@@ -441,12 +467,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
     datasets.disable_progress_bars()
     steps, repeats = (5, 1) if args.quick else (100, 7)
+    steps, repeats = args.steps or steps, args.repeats or repeats
     device = devices.select_device("auto")
     measure = {"harness": lambda: harness_rows(steps, repeats), "emulation": lambda: emulation_rows(steps, repeats),
                "compile": lambda: compile_rows(steps, min(repeats, 3)),
                "peers": lambda: peer_rows(steps, repeats), "accounting": lambda: accounting_rows(repeats),
                "host_syncs": lambda: host_sync_rows(steps),
-               "native": lambda: native_rows(steps=10 if not args.quick else 2, repeats=repeats),
+               "native": lambda: native_rows(steps=args.steps or (10 if not args.quick else 2), repeats=repeats),
                "aggregate": lambda: aggregate_rows(200 if args.quick else 10_000), "quantise": quantise_rows}
     env = devices.describe(device)
     name = re.sub(r"[^A-Za-z0-9]+", "-", f"{device.type}-{env['device_name']}").strip("-").lower()

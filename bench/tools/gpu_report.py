@@ -1,0 +1,75 @@
+"""`make gpu-report`: the GPU checks of the suite's time answer in one command, for a machine lent for minutes.
+
+    python -m bench.tools.gpu_report [--dry-run]
+
+On a CUDA machine, in turn, each under its own time limit (about 9 minutes in all): `make doctor`; `make bench`'s
+native rows at the papers' shapes, eager and compiled, with the host-sync count; a short compiled run of
+Raschka's DistilBERT shape (6 x 768, sequences of 512) on the shipped IMDb fixture in fp32, bf16-mixed and FP8,
+then its tables under results/tables/<device>/. The benchmark writes results/bench/cuda-<device>-<date>.json. A
+step that fails or runs out of time is reported and the next one runs; the exit code is 1 if any did. On a
+machine without CUDA it prints what it would run and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+RASCHKA_SHAPE = ["model=distilbert_tiny", "model.arch.layers=6", "model.arch.hidden=768", "model.arch.heads=12",
+                 "model.arch.intermediate=3072", "model.max_length=512", "model.batch_size=12"]
+RUNS = "results/runs/gpu-report"
+
+
+def device_slug() -> str:
+    """The device's name as results/ folders spell it (bench.tools.benchmark's JSON names it the same way)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+def steps(python: str = sys.executable) -> list[tuple[str, list[str], int]]:
+    """(what, command, seconds allowed)."""
+    return [
+        ("doctor", [python, "-m", "bench.tools.doctor"], 120),
+        ("native rows, eager and compiled", [python, "-m", "bench.tools.benchmark", "--out", "results/bench",
+                                             "--only", "host_syncs,native", "--steps", "10", "--repeats", "3"], 300),
+        ("compiled Raschka-shape run", [python, "-m", "bench.run", "-m", *RASCHKA_SHAPE, "format=fp32,bf16,fp8",
+                                        "train.compile=true", "train.max_steps=60", "experiment_name=gpu_report",
+                                        f"results_dir={RUNS}"], 90),
+        ("its tables", [python, "-m", "bench.aggregate", RUNS, "--out", f"results/tables/{device_slug()}"], 30),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.gpu_report", description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="print the commands without running them")
+    args = parser.parse_args(argv)
+    plan = steps()
+    if args.dry_run or not torch.cuda.is_available():
+        why = "--dry-run" if args.dry_run else "no CUDA device here"
+        print(f"gpu-report ({why}): on a CUDA machine it would run, in about "
+              f"{sum(limit for *_, limit in plan) // 60} minutes:")
+        for what, command, limit in plan:
+            print(f"  {what} (at most {limit} s): {' '.join(command)}")
+        return 0
+    failed = []
+    for what, command, limit in plan:
+        started = time.perf_counter()
+        print(f"gpu-report: {what}: {' '.join(command)}", flush=True)
+        try:
+            code = subprocess.run(command, timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            code = "timed out"
+        print(f"gpu-report: {what}: {'ok' if code == 0 else code} in {time.perf_counter() - started:.0f} s", flush=True)
+        if code != 0:
+            failed.append(what)
+    print("gpu-report: " + (f"failed: {', '.join(failed)}" if failed else "every step ran"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
