@@ -4,7 +4,6 @@ a GPU of its own; GPUs are simulated by CUDA_VISIBLE_DEVICES (what SLURM and use
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from hydra import compose, initialize_config_dir

@@ -26,6 +26,8 @@ things compared, in one process:
 - native rows, on a CUDA device only: per model and format at the papers' batch sizes, step time,
   samples/s, tokens/s, peak memory, MFU against the device's dense peak for the dtype (6 x parameters x
   tokens FLOPs per step), speed-up vs fp32 (TF32 off) and vs tf32.
+- predicted.H100.<model>.<setting>: bench.reporting.speed_model's roofline step time and speed-up over bf16-mixed
+  at the papers' shapes, and its error against the committed H100 measurements (eager, before train.compile).
 - accounting_share.lenet.<format>: what a run's one-off accounting costs (the memory breakdown of its first
   step, bench/numerics/memory.py, plus the FLOP count of one step) as a share of a default LeNet cell's training time
   (its steps x a plain step's median time). Target <= 0.05.
@@ -64,6 +66,7 @@ from bench.numerics.blocks import (
 )
 from bench.numerics.formats import quantise
 from bench.numerics.memory import StepMemory
+from bench.reporting.speed_model import DEVICES, Encoder, predict
 from bench.running import device as devices
 from bench.running.config import CONF_DIR
 from bench.running.run import build_cell, preflight, step_flops_by_module
@@ -317,9 +320,6 @@ def peer_rows(steps: int, repeats: int) -> list[dict]:
 
 
 # Dense peak TFLOP/s per dtype, from the vendors' datasheets (SXM parts).
-PEAK_TFLOPS = {"H100": {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
-               "H200": {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
-               "A100": {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}}
 NATIVE_FORMATS = {"fp32": ["format=fp32"], "tf32": ["format=tf32"], "16-mixed": ["format=fp16"],
                   "16-true": ["format=fp16-true"], "bf16-mixed": ["format=bf16"], "bf16-true": ["format=bf16-true"],
                   "fp8": ["format=fp8", "scaling=per_tensor"], "fp8-rowwise": ["format=fp8", "scaling=rowwise"]}
@@ -379,8 +379,8 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
             tokens = cfg.model.batch_size * seq_len
             dtype = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16",
                      "fp8-rowwise": "fp8"}.get(name, name)
-            peak = next((p[dtype] for gpu, p in PEAK_TFLOPS.items()
-                         if gpu in devices.describe(precision.device)["device_name"] and dtype in p), None)
+            peak = next((p["tflops"][dtype] for gpu, p in DEVICES.items()
+                         if gpu in devices.describe(precision.device)["device_name"] and dtype in p["tflops"]), None)
             rows += [row(f"native.{model}.{name}.step_s", seconds, "s", None),
                      row(f"native.{model}.{name}.samples_per_s", cfg.model.batch_size / seconds, "samples/s", None),
                      row(f"native.{model}.{name}.tokens_per_s", tokens / seconds, "tokens/s", None),
@@ -393,6 +393,27 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
                 if baseline + suffix in step_s:
                     rows.append(row(f"native.{model}.{name}.speedup_vs_{baseline}{suffix}",
                                     step_s[baseline + suffix] / seconds, "x", None))
+    return rows
+
+
+MEASURED_ON_H100 = Path(__file__).resolve().parents[2] / "results" / "bench" / "cuda-nvidia-h100-80gb-hbm3-2026-11-22.json"
+ENCODERS = {"distilbert": Encoder(layers=6, hidden=768, heads=12, intermediate=3072, seq=512, batch=12),
+            "bert_base": Encoder(layers=12, hidden=768, heads=12, intermediate=3072, seq=384, batch=12)}
+
+
+def speed_model_rows(device: str = "H100", measured: Path = MEASURED_ON_H100) -> list[dict]:
+    """The speed model's step times and speed-ups at the papers' shapes on `device`, beside the committed
+    measurements there (eager: the H100 run predates train.compile) and the relative error."""
+    taken = {r["metric"]: r["value"] for r in json.loads(measured.read_text())["rows"]}
+    rows = []
+    for model, shape in ENCODERS.items():
+        for setting, parts in predict(shape, device).items():
+            rows.append(row(f"predicted.{device}.{model}.{setting}.step_s", parts["total"], "s", None))
+            rows.append(row(f"predicted.{device}.{model}.{setting}.speedup_vs_bf16-mixed",
+                            parts["speedup_vs_bf16-mixed"], "x", None))
+            if (seen := taken.get(f"native.{model}.{setting}.step_s")) is not None:
+                rows.append(row(f"predicted.{device}.{model}.{setting}.error_vs_eager", parts["total"] / seen - 1,
+                                "predicted / measured (eager) - 1", None))
     return rows
 
 
@@ -448,7 +469,8 @@ def quantise_rows() -> list[dict]:
     return rows
 
 
-SECTIONS = ("harness", "emulation", "compile", "peers", "accounting", "host_syncs", "native", "aggregate", "quantise")
+SECTIONS = ("harness", "emulation", "compile", "peers", "accounting", "host_syncs", "native", "speed_model", "aggregate",
+            "quantise")
 CUDA_ONLY = ("host_syncs", "native")
 
 
@@ -474,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                "peers": lambda: peer_rows(steps, repeats), "accounting": lambda: accounting_rows(repeats),
                "host_syncs": lambda: host_sync_rows(steps),
                "native": lambda: native_rows(steps=args.steps or (10 if not args.quick else 2), repeats=repeats),
+               "speed_model": speed_model_rows,
                "aggregate": lambda: aggregate_rows(200 if args.quick else 10_000), "quantise": quantise_rows}
     env = devices.describe(device)
     name = re.sub(r"[^A-Za-z0-9]+", "-", f"{device.type}-{env['device_name']}").strip("-").lower()
