@@ -87,7 +87,10 @@ def _final_weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT])
+# SIGUSR2 and SIGTERM are what SLURM sends: the cluster tests pre-empt and requeue real jobs with them, so here they
+# run with the slow tests, beside the kill and Ctrl-C
+@pytest.mark.parametrize("how", [signal.SIGKILL, pytest.param(signal.SIGUSR2, marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGTERM, marks=pytest.mark.slow), signal.SIGINT])
 def test_an_interrupted_run_resumes_to_bitwise_the_same_weights(tmp_path, how):
     args = ["format=fp32", "train.checkpoint_every=40", "train.keep_checkpoint=true", "train.max_steps=600"]
     reference_dir, interrupted_dir = tmp_path / "reference", tmp_path / "interrupted"
