@@ -131,3 +131,31 @@ def test_compile_is_a_documented_choice_and_auto_is_null(make_cfg):
     assert ids["null"] == ids["auto"] and len(set(ids.values())) == 3
     assert compile_wanted(None, torch.device("cuda")) and compile_wanted("auto", torch.device("cuda"))
     assert not compile_wanted(None, torch.device("cpu")) and compile_wanted(True, torch.device("cpu"))
+
+
+def test_under_auto_a_backward_that_fails_to_compile_reruns_the_step_eagerly(make_cfg, monkeypatch):
+    """AOTAutograd compiles the backward at the first backward: a failure there must not fail the cell under auto.
+    Stand-in: the compiled forward's loss carries a backward that raises, as a failed backward compile does."""
+    import bench.running.compile as compile_module
+
+    class BrokenBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("backward compile failed (stand-in)")
+
+    def fake_compile(fn, **kwargs):
+        return lambda model, batch: BrokenBackward.apply(fn(model, batch))
+
+    eager, _ = _trained(make_cfg, "train.compile=false", "experiment_name=eager")
+    monkeypatch.setattr(compile_module, "compile_wanted", lambda setting, device: True)  # auto as on a GPU
+    monkeypatch.setattr(compile_module.torch, "compile", fake_compile)
+    graphs = iter(range(100))
+    monkeypatch.setattr(compile_module, "_dynamo_graphs", lambda: next(graphs))  # every call "compiled"
+    record, _ = _trained(make_cfg, "train.compile=auto", "experiment_name=auto")
+    assert record["env"]["compile"]["eager_because"] == "RuntimeError: backward compile failed (stand-in)"
+    assert not record["env"]["compile"]["compiled"]
+    assert record["metrics"] == eager["metrics"]  # the failed step ran again eagerly: nothing of it was kept

@@ -12,7 +12,8 @@ tensor hooks) and the evaluation run eagerly. A step during which dynamo compile
 kept out of the step-time median and reported apart (`timing.compile`): the first compiled step, and the first
 telemetry-sampled one, whose observers read values on the host (graph breaks, counted in `env.compile`), so that
 sampled steps run as pieces of graph while ordinary steps run as one. Under `auto`, a path that fails to compile
-runs eagerly from that step on, and the record says why (`env.compile.eager_because`): emulated FP8 with
+(its forward, or its backward at the step's first backward) runs that step again and every later one eagerly, and
+the record says why (`env.compile.eager_because`): emulated FP8 with
 per-tensor scales (its amax state leaves the autograd.Function that casts, which dynamo refuses) is one.
 """
 
@@ -80,14 +81,19 @@ class CompiledStep:
         try:
             loss = self._compiled(model, batch)
         except Exception as e:  # noqa: BLE001 - under auto any compile failure means: run eagerly, say why
-            if self.requested is True:
-                raise
-            self.eager_because = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
-            self._compiled = None
+            self.fall_back(e)
             return self._eager(model, batch)
         graphs = _dynamo_graphs()
         self.compiled_now, self._graphs = graphs != self._graphs, graphs  # the first step, or a recompile
         return loss
+
+    def fall_back(self, error: Exception) -> None:
+        """Run eagerly from now on because compiling failed with `error` (the forward's compile here, or the
+        backward's, which AOTAutograd compiles at the step's first backward); under train.compile=true, raise it."""
+        if self.requested is True:
+            raise error
+        self.eager_because = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+        self._compiled = None
 
     def describe(self) -> dict:
         """The record's env.compile (the compile steps and their time are in timing.compile)."""

@@ -192,9 +192,18 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
                 loss = step_loss(model, batch, eager=counting is not None)  # saved-tensor hooks count eagerly
             if step_loss.compiled_now:
                 out.compile_steps.append(out.steps)
-            unread_losses.append((out.steps, loss.detach()))
             optimizer.zero_grad(set_to_none=True)
-            scaler.scale_loss(loss).backward()
+            try:
+                scaler.scale_loss(loss).backward()
+            except Exception as e:  # noqa: BLE001 - only a backward that compiled on this very step falls back
+                if not step_loss.compiled_now:
+                    raise
+                step_loss.fall_back(e)  # raises under train.compile=true
+                optimizer.zero_grad(set_to_none=True)
+                with precision.autocast():
+                    loss = step_loss(model, batch)
+                scaler.scale_loss(loss).backward()
+            unread_losses.append((out.steps, loss.detach()))
             precision.after_backward(model)
             scaler.step(optimizer, params, check=sampled)
             precision.after_step(model, optimizer)  # idempotent: a step the scaler skipped changed nothing
