@@ -131,7 +131,7 @@ def run_under_fire(results: Path, rng: random.Random, counts: Counter) -> None:
     while True:
         counts["launches"] += 1
         proc = launch(results, GRID)
-        deadline = time.time() + rng.uniform(3.0, 12.0)
+        deadline = time.time() + rng.uniform(8.0, 25.0)  # a launch spends ~5 s importing before it trains
         while proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         if proc.poll() is None:
