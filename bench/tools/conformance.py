@@ -226,16 +226,34 @@ def _under_scale(x: torch.Tensor, element: str, divide_by: torch.Tensor, multipl
     return (elements * multiply_by.unsqueeze(-1)).reshape(x.shape)
 
 
+def _torchao_mx(x: torch.Tensor, element: str, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's E8M0 scale bytes for x (rows, 32 * n) and its dequantised values (to_mx, then to_dtype)."""
+    to_mx, to_dtype, dtypes, modes = _torchao()
+    scale, data = to_mx(x.contiguous(), dtypes[element], 32, modes[mode])
+    return scale.view(torch.uint8), to_dtype(data, scale, dtypes[element], 32, torch.float32)
+
+
+def _torchao_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """torchao's NVFP4 of x (rows, 16 * n) under `tensor_scale` (None: one-level): its E4M3 block scales (as
+    float32), its E2M1 elements and its dequantised values."""
+    warnings.filterwarnings("ignore")
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+
+    scale, data = nvfp4_quantize(x.contiguous(), 16, tensor_scale)
+    elements = f4_unpacked_to_f32(unpack_uint4(data)).reshape(x.shape)
+    block_scale = scale.float() if tensor_scale is None else tensor_scale * scale.float()
+    values = (elements.reshape(*x.shape[:-1], -1, 16) * block_scale.unsqueeze(-1)).reshape(x.shape)
+    return scale.float(), elements, values
+
+
 def compare_mx_with_torchao(x: torch.Tensor, element: str, mode: str) -> dict:
     """x: (rows, 32 * n), contiguous, float32 or bfloat16. Differing scale bytes and dequantised values. What
     differs because torchao departs from the spec is counted apart (DEPARTURES) when torchao's value is exactly
     what the departure predicts: in a block whose scale is 2^-127, x divided by 2^-126 (by 1 under rceil) and
     multiplied by 2^-127; under rceil, where torchao's byte is the float32-log2 one (torchao_rceil_byte) a binade
     below ours, the block quantised under that scale."""
-    to_mx, to_dtype, dtypes, modes = _torchao()
-    scale, data = to_mx(x.contiguous(), dtypes[element], 32, modes[mode])
-    theirs = scale.view(torch.uint8)
-    reference = to_dtype(data, scale, dtypes[element], 32, torch.float32)
+    theirs, reference = _torchao_mx(x, element, mode)
     ours = mx_quantise(x, element, mode)
     amax = x.float().reshape(*x.shape[:-1], -1, 32).abs().amax(-1)
     log2_rounded = torch.zeros_like(theirs, dtype=torch.bool) if mode != "rceil" else \
@@ -260,20 +278,15 @@ def compare_nvfp4_with_torchao(x: torch.Tensor, two_level: bool) -> dict:
     """Scales (E4M3), elements and dequantised values against torchao's nvfp4_quantize, each side with its own
     tensor scale from x's finite amax (two-level). Counted apart (DEPARTURES): E2M1 element codes in blocks
     holding a NaN; and, where torchao's tensor scale is under ours's floor, everything that differs."""
-    warnings.filterwarnings("ignore")
-    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
-    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+    from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
 
     finite = x[x.isfinite()].float()
     theirs_t = per_tensor_amax_to_scale(finite.abs().amax()) if two_level else None
     ours_t = nvfp4_tensor_scale(finite) if two_level else None
-    scale, data = nvfp4_quantize(x.contiguous(), 16, theirs_t)
-    elements = f4_unpacked_to_f32(unpack_uint4(data)).reshape(x.shape)
-    block_scale = scale.float() if theirs_t is None else theirs_t * scale.float()
-    reference = (elements.reshape(*x.shape[:-1], -1, 16) * block_scale.unsqueeze(-1)).reshape(x.shape)
+    scale, elements, reference = _torchao_nvfp4(x, theirs_t)
     ours = nvfp4_quantise(x, ours_t)
     nan_block = _per_element(x.reshape(*x.shape[:-1], -1, 16).isnan().any(-1), 16)
-    scale_differs = ~_same(scale.float(), ours.scale)
+    scale_differs = ~_same(scale, ours.scale)
     element_differs, value_differs = ~_same(elements, ours.elements), ~_same(reference, ours.values)
     if two_level and not torch.equal(theirs_t, ours_t):
         return {"values": x.numel(), "scale_mismatches": 0, "value_mismatches": 0, **NO_DEPARTURES,
@@ -425,23 +438,15 @@ def _short(values: torch.Tensor) -> str:
 
 
 def _mx_pair(x: torch.Tensor, element: str, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    to_mx, to_dtype, dtypes, modes = _torchao()
-    scale, data = to_mx(x, dtypes[element], 32, modes[mode])
-    return to_dtype(data, scale, dtypes[element], 32, torch.float32), mx_quantise(x, element, mode).values
+    return _torchao_mx(x, element, mode)[1], mx_quantise(x, element, mode).values
 
 
 def _nvfp4_pair(x: torch.Tensor, two_level: bool, elements: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
-    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+    from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
 
-    theirs_t = per_tensor_amax_to_scale(x.abs().amax()) if two_level else None
-    scale, data = nvfp4_quantize(x, 16, theirs_t)
-    codes = f4_unpacked_to_f32(unpack_uint4(data)).reshape(x.shape)
+    _, codes, values = _torchao_nvfp4(x, per_tensor_amax_to_scale(x.abs().amax()) if two_level else None)
     ours = nvfp4_quantise(x, nvfp4_tensor_scale(x) if two_level else None)
-    if elements:
-        return codes, ours.elements
-    block_scale = scale.float() if theirs_t is None else theirs_t * scale.float()
-    return (codes.reshape(-1, 16) * block_scale.reshape(-1, 1)).reshape(x.shape), ours.values
+    return (codes, ours.elements) if elements else (values, ours.values)
 
 
 def disagreement_table(count: int = RANDOM_VALUES) -> pd.DataFrame:
