@@ -72,11 +72,7 @@ def test_under_auto_a_path_that_cannot_compile_runs_eagerly_and_says_why(make_cf
     precision = device_preflight(cfg)[1]
     cell = build_cell(cfg, precision)
     task = cell.task
-
-    def forward_and_loss(model, batch):
-        return task.compute_loss(*task.forward(model, batch, precision.inputs))
-
-    step = CompiledStep("auto", torch.device("cuda"), forward_and_loss)
+    step = CompiledStep.for_task("auto", torch.device("cuda"), task, precision)
     assert step.enabled
     batch = next(iter(task.train_batches(0)))
     with precision.autocast():
@@ -84,7 +80,7 @@ def test_under_auto_a_path_that_cannot_compile_runs_eagerly_and_says_why(make_cf
     assert torch.isfinite(loss)
     described = step.describe()
     assert not described["compiled"] and "higher-order op subgraph" in described["eager_because"], described
-    strict = CompiledStep(True, torch.device("cpu"), forward_and_loss)
+    strict = CompiledStep.for_task(True, torch.device("cpu"), task, precision)
     with pytest.raises(Exception, match="higher-order op subgraph"):
         with precision.autocast():
             strict(task.model, batch)

@@ -4,7 +4,6 @@ checkpoint that cannot be resumed from is moved aside and the cell completes fro
 import errno
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 
 from bench.running.checkpoint import Checkpointer
 from bench.running.record import StorageError, require_free_space, write_json_atomic
+from bench.tools.chaos import file_size_limit
 from tests.conftest import CONF
 from tests.test_sweeps import OFFLINE, records
 
@@ -53,9 +53,8 @@ def run(results: Path, *args, patch: str | None = None, fail_in: str = "", file_
         env["PYTHONPATH"] = os.pathsep.join([str(CONF.parent), env.get("PYTHONPATH", "")])
     else:
         cmd = [sys.executable, "-m", "bench.run", *args, f"results_dir={results}"]
-    limit = None if file_limit is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit,) * 2)
     return subprocess.run(cmd, cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=300,
-                          preexec_fn=limit)
+                          preexec_fn=file_size_limit(file_limit))
 
 
 def temporaries(root: Path) -> list[Path]:

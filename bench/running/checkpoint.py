@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from bench.numerics.scaling import LossScaler
-from bench.running.record import storage_errors
+from bench.running.record import error_line, storage_errors
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +111,9 @@ class Checkpointer:
         """Load the newest checkpoint this run can resume from into the given objects and return its loop state;
         None to start afresh. Each one that cannot be loaded is moved aside (`_discard`) and the objects are left
         as they were before it was tried."""
-        for path in (self.path, self.previous):
-            if not path.exists():
-                continue
-            before = _snapshot(model, optimizer, scaler, schedule)
+        candidates = [path for path in (self.path, self.previous) if path.exists()]
+        before = _snapshot(model, optimizer, scaler, schedule) if candidates else None
+        for path in candidates:
             try:
                 state = torch.load(path, map_location="cpu", weights_only=False)
                 if not isinstance(state, dict) or state.get("run_id") != self.run_id:
@@ -137,8 +136,7 @@ class Checkpointer:
         return None
 
     def _discard(self, path: Path, error: Exception) -> None:
-        why = str(error) if isinstance(error, CheckpointMismatch) else \
-            f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+        why = str(error) if isinstance(error, CheckpointMismatch) else error_line(error)
         target = path.with_name(f"{path.name}{UNREADABLE_SUFFIX}{time.strftime('%Y%m%d-%H%M%S')}")
         os.replace(path, target)
         self.discarded.append({"moved_to": target.name, "reason": why})

@@ -24,7 +24,8 @@ from typing import Callable
 
 import torch
 
-COMPILE_CHOICES = ("auto", True, False)  # train.compile; null means auto
+from bench.running.record import error_line
+
 BACKEND, MODE = "inductor", "default"
 
 
@@ -74,6 +75,15 @@ class CompiledStep:
             self._limit_hits = _RecompileLimitHits()
             logging.getLogger("torch._dynamo.convert_frame").addHandler(self._limit_hits)
 
+    @classmethod
+    def for_task(cls, setting, device: torch.device, task, precision) -> "CompiledStep":
+        """The step of `task` under `precision`: its forward, then its loss."""
+        def forward_and_loss(model, batch):
+            outputs, targets = task.forward(model, batch, precision.inputs)
+            return task.compute_loss(outputs, targets)
+
+        return cls(setting, device, forward_and_loss)
+
     def __call__(self, model, batch, eager: bool = False):
         self.compiled_now = False
         if self._compiled is None or eager:
@@ -92,7 +102,7 @@ class CompiledStep:
         backward's, which AOTAutograd compiles at the step's first backward); under train.compile=true, raise it."""
         if self.requested is True:
             raise error
-        self.eager_because = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+        self.eager_because = error_line(error)
         self._compiled = None
 
     def describe(self) -> dict:

@@ -66,6 +66,11 @@ def storage_errors(path: Path):
                            f"({errno.errorcode.get(cause.errno, cause.errno)})") from e
 
 
+def error_line(error: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message`, at most `limit` characters of it: torch's and dynamo's errors run on."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:limit]}"
+
+
 def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 

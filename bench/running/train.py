@@ -139,12 +139,7 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
     params = [p for p in model.parameters() if p.requires_grad]
     total = total_steps(task, cfg)
     out = TrainOutcome(**resume) if resume else TrainOutcome()
-
-    def forward_and_loss(model, batch):
-        outputs, targets = task.forward(model, batch, precision.inputs)
-        return task.compute_loss(outputs, targets)
-
-    step_loss = CompiledStep(cfg.get("compile"), device, forward_and_loss)
+    step_loss = CompiledStep.for_task(cfg.get("compile"), device, task, precision)
     timer = StepTimer(device)
     out.step_time_method = timer.method
     unread_losses: list[tuple[int, torch.Tensor]] = []  # (step, loss) still on the device

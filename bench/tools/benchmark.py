@@ -67,6 +67,7 @@ from bench.numerics.blocks import (
 from bench.numerics.formats import quantise
 from bench.numerics.memory import StepMemory
 from bench.reporting.speed_model import DEVICES, Encoder, predict
+from bench.running.compile import CompiledStep
 from bench.running import device as devices
 from bench.running.config import CONF_DIR
 from bench.running.run import build_cell, preflight, step_flops_by_module
@@ -97,7 +98,7 @@ def batches(cell, steps: int) -> list:
 
 def bare_loop(model, task, precision, optimizer, data, forward_and_loss=None) -> None:
     """What a user would write by hand: forward, loss, backward, step (the forward and loss by
-    `forward_and_loss(model, batch)` where given: compiled_forward)."""
+    `forward_and_loss(model, batch)` where given: a CompiledStep)."""
     for batch in data:
         with precision.autocast():
             if forward_and_loss is None:
@@ -341,16 +342,6 @@ def synthetic_batch(template: dict, batch_size: int, seq_len: int, vocab: int) -
     return {key: fill(key, value) for key, value in template.items()}
 
 
-def compiled_forward(task, precision):
-    """The forward and loss of a batch through torch.compile, as train.compile=true runs them."""
-    from bench.running.compile import CompiledStep
-
-    def forward_and_loss(model, batch):
-        return task.compute_loss(*task.forward(model, batch, precision.inputs))
-
-    return CompiledStep(True, precision.device, forward_and_loss)
-
-
 def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: dict = NATIVE_FORMATS,
                 compiled: bool = True) -> list[dict]:
     """Native formats at the papers' shapes (random init, synthetic token batches of full length), eager and,
@@ -370,7 +361,7 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
                                 precision.device, repeats)[name] / steps
             step_s[name] = seconds
             if compiled:  # the same loop with the forward and loss compiled (its warm-up round compiles)
-                forward = compiled_forward(cell.task, precision)
+                forward = CompiledStep.for_task(True, precision.device, cell.task, precision)
                 step_s[f"{name}.compiled"] = alternate(
                     {name: lambda: bare_loop(cell.task.model, cell.task, precision, cell.optimizer, data, forward)},
                     precision.device, repeats)[name] / steps

@@ -59,12 +59,17 @@ def raising_cell(directory: Path) -> list[str]:
             "train.max_steps=5"]
 
 
+def file_size_limit(limit: int | None):
+    """A subprocess preexec_fn that makes every write past `limit` bytes of a file fail with EFBIG, in the process
+    and in every process it starts, as a full quota does (Python ignores SIGXFSZ); None for no limit."""
+    return None if limit is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
 def launch(results: Path, overrides: list[str], file_limit: int | None = None) -> subprocess.Popen:
-    """The sweep as users start it (python -m bench.run), optionally under a file-size limit (RLIMIT_FSIZE)."""
+    """The sweep as users start it (python -m bench.run), optionally under a file-size limit."""
     cmd = [sys.executable, "-m", "bench.run", "-m", "experiment_name=chaos", f"results_dir={results}", *overrides]
-    limit = None if file_limit is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit,) * 2)
     return subprocess.Popen(cmd, cwd=ROOT, env=os.environ | ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=limit)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=file_size_limit(file_limit))
 
 
 DISK_GRID = ["format=fp32,bf16", "train.max_steps=40", "train.checkpoint_every=20", "train.keep_checkpoint=true"]
