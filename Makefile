@@ -76,7 +76,7 @@ gpu-report: setup ## on a CUDA machine, the GPU checks in one command (~9 min): 
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m bench.tools.gpu_report
 
-dashboard: setup ## W&B workspace + report for EXPERIMENT (default: default); specs to results/dashboards/ offline
+dashboard: setup ## W&B workspace + report for EXPERIMENT (default: default); specs to results/local/dashboards/ offline
 	$(PY) -m bench.reporting.dashboard $(or $(EXPERIMENT),default) --results $(RESULTS) --tables $(TABLES) --tables results/tables \
 		$(if $(ENTITY),--entity $(ENTITY)) $(if $(PROJECT),--project $(PROJECT))
 

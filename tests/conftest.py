@@ -66,7 +66,7 @@ def make_checkpoint(tmp_path):
 
 @pytest.fixture
 def hub_answers(monkeypatch):
-    """For tests whose stand-ins replace the hub's loaders: the hub counts as reachable (bench.running.hub's probe)."""
-    import bench.running.hub
+    """For tests whose stand-ins replace the hub's loaders: the hub counts as reachable (bench.data.hub's probe)."""
+    import bench.data.hub
 
-    monkeypatch.setattr(bench.running.hub, "reachable", lambda *a, **k: True)
+    monkeypatch.setattr(bench.data.hub, "reachable", lambda *a, **k: True)

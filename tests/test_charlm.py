@@ -40,9 +40,9 @@ def _data(**kw):
 def test_load_text_reads_a_path_and_checks_its_checksum(text_file):
     digest = hashlib.sha256(text_file.read_bytes()).hexdigest()
     assert load_text(_data(path=str(text_file), sha256=digest)) == text_file.read_text()
-    with pytest.raises(ValueError, match="sha256 .* is not the expected 86c4"):
+    with pytest.raises(ConfigError, match="sha256 .* is not the expected 86c4"):  # set-up problems: exit 2, no record
         load_text(_data(path=str(text_file), sha256="86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"))
-    with pytest.raises(FileNotFoundError, match="model.data.path"):
+    with pytest.raises(ConfigError, match="model.data.path"):
         load_text(_data(path=str(text_file) + ".missing"))
 
 
@@ -53,7 +53,7 @@ def test_load_text_downloads_once_into_the_cache(text_file, tmp_path, monkeypatc
     assert load_text(data) == text_file.read_text()
     cached = tmp_path / "precision-bench" / text_file.name
     assert cached.read_bytes() == text_file.read_bytes()
-    with pytest.raises(OSError, match="model.data.path"):
+    with pytest.raises(ConfigError, match="model.data.path"):
         load_text(_data(url=(tmp_path / "nowhere.txt").as_uri()))
     monkeypatch.setattr("urllib.request.urlopen", lambda *a, **k: pytest.fail("downloaded twice"))
     assert load_text(data) == text_file.read_text()

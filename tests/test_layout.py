@@ -35,13 +35,17 @@ def test_no_two_modules_import_each_other():
     assert not mutual
 
 
-def test_numerics_is_the_base_layer_and_tools_are_imported_by_nothing():
-    """numerics (what a format does to numbers) needs nothing from running, reporting or tools; no library module
-    imports a tool."""
+# The layers, bottom up: errors; numerics (what a format does to numbers) and data (what is shipped, the hub); tasks
+# (models and their data); then running, reporting and tools.
+def test_layers_import_only_the_layers_below_them_and_tools_are_imported_by_nothing():
+    """No lower layer imports an upper one (tasks never import running: a model is built without the runner);
+    no library module imports a tool."""
     graph = _imports()
+    below = {"errors": set(), "numerics": {"errors"}, "data": {"errors"}, "tasks": {"errors", "numerics", "data"}}
     for name, deps in graph.items():
-        if name.startswith("bench.numerics"):
-            assert not [d for d in deps if d.split(".")[1] in ("running", "reporting", "tools", "tasks")], name
+        layer = name.split(".")[1] if "." in name else None
+        if layer in below:
+            assert not [d for d in deps if d.split(".")[1] not in below[layer] | {layer}], name
         if not name.startswith("bench.tools"):
             assert not [d for d in deps if d.startswith("bench.tools")], name
     assert all((BENCH / layer / "__init__.py").is_file() for layer in LAYERS)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import bench.numerics.precision
+from bench.errors import ConfigError
 from bench.numerics.hardware import NativeSupport
 from bench.running.run import DeviceError, run_cell
 
@@ -56,10 +57,11 @@ def test_lenet_fp8_is_emulated_where_torchao_would_convert_nothing(make_cfg, tor
     assert record["status"] == "ok" and precision["backend"] == "emulated" and precision["fp8_modules"] is None
     assert precision["backend_reason"].startswith("torchao's float8 training converts only Linear layers")
     assert record["numerics"]["quantisation"]["activations"]["values_sampled"] > 0  # the emulation rounded
-    refused = _record(make_cfg("format=fp8", "scaling=per_tensor", "format.backend=native", "train.max_steps=3",
-                               "experiment_name=native_asked"))
-    assert refused["status"] == "failed" and "nothing would run in FP8" in refused["reason"]
-    assert "format.backend=auto or emulated" in refused["reason"] and not refused["metrics"]
+    asked = make_cfg("format=fp8", "scaling=per_tensor", "format.backend=native", "train.max_steps=3",
+                     "experiment_name=native_asked")
+    with pytest.raises(ConfigError, match="nothing would run in FP8.*valid here: format.backend=auto or emulated"):
+        run_cell(asked)  # a set-up problem: exit 2, no record
+    assert not (Path(asked.results_dir) / asked.cell / "result.json").exists()
 
 
 @pytest.mark.parametrize("scaling", ["per_tensor", "rowwise"])
@@ -212,9 +214,10 @@ def test_mxfp8_outside_torchaos_recipe_is_emulated_and_native_refused(make_cfg, 
     assert record["status"] == "ok" and precision["backend"] == "emulated" and reason in precision["backend_reason"]
     asked = make_cfg("format=mxfp8", "train.max_steps=2", "format.backend=native", "experiment_name=native_asked",
                      *overrides)
-    if overrides[0] == "model=lenet":  # found when the model is converted: the cell fails, nothing trained
-        refused = _record(asked)
-        assert refused["status"] == "failed" and reason in refused["reason"] and not refused["metrics"]
+    if overrides[0] == "model=lenet":  # found when the model is converted: a set-up problem all the same
+        with pytest.raises(ConfigError, match=reason):
+            run_cell(asked)
+        assert not (Path(asked.results_dir) / asked.cell / "result.json").exists()
     else:
         with pytest.raises(DeviceError, match=reason):
             run_cell(asked)

@@ -1,4 +1,5 @@
-"""The data shipped with the package: an offline BERT vocabulary and the fixtures of the tiny text tasks."""
+"""Data: what the package ships (an offline BERT vocabulary, the tiny text tasks' fixtures) and access to the
+Hugging Face hub (`hub`). The lowest layer beside numerics: it imports nothing above it."""
 
 from pathlib import Path
 

@@ -22,7 +22,7 @@ Emulation rounds exactly where a native kernel would, at every nn.Linear and nn.
   tensorwise in the input-gradient GEMM and the weight-gradient GEMM in high precision (bit-exact against it).
 - "true" mode (fp16/bf16 whole-model cast) additionally keeps parameters, their gradients and the
   optimiser state rounded to the format after every step; elementwise ops between matmuls still
-  compute in FP32 (documented in README: an approximation of 16-true, not bit-faithful there).
+  compute in FP32 (documented in docs/formats.md: an approximation of 16-true, not bit-faithful there).
 Ops other than Linear/Conv2d (norms, softmax, embeddings, loss) stay in FP32, as in the FP8 literature.
 """
 
@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.errors import ConfigError
 from bench.numerics.blocks import (
     FP8_GRANULARITIES,
     MX_BLOCK,
@@ -96,8 +97,9 @@ def valid_scalings(fmt: str) -> tuple[str, ...]:
     return SCALING_METHODS if fmt == "fp8" else tuple(s for s in SCALING_METHODS if s not in FP8_GRANULARITIES)
 
 
-class PrecisionError(ValueError):
-    """A format setting the device or the combination cannot honour."""
+class PrecisionError(ConfigError):
+    """A format setting the device or the combination cannot honour: a set-up problem (exit 2, no record), also
+    when it is found only as the model is converted (native FP8 on a model with nothing torchao converts)."""
 
 
 class TensorSite:

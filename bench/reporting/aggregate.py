@@ -17,6 +17,7 @@ the seeds can tell apart from noise.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -24,8 +25,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from bench.errors import ConfigError
 from bench.numerics.telemetry import TENSOR_CLASSES
-from bench.running.config import CharDataConfig
+from bench.running.config import task_spec
 from bench.running.record import (
     RECORD_KEYS,
     RecordError,
@@ -34,7 +36,7 @@ from bench.running.record import (
     read_record,
     semantic_config,
 )
-from bench.tasks import PRIMARY_METRIC
+from bench.tasks.base import describe as generic_describe
 
 SETTING_ORDER = ["64-true", "32-true", "tf32", "16-mixed", "16-true", "bf16-mixed", "bf16-true", "fp8-mixed",
                  "mxfp8-mixed", "mxfp6-mixed", "mxfp4-mixed", "nvfp4-mixed"]
@@ -72,18 +74,22 @@ def _flatten(config: dict, prefix: str = "") -> dict:
     return flat
 
 
-def model_label(model_cfg: dict) -> str:
-    """The model as configured, for tables and plots: name, size or checkpoint, and the data it ran on."""
-    name, task = model_cfg["name"], task_of(model_cfg)
-    if name == "lenet":
-        return f"lenet ({task})"
-    if name == "charlm":
-        arch = model_cfg["arch"]
-        return f"charlm ({arch['layers']}L×{arch['embedding']} {arch['norm']}-norm, {task})"
-    if model_cfg.get("pretrained", True):
-        return f"{name} ({model_cfg.get('hub_name', 'pretrained')}, {task})"
-    arch = model_cfg.get("arch") or {}
-    return f"{name} ({arch.get('layers', '?')}L×{arch.get('hidden', '?')} random init, {task})"
+def describe(model_cfg: dict) -> tuple[str, str]:
+    """(dataset, label) of a recorded model, by its declaration's `describe` (bench/tasks/base.py TaskSpec): the
+    dataset published figures match on (fixtures and digits never match), and the model as configured (name, size
+    or checkpoint, data) for tables and plots. Where that function cannot be imported here (a user's model whose
+    module is not on this machine's PYTHONPATH), the generic `<name> (<data source>)`."""
+    return _describer(task_spec(model_cfg)["describe"])(model_cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def _describer(path: str):
+    from hydra.utils import get_method
+
+    try:
+        return get_method(path)
+    except Exception:  # Hydra wraps the ImportError or AttributeError
+        return generic_describe
 
 
 def variants(frame: pd.DataFrame) -> pd.Series:
@@ -122,7 +128,11 @@ def load_wandb(source: str, api=None) -> tuple[list[dict], list[str]]:
     if api is None:
         import wandb
 
-        api = wandb.Api()
+        try:
+            api = wandb.Api()
+        except wandb.errors.UsageError as e:  # no API key: a set-up problem, said in one line
+            raise ConfigError(f"{source}: W&B refused: {str(e).splitlines()[0]} (set WANDB_API_KEY, or aggregate "
+                              "the local results directory instead)") from None
     filters = {"group": parts[2]} if len(parts) == 3 else {}
     records, problems = [], []
     for run in api.runs(f"{parts[0]}/{parts[1]}", filters=filters):
@@ -147,17 +157,6 @@ def load_sources(sources: list[str], api=None) -> tuple[list[dict], list[str]]:
         records += found
         problems += bad
     return records, problems
-
-
-def task_of(model_cfg: dict) -> str:
-    """The task a record measured: published figures match on it (fixtures and digits never match)."""
-    data = model_cfg["data"]
-    if model_cfg["name"] == "charlm":  # Tiny Shakespeare is known by its checksum; other text is not it
-        return "shakespeare_char" if data.get("sha256") == CharDataConfig.sha256 else "char_text"
-    if data["source"] == "hub":
-        return {"ylecun/mnist": "mnist", "stanfordnlp/imdb": "imdb", "rajpurkar/squad": "squad_v1.1"}.get(
-            data["name"], data["name"])
-    return {"lenet": "digits", "distilbert": "imdb_fixture", "bert_base": "squad_fixture"}[model_cfg["name"]]
 
 
 def _number(value):
@@ -193,13 +192,14 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
         seen.add(identity)
         precision = env.get("precision", {})
         model = cfg["model"]["name"]
-        metric = PRIMARY_METRIC.get(model)
+        metric = task_spec(cfg["model"])["metric"]
+        dataset, label = describe(cfg["model"])
         quant = numerics.get("quantisation") or {}
         pretrained = cfg["model"].get("pretrained", True)
         semantic |= {"device_name": device}
         row = {
-            "experiment": cfg["experiment_name"], "model": model, "model_label": model_label(cfg["model"]),
-            "task": task_of(cfg["model"]) + ("" if pretrained else "_scratch"),
+            "experiment": cfg["experiment_name"], "model": model, "model_label": label,
+            "task": dataset + ("" if pretrained else "_scratch"),
             "config_id": config_hash({k: v for k, v in semantic.items() if k != "seed"}),
             "baseline_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format")}),
             # the same model, data and training apart from format and scaling method: what a format x scaling

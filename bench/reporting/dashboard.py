@@ -1,7 +1,7 @@
 """`make dashboard`: one experiment's W&B workspace and report, built as code from the keys its runs log.
 
     python -m bench.reporting.dashboard EXPERIMENT [--entity E] [--project P] [--results DIR] [--tables DIR ...]
-                              [--out results/dashboards]
+                              [--out results/local/dashboards]
 
 Every cell logs one W&B run (bench/running/logger.py): config = the resolved config plus `precision` (the record's
 env.precision), history = the metrics.jsonl rows, summary = the record. The panels below read those keys
@@ -28,11 +28,8 @@ from pathlib import Path
 from typing import Callable
 
 from bench.numerics.telemetry import TENSOR_CLASSES
+from bench.running.config import CONF_DIR, task_spec
 
-# The metric(s) each task's table reports (bench/tasks PRIMARY_METRIC, plus SQuAD's exact match and charlm's bits
-# per character).
-TASK_METRICS = {"lenet": ["test_accuracy"], "distilbert": ["test_accuracy"], "bert_base": ["exact_match", "f1"],
-                "charlm": ["val_loss", "val_bpc"]}
 TABLES = ("precision", "scaling_grid", "vs_published", "numerics")  # the aggregator's Markdown tables
 
 
@@ -72,9 +69,14 @@ LABEL = Key("config", "precision.label")  # the setting, "(emulated)" where it w
 SCALING = Key("config", "scaling.name")
 
 
-def panels_for(models: list[str]) -> list[Panel]:
-    """The workspace's panels for an experiment training `models`."""
-    metrics = [m for model in models for m in TASK_METRICS[model]]
+def reported_metrics(model_cfg: dict) -> list[str]:
+    """The metrics a model's declaration asks the dashboard to chart (`task.report`, else its primary metric)."""
+    spec = task_spec(model_cfg)
+    return list(spec.get("report") or [spec["metric"]])
+
+
+def panels_for(metrics: list[str]) -> list[Panel]:
+    """The workspace's panels for an experiment whose models report `metrics`."""
     metrics = list(dict.fromkeys(metrics))
     panels = []
     for metric in metrics:
@@ -103,24 +105,33 @@ def panels_for(models: list[str]) -> list[Panel]:
     return panels
 
 
-def experiment_models(results: Path, experiment: str) -> list[str]:
-    """The models the experiment's local records trained (empty when there are none here)."""
-    models = set()
+def experiment_metrics(results: Path, experiment: str) -> list[str]:
+    """The metrics the models of the experiment's local records report (empty when there are none here)."""
+    models = {}
     for path in (results / experiment).glob("**/result.json") if (results / experiment).is_dir() else []:
         try:
-            models.add(json.loads(path.read_text())["config"]["model"]["name"])
+            model = json.loads(path.read_text())["config"]["model"]
+            models[model["name"]] = model
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    return sorted(m for m in models if m in TASK_METRICS)
+    return [m for _, model in sorted(models.items()) for m in reported_metrics(model)]
+
+
+def shipped_metrics() -> list[str]:
+    """The metrics of every model declared in conf/model/ (a dashboard for an experiment not run here)."""
+    from omegaconf import OmegaConf
+
+    specs = [OmegaConf.to_container(OmegaConf.load(p)) for p in sorted((CONF_DIR / "model").glob("*.yaml"))]
+    return [m for spec in specs if "task" in spec for m in reported_metrics(spec)]
 
 
 def build(experiment: str, entity: str | None, project: str, results: Path, tables: list[Path]) -> Dashboard:
     """`tables`: the aggregator's output directories, in order of preference (the first holding the experiment)."""
-    models = experiment_models(results, experiment) or list(TASK_METRICS)
+    metrics = experiment_metrics(results, experiment) or shipped_metrics()
     directory = next((t / experiment for t in tables if (t / experiment).is_dir()), None)
     found = {name: (directory / f"{name}.md").read_text() for name in TABLES
              if directory is not None and (directory / f"{name}.md").is_file()}
-    return Dashboard(experiment, entity, project, panels_for(models), found)
+    return Dashboard(experiment, entity, project, panels_for(metrics), found)
 
 
 # --- W&B objects (wandb-workspaces) -----------------------------------------------------------------------
@@ -221,7 +232,7 @@ def main(argv: list[str] | None = None, save: Callable = save_to_wandb) -> int:
     parser.add_argument("--tables", type=Path, action="append",
                         help="the aggregator's output directory (repeatable: the first holding the experiment is used; "
                              "default results/tables)")
-    parser.add_argument("--out", type=Path, default=Path("results/dashboards"))
+    parser.add_argument("--out", type=Path, default=Path("results/local/dashboards"))
     args = parser.parse_args(argv)
     dashboard = build(args.experiment, args.entity, args.project, args.results, args.tables or [Path("results/tables")])
     print(describe(dashboard))

@@ -54,7 +54,7 @@ NOTES = {
                      "element saturated under the block's scale).",
     "native_fp8": "native fp8-mixed: torchao's float8 training in eager mode (the runner does not torch.compile): "
                   "its time includes torchao's per-op Python dispatch, which on an H100 made BERT-base's step 2.8x "
-                  "slower than FP32 (README, 'On an H100'); it is not what FP8 hardware gains.",
+                  "slower than FP32 (docs/performance.md, 'On an H100'); it is not what FP8 hardware gains.",
     "memory": "modelled memory: the bytes one training step holds (parameters, gradients, optimiser state, low-"
               "precision weight copies, activations saved for backward) as the format stores them, counted on the "
               "run's first step (bench/numerics/memory.py), the same for native and emulated runs; measured peak: the "

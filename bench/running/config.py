@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
@@ -21,16 +22,16 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from bench.data import DATA_DIR
+from bench.errors import ConfigError  # noqa: F401  (bench.running.config.ConfigError: the same class)
 from bench.numerics.blocks import FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES
 from bench.numerics.formats import OVERFLOW_POLICIES
 from bench.numerics.precision import BACKENDS, FORMAT_MODES, GRADIENT_ELEMENTS, RECIPES, valid_scalings
 from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
 from bench.numerics.unit import LR_RULES
 from bench.running.device import DEVICES, parallel_jobs
+from bench.tasks.base import TaskSpec
+from bench.tasks.charlm import SHAKESPEARE_SHA256
 
-MODELS = ("lenet", "distilbert", "bert_base", "charlm")
-DATA_SOURCES = {"lenet": ("digits", "hub"), "distilbert": ("hub", "local"), "bert_base": ("hub", "local"),
-                "charlm": ("download", "local")}
 SCHEDULES = ("none", "linear", "cosine")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOGGERS = ("none", "wandb")
@@ -55,14 +56,16 @@ def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from bench.running.record import NON_SEMANTIC, NON_SEMANTIC_TRAIN
+    from bench.running.record import NON_SEMANTIC, NON_SEMANTIC_MODEL, NON_SEMANTIC_TRAIN
 
     choices = choices or {}
     excluded = set(PATH_KEYS) | set(NON_SEMANTIC) | {f"train.{k}" for k in NON_SEMANTIC_TRAIN}
+    excluded_trees = {*NON_SEMANTIC, *(f"model.{k}" for k in NON_SEMANTIC_MODEL)}
     variant = {}
     for override in OverridesParser.create().parse_overrides(list(overrides)):
         key = override.key_or_group
-        if key in choices or key in excluded or key.split(".")[0] in NON_SEMANTIC or override.is_delete():
+        if key in choices or key in excluded or override.is_delete() \
+                or any(key == tree or key.startswith(tree + ".") for tree in excluded_trees):
             continue  # a group (spelled out by the path) or a key that does not change what the run computes
         value = OmegaConf.select(cfg, key, default=None)
         variant[key] = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) \
@@ -90,10 +93,6 @@ def _cell_resolver(*, _root_: DictConfig) -> str:
 
 
 OmegaConf.register_new_resolver("bench_cell", _cell_resolver, replace=True)
-
-
-class ConfigError(ValueError):
-    """The composed config asks for something that does not exist or cannot be combined."""
 
 
 @dataclass
@@ -167,8 +166,23 @@ class ArchConfig:
 
 
 @dataclass
+class ModelConfig:
+    """The schema of a model defined outside bench/ (`/model_schema@_here_` in its yaml): what the runner reads
+    of every model. Its builder's own keys go under `arch` and `data`, which take any keys (docs/extending.md)."""
+
+    name: str = MISSING
+    task: TaskSpec = MISSING
+    epochs: int = 1
+    batch_size: int = 32
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: Any = field(default_factory=lambda: {"source": "local"})
+    arch: Any = field(default_factory=dict)
+
+
+@dataclass
 class LeNetConfig:
     name: str = "lenet"
+    task: TaskSpec = MISSING
     epochs: int = 20
     batch_size: int = 32
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -178,6 +192,7 @@ class LeNetConfig:
 @dataclass
 class TransformerConfig:
     name: str = MISSING
+    task: TaskSpec = MISSING
     hub_name: str = MISSING  # checkpoint id for pretrained=true
     pretrained: bool = True  # false: architecture from its config class at `arch` size, random init
     vocab: str = MISSING  # vocabulary file for the offline tokenizer (pretrained=false)
@@ -206,13 +221,14 @@ class CharDataConfig:
     source: str = "download"  # download: `url`, once, into ~/.cache/precision-bench | local: read `path`
     path: Optional[str] = None  # the local copy (source=local)
     url: str = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-    sha256: Optional[str] = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # null: any text
+    sha256: Optional[str] = SHAKESPEARE_SHA256  # null: any text
     train_fraction: float = 0.9
 
 
 @dataclass
 class CharLMConfig:
     name: str = "charlm"
+    task: TaskSpec = MISSING
     epochs: int = 1  # one pass of `iterations` random batches
     iterations: int = 2000
     batch_size: int = 12
@@ -273,6 +289,7 @@ def register_schema() -> None:
     store.store(name="classifier_schema", node=TransformerConfig)
     store.store(name="qa_schema", node=QAConfig)
     store.store(name="charlm_schema", node=CharLMConfig)
+    store.store(name="model_schema", node=ModelConfig)
 
 
 register_schema()
@@ -306,24 +323,7 @@ def check(cfg: DictConfig) -> None:
     if unknown := unknown_keys(cfg):
         raise ConfigError(f"unknown config key{'s' * (len(unknown) > 1)}: {', '.join(unknown)}; every key is"
                           " documented in conf/README.md")
-    _choice(cfg.model.name, MODELS, "model")
-    _choice(cfg.model.data.source, DATA_SOURCES[cfg.model.name], "model.data.source")
-    _choice(cfg.model.optimizer.name, OPTIMIZERS, "model.optimizer.name")
-    _choice(cfg.model.optimizer.schedule, SCHEDULES, "model.optimizer.schedule")
-    if cfg.model.optimizer.grad_clip is not None and not cfg.model.optimizer.grad_clip > 0:
-        raise ConfigError(f"model.optimizer.grad_clip={cfg.model.optimizer.grad_clip} must be > 0 (or null: no clipping)")
-    if cfg.model.name == "charlm":
-        from bench.tasks.charlm import NORMS
-
-        _choice(cfg.model.arch.norm, NORMS, "model.arch.norm")
-        if (cfg.model.data.source == "local") != bool(cfg.model.data.path):
-            raise ConfigError("model.data.source=local reads model.data.path (set both; or neither, to download "
-                              f"{cfg.model.data.url})")
-        if cfg.model.arch.embedding % cfg.model.arch.heads:
-            raise ConfigError(f"model.arch.embedding={cfg.model.arch.embedding} must be a multiple of "
-                              f"model.arch.heads={cfg.model.arch.heads}")
-    elif cfg.model.name != "lenet":
-        _check_text_model(cfg.model)
+    _check_model(cfg.model)
     _choice(cfg.format.name, tuple(FORMAT_MODES), "format")
     cfg.format.mode = str(cfg.format.mode).lower()
     _choice(cfg.format.mode, FORMAT_MODES[cfg.format.name], f"format.mode (for format={cfg.format.name})")
@@ -359,7 +359,7 @@ def check(cfg: DictConfig) -> None:
     _choice(cfg.logger.name, LOGGERS, "logger")
     if not (cfg.train.loss_multiplier > 0 and math.isfinite(cfg.train.loss_multiplier)):
         raise ConfigError(f"train.loss_multiplier={cfg.train.loss_multiplier} must be finite and > 0")
-    check_results_dir(Path(cfg.results_dir))
+    check_results_dir(cfg.results_dir)
     if cfg.threads is not None and cfg.threads < 1:
         raise ConfigError(f"threads={cfg.threads} must be >= 1 (or null for torch's default, one per core)")
     if cfg.train.epochs < 1:
@@ -376,8 +376,11 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"scaling.init_scale={cfg.scaling.init_scale} must be > 0")
 
 
-def check_results_dir(path: Path) -> None:
+def check_results_dir(path: Path | str) -> None:
     """Records must be writable there: the nearest existing directory on the way must accept new files."""
+    if not str(path).strip():
+        raise ConfigError("results_dir= is empty; name a directory (default: results/runs)")
+    path = Path(path)
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -387,14 +390,39 @@ def check_results_dir(path: Path) -> None:
         raise ConfigError(f"results_dir={path}: {existing} is not writable by this user")
 
 
-def _check_text_model(model: DictConfig) -> None:
-    if model.data.source == "local" and not model.data.files:
-        raise ConfigError("model.data.source=local needs model.data.files ({split: path})")
-    if model.name == "distilbert" and (len(model.data.split) != 3 or abs(sum(model.data.split) - 1) > 1e-9):
-        raise ConfigError(f"model.data.split={list(model.data.split)} must be 3 fractions summing to 1")
-    if min(model.arch.layers, model.arch.hidden, model.arch.heads, model.arch.intermediate) < 1 \
-            or model.arch.hidden % model.arch.heads:
-        raise ConfigError("model.arch sizes must be >= 1, with hidden divisible by heads")
-    if model.name == "bert_base" and not 0 < model.doc_stride < model.max_length // 2:
-        raise ConfigError(f"model.doc_stride={model.doc_stride} must be in (0, max_length/2 = {model.max_length // 2}):"
-                          " the window must hold the question, the stride and new context")
+def _check_model(model: DictConfig) -> None:
+    """What every model is asked (its declaration, data source, optimiser), then its own check (`task.check`)."""
+    from hydra.utils import get_method
+
+    if "task" not in model or model._get_node("task")._is_missing():
+        raise ConfigError(f"model {model.get('name')!r} declares no `task` (its builder, metric and data sources): "
+                          "see docs/extending.md")
+    _choice(model.data.source, list(model.task.data_sources), "model.data.source")
+    _choice(model.optimizer.name, OPTIMIZERS, "model.optimizer.name")
+    _choice(model.optimizer.schedule, SCHEDULES, "model.optimizer.schedule")
+    if model.optimizer.grad_clip is not None and not model.optimizer.grad_clip > 0:
+        raise ConfigError(f"model.optimizer.grad_clip={model.optimizer.grad_clip} must be > 0 (or null: no clipping)")
+    for key in ("_target_", "describe", *(["check"] if model.task.check else [])):
+        try:
+            function = get_method(model.task[key])
+        except Exception as e:  # Hydra wraps the ImportError or AttributeError
+            raise ConfigError(f"model.task.{key}={model.task[key]} cannot be imported ({str(e).splitlines()[0]}); "
+                              "a model's module must be importable (on PYTHONPATH)") from None
+        if key == "check":
+            function(model)
+
+
+def task_spec(model_cfg: dict) -> dict:
+    """A recorded model's declaration: the record's own, or, for records made before models declared one, the
+    declaration in the model's yaml of the same name (conf/model/<name>.yaml)."""
+    if "task" in model_cfg:
+        return model_cfg["task"]
+    return _shipped_task_spec(model_cfg["name"])
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped_task_spec(name: str) -> dict:
+    spec = OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml").get("task")
+    if spec is None:
+        raise ConfigError(f"model {name!r}: its record declares no task and conf/model/{name}.yaml does not exist")
+    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(TaskSpec), spec))

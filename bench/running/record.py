@@ -21,6 +21,7 @@ from bench.data import DATA_DIR
 
 RECORD_KEYS = ("status", "reason", "config", "env", "metrics", "timing", "memory", "numerics")
 STATUSES = ("ok", "diverged", "failed")
+RETRY_HINT = "retry_failed=true runs failed and diverged cells again"  # a finished record is never re-run without it
 IN_FLIGHT = "in_flight"  # not a record's status: what a sweep reports for a cell another process is training
 
 
@@ -190,6 +191,7 @@ def read_record(path: Path) -> dict:
 # Config keys that do not change what a run computes: they never enter its identity.
 NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "device")
 NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
+NON_SEMANTIC_MODEL = ("task",)  # the model's declaration (bench/tasks/base.py TaskSpec): how to read it, not what runs
 SPELLINGS_OF_NULL = {("compile", "auto")}  # train keys whose named default means what null means
 
 
@@ -221,6 +223,8 @@ def semantic_config(config: dict) -> dict:
     if "train" in semantic:
         semantic["train"] = {k: v for k, v in semantic["train"].items()
                              if k not in NON_SEMANTIC_TRAIN and (k, v) not in SPELLINGS_OF_NULL}
+    if isinstance(semantic.get("model"), dict):
+        semantic["model"] = {k: v for k, v in semantic["model"].items() if k not in NON_SEMANTIC_MODEL}
     return semantic
 
 

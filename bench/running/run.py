@@ -28,11 +28,13 @@ from bench.numerics.scaling import LossScaler, PerTensorScale
 from bench.numerics.unit import ConversionError, unit_scale_task
 from bench.running import device as devices
 from bench.running.checkpoint import Checkpointer
+from bench.running.command_line import check_command_line
 from bench.running.config import CONF_DIR, ConfigError, check
 from bench.running.logger import NullLogger, open_logger
 from bench.running.record import (
     IN_FLIGHT,
     LOCK_NAME,
+    RETRY_HINT,
     WRITE_MARGIN_BYTES,
     MetricsLog,
     StorageError,
@@ -214,8 +216,7 @@ def run_cell(cfg: DictConfig) -> dict:
     check(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
     if (done := finished_record(cfg, config)) is not None:
-        log.info("%s: skipped, already recorded as %s", cfg.cell, done["status"])
-        return done | {"skipped": True}
+        return _skip_recorded(cfg, done)
     try:
         device, precision = device_preflight(cfg)
     except DeviceError as e:
@@ -229,9 +230,14 @@ def run_cell(cfg: DictConfig) -> dict:
             log.warning("%s: skipped, another process is training it now", cfg.cell)
             return {"status": IN_FLIGHT, "skipped": True}
         if (done := finished_record(cfg, config)) is not None:  # finished while this process was starting
-            log.info("%s: skipped, already recorded as %s", cfg.cell, done["status"])
-            return done | {"skipped": True}
+            return _skip_recorded(cfg, done)
         return _train_cell(cfg, config, device, precision)
+
+
+def _skip_recorded(cfg: DictConfig, record: dict) -> dict:
+    log.info("%s: skipped, already recorded as %s%s", cfg.cell, record["status"],
+             "" if record["status"] == "ok" else f" ({RETRY_HINT})")
+    return record | {"skipped": True}
 
 
 def _record_device_failure(cfg: DictConfig, config: dict, error: DeviceError) -> dict:
@@ -360,8 +366,19 @@ class ProgressLine:
                      f"{f'{rate:.1f}' if rate else '?'} steps/s ETA {eta}\n")
 
 
+def main() -> None:
+    """`python -m bench.run [overrides]`: the command line checked (exit 2 naming the valid choices), then Hydra."""
+    try:
+        check_command_line(sys.argv[1:])
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    run_cells()
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> dict:
+def run_cells(cfg: DictConfig) -> dict:
+    """One cell (Hydra calls it once per cell of a sweep): its record, or exit 2 for bad input."""
     try:
         record = run_cell(cfg)
     except KeyboardInterrupt:
@@ -381,7 +398,8 @@ def main(cfg: DictConfig) -> dict:
         return {"status": "failed", "skipped": False, "recorded": False}  # the sweep goes on, and counts it
     if record["status"] == "failed" and (cfg.fail_fast or not _in_multirun()):
         # SystemExit passes through Hydra's launcher, so with fail_fast a sweep stops here
-        print(record.get("traceback", "") if cfg.fail_fast else "", f"run failed: {record['reason']}", file=sys.stderr)
+        print(record.get("traceback", "") if cfg.fail_fast else "", f"run failed: {record['reason']}"
+              + (f" (recorded before; {RETRY_HINT})" if record.get("skipped") else ""), file=sys.stderr)
         sys.exit(1)
     return {"status": record["status"], "skipped": record.get("skipped", False)}
 

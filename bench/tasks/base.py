@@ -1,12 +1,14 @@
-"""What the training loop needs from a task, and nothing more."""
+"""What the training loop needs from a task (`Task`), and what the rest of the suite needs to know about a model
+(`TaskSpec`, declared in the model's yaml under `model.task`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from omegaconf import MISSING
 from torch import nn
 
 
@@ -26,3 +28,38 @@ class Task:
 
     def compute_loss(self, outputs, targets) -> torch.Tensor:
         return self.loss(outputs, targets, self.cross_entropy)
+
+
+@dataclass
+class TaskSpec:
+    """A model's declaration, `model.task` in its yaml: the one place the suite learns what a model is. The runner
+    builds it from `_target_`, the config check validates `model.data.source` and calls `check`, `make prepare`
+    fetches `hub_model`, tables and plots take `metric` and `describe`'s label, the dashboard charts `report`.
+    Functions are named by import path, so a model in the user's own module needs no edit to bench/.
+
+    It is not part of a run's identity (bench/running/record.py): it says how to read a model, not what it computes.
+    """
+
+    _target_: str = MISSING  # the builder: (model config, torch.device, seed) -> Task
+    metric: str = MISSING  # the primary metric in the record's `metrics`: the tables' value, the paired difference
+    higher_is_better: bool = True
+    report: list = field(default_factory=list)  # the metrics the dashboard charts ([]: just `metric`)
+    data_sources: list = field(default_factory=lambda: ["local"])  # the valid `model.data.source` values
+    hub_model: Optional[str] = None  # transformers Auto class that `make prepare` loads `model.hub_name` with
+    check: Optional[str] = None  # function (model config) -> None, raising bench.errors.ConfigError on a bad key
+    describe: str = "bench.tasks.base.describe"  # function (model config as a dict) -> (dataset, table label)
+
+
+# Hub datasets by the names the published figures use (bench/reporting/reference/published.yaml, `task`).
+HUB_DATASETS = {"ylecun/mnist": "mnist", "stanfordnlp/imdb": "imdb", "rajpurkar/squad": "squad_v1.1"}
+
+
+def hub_dataset(data: dict) -> str:
+    return HUB_DATASETS.get(data["name"], data["name"])
+
+
+def describe(model_cfg: dict) -> tuple[str, str]:
+    """(dataset, label): a hub dataset by its published name, other data by its source; `<name> (<dataset>)`."""
+    data = model_cfg["data"]
+    dataset = hub_dataset(data) if data.get("source") == "hub" else str(data.get("source"))
+    return dataset, f"{model_cfg['name']} ({dataset})"

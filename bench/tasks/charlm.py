@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from bench.numerics.ops import Add, CausalAttention, Residual
+from bench.errors import ConfigError
 from bench.tasks.base import Task
 
 
@@ -75,6 +76,7 @@ class Block(nn.Module):
 
 
 NORMS = ("pre", "post")
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # Tiny Shakespeare
 
 
 class CharGPT(nn.Module):
@@ -112,6 +114,25 @@ class CharGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+def check_config(model: DictConfig) -> None:
+    if model.arch.norm not in NORMS:
+        raise ConfigError(f"model.arch.norm={model.arch.norm!r} is not valid; valid: {', '.join(NORMS)}")
+    if (model.data.source == "local") != bool(model.data.path):
+        raise ConfigError("model.data.source=local reads model.data.path (set both; or neither, to download "
+                          f"{model.data.url})")
+    if model.arch.embedding % model.arch.heads:
+        raise ConfigError(f"model.arch.embedding={model.arch.embedding} must be a multiple of "
+                          f"model.arch.heads={model.arch.heads}")
+
+
+def describe(model_cfg: dict) -> tuple[str, str]:
+    """(dataset, label): Tiny Shakespeare is known by its checksum, other text is `char_text`; the label gives
+    depth, width and norm placement."""
+    dataset = "shakespeare_char" if model_cfg["data"].get("sha256") == SHAKESPEARE_SHA256 else "char_text"
+    arch = model_cfg["arch"]
+    return dataset, f"charlm ({arch['layers']}L×{arch['embedding']} {arch['norm']}-norm, {dataset})"
+
+
 def text_cache(data: DictConfig) -> Path:
     """Where `data.url` is kept once downloaded: the user's cache (XDG_CACHE_HOME), precision-bench/<file name>."""
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "precision-bench" / Path(data.url).name
@@ -123,7 +144,7 @@ def load_text(data: DictConfig) -> str:
     if data.source == "local":
         path = Path(data.path)
         if not path.is_file():
-            raise FileNotFoundError(f"model.data.path={data.path}: no such file")
+            raise ConfigError(f"model.data.path={data.path}: no such file")
     else:
         path = text_cache(data)
         if not path.is_file():
@@ -132,15 +153,15 @@ def load_text(data: DictConfig) -> str:
                 with urllib.request.urlopen(data.url, timeout=60) as response:
                     body = response.read()
             except OSError as e:
-                raise OSError(f"could not download {data.url} ({e}); without internet, pass model.data.path= a "
-                              "local copy") from e
+                raise ConfigError(f"could not download {data.url} ({e}); without internet, pass model.data.path= a "
+                                  "local copy") from e
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(body)
             tmp.replace(path)
     raw = path.read_bytes()
     if data.sha256 and hashlib.sha256(raw).hexdigest() != data.sha256:
-        raise ValueError(f"{path}: sha256 {hashlib.sha256(raw).hexdigest()} is not the expected {data.sha256} "
-                         "(set model.data.sha256=null to train on other text)")
+        raise ConfigError(f"{path}: sha256 {hashlib.sha256(raw).hexdigest()} is not the expected {data.sha256} "
+                          "(set model.data.sha256=null to train on other text)")
     return raw.decode("utf-8")
 
 

@@ -11,8 +11,9 @@ import datasets
 import torch
 from omegaconf import DictConfig
 
+from bench.errors import ConfigError
 from bench.tasks.base import Task
-from bench.tasks.text import batches, build_model, load_splits, load_tokenizer, require_hub
+from bench.tasks.text import batches, build_model, check_config, load_splits, load_tokenizer, require_hub
 
 
 def pooled_split(splits: datasets.DatasetDict, fractions, seed: int) -> tuple[datasets.Dataset, ...]:
@@ -22,6 +23,12 @@ def pooled_split(splits: datasets.DatasetDict, fractions, seed: int) -> tuple[da
     n_train, n_val = (round(f * len(pooled)) for f in fractions[:2])
     return (pooled.select(range(n_train)), pooled.select(range(n_train, n_train + n_val)),
             pooled.select(range(n_train + n_val, len(pooled))))
+
+
+def check_imdb(model: DictConfig) -> None:
+    check_config(model)
+    if len(model.data.split) != 3 or abs(sum(model.data.split) - 1) > 1e-9:
+        raise ConfigError(f"model.data.split={list(model.data.split)} must be 3 fractions summing to 1")
 
 
 def imdb_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from bench.running import hub
+from bench.data import hub
 from bench.tasks.base import Task
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
+from bench.errors import ConfigError
 from bench.tasks.base import Task
 from bench.tasks.squad_processing import (
     postprocess_predictions,
@@ -17,7 +18,14 @@ from bench.tasks.squad_processing import (
     prepare_train_features,
     squad_scores,
 )
-from bench.tasks.text import batches, build_model, load_splits, load_tokenizer, require_hub
+from bench.tasks.text import batches, build_model, check_config, load_splits, load_tokenizer, require_hub
+
+
+def check_squad(model: DictConfig) -> None:
+    check_config(model)
+    if not 0 < model.doc_stride < model.max_length // 2:
+        raise ConfigError(f"model.doc_stride={model.doc_stride} must be in (0, max_length/2 = {model.max_length // 2}):"
+                          " the window must hold the question, the stride and new context")
 
 
 def squad_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:

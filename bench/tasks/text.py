@@ -20,10 +20,31 @@ import datasets
 import torch
 from omegaconf import DictConfig
 
-from bench.running import hub
-from bench.running.config import ConfigError
+from bench.data import hub
+from bench.errors import ConfigError
+from bench.tasks.base import hub_dataset
 
 _LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def describe(model_cfg: dict) -> tuple[str, str]:
+    """(dataset, label) for tables: the hub dataset by its published name, or `<dataset>_fixture` for local files;
+    the checkpoint, or the size of a randomly initialised model."""
+    data = model_cfg["data"]
+    dataset = hub_dataset(data) if data["source"] == "hub" else f"{data['name'].rsplit('/', 1)[-1]}_fixture"
+    if model_cfg.get("pretrained", True):
+        return dataset, f"{model_cfg['name']} ({model_cfg.get('hub_name', 'pretrained')}, {dataset})"
+    arch = model_cfg.get("arch") or {}
+    return dataset, f"{model_cfg['name']} ({arch.get('layers', '?')}L×{arch.get('hidden', '?')} random init, {dataset})"
+
+
+def check_config(model: DictConfig) -> None:
+    """What every transformer task needs: local files where the data is local, consistent sizes."""
+    if model.data.source == "local" and not model.data.files:
+        raise ConfigError("model.data.source=local needs model.data.files ({split: path})")
+    if min(model.arch.layers, model.arch.hidden, model.arch.heads, model.arch.intermediate) < 1 \
+            or model.arch.hidden % model.arch.heads:
+        raise ConfigError("model.arch sizes must be >= 1, with hidden divisible by heads")
 
 
 def require_hub(cfg: DictConfig) -> None:
@@ -46,9 +67,11 @@ def load_splits(data: DictConfig) -> datasets.DatasetDict:
     if data.source == "hub":
         return datasets.load_dataset(data.name)
     files = {split: str(path) for split, path in data.files.items()}
+    if missing := [f"{split}: {path}" for split, path in files.items() if not Path(path).is_file()]:
+        raise ConfigError(f"model.data.files: no such file ({'; '.join(missing)})")
     suffixes = {Path(p).suffix for p in files.values()}
     if len(suffixes) != 1 or next(iter(suffixes)) not in _LOADERS:
-        raise ValueError(f"model.data.files must share one suffix of {', '.join(_LOADERS)}; got {sorted(suffixes)}")
+        raise ConfigError(f"model.data.files must share one suffix of {', '.join(_LOADERS)}; got {sorted(suffixes)}")
     return datasets.load_dataset(_LOADERS[suffixes.pop()], data_files=files)
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from bench.numerics import hardware
 from bench.numerics.precision import Precision, set_fp32_precision
 from bench.running import device as devices
-from bench.running import hub
+from bench.data import hub
 from bench.running.config import CONF_DIR
 from bench.tasks.charlm import text_cache
 from bench.tools.matrix import SETTINGS
@@ -113,7 +113,7 @@ def preset_rows() -> list[list[str]]:
                                                             f"not cached: {', '.join(missing)}")
             if missing:
                 state += " (the hub answers: it downloads)" if reachable else " (hub unreachable: `make prepare`)"
-            if model.name == "charlm" and model.data.source == "download":
+            if model.data.source == "download":  # a text file fetched from model.data.url (bench/tasks/charlm.py)
                 state = (f"cached: {text_cache(model.data)}" if text_cache(model.data).is_file() else
                          f"not cached: downloads {model.data.url} on its first run (without internet: "
                          "model.data.source=local model.data.path=...)")

@@ -15,26 +15,26 @@ from hydra import compose, initialize_config_dir
 
 from bench.running.config import CONF_DIR
 
-HUB_MODELS = {"distilbert": "AutoModelForSequenceClassification", "bert_base": "AutoModelForQuestionAnswering"}
-
-
 def hub_assets() -> tuple[list[tuple[str, str]], list[str]]:
-    """(transformers class, checkpoint) pairs and dataset ids named by the model configs."""
-    models, data = [], []
+    """(transformers class, checkpoint) pairs and dataset ids that the model configs in conf/model/ can load from
+    the hub: a checkpoint where the model declares `task.hub_model`, a dataset where `hub` is one of its data
+    sources. Each once, in the order the configs name them."""
+    models, data = {}, {}
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        for option in ("lenet", *HUB_MODELS):
+        for option in sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")):
             cfg = compose("config", overrides=[f"model={option}"]).model
-            data.append(cfg.data.name)
-            if option in HUB_MODELS:
-                models.append((HUB_MODELS[option], cfg.hub_name))
-    return models, data
+            if "hub" in cfg.task.data_sources:
+                data[cfg.data.name] = None
+            if cfg.task.hub_model:
+                models[(cfg.task.hub_model, cfg.hub_name)] = None
+    return list(models), list(data)
 
 
 def main() -> int:
     import datasets
     import transformers
 
-    from bench.running import hub
+    from bench.data import hub
 
     if not hub.reachable():
         print(f"make prepare downloads from the Hugging Face hub, which cannot be reached from here "

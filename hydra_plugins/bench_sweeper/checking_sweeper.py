@@ -28,7 +28,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import OmegaConf, open_dict
 
 from bench.running.config import ConfigError, cell_path, check_results_dir
-from bench.running.record import IN_FLIGHT, STATUSES, STORAGE_ERRNOS, in_flight, run_id
+from bench.running.record import IN_FLIGHT, RETRY_HINT, STATUSES, STORAGE_ERRNOS, in_flight, run_id
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,8 @@ class CheckingSweeper(BasicSweeper):
                 batch.append(overrides)
             else:
                 self.already[done["status"]] += 1
-                log.info("skipped %s: already recorded as %s", cfg.cell, done["status"])
+                log.info("skipped %s: already recorded as %s%s", cfg.cell, done["status"],
+                         "" if done["status"] == "ok" else f" ({RETRY_HINT})")
         return batch
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
@@ -191,7 +192,8 @@ class CheckingSweeper(BasicSweeper):
               + f" ({skipped} skipped as already recorded"
               + (f"; {unrecorded} failed without a record, the disk being full or failing: run again once it has "
                  "space" if unrecorded else "") + ")"
-              + (f"; {busy} in flight in another process, not run here (run again once it ends)" if busy else ""),
+              + (f"; {busy} in flight in another process, not run here (run again once it ends)" if busy else "")
+              + (f"; {RETRY_HINT}" if total.get("failed") or total.get("diverged") else ""),
               file=sys.stderr)
         if total.get("failed"):
             sys.exit(1)

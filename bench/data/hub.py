@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-from bench.running.config import ConfigError
+from bench.errors import ConfigError
 
 FIXES = ("run `make prepare` once where there is internet (with HF_HOME on a filesystem this machine sees), "
          "then set the same HF_HOME here; on nodes without internet also set HF_HUB_OFFLINE=1 "

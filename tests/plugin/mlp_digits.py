@@ -1,0 +1,48 @@
+"""A model defined outside bench/, as a user would: a two-layer MLP on the bundled digits. With this directory on
+PYTHONPATH and `hydra.searchpath=[file://tests/plugin/conf]`, `model=mlp` runs through the whole suite
+(tests/test_plugin.py). docs/extending.md walks through it."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from bench.errors import ConfigError
+from bench.tasks.base import Task
+from bench.tasks.lenet import load_digits
+
+
+def check(model: DictConfig) -> None:
+    if model.arch.hidden < 1:
+        raise ConfigError(f"model.arch.hidden={model.arch.hidden} must be >= 1")
+
+
+def describe(model_cfg: dict) -> tuple[str, str]:
+    return "digits", f"mlp ({model_cfg['arch']['hidden']} hidden, digits)"
+
+
+def mlp_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
+    x_train, y_train, x_test, y_test = (t.to(device) for t in load_digits(cfg.data.test_fraction))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(32 * 32, cfg.arch.hidden), nn.ReLU(),
+                          nn.Linear(cfg.arch.hidden, 10)).to(device)
+    batches_per_epoch = len(y_train) // cfg.batch_size
+
+    def train_batches(epoch: int):
+        order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        for b in range(batches_per_epoch):
+            index = order[b * cfg.batch_size:(b + 1) * cfg.batch_size].to(device)
+            yield x_train[index], y_train[index]
+
+    def forward(model, batch, cast_inputs):
+        x, y = batch
+        return model(cast_inputs(x)).float(), y
+
+    @torch.no_grad()
+    def evaluate(model, cast_inputs) -> dict:
+        correct = (model(cast_inputs(x_test)).argmax(1) == y_test).sum().item()
+        return {"test_accuracy": correct / len(y_test), "test_examples": len(y_test)}
+
+    return Task(model=model, train_batches=train_batches, forward=forward,
+                loss=lambda logits, y, cross_entropy: cross_entropy(logits, y), evaluate=evaluate,
+                batch_size=cfg.batch_size, steps_per_epoch=batches_per_epoch)

@@ -1,0 +1,88 @@
+"""The mistakes users make, each answered the same way: exit 2 before anything trains, a message naming the valid
+choices (and the nearest one), nothing written; a record already there is never lost."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONF
+
+ROOT = CONF.parent
+
+
+def _run(module: str, *args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+@pytest.mark.parametrize("args, says", [
+    (["format=fp9"], "format=fp9 is not an option; valid: bf16, bf16-true, fp16, fp16-true, fp32, fp8"),
+    (["-m", "format=fp32,fp9"], "(did you mean fp8?)"),
+    (["scaling=unti"], "(did you mean unit?)"),
+    (["train.max_stesp=5"], "unknown config key train.max_stesp (did you mean train.max_steps?)"),
+    (["model.optimizer.lrr=1"], "(did you mean model.optimizer.lr?)"),
+    (["+train.max_stesp=5"], "unknown config key: train.max_stesp (did you mean train.max_steps?)"),
+    (["format=fp32", "format.scale_mode=ceil"], "format.scale_mode applies to the block formats only"),
+    (["model=charlm", "model.data.source=local", "model.data.path=/nonexistent/input.txt", "train.max_steps=1"],
+     "model.data.path=/nonexistent/input.txt: no such file"),
+    (["model=bert_tiny", "model.data.files.train=/nonexistent/train.jsonl", "train.max_steps=1"],
+     "model.data.files: no such file (train: /nonexistent/train.jsonl)"),
+])
+def test_a_mistake_exits_2_naming_the_choices_and_writes_nothing(tmp_path, args, says):
+    out = _run("bench.run", *args, f"results_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-1500:]
+    assert says in out.stderr and "Traceback" not in out.stderr
+    assert not list(tmp_path.rglob("result.json")) and not (tmp_path / "default").exists()
+
+
+@pytest.mark.parametrize("results_dir, says", [("", "results_dir= is empty"), ("{file}", "is not a directory"),
+                                               ("{file}/below", "is not a directory")])
+def test_a_results_dir_that_cannot_hold_records_is_a_config_error(tmp_path, results_dir, says):
+    (tmp_path / "a-file").write_text("")
+    out = _run("bench.run", f"results_dir={results_dir.format(file=tmp_path / 'a-file')}", "train.max_steps=1",
+               cwd=tmp_path)
+    assert (out.returncode, says in out.stderr) == (2, True), out.stderr[-1500:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no ./default/ beside it
+
+
+def test_a_failed_cell_run_again_says_how_to_retry(tmp_path):
+    args = ["model=lenet", "train.max_steps=1", f"results_dir={tmp_path / 'runs'}"]
+    assert _run("bench.run", *args, cwd=tmp_path).returncode == 0
+    path = next((tmp_path / "runs").rglob("result.json"))
+    record = json.loads(path.read_text()) | {"status": "failed", "reason": "RuntimeError: a stand-in failure"}
+    path.write_text(json.dumps(record))
+    again = _run("bench.run", *args, cwd=tmp_path)
+    assert again.returncode == 1 and "retry_failed=true runs failed and diverged cells again" in again.stderr
+    assert json.loads(path.read_text()) == record  # the record is kept as it was
+    sweep = _run("bench.run", "-m", *args, cwd=tmp_path)
+    assert "sweep: 0 ok, 0 diverged, 1 failed (1 skipped as already recorded); retry_failed=true" in sweep.stderr
+
+
+def test_aggregate_mistakes_are_one_line_and_exit_2(tmp_path):
+    missing = _run("bench.aggregate", str(tmp_path / "nowhere"), cwd=tmp_path)
+    assert (missing.returncode, "not a results directory" in missing.stderr) == (2, True)
+    no_key = _run("bench.aggregate", "wandb://someone/project", cwd=tmp_path,
+                  env={"WANDB_API_KEY": "", "HOME": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path)})
+    assert no_key.returncode == 2 and "Traceback" not in no_key.stderr, no_key.stderr[-1500:]
+    assert no_key.stderr.strip().count("\n") == 0 and "W&B refused" in no_key.stderr
+
+
+def test_aggregate_writes_under_results_local_unless_told(tmp_path):
+    assert _run("bench.run", "train.max_steps=1", f"results_dir={tmp_path / 'runs'}", cwd=tmp_path).returncode == 0
+    out = _run("bench.aggregate", str(tmp_path / "runs"), "--no-plots", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-1500:]
+    assert (tmp_path / "results" / "local" / "tables" / "default" / "precision.md").is_file()
+    assert not (tmp_path / "results" / "tables").exists()
+
+
+def test_a_native_path_refused_while_converting_is_a_setup_error():
+    """Native FP8 on a model torchao converts nothing of is refused as the model is converted (bench/numerics/
+    precision.py): a set-up problem like any other, so the runner records nothing (exit 2)."""
+    from bench.errors import ConfigError
+    from bench.numerics.precision import PrecisionError
+
+    assert issubclass(PrecisionError, ConfigError)
