@@ -12,7 +12,7 @@ from bench.running.run import build_precision
 from bench.tools.matrix import PROFILES, SETTINGS, decide, markdown, simulated
 from tests.conftest import CONF
 
-README = CONF.parent / "README.md"
+FORMATS_DOC = CONF.parent / "docs" / "formats.md"
 
 
 def expected(profile: str, fmt: str, scaling: str, torchaos_mx_recipe: bool = False) -> tuple[str, str]:
@@ -64,8 +64,8 @@ def test_mxfp8_in_torchaos_recipe_is_native_where_torchao_has_it(profile, scale_
     assert (backend, reason in why) == (want, True), (profile, backend, why)
 
 
-def test_the_readme_shows_the_table_the_code_makes():
-    assert markdown() in README.read_text(), "README's device matrix is stale: paste `python -m bench.tools.matrix`"
+def test_the_formats_doc_shows_the_table_the_code_makes():
+    assert markdown() in FORMATS_DOC.read_text(), "docs/formats.md: the device matrix is stale; paste `python -m bench.tools.matrix`"
 
 
 def _grids() -> dict[str, list[dict]]:

@@ -2,7 +2,7 @@
 
 The decision is `bench.numerics.precision.Precision`'s, asked on simulated devices (the CPU's flags, a CUDA compute
 capability, whether torchao is installed, an XLA device), so the table below is what the code does, not a
-description of it. The README carries the table; a test keeps the two equal and checks every decision
+description of it. docs/formats.md carries the table; a test keeps the two equal and checks every decision
 against the rules written out by hand.
 """
 

@@ -1,0 +1,76 @@
+"""Docs are code: every path, make target and `python -m` module the README, docs/ and the config and results
+references name exists, every relative link resolves, and the README stays short enough to stay true."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "conf" / "README.md", ROOT / "results" / "README.md",
+        *sorted((ROOT / "docs").glob("*.md"))]
+TOP = ("bench/", "conf/", "results/", "tests/", "docs/", "hydra_plugins/", ".ci/")
+TARGETS = set(re.findall(r"^([a-z][a-z-]*):", (ROOT / "Makefile").read_text(), re.M))
+
+
+def _named_paths(text: str) -> set[str]:
+    """Repository paths in backticks or bare, cut at the first character a path here never has."""
+    found = set()
+    for token in re.findall(r"(?<![\w./-])((?:bench|conf|results|tests|docs|hydra_plugins|\.ci)/[\w./-]*)", text):
+        token = token.rstrip(".,:;")
+        if token.endswith("/"):
+            token = token[:-1]
+        found.add(token)
+    return found
+
+
+def _placeholder(path: str, text: str) -> bool:
+    """A path written as a pattern (`results/tables/<experiment>/`, `bench.tools.<name>`) or under a folder that
+    runs create (results/runs, results/local)."""
+    return path.startswith(("results/runs", "results/local")) or f"{path}<" in text or f"{path}/<" in text
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_path_the_docs_name_exists(doc):
+    text = doc.read_text()
+    missing = sorted(p for p in _named_paths(text) if not (ROOT / p).exists() and not _placeholder(p, text))
+    assert missing == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(doc):
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text())
+    missing = [link for link in links if not link.startswith(("http://", "https://"))
+               and not (doc.parent / link).exists()]
+    assert missing == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_make_target_and_module_the_docs_name_exists(doc):
+    text = doc.read_text()
+    targets = set(re.findall(r"`make ([a-z][a-z-]*)", text)) | set(re.findall(r"^make ([a-z][a-z-]*)", text, re.M))
+    assert sorted(targets - TARGETS) == []
+    modules = {m.rstrip(".") for m in re.findall(r"python -m ([\w.]+)", text)} - {"pytest", "pip", "venv"}
+    assert sorted(m for m in modules if importlib.util.find_spec(m) is None) == []
+
+
+def test_the_readme_is_short_and_links_every_docs_page():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    assert [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"docs/{p.name}" not in readme] == []
+
+
+def test_every_config_key_is_documented_in_conf_readme():
+    """Every field of every schema (bench/running/config.py, and the model declaration TaskSpec) is named in
+    backticks in conf/README.md, as the README promises."""
+    import dataclasses
+
+    from bench.running import config
+    from bench.tasks.base import TaskSpec
+
+    text = (ROOT / "conf" / "README.md").read_text()
+    documented = set(re.findall(r"\w+", " ".join(re.findall(r"`([^`]*)`", text))))
+    schemas = [TaskSpec, *(v for v in vars(config).values() if dataclasses.is_dataclass(v) and v.__module__ == config.__name__)]
+    missing = [f"{s.__name__}.{f.name}" for s in schemas for f in dataclasses.fields(s) if f.name not in documented]
+    assert len(schemas) > 10 and missing == []
