@@ -15,7 +15,7 @@ def test_doctor_reports_every_setting_and_passes_here(capsys):
 
 def test_a_native_path_that_breaks_makes_the_doctor_fail(capsys, monkeypatch):
     native = bench.numerics.precision.native_support
-    monkeypatch.setattr(bench.tools.doctor.hardware, "native_support", lambda fmt, device: bench.tools.doctor.hardware.NativeSupport(
+    monkeypatch.setattr(bench.tools.doctor.specs, "native_support", lambda fmt, device: bench.tools.doctor.hardware.NativeSupport(
         True, True, "claimed for the test") if fmt == "bf16" else native(fmt, device))
     prepare = bench.numerics.precision.Precision.prepare
 

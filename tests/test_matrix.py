@@ -6,10 +6,10 @@ import itertools
 import pytest
 import yaml
 
-from bench.numerics.precision import valid_scalings
+from bench.numerics.specs import FORMAT_SPECS
 from bench.running.config import check
 from bench.running.run import build_precision
-from bench.tools.matrix import PROFILES, SETTINGS, decide, markdown, simulated
+from bench.tools.matrix import PROFILES, decide, markdown, settings, simulated
 from tests.conftest import CONF
 
 FORMATS_DOC = CONF.parent / "docs" / "formats.md"
@@ -50,7 +50,7 @@ def expected(profile: str, fmt: str, scaling: str, torchaos_mx_recipe: bool = Fa
 
 @pytest.mark.parametrize("profile", list(PROFILES))
 def test_every_decision_follows_the_rules(profile):
-    for (fmt, mode), scaling in ((setting, s) for setting in SETTINGS for s in valid_scalings(setting[0])):
+    for (fmt, mode), scaling in ((setting, s) for setting in settings() for s in FORMAT_SPECS[setting[0]].scalings()):
         backend, why = decide(profile, fmt, mode, scaling)
         want, reason = expected(profile, fmt, scaling)
         assert (backend, reason in why) == (want, True), (profile, fmt, mode, scaling, backend, why)

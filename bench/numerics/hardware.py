@@ -1,7 +1,6 @@
-"""Which formats a device runs natively, and whether that is fast: the single place that says so.
-
-The precision policy (bench/numerics/precision.py) asks `native_support` to choose between native and emulated
-execution; `python -m bench.tools.matrix` asks it on simulated devices.
+"""What a device runs natively, and whether that is fast: one function per format, which the format's spec names
+(bench/numerics/specs.py). The precision policy asks `specs.native_support` to choose between native and emulated
+execution; `python -m bench.tools.matrix` asks it on simulated devices (by patching the probes here).
 """
 
 from __future__ import annotations
@@ -44,48 +43,70 @@ class NativeSupport:
     why: str
 
 
-BLOCK_FORMATS = ("mxfp8", "mxfp6", "mxfp4", "nvfp4")
+def fp32_support(device: torch.device) -> NativeSupport:
+    return NativeSupport(True, True, "FP32 is native everywhere")
 
 
-def native_support(fmt: str, device: torch.device) -> NativeSupport:
-    """Whether `fmt` (fp32, tf32, fp16, bf16, fp8, or a block format) runs natively on `device`, and whether that
-    is fast."""
-    if fmt == "fp32":
-        return NativeSupport(True, True, "FP32 is native everywhere")
-    if fmt in BLOCK_FORMATS:
-        return _block_format_support(fmt, device)
-    if device.type == "cuda":
-        cc = torch.cuda.get_device_capability(device)
-        need = {"tf32": (8, 0), "fp16": (7, 0), "bf16": (8, 0), "fp8": (8, 9)}[fmt]
-        has = cc >= need
-        why = f"compute capability {cc[0]}.{cc[1]} {'>=' if has else '<'} {need[0]}.{need[1]}"
-        if fmt == "fp8" and has and not torchao_available():
-            return NativeSupport(False, False, why + ", but torchao is not installed (pip install '.[fp8-gpu]')")
-        available = has or fmt in ("fp16", "bf16")  # older GPUs still run 16-bit kernels, slowly
-        return NativeSupport(available, has, why)
-    if device.type == "xla":
-        return NativeSupport(fmt == "bf16", fmt == "bf16", "XLA devices (TPUs) compute natively in bf16 only")
-    if fmt == "fp16":
-        # Measured: even with avx512_fp16/amx_fp16, torch's CPU fp16 autocast ran LeNet at 113 ms a step against
-        # 11 ms emulated (and 3.4x slower than emulation on a CPU without those units): never fast on CPU.
-        has = "has" if _cpu_flags() & {"avx512_fp16", "amx_fp16"} else "lacks"
-        return NativeSupport(True, False, f"torch's CPU fp16 kernels are slower than emulating fp16 in FP32 "
-                                          f"(measured; the CPU {has} avx512_fp16/amx_fp16)")
-    if fmt == "bf16":
-        fast = bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
-        why = f"CPU {'has' if fast else 'lacks'} amx_bf16/avx512_bf16; torch has CPU bf16 kernels"
-        return NativeSupport(True, fast, why)
+def _cuda_support(fmt: str, device: torch.device, need: tuple[int, int]) -> NativeSupport:
+    cc = torch.cuda.get_device_capability(device)
+    has = cc >= need
+    why = f"compute capability {cc[0]}.{cc[1]} {'>=' if has else '<'} {need[0]}.{need[1]}"
+    if fmt == "fp8" and has and not torchao_available():
+        return NativeSupport(False, False, why + ", but torchao is not installed (pip install '.[fp8-gpu]')")
+    available = has or fmt in ("fp16", "bf16")  # older GPUs still run 16-bit kernels, slowly
+    return NativeSupport(available, has, why)
+
+
+def _no_compute_path(fmt: str, device: torch.device) -> NativeSupport:
     return NativeSupport(False, False, f"torch has no {fmt} compute path on {device.type}")
 
 
-def _block_format_support(fmt: str, device: torch.device) -> NativeSupport:
-    """MX and NVFP4 GEMMs are native on CUDA compute capability >= 10.0; of their training recipes, torchao 0.18
-    has MXFP8's as a Linear (MXFP8Linear). Its NVFP4 recipe is another one (a random Hadamard transform, BF16,
-    every dimension a multiple of 128), and FP6/FP4 MX training it has not."""
-    if fmt != "mxfp8":
-        why = ("torchao's NVFP4 training is a recipe of its own (random Hadamard transform, BF16 operands, dimensions "
-               "multiples of 128), not this one" if fmt == "nvfp4" else f"torchao has no {fmt} training path")
-        return NativeSupport(False, False, f"{fmt} is emulated on every device: {why}")
+def _xla_support(fmt: str) -> NativeSupport:
+    return NativeSupport(fmt == "bf16", fmt == "bf16", "XLA devices (TPUs) compute natively in bf16 only")
+
+
+def tf32_support(device: torch.device) -> NativeSupport:
+    if device.type == "cuda":
+        return _cuda_support("tf32", device, (8, 0))
+    return _xla_support("tf32") if device.type == "xla" else _no_compute_path("tf32", device)
+
+
+def fp16_support(device: torch.device) -> NativeSupport:
+    if device.type == "cuda":
+        return _cuda_support("fp16", device, (7, 0))
+    if device.type == "xla":
+        return _xla_support("fp16")
+    # Measured: even with avx512_fp16/amx_fp16, torch's CPU fp16 autocast ran LeNet at 113 ms a step against
+    # 11 ms emulated (and 3.4x slower than emulation on a CPU without those units): never fast on CPU.
+    has = "has" if _cpu_flags() & {"avx512_fp16", "amx_fp16"} else "lacks"
+    return NativeSupport(True, False, f"torch's CPU fp16 kernels are slower than emulating fp16 in FP32 "
+                                      f"(measured; the CPU {has} avx512_fp16/amx_fp16)")
+
+
+def bf16_support(device: torch.device) -> NativeSupport:
+    if device.type == "cuda":
+        return _cuda_support("bf16", device, (8, 0))
+    if device.type == "xla":
+        return _xla_support("bf16")
+    fast = bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    why = f"CPU {'has' if fast else 'lacks'} amx_bf16/avx512_bf16; torch has CPU bf16 kernels"
+    return NativeSupport(True, fast, why)
+
+
+def fp8_support(device: torch.device) -> NativeSupport:
+    if device.type == "cuda":
+        return _cuda_support("fp8", device, (8, 9))
+    return _xla_support("fp8") if device.type == "xla" else _no_compute_path("fp8", device)
+
+
+def emulated_everywhere(why: str):
+    """The native-support function of a format no device runs natively (`why` says so)."""
+    return lambda device: NativeSupport(False, False, why)
+
+
+def mxfp8_support(device: torch.device) -> NativeSupport:
+    """MX GEMMs are native on CUDA compute capability >= 10.0; of the MX training recipes, torchao 0.18 has
+    MXFP8's as a Linear (MXFP8Linear). FP6/FP4 MX training it has not, and its NVFP4 recipe is another one."""
     if device.type != "cuda":
         return NativeSupport(False, False, f"MXFP8 GEMMs are native on CUDA compute capability >= 10.0, not on "
                                            f"{device.type}")

@@ -51,50 +51,10 @@ from bench.numerics.blocks import (
     tile_quantise,
 )
 from bench.numerics.formats import FORMATS, quantise_stochastic, quantise_value, resolve_overflow
-from bench.numerics.hardware import native_support
-from bench.numerics.scaling import SCALING_METHODS
+from bench.numerics.specs import BLOCK_SCALINGS, Recipe, format_spec, native_support
 from bench.numerics.telemetry import QuantTelemetry
 
-FORMAT_MODES = {"fp32": ("true",), "tf32": ("true",), "fp16": ("mixed", "true"), "bf16": ("mixed", "true"),
-                "fp8": ("mixed",), "mxfp8": ("mixed",), "mxfp6": ("mixed",), "mxfp4": ("mixed",), "nvfp4": ("mixed",)}
 BACKENDS = ("auto", "native", "emulated")
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """Element formats an emulated matmul/conv rounds to."""
-
-    inputs: str  # activations and weights entering the op (forward)
-    grads: str  # gradients entering the op's backward
-    sixteen_bit_kernel: bool  # output, bias and returned gradients are rounded to `inputs` too
-    block: str | None = None  # "mx" or "nvfp4": block-scaled GEMM operands (bench/numerics/blocks.py)
-
-
-RECIPES = {
-    "tf32": Recipe("tf32", "tf32", False),
-    "fp16": Recipe("fp16", "fp16", True),
-    "bf16": Recipe("bf16", "bf16", True),
-    "fp8": Recipe("fp8_e4m3", "fp8_e5m2", False),
-    # the MX paper's training recipes (Rouhani et al. 2023): E4M3 / E5M2, E2M3 / E3M2, E2M1 throughout
-    "mxfp8": Recipe("fp8_e4m3", "fp8_e5m2", False, "mx"),
-    "mxfp6": Recipe("fp6_e2m3", "fp6_e3m2", False, "mx"),
-    "mxfp4": Recipe("fp4_e2m1", "fp4_e2m1", False, "mx"),
-    "nvfp4": Recipe("fp4_e2m1", "fp4_e2m1", False, "nvfp4"),
-}
-# format.gradients: the gradient operands' element format where the format's width offers two (null keeps the
-# recipe's). torchao's and Transformer Engine's MXFP8 recipes take E4M3 gradients, the MX paper E5M2.
-GRADIENT_ELEMENTS = {"mxfp8": ("fp8_e4m3", "fp8_e5m2"), "mxfp6": ("fp6_e2m3", "fp6_e3m2")}
-# Block formats carry their own scales (per_tensor adds nothing); unit scaling's Linear takes block operands too.
-BLOCK_SCALINGS = ("none", "static", "dynamic", "unit")
-
-
-def valid_scalings(fmt: str) -> tuple[str, ...]:
-    """The scaling methods a format combines with: block formats carry their own scales (loss and unit scaling
-    still apply; per-tensor would add nothing); rowwise and block scaling are FP8 recipes."""
-    if RECIPES.get(fmt) and RECIPES[fmt].block:
-        return BLOCK_SCALINGS
-    return SCALING_METHODS if fmt == "fp8" else tuple(s for s in SCALING_METHODS if s not in FP8_GRANULARITIES)
 
 
 class PrecisionError(ConfigError):
@@ -416,11 +376,10 @@ class Precision:
         """per_tensor: a factory `(tensor_class, spec) -> PerTensorScale` when scaling=per_tensor, else None.
         scale_mode: block formats only (bench/numerics/blocks.py's SCALE_MODES); rounding: fp8 and block formats (ROUNDINGS).
         granularity: FP8 only, scaling=rowwise or block (bench/numerics/blocks.py's FP8_GRANULARITIES), else None.
-        gradients: the gradient operands' element format (GRADIENT_ELEMENTS), None for the recipe's."""
-        if fmt not in FORMAT_MODES:
-            raise PrecisionError(f"unknown format {fmt!r}; valid: {', '.join(FORMAT_MODES)}")
-        if mode not in FORMAT_MODES[fmt]:
-            raise PrecisionError(f"format={fmt} has no mode={mode}; valid for {fmt}: {', '.join(FORMAT_MODES[fmt])}")
+        gradients: the gradient operands' element format (the spec's gradient_elements), None for the recipe's."""
+        self.spec = format_spec(fmt)
+        if mode not in self.spec.modes:
+            raise PrecisionError(f"format={fmt} has no mode={mode}; valid for {fmt}: {', '.join(self.spec.modes)}")
         if backend not in BACKENDS:
             raise PrecisionError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
         if scale_mode not in SCALE_MODES:
@@ -430,17 +389,17 @@ class Precision:
         self.format, self.mode, self.device, self.requested_backend = fmt, mode, device, backend
         self.rounding = rounding  # of the gradients entering each GEMM's backward (fp8 and the block formats)
         self.overflow, self.ftz, self.per_tensor = overflow, ftz, per_tensor
-        if granularity is not None and (fmt != "fp8" or granularity not in FP8_GRANULARITIES):
+        if granularity is not None and (not self.spec.tile_scalings or granularity not in FP8_GRANULARITIES):
             raise PrecisionError(f"scaling={granularity} is an FP8 recipe ({', '.join(FP8_GRANULARITIES)}); it needs "
                                  f"format=fp8, not {fmt}")
         self.granularity = granularity
-        self.recipe = RECIPES.get(fmt)
-        if rounding != "nearest" and not (fmt == "fp8" or (self.recipe and self.recipe.block)):
+        self.recipe = self.spec.recipe
+        if rounding != "nearest" and not self.spec.stochastic_rounding:
             raise PrecisionError(f"format.rounding={rounding} applies to fp8 and the block formats, not to {fmt}")
         if gradients is not None:
-            if gradients not in GRADIENT_ELEMENTS.get(fmt, ()):
-                raise PrecisionError(f"format.gradients={gradients} does not go with format={fmt}; valid: null" + "".join(
-                    f", {e}" for e in GRADIENT_ELEMENTS.get(fmt, ())) + " (a choice of mxfp8 and mxfp6)")
+            if gradients not in self.spec.gradient_elements:
+                raise PrecisionError(f"format.gradients={gradients} does not go with format={fmt}; valid: null"
+                                     + "".join(f", {e}" for e in self.spec.gradient_elements))
             self.recipe = replace(self.recipe, grads=gradients)
         self.telemetry = QuantTelemetry()
         if granularity is not None:
@@ -499,7 +458,7 @@ class Precision:
         self.flags = set_fp32_precision(tf32=(fmt == "tf32"))
         self.fp8_modules = None  # native FP8 / MXFP8: which Linear layers torchao converted and which it left alone
         self.kept_in_high_precision = None  # block formats: the Conv2d layers they leave in FP32
-        self.dtype = TORCH_DTYPES.get(fmt)
+        self.dtype = self.spec.torch_dtype
         # While bench.numerics.memory counts a step, it listens here: (input, output, tensor class, format) of every
         # tensor a rounding site makes. None otherwise.
         self.site_listener = None
@@ -518,8 +477,7 @@ class Precision:
     @property
     def setting(self) -> str:
         """Lightning-style name of the precision setting: 32-true, tf32, 16-mixed, bf16-true, fp8-mixed."""
-        return {"fp32": "32-true", "tf32": "tf32", "fp16": f"16-{self.mode}", "bf16": f"bf16-{self.mode}",
-                "fp8": "fp8-mixed"}.get(self.format, f"{self.format}-{self.mode}")
+        return self.spec.setting(self.mode)
 
     def _site(self, tensor_class: str, fmt: str) -> TensorSite:
         scaler = self.per_tensor(tensor_class, FORMATS[fmt]) if self.per_tensor else None

@@ -26,6 +26,7 @@ import pandas as pd
 from scipy import stats
 
 from bench.errors import ConfigError
+from bench.numerics.specs import settings_in_order
 from bench.numerics.telemetry import TENSOR_CLASSES
 from bench.running.config import task_spec
 from bench.running.record import (
@@ -38,8 +39,6 @@ from bench.running.record import (
 )
 from bench.tasks.base import describe as generic_describe
 
-SETTING_ORDER = ["64-true", "32-true", "tf32", "16-mixed", "16-true", "bf16-mixed", "bf16-true", "fp8-mixed",
-                 "mxfp8-mixed", "mxfp6-mixed", "mxfp4-mixed", "nvfp4-mixed"]
 SCALING_ORDER = ["none", "static", "dynamic", "per_tensor", "unit", "rowwise", "rowwise_with_gw_hp", "block"]
 CELL_KEYS = ["experiment", "model", "task", "model_label", "setting", "scaling", "backend", "variant"]
 # Keys a cell's row already names (setting, scaling, model) or that never differ between its runs (seed).
@@ -234,7 +233,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
     frame = pd.DataFrame(rows)
     if frame.empty:
         return frame
-    frame["setting"] = pd.Categorical(frame["setting"], SETTING_ORDER, ordered=True)
+    frame["setting"] = pd.Categorical(frame["setting"], settings_in_order(), ordered=True)  # the registry's order
     frame["scaling"] = pd.Categorical(frame["scaling"], SCALING_ORDER, ordered=True)
     frame["variant"] = variants(frame)
     return frame.drop(columns="_settings").sort_values([*CELL_KEYS, "seed"]).reset_index(drop=True)

@@ -25,7 +25,8 @@ from bench.data import DATA_DIR
 from bench.errors import ConfigError  # noqa: F401  (bench.running.config.ConfigError: the same class)
 from bench.numerics.blocks import FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES
 from bench.numerics.formats import OVERFLOW_POLICIES
-from bench.numerics.precision import BACKENDS, FORMAT_MODES, GRADIENT_ELEMENTS, RECIPES, valid_scalings
+from bench.numerics.precision import BACKENDS
+from bench.numerics.specs import FORMAT_SPECS, block_formats, stochastic_formats
 from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
 from bench.numerics.unit import LR_RULES
 from bench.running.device import DEVICES, parallel_jobs
@@ -324,30 +325,30 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"unknown config key{'s' * (len(unknown) > 1)}: {', '.join(unknown)}; every key is"
                           " documented in conf/README.md")
     _check_model(cfg.model)
-    _choice(cfg.format.name, tuple(FORMAT_MODES), "format")
+    _choice(cfg.format.name, tuple(FORMAT_SPECS), "format")
+    spec = FORMAT_SPECS[cfg.format.name]
     cfg.format.mode = str(cfg.format.mode).lower()
-    _choice(cfg.format.mode, FORMAT_MODES[cfg.format.name], f"format.mode (for format={cfg.format.name})")
+    _choice(cfg.format.mode, spec.modes, f"format.mode (for format={cfg.format.name})")
     _choice(cfg.format.backend, BACKENDS, "format.backend")
     _choice(cfg.format.scale_mode, SCALE_MODES, "format.scale_mode")
     _choice(cfg.format.rounding, ROUNDINGS, "format.rounding")
-    block = RECIPES.get(cfg.format.name) and RECIPES[cfg.format.name].block
     _choice(cfg.scaling.name, SCALING_METHODS, "scaling")
-    if cfg.scaling.name not in valid_scalings(cfg.format.name):
-        why = ("block formats scale every block themselves (per_tensor would add nothing)" if block else
+    if cfg.scaling.name not in spec.scalings():
+        why = ("block formats scale every block themselves (per_tensor would add nothing)" if spec.block else
                "rowwise, rowwise_with_gw_hp and block scaling are FP8 recipes (E4M3 with a scale per row or tile)")
         raise ConfigError(f"scaling={cfg.scaling.name} does not combine with format={cfg.format.name}: {why}; valid "
-                          f"for {cfg.format.name}: {', '.join(valid_scalings(cfg.format.name))}")
-    if (block or cfg.scaling.name in FP8_GRANULARITIES) and cfg.format.overflow not in (None, "saturate"):
+                          f"for {cfg.format.name}: {', '.join(spec.scalings())}")
+    if (spec.block or cfg.scaling.name in FP8_GRANULARITIES) and cfg.format.overflow not in (None, "saturate"):
         raise ConfigError(f"format.overflow={cfg.format.overflow}: {cfg.format.name} with scaling={cfg.scaling.name} "
                           "saturates its elements; valid there: null or saturate")
-    if not block and cfg.format.scale_mode != "floor":
-        raise ConfigError(f"format.scale_mode applies to the block formats only (mxfp8, mxfp6, mxfp4, nvfp4), not to "
-                          f"format={cfg.format.name}")
-    if not block and cfg.format.name != "fp8" and cfg.format.rounding != "nearest":
-        raise ConfigError(f"format.rounding applies to fp8 and the block formats (mxfp8, mxfp6, mxfp4, nvfp4), not to "
+    if not spec.block and cfg.format.scale_mode != "floor":
+        raise ConfigError(f"format.scale_mode applies to the block formats only ({', '.join(block_formats())}), not "
+                          f"to format={cfg.format.name}")
+    if not spec.stochastic_rounding and cfg.format.rounding != "nearest":
+        raise ConfigError(f"format.rounding applies to {', '.join(stochastic_formats())}, not to "
                           f"format={cfg.format.name}; valid there: nearest")
-    if cfg.format.gradients is not None and cfg.format.gradients not in GRADIENT_ELEMENTS.get(cfg.format.name, ()):
-        valid = {f: ", ".join(e) for f, e in GRADIENT_ELEMENTS.items()}
+    if cfg.format.gradients is not None and cfg.format.gradients not in spec.gradient_elements:
+        valid = {name: ", ".join(s.gradient_elements) for name, s in FORMAT_SPECS.items() if s.gradient_elements}
         raise ConfigError(f"format.gradients={cfg.format.gradients} does not go with format={cfg.format.name}; valid: "
                           "null (the format's recipe), or " + "; ".join(f"{e} for {f}" for f, e in valid.items()))
     if cfg.format.overflow is not None:

@@ -21,13 +21,13 @@ from hydra import compose, initialize_config_dir
 from tabulate import tabulate
 from torch import nn
 
-from bench.numerics import hardware
+from bench.numerics import hardware, specs
 from bench.numerics.precision import Precision, set_fp32_precision
 from bench.running import device as devices
 from bench.data import hub
 from bench.running.config import CONF_DIR
 from bench.tasks.charlm import text_cache
-from bench.tools.matrix import SETTINGS
+from bench.tools.matrix import settings
 
 
 def fp32_is_ieee(device: torch.device) -> tuple[bool, str]:
@@ -70,11 +70,11 @@ def precision_rows(device: torch.device) -> tuple[list[list[str]], bool]:
     ok, detail = fp32_is_ieee(device)
     rows.append(["32-true (TF32 off)", "native", "pass" if ok else "FAIL", detail])
     healthy &= ok
-    for fmt, mode in SETTINGS:
+    for fmt, mode in settings():
         if fmt == "fp32":
             continue
         setting = f"{fmt}-{mode}" if fmt in ("fp16", "bf16") else fmt
-        support = hardware.native_support(fmt, device)
+        support = specs.native_support(fmt, device)
         if not support.available:
             rows.append([setting, "emulated", "–", support.why])
             continue

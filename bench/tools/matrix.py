@@ -16,7 +16,8 @@ import torch
 
 from bench.numerics import hardware
 from bench.numerics.blocks import FP8_GRANULARITIES
-from bench.numerics.precision import FORMAT_MODES, Precision, valid_scalings
+from bench.numerics.precision import Precision
+from bench.numerics.specs import FORMAT_SPECS
 
 # name -> (device type, CPU flags, CUDA compute capability, torchao installed)
 PROFILES = {
@@ -30,7 +31,11 @@ PROFILES = {
     "B200 (10.0) with torchao": ("cuda", (), (10, 0), True),
     "TPU (torch_xla)": ("xla", (), None, False),
 }
-SETTINGS = [(fmt, mode) for fmt, modes in FORMAT_MODES.items() for mode in modes]
+
+
+def settings() -> list[tuple[str, str]]:
+    """(format, mode) of every registered format, in the registry's order."""
+    return [(name, mode) for name, spec in FORMAT_SPECS.items() for mode in spec.modes]
 
 
 @contextlib.contextmanager
@@ -61,10 +66,6 @@ def decide(profile: str, fmt: str, mode: str, scaling: str, **options) -> tuple[
     return precision.backend, precision.why
 
 
-def _setting(fmt: str, mode: str) -> str:
-    return {"fp32": "32-true", "tf32": "tf32", "fp8": "fp8-mixed"}.get(fmt, f"{fmt.replace('fp16', '16')}-{mode}")
-
-
 def _summary(decisions: dict[str, str]) -> str:
     """One table cell: the backend, and the scaling methods that differ from the rest."""
     backends = set(decisions.values())
@@ -77,10 +78,11 @@ def _summary(decisions: dict[str, str]) -> str:
 
 def markdown() -> str:
     """The table: one row per device, one column per format setting."""
-    header = "| device | " + " | ".join(_setting(f, m) for f, m in SETTINGS) + " |"
-    lines = [header, "|" + "---|" * (len(SETTINGS) + 1)]
+    columns = settings()
+    header = "| device | " + " | ".join(FORMAT_SPECS[f].setting(m) for f, m in columns) + " |"
+    lines = [header, "|" + "---|" * (len(columns) + 1)]
     for profile in PROFILES:
-        cells = [_summary({s: decide(profile, f, m, s)[0] for s in valid_scalings(f)}) for f, m in SETTINGS]
+        cells = [_summary({s: decide(profile, f, m, s)[0] for s in FORMAT_SPECS[f].scalings()}) for f, m in columns]
         lines.append(f"| {profile} | " + " | ".join(cells) + " |")
     for fmt, cell, options in RECIPE_NOTES:
         native = [p for p in PROFILES if decide(p, fmt, "mixed", "none", **options)[0] == "native"]

@@ -1,0 +1,122 @@
+"""Every training format, declared once: config validation, the precision policy, the device matrix and the
+tables' order all read `FORMAT_SPECS`. Adding a format is one `register(FormatSpec(...))` (with its element
+formats in bench/numerics/formats.py's FORMATS) and one yaml, conf/format/<name>.yaml; docs/extending.md shows how.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from bench.errors import ConfigError
+from bench.numerics import hardware
+from bench.numerics.blocks import FP8_GRANULARITIES
+from bench.numerics.hardware import NativeSupport
+from bench.numerics.scaling import SCALING_METHODS
+
+MODES = ("mixed", "true")  # FP32 master weights (Lightning's 16-mixed), or the whole model cast (16-true)
+# Block formats carry their own scales (per_tensor adds nothing); unit scaling's Linear takes block operands too.
+BLOCK_SCALINGS = ("none", "static", "dynamic", "unit")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Element formats an emulated matmul/conv rounds to."""
+
+    inputs: str  # activations and weights entering the op (forward)
+    grads: str  # gradients entering the op's backward
+    sixteen_bit_kernel: bool  # output, bias and returned gradients are rounded to `inputs` too
+    block: str | None = None  # "mx" or "nvfp4": block-scaled GEMM operands (bench/numerics/blocks.py)
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One training format: `format.name`, the modes it runs in, what an emulated op rounds to, what tables call it,
+    and which devices run it natively."""
+
+    name: str
+    modes: tuple[str, ...]
+    recipe: Recipe | None  # None: nothing rounds (FP32)
+    native: Callable[[torch.device], NativeSupport]  # hardware.py's function for this format
+    setting_names: tuple[str, ...] = ()  # the tables' name per mode, as `modes`; () = `<name>-<mode>`
+    torch_dtype: torch.dtype | None = None  # where native: autocast's dtype (mixed), the model's (true)
+    gradient_elements: tuple[str, ...] = ()  # format.gradients choices (null keeps the recipe's)
+    stochastic_rounding: bool = False  # format.rounding=stochastic applies (to the gradients entering the backward)
+    tile_scalings: bool = False  # scaling=rowwise, rowwise_with_gw_hp and block apply (E4M3 per row or tile)
+
+    def setting(self, mode: str) -> str:
+        """Lightning-style name of the precision setting: 32-true, tf32, 16-mixed, bf16-true, fp8-mixed."""
+        return self.setting_names[self.modes.index(mode)] if self.setting_names else f"{self.name}-{mode}"
+
+    @property
+    def block(self) -> str | None:
+        return self.recipe.block if self.recipe else None
+
+    def scalings(self) -> tuple[str, ...]:
+        """The scaling methods it combines with: block formats carry their own scales (loss and unit scaling still
+        apply; per-tensor would add nothing); rowwise and block scaling are FP8 recipes."""
+        if self.block:
+            return BLOCK_SCALINGS
+        return SCALING_METHODS if self.tile_scalings else tuple(s for s in SCALING_METHODS if s not in FP8_GRANULARITIES)
+
+
+FORMAT_SPECS: dict[str, FormatSpec] = {}
+
+
+def register(spec: FormatSpec) -> FormatSpec:
+    if not set(spec.modes) <= set(MODES) or (spec.setting_names and len(spec.setting_names) != len(spec.modes)):
+        raise ValueError(f"{spec.name}: modes must be among {MODES}, with one setting name each")
+    FORMAT_SPECS[spec.name] = spec
+    return spec
+
+
+def format_spec(name: str) -> FormatSpec:
+    try:
+        return FORMAT_SPECS[name]
+    except KeyError:
+        raise ConfigError(f"format={name!r} is not valid; valid: {', '.join(FORMAT_SPECS)}") from None
+
+
+def native_support(fmt: str, device: torch.device) -> NativeSupport:
+    """Whether `fmt` runs natively on `device`, and whether that is fast."""
+    return format_spec(fmt).native(device)
+
+
+def settings_in_order() -> list[str]:
+    """Every setting name, in the order formats were registered: the tables' row order."""
+    return [spec.setting(mode) for spec in FORMAT_SPECS.values() for mode in spec.modes]
+
+
+def block_formats() -> list[str]:
+    return [name for name, spec in FORMAT_SPECS.items() if spec.block]
+
+
+def stochastic_formats() -> list[str]:
+    return [name for name, spec in FORMAT_SPECS.items() if spec.stochastic_rounding]
+
+
+register(FormatSpec("fp32", ("true",), None, hardware.fp32_support, ("32-true",)))
+register(FormatSpec("tf32", ("true",), Recipe("tf32", "tf32", False), hardware.tf32_support, ("tf32",)))
+register(FormatSpec("fp16", MODES, Recipe("fp16", "fp16", True), hardware.fp16_support, ("16-mixed", "16-true"),
+                    torch.float16))
+register(FormatSpec("bf16", MODES, Recipe("bf16", "bf16", True), hardware.bf16_support, ("bf16-mixed", "bf16-true"),
+                    torch.bfloat16))
+register(FormatSpec("fp8", ("mixed",), Recipe("fp8_e4m3", "fp8_e5m2", False), hardware.fp8_support,
+                    stochastic_rounding=True, tile_scalings=True))
+# The MX paper's training recipes (Rouhani et al. 2023): E4M3 / E5M2, E2M3 / E3M2, E2M1 throughout. torchao's and
+# Transformer Engine's MXFP8 recipes take E4M3 gradients (format.gradients=fp8_e4m3).
+_NO_MX_TRAINING = "emulated on every device: torchao has no {} training path"
+register(FormatSpec("mxfp8", ("mixed",), Recipe("fp8_e4m3", "fp8_e5m2", False, "mx"), hardware.mxfp8_support,
+                    gradient_elements=("fp8_e4m3", "fp8_e5m2"), stochastic_rounding=True))
+register(FormatSpec("mxfp6", ("mixed",), Recipe("fp6_e2m3", "fp6_e3m2", False, "mx"),
+                    hardware.emulated_everywhere("mxfp6 is " + _NO_MX_TRAINING.format("mxfp6")),
+                    gradient_elements=("fp6_e2m3", "fp6_e3m2"), stochastic_rounding=True))
+register(FormatSpec("mxfp4", ("mixed",), Recipe("fp4_e2m1", "fp4_e2m1", False, "mx"),
+                    hardware.emulated_everywhere("mxfp4 is " + _NO_MX_TRAINING.format("mxfp4")), stochastic_rounding=True))
+register(FormatSpec("nvfp4", ("mixed",), Recipe("fp4_e2m1", "fp4_e2m1", False, "nvfp4"),
+                    hardware.emulated_everywhere("nvfp4 is emulated on every device: torchao's NVFP4 training is a "
+                                                 "recipe of its own (random Hadamard transform, BF16 operands, "
+                                                 "dimensions multiples of 128), not this one"),
+                    stochastic_rounding=True))
