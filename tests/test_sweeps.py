@@ -88,9 +88,11 @@ def _final_weights(run_dir: Path) -> dict:
 
 
 # SIGUSR2 and SIGTERM are what SLURM sends: the cluster tests pre-empt and requeue real jobs with them, so here they
-# run with the slow tests, beside the kill and Ctrl-C
+# run with the slow tests, as does Ctrl-C (SIGINT: the checkpoint path SIGKILL's resumption shares, plus a handler);
+# the kill stays in make test
 @pytest.mark.parametrize("how", [signal.SIGKILL, pytest.param(signal.SIGUSR2, marks=pytest.mark.slow),
-                                 pytest.param(signal.SIGTERM, marks=pytest.mark.slow), signal.SIGINT])
+                                 pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_an_interrupted_run_resumes_to_bitwise_the_same_weights(tmp_path, how):
     args = ["format=fp32", "train.checkpoint_every=40", "train.keep_checkpoint=true", "train.max_steps=600"]
     reference_dir, interrupted_dir = tmp_path / "reference", tmp_path / "interrupted"
@@ -246,6 +248,7 @@ def _submitit_jobs() -> list[int]:
     return pids
 
 
+@pytest.mark.slow  # make test-cluster cancels a real SLURM job the same way (tests/cluster, in CI)
 def test_a_job_that_ends_without_a_result_fails_its_cell_and_the_sweep_finishes(tmp_path):
     """As scancel, an out-of-memory kill or a node failure: the sweep waits for the others, prints its summary
     with that cell failed, exits 1; the next launch completes the cell with exactly one record."""
