@@ -9,7 +9,7 @@ import torch
 
 from bench.running.compile import compile_wanted
 from bench.running.config import ConfigError, check
-from bench.running.record import run_id
+from bench.running.identity import run_id
 from bench.running.run import run_cell
 
 # inductor fuses the forward and reorders its reductions, and computes a chain of 16-bit pointwise ops in FP32

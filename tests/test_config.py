@@ -166,7 +166,7 @@ KNOWN_IDS = [
 def test_run_ids_and_cells_of_existing_records_are_unchanged(overrides, known_id, known_cell):
     from hydra import compose, initialize_config_dir
 
-    from bench.running.record import run_id
+    from bench.running.identity import run_id
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=overrides)

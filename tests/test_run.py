@@ -130,7 +130,7 @@ def test_threads_are_set_part_of_the_identity_and_the_timing_conditions_recorded
     import torch
     from omegaconf import OmegaConf
 
-    from bench.running.record import run_id
+    from bench.running.identity import run_id
 
     records = {}
     for threads in (1, 2):
@@ -203,7 +203,7 @@ def test_a_record_made_in_another_checkout_is_the_same_run_for_a_resumed_sweep_a
 
     from bench.data import DATA_DIR
     from bench.reporting.aggregate import to_frame
-    from bench.running.record import config_hash
+    from bench.running.identity import config_hash
 
     fp32 = make_cfg("model=bert_tiny", "train.max_steps=2")
     assert run_cell(fp32)["status"] == "ok"
@@ -223,7 +223,7 @@ def test_a_record_made_before_an_option_with_a_null_default_existed_is_the_same_
     """format.gradients came with a null default; a record from before it lacks the key. Its cell resumes and the
     tables pair it with new runs, instead of the whole results directory refusing to resume."""
     from bench.reporting.aggregate import to_frame
-    from bench.running.record import config_hash
+    from bench.running.identity import config_hash
 
     fp32 = make_cfg("model=lenet", "train.max_steps=2")
     assert run_cell(fp32)["status"] == "ok"

@@ -29,13 +29,12 @@ from bench.errors import ConfigError
 from bench.numerics.specs import settings_in_order
 from bench.numerics.telemetry import TENSOR_CLASSES
 from bench.running.config import task_spec
+from bench.running.identity import comparison_ids, config_hash, semantic_config
 from bench.running.record import (
     RECORD_KEYS,
     RecordError,
     check_record,
-    config_hash,
     read_record,
-    semantic_config,
 )
 from bench.tasks.base import describe as generic_describe
 
@@ -199,11 +198,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
         row = {
             "experiment": cfg["experiment_name"], "model": model, "model_label": label,
             "task": dataset + ("" if pretrained else "_scratch"),
-            "config_id": config_hash({k: v for k, v in semantic.items() if k != "seed"}),
-            "baseline_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format")}),
-            # the same model, data and training apart from format and scaling method: what a format x scaling
-            # layout (the unit_scaling_charlm table) compares across its columns
-            "design_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format", "scaling")}),
+            **comparison_ids(semantic),  # config_id, baseline_id, design_id (bench/running/identity.py)
             "_settings": _flatten(semantic),
             "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
             "rounding": cfg["format"].get("rounding", "nearest"),  # of the gradient operands (fp8, block formats)

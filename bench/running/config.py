@@ -10,16 +10,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from bench.data import DATA_DIR
 from bench.errors import ConfigError  # noqa: F401  (bench.running.config.ConfigError: the same class)
@@ -30,6 +28,7 @@ from bench.numerics.specs import FORMAT_SPECS, block_formats, stochastic_formats
 from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
 from bench.numerics.unit import LR_RULES
 from bench.running.device import DEVICES, parallel_jobs
+from bench.running.identity import cell_path
 from bench.tasks.base import TaskSpec
 from bench.tasks.charlm import SHAKESPEARE_SHA256
 
@@ -40,47 +39,6 @@ LOGGERS = ("none", "wandb")
 CONF_DIR = DATA_DIR.parents[1] / "conf"  # the Hydra configs, beside the package in the checkout
 OmegaConf.register_new_resolver("bench_data", lambda relative: str(DATA_DIR / relative), replace=True)
 OmegaConf.register_new_resolver("bench_parallel_jobs", parallel_jobs, replace=True)  # LAUNCHER=parallel's n_jobs
-
-# Keys a cell's path already spells out; with the non-semantic keys (record.NON_SEMANTIC), never in its variant.
-PATH_KEYS = ("experiment_name", "seed", "format.name", "format.mode")
-VARIANT_MAX = 120  # characters of `key=value,...` before the variant is shortened to its keys and a hash
-
-
-def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[str] = ()) -> str:
-    """Where a cell's record goes under results_dir:
-    `<experiment>/<model option>/<format>-<mode>/<scaling option>/seed<k>[,<key>=<value>,...]`.
-
-    The options are the config-group choices as typed (`bert_tiny`, `mindspore_fixed`), falling back to
-    the config's names where Hydra's choices are not at hand. Every other semantic key overridden on the
-    command line or by a sweep (`format.backend=native`, `model.optimizer.lr=1e-3`) is appended with its
-    resolved value, sorted, as Hydra's override_dirname does: each swept value gets its own directory.
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from bench.running.record import NON_SEMANTIC, NON_SEMANTIC_MODEL, NON_SEMANTIC_TRAIN
-
-    choices = choices or {}
-    excluded = set(PATH_KEYS) | set(NON_SEMANTIC) | {f"train.{k}" for k in NON_SEMANTIC_TRAIN}
-    excluded_trees = {*NON_SEMANTIC, *(f"model.{k}" for k in NON_SEMANTIC_MODEL)}
-    variant = {}
-    for override in OverridesParser.create().parse_overrides(list(overrides)):
-        key = override.key_or_group
-        if key in choices or key in excluded or override.is_delete() \
-                or any(key == tree or key.startswith(tree + ".") for tree in excluded_trees):
-            continue  # a group (spelled out by the path) or a key that does not change what the run computes
-        value = OmegaConf.select(cfg, key, default=None)
-        variant[key] = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) \
-            else value
-    path = (f"{cfg.experiment_name}/{choices.get('model', cfg.model.name)}/{cfg.format.name}-{str(cfg.format.mode).lower()}"
-            f"/{choices.get('scaling', cfg.scaling.name)}/seed{cfg.seed}")
-    if not variant:
-        return path
-    text = ",".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in sorted(variant.items()))
-    text = text.replace("/", "%2F").replace(" ", "")
-    if len(text) > VARIANT_MAX:
-        text = ",".join(sorted(variant)) + ",hash=" + hashlib.sha256(text.encode()).hexdigest()[:8]
-    return f"{path},{text}"
-
 
 def _cell_resolver(*, _root_: DictConfig) -> str:
     """`cell: ${bench_cell:}`: in a Hydra job, from this job's choices and overrides (Hydra sets its

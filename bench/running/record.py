@@ -9,15 +9,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
-
-from bench.data import DATA_DIR
 
 RECORD_KEYS = ("status", "reason", "config", "env", "metrics", "timing", "memory", "numerics")
 STATUSES = ("ok", "diverged", "failed")
@@ -186,55 +183,6 @@ def read_record(path: Path) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise RecordError(f"{path}: unreadable record ({e})") from None
     return check_record(record, f"{path}: record")
-
-
-# Config keys that do not change what a run computes: they never enter its identity.
-NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "device")
-NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
-NON_SEMANTIC_MODEL = ("task",)  # the model's declaration (bench/tasks/base.py TaskSpec): how to read it, not what runs
-SPELLINGS_OF_NULL = {("compile", "auto")}  # train keys whose named default means what null means
-
-
-def _identity_form(value):
-    """`value` as a run's identity sees it: shipped data by name, unset options left out.
-
-    - A path to a file shipped in bench/data, of this checkout or any other, becomes `bench_data:<relative path>`.
-      Configs hold such paths resolved (`${bench_data:vocab.txt}`), and a run's identity must not depend on where
-      the repository was cloned: a sweep resumed from another checkout, or records of two checkouts aggregated
-      together, are the same runs.
-    - A key whose value is null is left out, as if absent: null means "unset" throughout the config, so a new
-      option added with a null default leaves the identity of every run made before it unchanged (their records
-      resume and pair with new ones)."""
-    if isinstance(value, dict):
-        return {k: _identity_form(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_identity_form(v) for v in value]
-    if isinstance(value, str) and f"{os.sep}bench{os.sep}data{os.sep}" in value:
-        relative = value.rsplit(f"{os.sep}bench{os.sep}data{os.sep}", 1)[1]
-        if (DATA_DIR / relative).is_file():
-            return f"bench_data:{relative}"
-    return value
-
-
-def semantic_config(config: dict) -> dict:
-    """The part of a config that changes what a run computes (not output paths, logging or checkpoint knobs), in
-    its identity form (`_identity_form`)."""
-    semantic = _identity_form({k: v for k, v in config.items() if k not in NON_SEMANTIC})
-    if "train" in semantic:
-        semantic["train"] = {k: v for k, v in semantic["train"].items()
-                             if k not in NON_SEMANTIC_TRAIN and (k, v) not in SPELLINGS_OF_NULL}
-    if isinstance(semantic.get("model"), dict):
-        semantic["model"] = {k: v for k, v in semantic["model"].items() if k not in NON_SEMANTIC_MODEL}
-    return semantic
-
-
-def config_hash(config: dict) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def run_id(config: dict) -> str:
-    """A run's identity: a hash of its semantic config."""
-    return config_hash(semantic_config(config))
 
 
 def previous_record(run_dir: Path) -> tuple[dict | None, str | None]:

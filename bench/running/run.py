@@ -30,6 +30,7 @@ from bench.running import device as devices
 from bench.running.checkpoint import Checkpointer
 from bench.running.command_line import check_command_line
 from bench.running.config import CONF_DIR, ConfigError, check
+from bench.running.identity import run_id
 from bench.running.logger import NullLogger, open_logger
 from bench.running.record import (
     IN_FLIGHT,
@@ -41,7 +42,6 @@ from bench.running.record import (
     cell_lock,
     previous_record,
     require_free_space,
-    run_id,
     storage_errors,
     write_json_atomic,
 )

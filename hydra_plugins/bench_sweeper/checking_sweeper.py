@@ -27,8 +27,9 @@ from typing import Any, Sequence
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import OmegaConf, open_dict
 
-from bench.running.config import ConfigError, cell_path, check_results_dir
-from bench.running.record import IN_FLIGHT, RETRY_HINT, STATUSES, STORAGE_ERRNOS, in_flight, run_id
+from bench.running.config import ConfigError, check_results_dir
+from bench.running.identity import cell_path, run_id
+from bench.running.record import IN_FLIGHT, RETRY_HINT, STATUSES, STORAGE_ERRNOS, in_flight
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,117 @@
+"""A run's identity, in one home: where its record goes (`cell_path`), what it is (`run_id`), and the ids that
+aggregation pairs runs by (`comparison_ids`). Each word has one meaning:
+
+- a *run* is one configuration and seed; its `run_id` hashes the config's semantic part (`semantic_config`: what
+  changes what the run computes), so a sweep resumed elsewhere or records of two checkouts find the same runs;
+- a *cell* is a run's place under results_dir, `<experiment>/<model>/<format>-<mode>/<scaling>/seed<k>`, then
+  its *overrides*: every other semantic key set on the command line or by a sweep, `,key=value` (`cell_path`);
+- aggregation groups runs over seeds by `config_id` (the configuration without its seed), finds a configuration's
+  32-true baseline by `baseline_id` (without seed and format) and a format x scaling layout's columns by
+  `design_id` (without seed, format and scaling). A table's *variant* (bench/reporting/aggregate.py) is what a
+  cell does differently from its experiment's usual runs, for the reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from bench.data import DATA_DIR
+
+# Config keys that do not change what a run computes: they never enter its identity.
+NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "device")
+NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
+NON_SEMANTIC_MODEL = ("task",)  # the model's declaration (bench/tasks/base.py TaskSpec): how to read it, not what runs
+SPELLINGS_OF_NULL = {("compile", "auto")}  # train keys whose named default means what null means
+
+
+def _identity_form(value):
+    """`value` as a run's identity sees it: shipped data by name, unset options left out.
+
+    - A path to a file shipped in bench/data, of this checkout or any other, becomes `bench_data:<relative path>`.
+      Configs hold such paths resolved (`${bench_data:vocab.txt}`), and a run's identity must not depend on where
+      the repository was cloned: a sweep resumed from another checkout, or records of two checkouts aggregated
+      together, are the same runs.
+    - A key whose value is null is left out, as if absent: null means "unset" throughout the config, so a new
+      option added with a null default leaves the identity of every run made before it unchanged (their records
+      resume and pair with new ones)."""
+    if isinstance(value, dict):
+        return {k: _identity_form(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_identity_form(v) for v in value]
+    if isinstance(value, str) and f"{os.sep}bench{os.sep}data{os.sep}" in value:
+        relative = value.rsplit(f"{os.sep}bench{os.sep}data{os.sep}", 1)[1]
+        if (DATA_DIR / relative).is_file():
+            return f"bench_data:{relative}"
+    return value
+
+
+def semantic_config(config: dict) -> dict:
+    """The part of a config that changes what a run computes (not output paths, logging or checkpoint knobs), in
+    its identity form (`_identity_form`)."""
+    semantic = _identity_form({k: v for k, v in config.items() if k not in NON_SEMANTIC})
+    if "train" in semantic:
+        semantic["train"] = {k: v for k, v in semantic["train"].items()
+                             if k not in NON_SEMANTIC_TRAIN and (k, v) not in SPELLINGS_OF_NULL}
+    if isinstance(semantic.get("model"), dict):
+        semantic["model"] = {k: v for k, v in semantic["model"].items() if k not in NON_SEMANTIC_MODEL}
+    return semantic
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_id(config: dict) -> str:
+    """A run's identity: a hash of its semantic config."""
+    return config_hash(semantic_config(config))
+
+
+# Keys a cell's path already spells out; with the non-semantic keys, never among its overrides.
+PATH_KEYS = ("experiment_name", "seed", "format.name", "format.mode")
+OVERRIDES_MAX = 120  # characters of `key=value,...` before a path's overrides are shortened to keys and a hash
+
+
+def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[str] = ()) -> str:
+    """Where a cell's record goes under results_dir:
+    `<experiment>/<model option>/<format>-<mode>/<scaling option>/seed<k>[,<key>=<value>,...]`.
+
+    The options are the config-group choices as typed (`bert_tiny`, `mindspore_fixed`), falling back to
+    the config's names where Hydra's choices are not at hand. Every other semantic key overridden on the
+    command line or by a sweep (`format.backend=native`, `model.optimizer.lr=1e-3`) is appended with its
+    resolved value, sorted, as Hydra's override_dirname does: each swept value gets its own directory.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    choices = choices or {}
+    excluded = set(PATH_KEYS) | set(NON_SEMANTIC) | {f"train.{k}" for k in NON_SEMANTIC_TRAIN}
+    excluded_trees = {*NON_SEMANTIC, *(f"model.{k}" for k in NON_SEMANTIC_MODEL)}
+    overridden = {}
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group
+        if key in choices or key in excluded or override.is_delete() \
+                or any(key == tree or key.startswith(tree + ".") for tree in excluded_trees):
+            continue  # a group (spelled out by the path) or a key that does not change what the run computes
+        value = OmegaConf.select(cfg, key, default=None)
+        overridden[key] = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) \
+            else value
+    path = (f"{cfg.experiment_name}/{choices.get('model', cfg.model.name)}/{cfg.format.name}-{str(cfg.format.mode).lower()}"
+            f"/{choices.get('scaling', cfg.scaling.name)}/seed{cfg.seed}")
+    if not overridden:
+        return path
+    text = ",".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in sorted(overridden.items()))
+    text = text.replace("/", "%2F").replace(" ", "")
+    if len(text) > OVERRIDES_MAX:
+        text = ",".join(sorted(overridden)) + ",hash=" + hashlib.sha256(text.encode()).hexdigest()[:8]
+    return f"{path},{text}"
+
+
+def comparison_ids(semantic: dict) -> dict[str, str]:
+    """The ids aggregation pairs a run by, from its semantic config (with the device it ran on)."""
+    return {"config_id": config_hash({k: v for k, v in semantic.items() if k != "seed"}),
+            "baseline_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format")}),
+            "design_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format", "scaling")})}
