@@ -74,3 +74,13 @@ def test_every_config_key_is_documented_in_conf_readme():
     schemas = [TaskSpec, *(v for v in vars(config).values() if dataclasses.is_dataclass(v) and v.__module__ == config.__name__)]
     missing = [f"{s.__name__}.{f.name}" for s in schemas for f in dataclasses.fields(s) if f.name not in documented]
     assert len(schemas) > 10 and missing == []
+
+
+def test_one_version_named_by_the_package_the_changelog_and_the_citation():
+    import bench
+
+    citation = (ROOT / "CITATION.cff").read_text()
+    assert f"\nversion: {bench.__version__}\n" in citation and "license: Apache-2.0" in citation
+    assert f"\n## {bench.__version__} (" in (ROOT / "CHANGELOG.md").read_text()
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and 'attr = "bench.__version__"' in \
+        (ROOT / "pyproject.toml").read_text()

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+import bench
 from bench.running.record import RECORD_KEYS, read_record
 from bench.running.run import run_cell
 
@@ -25,6 +26,7 @@ def test_every_cell_writes_a_complete_record(make_cfg, tmp_path, fmt, mode, scal
     env = record["env"]
     for key in ("device_name", "torch_version", "git_commit", "hostname"):
         assert key in env
+    assert env["version"] == bench.__version__
     assert env["precision"]["backend"] in ("native", "emulated") and env["precision"]["backend_reason"]
     assert env["precision"]["fp32_precision_flags"]["cuda_matmul"] == ("tf32" if fmt == "tf32" else "ieee")
     assert 0 <= record["metrics"]["test_accuracy"] <= 1 and record["metrics"]["final_train_loss"] > 0

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from bench import __version__
+
 DEVICES = ("auto", "cpu", "cuda", "xla")
 
 
@@ -304,6 +306,7 @@ def describe(device: torch.device) -> dict:
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
         "slurm_job": slurm_job(),
+        "version": __version__,  # precision-bench's (CHANGELOG.md), beside the commit it ran
         "git_commit": _git_commit(),
         "visible_gpus": visible_gpus(),  # CUDA_VISIBLE_DEVICES's GPUs (or all CUDA sees)
         "gpu_index": device.index if device.type == "cuda" else None,  # the one among them this cell used
