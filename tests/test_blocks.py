@@ -413,7 +413,7 @@ def test_rowwise_fp8_linear_is_torchaos_rowwise_recipe_bit_for_bit(recipe):
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from bench.numerics.precision import EmulatedLinear, FP8TileOperands
+    from bench.numerics.emulation import EmulatedLinear, FP8TileOperands
 
     torch.manual_seed(0)
     reference = torch.nn.Linear(256, 128)
@@ -465,7 +465,7 @@ def test_block_scaled_fp8_uses_1x128_tiles_for_activations_and_gradients_and_128
     """Transformer Engine's Float8BlockScaling layout: each 1 x 128 run along the reduced dimension has its own
     scale; each 128 x 128 weight square one scale, the same for W (forward) and W^T (grad_input)."""
     from bench.numerics.blocks import te_pow2_scale, tile2d_quantise, tile_quantise
-    from bench.numerics.precision import FP8TileOperands
+    from bench.numerics.emulation import FP8TileOperands
 
     torch.manual_seed(0)
     x = torch.randn(3, 300) * torch.exp2(torch.randint(-8, 8, (3, 300)).float())
@@ -540,7 +540,7 @@ def test_stochastic_fp8_tiles_round_only_the_gradients_unbiased_and_keep_their_s
     """scaling=rowwise|block with format.rounding=stochastic: gradient operands are rounded stochastically under the
     same power-of-two scales (the mean of many roundings is the input), forward operands to nearest."""
     from bench.numerics.blocks import rowwise_quantise, tile_quantise
-    from bench.numerics.precision import FP8TileOperands
+    from bench.numerics.emulation import FP8TileOperands
 
     torch.manual_seed(0)
     x = torch.randn(4, 256) * torch.exp2(torch.randint(-6, 6, (4, 256)).float())

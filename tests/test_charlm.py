@@ -169,7 +169,8 @@ def test_validation_is_the_mean_over_every_window_of_the_split(text_file):
 def test_a_steps_flops_count_the_causal_attention_on_cpu(make_cfg, text_file):
     """FlopCounterMode had no formula for SDPA's CPU kernel: charlm's step counted its Linears only. Now the
     attention adds, per layer, torch's SDPA count: 2 GEMMs of 2·b·h·s²·d forward, 5 backward (by hand)."""
-    from bench.running.run import build_cell, preflight, step_flops_by_module
+    from bench.running.flops import step_flops_by_module
+    from bench.running.run import build_cell, preflight
 
     cfg = make_cfg("model=charlm", "model.data.source=local", f"model.data.path={text_file}", "model.data.sha256=null",
                    "model.arch.layers=2", "model.arch.heads=2", "model.arch.embedding=32", "model.arch.block_size=16",

@@ -185,7 +185,8 @@ def test_flops_per_linear_are_its_three_gemms_counted_by_hand(make_cfg):
     """DistilBERT's q_lin, k_lin, v_lin and out_lin are 64 x 64 Linears on the same tokens: each step costs each
     2·tokens·64·64 FLOPs forward and as much for each gradient GEMM. FlopCounterMode's backward attribution gave
     v_lin the q_lin and k_lin gradients (3x its share), and the converted layers more FLOPs than the step."""
-    from bench.running.run import build_cell, preflight, step_flops_by_module
+    from bench.running.flops import step_flops_by_module
+    from bench.running.run import build_cell, preflight
 
     cfg = make_cfg("model=distilbert_tiny", "model.batch_size=12")
     cell = build_cell(cfg, preflight(cfg)[1])

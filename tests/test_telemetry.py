@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.numerics.formats import FORMATS
-from bench.numerics.precision import TensorSite
+from bench.numerics.emulation import TensorSite
 from bench.numerics.telemetry import QuantTelemetry, category_counts
 
 

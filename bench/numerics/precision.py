@@ -1,4 +1,6 @@
-"""Precision policy: how a run uses its format, natively on the device or emulated in FP32.
+"""Precision policy: how a run uses its format, natively on the device or emulated in FP32. The format itself is
+declared in specs.py; the emulated operands this policy places live in emulation.py, the native (torchao)
+configuration in native.py.
 
 Emulation rounds exactly where a native kernel would, at every nn.Linear and nn.Conv2d:
 - tf32: activations and weights entering the op, and the gradient entering its backward, keep
@@ -29,29 +31,33 @@ Ops other than Linear/Conv2d (norms, softmax, embeddings, loss) stay in FP32, as
 from __future__ import annotations
 
 import contextlib
-import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bench.errors import ConfigError
-from bench.numerics.blocks import (
-    FP8_GRANULARITIES,
-    MX_BLOCK,
-    ROUNDINGS,
-    SCALE_MODES,
-    TORCHAO_ROWWISE,
-    mx_quantise,
-    nvfp4_quantise,
-    nvfp4_tensor_scale,
-    rowwise_quantise,
-    tile2d_quantise,
-    tile_quantise,
+from bench.numerics.blocks import FP8_GRANULARITIES, MX_BLOCK, ROUNDINGS, SCALE_MODES
+from bench.numerics.emulation import (
+    EMULATED_MODULES,
+    BlockOperands,
+    CastOp,
+    EmulatedLinear,
+    FP8TileOperands,
+    OpCasts,
+    TensorSite,
 )
-from bench.numerics.formats import FORMATS, quantise_stochastic, quantise_value, resolve_overflow
-from bench.numerics.specs import BLOCK_SCALINGS, Recipe, format_spec, native_support
+from bench.numerics.formats import FORMATS, quantise_value, resolve_overflow
+from bench.numerics.native import (
+    NATIVE_FP8_RECIPES,
+    TORCHAO_MXFP8,
+    padded_mxfp8_linear,
+    torchao_converts,
+    torchao_float8_config,
+    torchao_mx_converts,
+    torchao_mx_kernel,
+)
+from bench.numerics.specs import BLOCK_SCALINGS, format_spec, native_support
 from bench.numerics.telemetry import QuantTelemetry
 
 BACKENDS = ("auto", "native", "emulated")
@@ -60,222 +66,6 @@ BACKENDS = ("auto", "native", "emulated")
 class PrecisionError(ConfigError):
     """A format setting the device or the combination cannot honour: a set-up problem (exit 2, no record), also
     when it is found only as the model is converted (native FP8 on a model with nothing torchao converts)."""
-
-
-class TensorSite:
-    """Rounds one stream of tensors (say, conv1's weight) to an element format; optionally per-tensor scaled."""
-
-    def __init__(self, tensor_class: str, fmt: str, overflow: str | None, ftz: bool,
-                 telemetry: QuantTelemetry, scaler=None, on_output=None, rounding: str = "nearest"):
-        """on_output(input, output, tensor_class, fmt): told of every tensor the site makes (memory accounting).
-        rounding: nearest (RNE) or stochastic (bench.numerics.formats.quantise_stochastic, the same overflow policy)."""
-        self.tensor_class = tensor_class
-        self.rounding = rounding
-        self.on_output = on_output
-        self.spec = FORMATS[fmt]
-        self.overflow = resolve_overflow(self.spec, overflow)
-        self.ftz = ftz
-        self.telemetry = telemetry
-        self.scaler = scaler  # a bench.numerics.scaling.PerTensorScale, or None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scaler is None:
-            self.telemetry.observe(self.tensor_class, x, self.spec)
-            rounded = self._round(x)
-        else:
-            scale = self.scaler.scale_for(x)
-            scaled = x * scale
-            self.telemetry.observe(self.tensor_class, scaled, self.spec)
-            rounded = self._round(scaled) / scale
-        if self.on_output is not None:
-            self.on_output(x, rounded, self.tensor_class, self.spec.name)
-        return rounded
-
-    def _round(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rounding == "nearest":
-            return quantise_value(x, self.spec, self.overflow, self.ftz)
-        return quantise_stochastic(x, self.spec, overflow=self.overflow, ftz=self.ftz)  # the run's seeded generator
-
-
-class _Cast(torch.autograd.Function):
-    """Identity up to rounding: `forward_site` rounds the value, `backward_site` the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, forward_site, backward_site):
-        ctx.backward_site = backward_site
-        return x if forward_site is None else forward_site(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        site = ctx.backward_site
-        return (grad if site is None else site(grad)), None, None
-
-
-def cast(x: torch.Tensor | None, forward_site: TensorSite | None, backward_site: TensorSite | None):
-    if x is None or (forward_site is None and backward_site is None):
-        return x
-    return _Cast.apply(x, forward_site, backward_site)
-
-
-class OpCasts:
-    """The rounding sites of one emulated matmul/conv under a recipe."""
-
-    def __init__(self, recipe: Recipe, site):
-        """One site per tensor stream, so that a delayed per-tensor scale keeps each stream's own amax history."""
-        sixteen = recipe.sixteen_bit_kernel
-
-        def returned_gradient():  # a 16-bit kernel writes the gradients it returns in 16 bits
-            return site("gradients", recipe.inputs) if sixteen else None
-
-        self.activation, self.grad_activation = site("activations", recipe.inputs), returned_gradient()
-        self.weight, self.grad_weight = site("weights", recipe.inputs), returned_gradient()
-        self.bias = site("weights", recipe.inputs) if sixteen else None
-        self.grad_bias = returned_gradient()
-        self.grad_output = site("gradients", recipe.grads)
-        self.output = site("activations", recipe.inputs) if sixteen else None
-
-    def inputs(self, x, weight, bias):
-        return (cast(x, self.activation, self.grad_activation), cast(weight, self.weight, self.grad_weight),
-                cast(bias, self.bias, self.grad_bias))
-
-    def result(self, y):
-        return cast(y, self.output, self.grad_output)
-
-
-class CastOp:
-    """Mixin for a matmul/conv module whose inputs, output and gradients an emulated precision rounds.
-
-    `casts` is None (nothing rounded) until `Precision.prepare` gives the module its sites; a block format gives a
-    Linear its GEMM `operands` instead (unit scaling's Linear, whose scales sit around the GEMM).
-    """
-
-    casts: OpCasts | None = None
-    operands: BlockOperands | FP8TileOperands | None = None
-
-    def linear(self, x, weight, bias):
-        """F.linear as the precision computes it: on block-scaled GEMM operands, or on rounded inputs and output."""
-        if self.operands is not None:
-            return _BlockLinear.apply(x, weight, bias, self.operands)
-        return self.cast_result(F.linear(*self.cast_inputs(x, weight, bias)))
-
-    def cast_inputs(self, x, weight, bias):
-        return (x, weight, bias) if self.casts is None else self.casts.inputs(x, weight, bias)
-
-    def cast_result(self, y):
-        return y if self.casts is None else self.casts.result(y)
-
-
-class EmulatedLinear(CastOp, nn.Linear):
-    def forward(self, x):
-        return self.linear(x, self.weight, self.bias)
-
-
-class EmulatedConv2d(CastOp, nn.Conv2d):
-    def forward(self, x):
-        return self.cast_result(self._conv_forward(*self.cast_inputs(x, self.weight, self.bias)))
-
-
-_EMULATED = {nn.Linear: EmulatedLinear, nn.Conv2d: EmulatedConv2d}
-
-
-@dataclass(frozen=True)
-class BlockOperands:
-    """How a block-format GEMM operand is made: recipe, scale mode, rounding of the gradient operands; each one
-    made on a telemetry-sampled step is described to `telemetry` (block statistics per tensor class)."""
-
-    recipe: Recipe
-    scale_mode: str
-    rounding: str
-    telemetry: QuantTelemetry | None = field(default=None, compare=False)
-
-    def _blocked(self, t: torch.Tensor, tensor_class: str, element: str, dim: int, rounding: str) -> torch.Tensor:
-        if self.recipe.block == "nvfp4":  # dynamic two-level scaling: this tensor's amax sets its FP32 scale
-            blocked = nvfp4_quantise(t, nvfp4_tensor_scale(t), dim, rounding)
-        else:
-            blocked = mx_quantise(t, element, self.scale_mode, dim, rounding=rounding)
-        if self.telemetry is not None:
-            self.telemetry.observe_blocks(tensor_class, t, blocked, FORMATS[element])
-        return blocked.values
-
-    def forward(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return self._blocked(t, "activations", self.recipe.inputs, dim, "nearest")
-
-    def weight(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return self._blocked(t, "weights", self.recipe.inputs, dim, "nearest")
-
-    def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return self._blocked(t, "gradients", self.recipe.grads, dim, self.rounding)
-
-
-@dataclass(frozen=True)
-class FP8TileOperands:
-    """FP8 GEMM operands with finer scales than one per tensor (scaling=rowwise | rowwise_with_gw_hp | block),
-    E4M3 throughout: rowwise, one torchao scale per row along the reduced dimension; block, Transformer Engine's
-    1 x 128 tiles along it for activations and gradients and 128 x 128 tiles for weights (bench/numerics/blocks.py).
-
-    rowwise_with_gw_hp is torchao's recipe of that name: the output and input-gradient GEMMs as rowwise but for
-    the weight, which the input-gradient GEMM takes with one scale for the whole tensor, and the weight-gradient
-    GEMM in high precision. _BlockLinear names each GEMM by the dimension its operands are reduced along: dim 0
-    of an activation or a gradient is the weight-gradient GEMM's, dim 0 of the weight the input-gradient GEMM's."""
-
-    granularity: str
-    rounding: str = "nearest"  # of the gradient operands
-    telemetry: QuantTelemetry | None = field(default=None, compare=False)
-
-    def _observed(self, t: torch.Tensor, tensor_class: str, blocked) -> torch.Tensor:
-        if self.telemetry is not None:
-            self.telemetry.observe_blocks(tensor_class, t, blocked, FORMATS["fp8_e4m3"])
-        return blocked.values
-
-    @property
-    def rowwise(self) -> bool:
-        return self.granularity in TORCHAO_ROWWISE
-
-    @property
-    def grad_weight_in_high_precision(self) -> bool:
-        return self.granularity == "rowwise_with_gw_hp"
-
-    def _runs(self, t: torch.Tensor, dim: int, rounding: str = "nearest"):
-        quantiser = rowwise_quantise if self.rowwise else tile_quantise
-        return quantiser(t, dim, rounding=rounding)
-
-    def forward(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        if dim == 0 and self.grad_weight_in_high_precision:
-            return t
-        return self._observed(t, "activations", self._runs(t, dim))
-
-    def weight(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        if dim == 0 and self.grad_weight_in_high_precision:  # one power-of-two scale for the whole weight
-            flat = t.reshape(1, -1)
-            return self._observed(flat, "weights", rowwise_quantise(flat, -1)).reshape(t.shape)
-        return self._observed(t, "weights", self._runs(t, dim) if self.rowwise else tile2d_quantise(t))
-
-    def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        if dim == 0 and self.grad_weight_in_high_precision:
-            return t
-        return self._observed(t, "gradients", self._runs(t, dim, self.rounding))
-
-
-class _BlockLinear(torch.autograd.Function):
-    """y = x W^T + b with every GEMM operand blocked along that GEMM's reduction dimension."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, operands: BlockOperands):
-        ctx.save_for_backward(x, weight)
-        ctx.operands, ctx.has_bias = operands, bias is not None
-        # as torchao computes it: a 2-D matmul, then the bias (a fused addmm can differ in the last bit)
-        y = (operands.forward(x, -1).reshape(-1, x.shape[-1]) @ operands.weight(weight, -1).t()).reshape(*x.shape[:-1], -1)
-        return y if bias is None else y + bias
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        operands = ctx.operands
-        grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        # grad_input = grad @ W reduces over out_features; grad_weight = grad^T @ x reduces over the tokens
-        grad_x = (operands.gradient(grad_2d, -1) @ operands.weight(weight, 0)).reshape(x.shape)
-        grad_weight = operands.gradient(grad_2d, 0).t() @ operands.forward(x_2d, 0)
-        return grad_x, grad_weight, grad_2d.sum(0) if ctx.has_bias else None, None
 
 
 def set_fp32_precision(tf32: bool) -> dict[str, str]:
@@ -303,70 +93,6 @@ FP8_TILES = {"rowwise": "row",
              "rowwise_with_gw_hp": "row; the weight one scale in the input-gradient GEMM; the weight-gradient GEMM in "
                                    "high precision",
              "block": "1x128 (activations, gradients), 128x128 (weights)"}
-# what a native FP8 cell runs, by scaling method (torchao's recipe names, but per_tensor's)
-NATIVE_FP8_RECIPES = {
-    "per_tensor": "torchao float8 tensorwise (per-tensor dynamic scaling)",
-    "rowwise": "torchao float8 rowwise (per-row dynamic power-of-two scaling)",
-    "rowwise_with_gw_hp": "torchao float8 rowwise_with_gw_hp (rowwise; weight-gradient GEMM in high precision)"}
-
-
-def torchao_float8_config(recipe: str = "tensorwise"):
-    """A native FP8 recipe: torchao's float8 training, `tensorwise` (scaling=per_tensor), `rowwise` or
-    `rowwise_with_gw_hp` (the scaling methods of those names); tests run them with emulate=True on CPU.
-
-    pad_inner_dim: torch._scaled_mm needs every GEMM's inner dimension to be a multiple of 16. The module
-    filter (`torchao_converts`) guarantees it for the forward and input-gradient GEMMs; the weight-gradient GEMM
-    reduces over the batch's tokens, which no filter can know (a classifier head sees one token per example,
-    dynamic padding varies the rest), so torchao zero-pads it: exact, the amax and the sums are unchanged."""
-    from torchao.float8 import Float8LinearConfig
-
-    return replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
-
-
-def torchao_converts(module: nn.Module, name: str = "") -> bool:
-    """torchao's float8 training converts a Linear whose in and out features are multiples of 16 (its GEMM
-    kernels' constraint on the dimensions a layer fixes); other layers stay in high precision."""
-    return type(module) is nn.Linear and module.in_features % 16 == 0 and module.out_features % 16 == 0
-
-
-# torchao's MXFP8 training (MXFP8Linear, compute capability >= 10.0): E4M3 for every operand, gradients too, blocks of
-# 32 along each GEMM's reduction dimension, the E8M0 scale by rceil (its default) or floor, rounded to nearest.
-TORCHAO_MXFP8 = {"gradients": "fp8_e4m3", "scale_modes": ("rceil", "floor"), "rounding": "nearest"}
-
-
-def torchao_mx_converts(module: nn.Module, name: str = "") -> bool:
-    """A Linear whose in and out features are whole MX blocks: its forward and input-gradient GEMMs block along
-    them, and torchao's MX casts take whole blocks only."""
-    return type(module) is nn.Linear and module.in_features % MX_BLOCK == 0 and module.out_features % MX_BLOCK == 0
-
-
-def torchao_mx_kernel():
-    """The kernels a native MXFP8 Linear runs: torchao's best for the GPU (tests take its EMULATED ones on CPU)."""
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-    return KernelPreference.AUTO
-
-
-@functools.cache
-def padded_mxfp8_linear() -> type:
-    """torchao's MXFP8Linear with the tokens zero-padded to whole blocks of 32.
-
-    Its weight-gradient GEMM blocks along the tokens and asserts whole blocks ("the last dimension ... must be
-    divisible by block_size 32"): a classifier head sees one token per example, and a batch's token count is
-    anybody's. Zero rows change no block's amax and add nothing to a sum, and their outputs are dropped: exact.
-    The module, not the torchao weight-wrapper config (MXFP8TrainingOpConfig), because the wrapper drops the bias
-    of F.linear (pytorch/ao#4846, open in 0.18)."""
-    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
-
-    class PaddedMXFP8Linear(MXFP8Linear):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            tokens = x.reshape(-1, x.shape[-1])
-            padded = F.pad(tokens, (0, 0, 0, -len(tokens) % MX_BLOCK))
-            return super().forward(padded)[:len(tokens)].reshape(*x.shape[:-1], -1)
-
-    return PaddedMXFP8Linear
-
-
 class Precision:
     """A run's format decisions, made once: native or emulated, which sites round, TF32 flags."""
 
@@ -507,7 +233,7 @@ class Precision:
                                            and getattr(m, "operands", None) is None]
             return model
         for module in model.modules():
-            emulated = _EMULATED.get(type(module))
+            emulated = EMULATED_MODULES.get(type(module))
             if emulated is not None:
                 module.__class__ = emulated  # re-class in place: parameters and state-dict keys are untouched
             if isinstance(module, CastOp):

@@ -43,7 +43,7 @@ from unit_scaling.core.functional import scale_elementwise, transformer_residual
 from unit_scaling.scale import scale_bwd, scale_fwd
 
 from bench.numerics.ops import Add, CausalAttention, Residual
-from bench.numerics.precision import CastOp
+from bench.numerics.emulation import CastOp
 
 RESIDUAL_CONSTRAINT = "gmean"  # ops with a residual add after them; unit-scaling leaves the rest unconstrained
 # (forward, backward) factors from the paper. ReLU on N(0, 1): output std sqrt(1/2 - 1/(2 pi)) = 0.584

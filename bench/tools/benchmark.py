@@ -70,7 +70,8 @@ from bench.reporting.speed_model import DEVICES, Encoder, predict
 from bench.running.compile import CompiledStep
 from bench.running import device as devices
 from bench.running.config import CONF_DIR
-from bench.running.run import build_cell, preflight, step_flops_by_module
+from bench.running.flops import step_flops_by_module
+from bench.running.run import build_cell, preflight
 from bench.running.train import total_steps, train
 
 NO_TELEMETRY = 10**9  # train.log_every that never samples within a measurement
