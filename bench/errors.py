@@ -8,3 +8,10 @@ a missing file, a download that cannot happen. `bench.running.config.ConfigError
 class ConfigError(ValueError):
     """The composed config asks for something that does not exist or cannot be combined, or its inputs are
     not there."""
+
+
+def check_choice(value, valid, key: str, error: type[ConfigError] = ConfigError):
+    """`value` if it is one of `valid`; else `error`, in the one wording every choice is refused with."""
+    if value not in valid:
+        raise error(f"{key}={value!r} is not valid; valid: {', '.join(map(str, valid))}")
+    return value

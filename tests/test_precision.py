@@ -96,7 +96,7 @@ def test_stochastic_fp8_rounds_only_the_gradients_entering_the_backward_and_is_u
     assert not torch.equal(grads[0], xi.grad) and not torch.equal(grads[0], grads[1])
     assert (grads.mean(0) - exact_grad_x).abs().mean() < (xi.grad - exact_grad_x).abs().mean() / 4
     assert stochastic.describe()["rounding_of_gradients"] == "stochastic"
-    with pytest.raises(PrecisionError, match="applies to fp8 and the block formats, not to fp16"):
+    with pytest.raises(PrecisionError, match="format.rounding applies to fp8, mxfp8, mxfp6, mxfp4, nvfp4, not to format=fp16"):
         Precision("fp16", "mixed", "emulated", None, False, CPU, rounding="stochastic")
 
 
@@ -146,3 +146,25 @@ def test_every_tensor_stream_has_its_own_site():
     fp8 = nn.Linear(4, 4)
     Precision("fp8", "mixed", "emulated", None, False, CPU).prepare(fp8)
     assert fp8.casts.bias is None and fp8.casts.grad_weight is None  # FP8 GEMMs keep bias and outputs wide
+
+
+@pytest.mark.parametrize("overrides, kwargs", [
+    (["format=fp16", "format.rounding=stochastic"], dict(fmt="fp16", rounding="stochastic")),
+    (["format=fp32", "format.scale_mode=ceil"], dict(fmt="fp32", mode="true", scale_mode="ceil")),
+    (["format=mxfp6", "format.gradients=fp8_e4m3"], dict(fmt="mxfp6", gradients="fp8_e4m3")),
+    (["format=mxfp8", "scaling=per_tensor"], dict(fmt="mxfp8", per_tensor=lambda *a: None)),
+    (["format=bf16", "scaling=rowwise"], dict(fmt="bf16", granularity="rowwise")),
+    (["format=fp16", "format.mode=half"], dict(fmt="fp16", mode="half")),
+])
+def test_the_config_check_and_precision_refuse_a_mistake_in_one_wording(make_cfg, overrides, kwargs):
+    """One validation path (PrecisionConfig): what `python -m bench.run` says before training is what Precision
+    says when a tool builds one directly."""
+    from bench.running.config import check
+
+    with pytest.raises(PrecisionError) as from_check:
+        check(make_cfg(*overrides))
+    args = {"mode": "mixed", "backend": "emulated", "overflow": None, "ftz": False, "device": CPU} | kwargs
+    with pytest.raises(PrecisionError) as from_precision:
+        Precision(args.pop("fmt"), args.pop("mode"), args.pop("backend"), args.pop("overflow"), args.pop("ftz"),
+                  args.pop("device"), **args)
+    assert str(from_check.value) == str(from_precision.value)

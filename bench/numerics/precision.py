@@ -31,12 +31,12 @@ Ops other than Linear/Conv2d (norms, softmax, embeddings, loss) stay in FP32, as
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from bench.errors import ConfigError
+from bench.errors import ConfigError, check_choice
 from bench.numerics.blocks import FP8_GRANULARITIES, MX_BLOCK, ROUNDINGS, SCALE_MODES
 from bench.numerics.emulation import (
     EMULATED_MODULES,
@@ -47,7 +47,7 @@ from bench.numerics.emulation import (
     OpCasts,
     TensorSite,
 )
-from bench.numerics.formats import FORMATS, quantise_value, resolve_overflow
+from bench.numerics.formats import FORMATS, OVERFLOW_POLICIES, quantise_value, resolve_overflow
 from bench.numerics.native import (
     NATIVE_FP8_RECIPES,
     TORCHAO_MXFP8,
@@ -57,7 +57,8 @@ from bench.numerics.native import (
     torchao_mx_converts,
     torchao_mx_kernel,
 )
-from bench.numerics.specs import BLOCK_SCALINGS, format_spec, native_support
+from bench.numerics.scaling import SCALING_METHODS
+from bench.numerics.specs import FORMAT_SPECS, FormatSpec, block_formats, native_support, stochastic_formats
 from bench.numerics.telemetry import QuantTelemetry
 
 BACKENDS = ("auto", "native", "emulated")
@@ -88,6 +89,69 @@ def set_fp32_precision(tf32: bool) -> dict[str, str]:
     }
 
 
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """A run's format choices, validated once, as they are made (like torchao's Float8LinearConfig): the config check,
+    the sweeper's preflight (through it) and Precision all build one, so each mistake is refused in one place, with
+    one wording, naming the valid choices. `scaling` is the scaling method where it is known (None: not checked)."""
+
+    format: str
+    mode: str = "mixed"
+    backend: str = "auto"
+    overflow: str | None = None
+    ftz: bool = False
+    scale_mode: str = "floor"
+    rounding: str = "nearest"
+    gradients: str | None = None
+    scaling: str | None = None
+
+    def __post_init__(self):
+        check_choice(self.format, tuple(FORMAT_SPECS), "format", PrecisionError)
+        spec = self.spec
+        check_choice(self.mode, spec.modes, f"format.mode (for format={self.format})", PrecisionError)
+        check_choice(self.backend, BACKENDS, "format.backend", PrecisionError)
+        check_choice(self.scale_mode, SCALE_MODES, "format.scale_mode", PrecisionError)
+        check_choice(self.rounding, ROUNDINGS, "format.rounding", PrecisionError)
+        if self.scaling is not None:
+            check_choice(self.scaling, SCALING_METHODS, "scaling", PrecisionError)
+            if self.scaling not in spec.scalings():
+                why = ("block formats scale every block themselves (per_tensor would add nothing)" if spec.block else
+                       f"{', '.join(FP8_GRANULARITIES)} scaling are FP8 recipes (E4M3 with a scale per row or tile)")
+                raise PrecisionError(f"scaling={self.scaling} does not combine with format={self.format}: {why}; "
+                                     f"valid for {self.format}: {', '.join(spec.scalings())}")
+            if (spec.block or self.granularity) and self.overflow not in (None, "saturate"):
+                raise PrecisionError(f"format.overflow={self.overflow}: {self.format} with scaling={self.scaling} "
+                                     "saturates its elements; valid there: null or saturate")
+        if self.overflow is not None:  # after the combinations: "valid there: null or saturate" is the sharper answer
+            check_choice(self.overflow, OVERFLOW_POLICIES, "format.overflow", PrecisionError)
+        if not spec.block and self.scale_mode != "floor":
+            raise PrecisionError(f"format.scale_mode applies to the block formats only ({', '.join(block_formats())}),"
+                                 f" not to format={self.format}")
+        if not spec.stochastic_rounding and self.rounding != "nearest":
+            raise PrecisionError(f"format.rounding applies to {', '.join(stochastic_formats())}, not to "
+                                 f"format={self.format}; valid there: nearest")
+        if self.gradients is not None and self.gradients not in spec.gradient_elements:
+            valid = {name: ", ".join(s.gradient_elements) for name, s in FORMAT_SPECS.items() if s.gradient_elements}
+            raise PrecisionError(f"format.gradients={self.gradients} does not go with format={self.format}; valid: "
+                                 "null (the format's recipe), or " + "; ".join(f"{e} for {f}" for f, e in valid.items()))
+
+    @property
+    def spec(self) -> FormatSpec:
+        return FORMAT_SPECS[self.format]
+
+    @property
+    def granularity(self) -> str | None:
+        """FP8's rowwise / block scaling, when that is the scaling method (it changes the GEMM operands)."""
+        return self.scaling if self.scaling in FP8_GRANULARITIES else None
+
+    @classmethod
+    def from_config(cls, cfg) -> PrecisionConfig:
+        """From a composed config: its `format` node and `scaling.name`."""
+        f = cfg.format
+        return cls(f.name, str(f.mode).lower(), f.backend, f.overflow, f.ftz, f.scale_mode, f.rounding, f.gradients,
+                   cfg.scaling.name)
+
+
 # what an emulated FP8 granularity scales together (the record's env.precision.block.tile)
 FP8_TILES = {"rowwise": "row",
              "rowwise_with_gw_hp": "row; the weight one scale in the input-gradient GEMM; the weight-gradient GEMM in "
@@ -103,37 +167,18 @@ class Precision:
         scale_mode: block formats only (bench/numerics/blocks.py's SCALE_MODES); rounding: fp8 and block formats (ROUNDINGS).
         granularity: FP8 only, scaling=rowwise or block (bench/numerics/blocks.py's FP8_GRANULARITIES), else None.
         gradients: the gradient operands' element format (the spec's gradient_elements), None for the recipe's."""
-        self.spec = format_spec(fmt)
-        if mode not in self.spec.modes:
-            raise PrecisionError(f"format={fmt} has no mode={mode}; valid for {fmt}: {', '.join(self.spec.modes)}")
-        if backend not in BACKENDS:
-            raise PrecisionError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-        if scale_mode not in SCALE_MODES:
-            raise PrecisionError(f"unknown format.scale_mode {scale_mode!r}; valid: {', '.join(SCALE_MODES)}")
-        if rounding not in ROUNDINGS:
-            raise PrecisionError(f"unknown format.rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
+        scaling = granularity or ("per_tensor" if per_tensor is not None else None)
+        self.config = PrecisionConfig(fmt, mode, backend, overflow, ftz, scale_mode, rounding, gradients, scaling)
+        self.spec = self.config.spec
         self.format, self.mode, self.device, self.requested_backend = fmt, mode, device, backend
         self.rounding = rounding  # of the gradients entering each GEMM's backward (fp8 and the block formats)
         self.overflow, self.ftz, self.per_tensor = overflow, ftz, per_tensor
-        if granularity is not None and (not self.spec.tile_scalings or granularity not in FP8_GRANULARITIES):
-            raise PrecisionError(f"scaling={granularity} is an FP8 recipe ({', '.join(FP8_GRANULARITIES)}); it needs "
-                                 f"format=fp8, not {fmt}")
         self.granularity = granularity
-        self.recipe = self.spec.recipe
-        if rounding != "nearest" and not self.spec.stochastic_rounding:
-            raise PrecisionError(f"format.rounding={rounding} applies to fp8 and the block formats, not to {fmt}")
-        if gradients is not None:
-            if gradients not in self.spec.gradient_elements:
-                raise PrecisionError(f"format.gradients={gradients} does not go with format={fmt}; valid: null"
-                                     + "".join(f", {e}" for e in self.spec.gradient_elements))
-            self.recipe = replace(self.recipe, grads=gradients)
+        self.recipe = self.spec.recipe if gradients is None else replace(self.spec.recipe, grads=gradients)
         self.telemetry = QuantTelemetry()
         if granularity is not None:
             self.block = FP8TileOperands(granularity, rounding, self.telemetry)
         elif self.recipe is not None and self.recipe.block:
-            if per_tensor is not None:
-                raise PrecisionError(f"{fmt} scales every block itself; scaling=per_tensor adds nothing there. Valid "
-                                     f"scaling for block formats: {', '.join(BLOCK_SCALINGS)}")
             self.block = BlockOperands(self.recipe, scale_mode, rounding, self.telemetry)
         else:
             self.block = None

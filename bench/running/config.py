@@ -20,12 +20,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from bench.data import DATA_DIR
-from bench.errors import ConfigError  # noqa: F401  (bench.running.config.ConfigError: the same class)
-from bench.numerics.blocks import FP8_GRANULARITIES, ROUNDINGS, SCALE_MODES
-from bench.numerics.formats import OVERFLOW_POLICIES
-from bench.numerics.precision import BACKENDS
-from bench.numerics.specs import FORMAT_SPECS, block_formats, stochastic_formats
-from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING, SCALING_METHODS
+from bench.errors import ConfigError, check_choice  # bench.running.config.ConfigError: the same class
+from bench.numerics.precision import PrecisionConfig
+from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING
 from bench.numerics.unit import LR_RULES
 from bench.running.device import DEVICES, parallel_jobs
 from bench.running.identity import cell_path
@@ -254,10 +251,6 @@ def register_schema() -> None:
 register_schema()
 
 
-def _choice(value, valid, key: str) -> str:
-    if value not in valid:
-        raise ConfigError(f"{key}={value!r} is not valid; valid: {', '.join(map(str, valid))}")
-    return value
 
 
 def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
@@ -283,39 +276,13 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"unknown config key{'s' * (len(unknown) > 1)}: {', '.join(unknown)}; every key is"
                           " documented in conf/README.md")
     _check_model(cfg.model)
-    _choice(cfg.format.name, tuple(FORMAT_SPECS), "format")
-    spec = FORMAT_SPECS[cfg.format.name]
     cfg.format.mode = str(cfg.format.mode).lower()
-    _choice(cfg.format.mode, spec.modes, f"format.mode (for format={cfg.format.name})")
-    _choice(cfg.format.backend, BACKENDS, "format.backend")
-    _choice(cfg.format.scale_mode, SCALE_MODES, "format.scale_mode")
-    _choice(cfg.format.rounding, ROUNDINGS, "format.rounding")
-    _choice(cfg.scaling.name, SCALING_METHODS, "scaling")
-    if cfg.scaling.name not in spec.scalings():
-        why = ("block formats scale every block themselves (per_tensor would add nothing)" if spec.block else
-               "rowwise, rowwise_with_gw_hp and block scaling are FP8 recipes (E4M3 with a scale per row or tile)")
-        raise ConfigError(f"scaling={cfg.scaling.name} does not combine with format={cfg.format.name}: {why}; valid "
-                          f"for {cfg.format.name}: {', '.join(spec.scalings())}")
-    if (spec.block or cfg.scaling.name in FP8_GRANULARITIES) and cfg.format.overflow not in (None, "saturate"):
-        raise ConfigError(f"format.overflow={cfg.format.overflow}: {cfg.format.name} with scaling={cfg.scaling.name} "
-                          "saturates its elements; valid there: null or saturate")
-    if not spec.block and cfg.format.scale_mode != "floor":
-        raise ConfigError(f"format.scale_mode applies to the block formats only ({', '.join(block_formats())}), not "
-                          f"to format={cfg.format.name}")
-    if not spec.stochastic_rounding and cfg.format.rounding != "nearest":
-        raise ConfigError(f"format.rounding applies to {', '.join(stochastic_formats())}, not to "
-                          f"format={cfg.format.name}; valid there: nearest")
-    if cfg.format.gradients is not None and cfg.format.gradients not in spec.gradient_elements:
-        valid = {name: ", ".join(s.gradient_elements) for name, s in FORMAT_SPECS.items() if s.gradient_elements}
-        raise ConfigError(f"format.gradients={cfg.format.gradients} does not go with format={cfg.format.name}; valid: "
-                          "null (the format's recipe), or " + "; ".join(f"{e} for {f}" for f, e in valid.items()))
-    if cfg.format.overflow is not None:
-        _choice(cfg.format.overflow, OVERFLOW_POLICIES, "format.overflow")
-    _choice(cfg.scaling.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")
-    _choice(cfg.scaling.amax, AMAX_MODES, "scaling.amax")
-    _choice(cfg.scaling.lr_rule, LR_RULES, "scaling.lr_rule")
-    _choice(cfg.device, DEVICES, "device")
-    _choice(cfg.logger.name, LOGGERS, "logger")
+    PrecisionConfig.from_config(cfg)  # the format's choices and their combinations with the scaling method
+    check_choice(cfg.scaling.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")
+    check_choice(cfg.scaling.amax, AMAX_MODES, "scaling.amax")
+    check_choice(cfg.scaling.lr_rule, LR_RULES, "scaling.lr_rule")
+    check_choice(cfg.device, DEVICES, "device")
+    check_choice(cfg.logger.name, LOGGERS, "logger")
     if not (cfg.train.loss_multiplier > 0 and math.isfinite(cfg.train.loss_multiplier)):
         raise ConfigError(f"train.loss_multiplier={cfg.train.loss_multiplier} must be finite and > 0")
     check_results_dir(cfg.results_dir)
@@ -356,9 +323,9 @@ def _check_model(model: DictConfig) -> None:
     if "task" not in model or model._get_node("task")._is_missing():
         raise ConfigError(f"model {model.get('name')!r} declares no `task` (its builder, metric and data sources): "
                           "see docs/extending.md")
-    _choice(model.data.source, list(model.task.data_sources), "model.data.source")
-    _choice(model.optimizer.name, OPTIMIZERS, "model.optimizer.name")
-    _choice(model.optimizer.schedule, SCHEDULES, "model.optimizer.schedule")
+    check_choice(model.data.source, list(model.task.data_sources), "model.data.source")
+    check_choice(model.optimizer.name, OPTIMIZERS, "model.optimizer.name")
+    check_choice(model.optimizer.schedule, SCHEDULES, "model.optimizer.schedule")
     if model.optimizer.grad_clip is not None and not model.optimizer.grad_clip > 0:
         raise ConfigError(f"model.optimizer.grad_clip={model.optimizer.grad_clip} must be > 0 (or null: no clipping)")
     for key in ("_target_", "describe", *(["check"] if model.task.check else [])):

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from bench.numerics.ops import Add, CausalAttention, Residual
-from bench.errors import ConfigError
+from bench.errors import ConfigError, check_choice
 from bench.tasks.base import Task
 
 
@@ -115,8 +115,7 @@ class CharGPT(nn.Module):
 
 
 def check_config(model: DictConfig) -> None:
-    if model.arch.norm not in NORMS:
-        raise ConfigError(f"model.arch.norm={model.arch.norm!r} is not valid; valid: {', '.join(NORMS)}")
+    check_choice(model.arch.norm, NORMS, "model.arch.norm")
     if (model.data.source == "local") != bool(model.data.path):
         raise ConfigError("model.data.source=local reads model.data.path (set both; or neither, to download "
                           f"{model.data.url})")
