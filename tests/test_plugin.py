@@ -1,5 +1,5 @@
-"""A model defined outside bench/ (tests/plugin: a module on PYTHONPATH and one yaml on Hydra's search path) runs
-through a single cell, a sweep and its resumption, unit scaling, the tables, the plots and the dashboard with no
+"""A model and a format defined outside bench/ (tests/plugin: a module on PYTHONPATH, a yaml for each on Hydra's
+search path) run through a sweep and its resumption, unit scaling, the tables, the plots and the dashboard with no
 edit to bench/; and bench/ holds no list of the shipped models' names."""
 
 import ast
@@ -27,7 +27,7 @@ def _bench(module: str, *args, cwd: Path) -> subprocess.CompletedProcess:
 def swept(tmp_path_factory):
     """The user's model swept over two formats and two scaling methods, then the same sweep launched again."""
     tmp = tmp_path_factory.mktemp("plugin")
-    args = ["-m", SEARCHPATH, "model=mlp", "format=fp32,bf16", "scaling=none,unit", "seed=0",
+    args = ["-m", SEARCHPATH, "model=mlp", "format=fp32,fp8e3m4", "scaling=none,unit", "seed=0",
             f"results_dir={tmp / 'runs'}"]
     first, again = _bench("bench.run", *args, cwd=tmp), _bench("bench.run", *args, cwd=tmp)
     return tmp, first, again
@@ -40,6 +40,8 @@ def test_a_users_model_sweeps_and_resumes_without_editing_bench(swept):
     assert "(4 skipped as already recorded)" in again.stderr
     records = [json.loads(p.read_text()) for p in sorted((tmp / "runs").rglob("result.json"))]
     assert sorted(r["config"]["scaling"]["name"] for r in records) == ["none", "none", "unit", "unit"]
+    assert sorted(r["env"]["precision"]["setting"] for r in records) == ["32-true", "32-true", "fp8e3m4-mixed",
+                                                                         "fp8e3m4-mixed"]
     assert all(r["status"] == "ok" and r["config"]["model"]["task"]["_target_"] == "mlp_digits.mlp_task"
                for r in records)
     assert all(r["metrics"]["test_accuracy"] > 0 for r in records)
@@ -53,6 +55,7 @@ def test_a_users_model_gets_tables_plots_and_a_dashboard(swept):
     assert tables.returncode == 0, tables.stderr[-2000:]
     precision = (tmp / "tables" / "default" / "precision.md").read_text()
     assert "mlp (32 hidden, digits)" in precision and "test_accuracy" in precision  # its describe() and metric
+    assert "| fp8e3m4-mixed †" in precision  # the user's format, marked emulated
     assert (tmp / "tables" / "default" / "mlp_heatmap.png").is_file()
     board = _bench("bench.reporting.dashboard", "default", "--results", str(tmp / "runs"), "--tables",
                    str(tmp / "tables"), "--out", str(tmp / "dash"), cwd=tmp)
