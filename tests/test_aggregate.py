@@ -323,9 +323,10 @@ def test_unit_scaling_charlm_table_is_the_papers_layout_with_paired_differences_
                          backend="native" if fmt == "fp32" else "emulated")
             rec["config"]["model"] = {"name": "charlm", "arch": {"layers": 4, "embedding": 128, "norm": "pre"},
                                       "data": {"source": "local", "sha256": CharDataConfig.sha256}}
+            rec["config"]["experiment_name"] = "unit_scaling_charlm"  # its table is the preset's
             write(root, rec)
     main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"])
-    table = (tmp_path / "tables" / "t" / "unit_scaling_charlm.md").read_text()
+    table = (tmp_path / "tables" / "unit_scaling_charlm" / "unit_scaling_charlm.md").read_text()
     header = [c.strip() for c in next(line for line in table.splitlines() if line.startswith("| norm")).split("|")[1:-1]]
     assert header == ["norm", "rows", "FP16 regular", "FP16 regular, static loss scale", "FP16 unit", "FP32 regular",
                       "FP32 unit"]
@@ -354,10 +355,11 @@ def test_unit_scaling_charlm_table_pairs_each_learning_rate_with_its_own_fp32_re
         rec = record(scaling=scaling, seed=0, metrics={"val_loss": loss})
         rec["config"]["model"] = {"name": "charlm", "arch": {"layers": 4, "embedding": 128, "norm": "pre"},
                                   "optimizer": {"lr": lr}, "data": {"source": "local", "sha256": CharDataConfig.sha256}}
+        rec["config"]["experiment_name"] = "unit_scaling_charlm_lr"  # its table is the preset's
         d = root / f"{scaling}-{lr}"
         write_json_atomic(d / "result.json", rec)
     assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
-    table = (tmp_path / "tables" / "t" / "unit_scaling_charlm.md").read_text()
+    table = (tmp_path / "tables" / "unit_scaling_charlm_lr" / "unit_scaling_charlm.md").read_text()
     lines = [line for line in table.splitlines() if line.startswith("| pre")]
     assert [line.split("|")[2].strip().split(" (")[0] for line in lines] == \
         ["ours: val BPC", "ours: Δ vs FP32 regular"] * 2 + ["paper: test BPC", "paper: Δ vs FP32 regular"]
@@ -402,9 +404,10 @@ def test_block_formats_table_orders_by_bits_tells_rounding_and_recipes_apart_and
                          metrics={"test_accuracy": value}, backend="native" if fmt == "fp32" else "emulated")
             rec["config"]["format"] |= {"rounding": rounding, **dict(options)}
             rec["numerics"]["quantisation"]["gradients"]["blocks"] = {"relative_mse": 0.01, "clipped_block_fraction": 0.2}
+            rec["config"]["experiment_name"] = "block_formats"  # its table is the preset's
             write_json_atomic(root / f"{setting}-{scaling}-{rounding}-{len(options)}-{seed}" / "result.json", rec)
     assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
-    table = (tmp_path / "tables" / "t" / "block_formats.md").read_text()
+    table = (tmp_path / "tables" / "block_formats" / "block_formats.md").read_text()
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| lenet")]
     assert [(r[1].rstrip(" †"), r[2]) for r in rows] == [
         ("FP32", "32"), ("FP8 rowwise (E4M3, FP32 scale per row)", "8.25"), ("MXFP8 (E4M3/E5M2, E8M0 per 32)", "8.25"),
@@ -416,4 +419,20 @@ def test_block_formats_table_orders_by_bits_tells_rounding_and_recipes_apart_and
     assert rows[5][5].startswith(f"{-100 * (0.05 + 0.07) / 2:+.2f} [")
     assert rows[5][6] == "1.00e-02" and rows[5][7] == "– / 20%" and rows[0][5] == "baseline"
     assert main([str(root), "--out", str(tmp_path / "plotted")]) == 0
-    assert (tmp_path / "plotted" / "t" / "lenet_metric_vs_bits.png").stat().st_size > 1000
+    assert (tmp_path / "plotted" / "block_formats" / "lenet_metric_vs_bits.png").stat().st_size > 1000
+
+
+def test_a_presets_own_table_comes_from_its_declaration_not_from_the_data(tmp_path):
+    """The same block-format records make block_formats.md under the preset's experiment_name and not under another
+    one: tables read the declaration (conf/experiment/<name>.yaml) instead of guessing from the cells."""
+    root = tmp_path / "runs"
+    for experiment in ("block_formats", "mine"):
+        for seed in (0, 1):
+            for setting, fmt, rounding in (("32-true", "fp32", "nearest"), ("mxfp4-mixed", "mxfp4", "stochastic")):
+                rec = record(fmt=fmt, mode="mixed", setting=setting, seed=seed, metrics={"test_accuracy": 0.9})
+                rec["config"]["format"] |= {"rounding": rounding}
+                rec["config"]["experiment_name"] = experiment
+                write_json_atomic(root / experiment / f"{fmt}-{seed}" / "result.json", rec)
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    assert (tmp_path / "tables" / "block_formats" / "block_formats.md").is_file()
+    assert not (tmp_path / "tables" / "mine" / "block_formats.md").exists()

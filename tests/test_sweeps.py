@@ -340,23 +340,25 @@ def test_unit_scaling_charlm_preset_is_the_papers_columns_plus_fp8_and_every_cel
             assert cell.scaling.lr_rule == "relative"
 
 
-def test_block_formats_preset_covers_every_row_of_its_table_and_every_cell_passes_the_checks(make_cfg):
-    """Each of block_formats.md's rows (bench.reporting.tables.BLOCK_FORMAT_ROWS) is one of the preset's settings, on each
-    model, and each cell passes the config checks."""
+def test_block_formats_preset_declares_each_row_once_and_every_cell_passes_the_checks(make_cfg):
+    """The preset's settings are its table's rows (label, bits): the cell each row selects, as the tables read it
+    from the declaration, is the cell the runner makes of that setting on each model, and each passes the checks."""
     from hydra import compose, initialize_config_dir
 
-    from bench.reporting.tables import BLOCK_FORMAT_ROWS
+    from bench.reporting.aggregate import format_options
+    from bench.reporting.tables import declared_table
     from bench.running.config import check
     from bench.running.run import build_precision
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         sweep = compose("config", overrides=["experiment=block_formats"], return_hydra_config=True).hydra.sweeper
     assert dict(sweep.params) == {"model": "lenet,distilbert_tiny,bert_tiny", "seed": "0,1,2"}
-    covered = set()
-    for setting in sweep.settings:
+    layout, rows = declared_table("block_formats")
+    assert layout == "block_formats" and len(rows) == len(sweep.settings) == 16
+    for setting, row in zip(sweep.settings, rows):
         for model in ("lenet", "distilbert_tiny", "bert_tiny"):
-            cell = make_cfg("experiment=block_formats", f"model={model}", *setting.split())
+            cell = make_cfg("experiment=block_formats", f"model={model}", *setting.overrides.split())
             check(cell)
             precision = build_precision(cell, torch.device("cpu"))
-            covered.add((precision.setting, cell.scaling.name, cell.format.rounding))
-    assert covered == {row[:3] for row in BLOCK_FORMAT_ROWS}
+            made = (precision.setting, cell.scaling.name, cell.format.rounding, format_options(cell.format))
+            assert made == (row.setting, row.scaling, row.rounding, row.options) and row.label == setting.label

@@ -17,7 +17,14 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from bench.reporting.aggregate import SCALING_ORDER  # noqa: E402
-from bench.reporting.tables import BLOCK_FORMAT_ROWS, PERCENT_METRICS, SIGNIFICANT, fmt_difference, is_cell, scaled  # noqa: E402
+from bench.reporting.tables import (  # noqa: E402
+    PERCENT_METRICS,
+    SIGNIFICANT,
+    BlockRow,
+    declared_table,
+    fmt_difference,
+    scaled,
+)
 
 MARKERS = dict(zip(SCALING_ORDER, "os^Dv"))
 
@@ -145,13 +152,13 @@ def loss_scale_trajectories(runs: pd.DataFrame, title: str, directory: Path, nam
     return _save(fig, directory, f"{name}_loss_scale")
 
 
-def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[Path]:
-    """block_formats: the metric (mean, 95% t interval) against bits per element (BLOCK_FORMAT_ROWS, log scale);
-    filled markers round gradients to nearest, hollow ones stochastically."""
+def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str, block_rows: list[BlockRow]) -> list[Path]:
+    """block_formats: the metric (mean, 95% t interval) against bits per element (the preset's declared rows, log
+    scale); filled markers round gradients to nearest, hollow ones stochastically."""
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     # one colour per format and recipe, both roundings
-    formats = list(dict.fromkeys((r.setting, r.scaling, r.options) for r in BLOCK_FORMAT_ROWS))
-    for block_row in BLOCK_FORMAT_ROWS:
+    formats = list(dict.fromkeys((r.setting, r.scaling, r.options) for r in block_rows))
+    for block_row in block_rows:
         setting, scaling, rounding, label, bits, options = block_row
         match = part[block_row.selects(part)]
         if match.empty:
@@ -181,9 +188,10 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> list[
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     labels_per_model = cells.groupby("model")["model_label"].nunique()
-    if any(is_cell(cells, *row[:3]).any() for row in BLOCK_FORMAT_ROWS[2:]):  # the block_formats grid
+    declared = declared_table(str(cells["experiment"].iloc[0])) if cells["experiment"].nunique() == 1 else None
+    if declared and declared[0] == "block_formats":  # the table the preset declares, as tables.write_all reads it
         for model, part in cells.groupby("model", sort=False):
-            paths += metric_vs_bits(part, part["model_label"].iloc[0], directory, model)
+            paths += metric_vs_bits(part, part["model_label"].iloc[0], directory, model, declared[1])
     for (model, label, variant), part in cells.groupby(["model", "model_label", "variant"], sort=False):
         configuration = label.partition("(")[2].rstrip(")") if labels_per_model[model] > 1 else ""
         name = "_".join([model] + [re.sub(r"[^A-Za-z0-9.=-]+", "_", t).strip("_") for t in (configuration, variant) if t])

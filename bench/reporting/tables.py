@@ -23,9 +23,12 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 import yaml
+from omegaconf import OmegaConf
 
 from bench.numerics.telemetry import TENSOR_CLASSES
-from bench.reporting.aggregate import SCALING_ORDER, t_interval
+from bench.numerics.specs import FORMAT_SPECS
+from bench.reporting.aggregate import SCALING_ORDER, format_options, t_interval
+from bench.running.config import CONF_DIR
 
 PUBLISHED = Path(__file__).parent / "reference" / "published.yaml"
 EMULATED = "†"
@@ -330,31 +333,32 @@ class BlockRow(NamedTuple):
         return is_cell(frame, self.setting, self.scaling, self.rounding, self.options)
 
 
-# The block_formats preset's rows, by bits per element (scales included). Rowwise and 1 x 128 FP8 keep an FP32 scale
-# per 128 elements at K = 128.
-BLOCK_FORMAT_ROWS = [
-    BlockRow("32-true", "none", "nearest", "FP32", 32.0),
-    BlockRow("fp8-mixed", "per_tensor", "nearest", "FP8 tensorwise (E4M3/E5M2)", 8.0),
-    BlockRow("fp8-mixed", "per_tensor", "stochastic", "FP8 tensorwise, stochastic gradients", 8.0),
-    BlockRow("fp8-mixed", "rowwise", "nearest", "FP8 rowwise (E4M3, FP32 scale per row)", 8.25),
-    BlockRow("fp8-mixed", "rowwise", "stochastic", "FP8 rowwise, stochastic gradients", 8.25),
-    BlockRow("fp8-mixed", "block", "nearest", "FP8 block (E4M3, FP32 scale per 1x128 / 128x128)", 8.25),
-    BlockRow("fp8-mixed", "block", "stochastic", "FP8 block, stochastic gradients", 8.25),
-    BlockRow("mxfp8-mixed", "none", "nearest", "MXFP8 (E4M3/E5M2, E8M0 per 32)", 8.25),
-    BlockRow("mxfp8-mixed", "none", "stochastic", "MXFP8, stochastic gradients", 8.25),
-    BlockRow("mxfp8-mixed", "none", "nearest", "MXFP8, torchao's recipe (E4M3 gradients, rceil)", 8.25,
-             "gradients=fp8_e4m3, scale_mode=rceil"),
-    BlockRow("mxfp6-mixed", "none", "nearest", "MXFP6 (E2M3/E3M2, E8M0 per 32)", 6.25),
-    BlockRow("mxfp6-mixed", "none", "stochastic", "MXFP6, stochastic gradients", 6.25),
-    BlockRow("nvfp4-mixed", "none", "nearest", "NVFP4 (E2M1, E4M3 per 16, FP32 per tensor)", 4.5),
-    BlockRow("nvfp4-mixed", "none", "stochastic", "NVFP4, stochastic gradients", 4.5),
-    BlockRow("mxfp4-mixed", "none", "nearest", "MXFP4 (E2M1, E8M0 per 32)", 4.25),
-    BlockRow("mxfp4-mixed", "none", "stochastic", "MXFP4, stochastic gradients", 4.25),
-]
+def declared_table(experiment: str) -> tuple[str, list[BlockRow]] | None:
+    """The table a preset declares for its records (`hydra.sweeper.table` in conf/experiment/<experiment>.yaml),
+    found by their experiment_name, with its rows: the preset's settings that carry a `label` (and `bits`), each
+    turned into the cell it selects. None where the experiment declares no table of its own."""
+    path = CONF_DIR / "experiment" / f"{experiment}.yaml"
+    sweeper = (OmegaConf.load(path).get("hydra") or {}).get("sweeper") or {} if path.is_file() else {}
+    if not sweeper.get("table"):
+        return None
+    rows = [_row(setting) for setting in sweeper.get("settings") or [] if hasattr(setting, "keys") and "label" in setting]
+    return sweeper["table"], rows
 
 
-def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
-    """Per model, one row per format and scaling of BLOCK_FORMAT_ROWS present, by bits per element: the primary
+def _row(setting) -> BlockRow:
+    """The cell a labelled setting selects: its format option's setting name (conf/format/<option>.yaml says the
+    format and its mode), scaling method, rounding of the gradients and recipe options."""
+    overrides = dict(item.split("=", 1) for item in str(setting["overrides"]).split())
+    option = OmegaConf.load(CONF_DIR / "format" / f"{overrides['format']}.yaml")
+    spec = FORMAT_SPECS[option.name]
+    fmt = {"gradients": overrides.get("format.gradients"), "scale_mode": overrides.get("format.scale_mode", "floor")}
+    return BlockRow(spec.setting(overrides.get("format.mode", str(option.mode).lower())),
+                    overrides.get("scaling", "none"), overrides.get("format.rounding", "nearest"), setting["label"],
+                    float(setting.get("bits") or "nan"), format_options(fmt))
+
+
+def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame, block_rows: list[BlockRow]) -> pd.DataFrame:
+    """Per model, one row per declared row present (the preset's order, by bits per element): the primary
     metric (mean ± std over seeds), its paired difference to FP32 of the same design and seed (95% t interval),
     and what the block scales did to the gradients (relative MSE, blocks clipped)."""
     ok = runs[(runs["status"] == "ok") & runs["value"].notna()]
@@ -362,7 +366,7 @@ def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame
     for (label, design), part in cells.groupby(["model_label", "design_id"], sort=False):
         here = ok[ok["design_id"] == design]
         reference = here[is_cell(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
-        for block_row in BLOCK_FORMAT_ROWS:
+        for block_row in block_rows:
             match = part[block_row.selects(part)]
             if match.empty:
                 continue
@@ -441,11 +445,11 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
              "numerics": numerics_table(cells), "vs_published": published_table(cells)}
     if (cells["metric"] == "f1").any():
         built["squad"] = squad_table(cells)
-    lm = cells[cells["metric"] == "val_loss"]
-    if len({(str(a), str(b)) for a, b in zip(lm["setting"], lm["scaling"])} & {c[:2] for c in CHARLM_COLUMNS}) >= 2:
+    declared = declared_table(str(cells["experiment"].iloc[0])) if cells["experiment"].nunique() == 1 else None
+    if declared and declared[0] == "unit_scaling_charlm" and (cells["metric"] == "val_loss").any():
         built["unit_scaling_charlm"] = unit_scaling_charlm_table(runs, cells)
-    if cells["rounding"].notna().any() and any(r.selects(cells).any() for r in BLOCK_FORMAT_ROWS[2:]):
-        built["block_formats"] = block_formats_table(runs, cells)
+    if declared and declared[0] == "block_formats":
+        built["block_formats"] = block_formats_table(runs, cells, declared[1])
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
     timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \
         + ([NOTES["disturbed"]] if cells["disturbed"].any() else []) \

@@ -84,9 +84,11 @@ def check_slurm_accounting() -> None:
 
 
 class CheckingSweeper(BasicSweeper):
-    def __init__(self, *args, settings: Sequence[str] | None = None, **kwargs):
+    def __init__(self, *args, settings: Sequence | None = None, table: str | None = None, **kwargs):
+        """settings: override sets, each a string or a mapping whose `overrides` is one (the mapping's other keys,
+        and `table`, are the preset's table declaration, read by bench/reporting/tables.py, not here)."""
         super().__init__(*args, **kwargs)
-        self.settings = [str(s).split() for s in settings or []]
+        self.settings = [str(s["overrides"] if hasattr(s, "keys") else s).split() for s in settings or []]
         self.already: Counter = Counter()  # statuses of cells skipped because they were recorded before
 
     def split_arguments(self, overrides, max_batch_size):
