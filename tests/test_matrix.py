@@ -79,8 +79,9 @@ def _grids() -> dict[str, list[dict]]:
     for preset in sorted((CONF / "experiment").glob("*.yaml")):
         sweeper = yaml.safe_load(preset.read_text())["hydra"]["sweeper"]
         grids[preset.stem] = [{k: str(v) for k, v in sweeper["params"].items()} | {"experiment": preset.stem}]
-        settings[preset.stem] = [dict(item.split("=", 1) for item in s.split()) for s in sweeper.get("settings") or []] \
-            or [{}]  # hydra.sweeper.settings: override sets crossed with the params
+        settings[preset.stem] = [dict(item.split("=", 1) for item in (s["overrides"] if isinstance(s, dict) else s).split())
+                                 for s in sweeper.get("settings") or []] \
+            or [{}]  # hydra.sweeper.settings: override sets (or {overrides, label, bits}) crossed with the params
     cells = {}
     for name, (grid,) in grids.items():
         keys = list(grid)

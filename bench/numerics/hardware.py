@@ -47,14 +47,16 @@ def fp32_support(device: torch.device) -> NativeSupport:
     return NativeSupport(True, True, "FP32 is native everywhere")
 
 
-def _cuda_support(fmt: str, device: torch.device, need: tuple[int, int]) -> NativeSupport:
+def _cuda_support(device: torch.device, need: tuple[int, int], slowly_below: bool = False,
+                  needs_torchao: bool = False) -> NativeSupport:
+    """Native and fast from compute capability `need`; below it still native but slow where `slowly_below` (older
+    GPUs run 16-bit kernels without the tensor cores that make them fast)."""
     cc = torch.cuda.get_device_capability(device)
     has = cc >= need
     why = f"compute capability {cc[0]}.{cc[1]} {'>=' if has else '<'} {need[0]}.{need[1]}"
-    if fmt == "fp8" and has and not torchao_available():
+    if needs_torchao and has and not torchao_available():
         return NativeSupport(False, False, why + ", but torchao is not installed (pip install '.[fp8-gpu]')")
-    available = has or fmt in ("fp16", "bf16")  # older GPUs still run 16-bit kernels, slowly
-    return NativeSupport(available, has, why)
+    return NativeSupport(has or slowly_below, has, why)
 
 
 def _no_compute_path(fmt: str, device: torch.device) -> NativeSupport:
@@ -67,13 +69,13 @@ def _xla_support(fmt: str) -> NativeSupport:
 
 def tf32_support(device: torch.device) -> NativeSupport:
     if device.type == "cuda":
-        return _cuda_support("tf32", device, (8, 0))
+        return _cuda_support(device, (8, 0))
     return _xla_support("tf32") if device.type == "xla" else _no_compute_path("tf32", device)
 
 
 def fp16_support(device: torch.device) -> NativeSupport:
     if device.type == "cuda":
-        return _cuda_support("fp16", device, (7, 0))
+        return _cuda_support(device, (7, 0), slowly_below=True)
     if device.type == "xla":
         return _xla_support("fp16")
     # Measured: even with avx512_fp16/amx_fp16, torch's CPU fp16 autocast ran LeNet at 113 ms a step against
@@ -85,7 +87,7 @@ def fp16_support(device: torch.device) -> NativeSupport:
 
 def bf16_support(device: torch.device) -> NativeSupport:
     if device.type == "cuda":
-        return _cuda_support("bf16", device, (8, 0))
+        return _cuda_support(device, (8, 0), slowly_below=True)
     if device.type == "xla":
         return _xla_support("bf16")
     fast = bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
@@ -95,7 +97,7 @@ def bf16_support(device: torch.device) -> NativeSupport:
 
 def fp8_support(device: torch.device) -> NativeSupport:
     if device.type == "cuda":
-        return _cuda_support("fp8", device, (8, 9))
+        return _cuda_support(device, (8, 9), needs_torchao=True)
     return _xla_support("fp8") if device.type == "xla" else _no_compute_path("fp8", device)
 
 

@@ -196,7 +196,7 @@ class Precision:
             self.native, self.why = False, "requested"
         else:
             self.native, self.why = support.fast, support.why
-        if self.native and per_tensor is not None and fmt in ("tf32", "fp16", "bf16"):
+        if self.native and per_tensor is not None and self.recipe is not None and self.spec.native_path == "torch":
             self._emulate_instead(f"per-tensor scaling of {fmt} needs emulation (native {fmt} kernels take no "
                                   "per-tensor scales); valid: format.backend=auto or emulated",
                                   f"per-tensor scaling of {fmt} needs emulation ({support.why})")
@@ -265,7 +265,7 @@ class Precision:
         if self.format == "fp32":
             return model
         if self.native:
-            if self.format in ("fp8", "mxfp8"):
+            if self.spec.native_path == "torchao":
                 return self._convert_with_torchao(model)
             return model.to(self.dtype) if self.mode == "true" else model
         if self.block is not None:
