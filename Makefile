@@ -15,7 +15,7 @@ LAUNCHER ?= parallel
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
-.PHONY: help setup test test-slow test-cluster sweep tables default-tables raschka-memory bench gpu-report dashboard prepare sync chaos doctor clean
+.PHONY: help setup test test-slow test-cluster sweep tables compare default-tables raschka-memory bench gpu-report dashboard prepare sync chaos doctor clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -57,9 +57,15 @@ else
 	$(PY) -m bench.run -m hydra/launcher=$(LAUNCHER) experiment=$(EXPERIMENT) results_dir=$(RESULTS) $(ARGS)
 endif
 	$(MAKE) --no-print-directory tables
+ifeq ($(EXPERIMENT),)
+	-$(PY) -m bench.compare $(RESULTS) --against results/tables/default
+endif
 
 tables: setup ## Markdown + CSV tables from the records under RESULTS (into TABLES; prints the headline table)
 	$(PY) -m bench.aggregate $(RESULTS) --out $(TABLES)
+
+compare: setup ## your cells under RESULTS beside a committed folder (AGAINST, default results/tables/default): within or outside its intervals
+	$(PY) -m bench.compare $(RESULTS) --against $(or $(AGAINST),results/tables/default)
 
 default-tables: setup ## regenerate the committed results/tables/default from a fresh default sweep
 	rm -rf results/runs/committed

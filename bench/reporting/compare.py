@@ -1,0 +1,116 @@
+"""Your results beside the committed ones, cell by cell: `python -m bench.compare MINE [--against FOLDER]`.
+
+MINE is a results directory (records, as `make sweep` writes them) or wandb://entity/project[/group]. FOLDER is a
+committed table folder (default results/tables/default); its `cells.csv` holds each cell's mean over seeds and the
+95% t interval of that mean, and its `vs_published.csv` the published figure where one exists. Cells pair by
+experiment, model as configured, setting, scaling method, variant and number of training steps (a committed
+folder keeps no configuration hash that is free of its device; committed records would let cells pair by their
+whole configuration); where your device or backend differs from
+the committed cell's (an AMD CPU emulates the bf16 an Intel CPU with AMX runs natively) the row says so, since
+its numerics need not agree.
+
+Each of your cells is *within* when its mean lies in the committed cell's interval, *outside* when it does not,
+and has *no interval* when the committed cell had one seed. Exit 0 when nothing is outside, 1 when something is,
+2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from bench.errors import ConfigError
+from bench.reporting import aggregate
+from bench.reporting.tables import DIGITS, EMULATED, fmt_stat, scaled
+
+KEYS = ["experiment", "model_label", "setting", "scaling", "variant"]
+
+
+def _with_steps(cells: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+    """Cells with the median number of training steps of their runs (a smoke run never pairs with a full one)."""
+    runs = runs.assign(setting=runs["setting"].astype(str), scaling=runs["scaling"].astype(str),
+                       variant=runs["variant"].fillna(""))
+    steps = runs.groupby(KEYS)["steps"].median().rename("steps").reset_index()
+    cells = cells.assign(setting=cells["setting"].astype(str), scaling=cells["scaling"].astype(str),
+                         variant=cells["variant"].fillna(""))
+    return cells.merge(steps, on=KEYS, how="left")
+DEFAULT_AGAINST = Path("results/tables/default")
+
+
+def committed_cells(folder: Path) -> pd.DataFrame:
+    """The committed folder's cells, with the published figure beside each where vs_published.csv has one."""
+    if not (folder / "cells.csv").is_file():
+        raise ConfigError(f"--against {folder}: no cells.csv there; a committed table folder is one of "
+                          f"{', '.join(sorted(str(p.parent) for p in Path('results/tables').glob('*/cells.csv')))}")
+    cells = _with_steps(pd.read_csv(folder / "cells.csv"), pd.read_csv(folder / "runs.csv"))
+    published = folder / "vs_published.csv"
+    if published.is_file():
+        pub = pd.read_csv(published).rename(columns={"our scaling": "scaling", "published": "published_value"})
+        pub = pub[pub["metric"].notna()].drop_duplicates(["model", "task", "setting", "scaling", "metric"])
+        cells = cells.merge(pub[["model", "task", "setting", "scaling", "metric", "published_value"]],
+                            on=["model", "task", "setting", "scaling", "metric"], how="left")
+    else:
+        cells["published_value"] = float("nan")
+    return cells
+
+
+def compare(mine: pd.DataFrame, committed: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell of mine that the committed folder has: both means, the committed interval, the published
+    figure, the difference and the verdict."""
+    paired = mine.merge(committed, on=[*KEYS, "steps"], suffixes=("", "_committed"))
+    rows = []
+    for _, c in paired.iterrows():
+        metric, digits = c["metric"], DIGITS.get(c["metric"], 2)
+        lo, hi = c["value_ci_lo_committed"], c["value_ci_hi_committed"]
+        verdict = "no interval" if pd.isna(lo) else "within" if lo <= c["value"] <= hi else "outside"
+        differs = [what for what, a, b in (("device", c["device"], c["device_committed"]),
+                                           ("backend", c["backend"], c["backend_committed"])) if a != b]
+        rows.append({
+            "model": c["model_label"], "setting": c["setting"] + (f" {EMULATED}" if c["backend"] == "emulated" else ""),
+            "scaling": c["scaling"], "metric": metric,
+            "mine": fmt_stat(scaled(metric, c["value"]), scaled(metric, c["value_std"]), c["value_n"], digits),
+            "committed [95% interval]": "–" if pd.isna(c["value_committed"]) else
+            f"{scaled(metric, c['value_committed']):.{digits}f}" + ("" if pd.isna(lo) else
+                                                                     f" [{scaled(metric, lo):.{digits}f}, {scaled(metric, hi):.{digits}f}]"),
+            "published": "–" if pd.isna(c.get("published_value")) else f"{c['published_value']:g}",
+            "mine − committed": f"{scaled(metric, c['value'] - c['value_committed']):+.{digits}f}",
+            "verdict": verdict, "differs": ", ".join(differs)})
+    return pd.DataFrame(rows)
+
+
+def main(argv: list[str] | None = None, api=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.splitlines()[0])
+    parser.add_argument("mine", help="your results directory (records) or wandb://entity/project[/group]")
+    parser.add_argument("--against", type=Path, default=DEFAULT_AGAINST, help="a committed table folder")
+    args = parser.parse_args(argv)
+    try:
+        if not str(args.mine).startswith("wandb://") and not Path(args.mine).is_dir():
+            raise ConfigError(f"{args.mine}: not a results directory or wandb://entity/project[/group]")
+        committed = committed_cells(args.against)
+        records, _ = aggregate.load_sources([args.mine], api)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    frame = aggregate.to_frame(records)
+    if frame.empty:
+        print(f"config error: no valid records in {args.mine}", file=sys.stderr)
+        return 2
+    table = compare(_with_steps(aggregate.summarise(frame), frame), committed)
+    if table.empty:
+        print(f"none of the cells in {args.mine} is among {args.against}'s (they pair by experiment, model, setting, "
+              "scaling, variant and training steps)")
+        return 0
+    outside = int((table["verdict"] == "outside").sum())
+    devices = sorted(set(frame["device"].dropna()))
+    committed_devices = sorted(set(committed["device"].dropna()))
+    print(f"## Yours ({', '.join(devices)}) beside {args.against} ({', '.join(committed_devices)})\n")
+    print(table.drop(columns=["differs"] if not table["differs"].astype(bool).any() else []).to_markdown(
+        index=False, disable_numparse=True))
+    print(f"\n{len(table)} cells paired: {int((table['verdict'] == 'within').sum())} within the committed cell's 95% "
+          f"interval of its mean, {outside} outside, {int((table['verdict'] == 'no interval').sum())} without one"
+          + ("; a device or backend that differs can move a cell honestly (emulated bf16 on a CPU without "
+             "avx512_bf16 is not the native bf16 of one with it)" if table["differs"].astype(bool).any() else "") + ".")
+    return 1 if outside else 0

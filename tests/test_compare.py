@@ -1,0 +1,48 @@
+"""`python -m bench.compare`: cells pair with a committed folder's by configuration and training length, and each
+is within or outside the committed cell's 95% interval (computed here by hand)."""
+
+import pytest
+from scipy import stats
+
+from bench.reporting.compare import main as compare
+from bench.reporting.report import main as aggregate
+from tests.test_aggregate import record, write
+
+
+@pytest.fixture
+def committed(tmp_path):
+    """A committed folder made by bench.aggregate from three seeds of fp32 and bf16-mixed LeNet."""
+    root = tmp_path / "committed-runs"
+    for seed, (fp32, bf16) in enumerate([(0.90, 0.85), (0.92, 0.87), (0.94, 0.89)]):
+        write(root, record(seed=seed, metrics={"test_accuracy": fp32}))
+        write(root, record(fmt="bf16", mode="mixed", setting="bf16-mixed", seed=seed, metrics={"test_accuracy": bf16}))
+    assert aggregate([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    return tmp_path / "tables" / "t"
+
+
+def test_a_cell_is_within_or_outside_the_committed_interval(committed, tmp_path, capsys):
+    half = stats.t.ppf(0.975, 2) * 0.02 / 3 ** 0.5  # the committed fp32 mean 0.92, std 0.02, n = 3
+    mine = tmp_path / "mine"
+    write(mine, record(seed=0, metrics={"test_accuracy": 0.92 + 0.9 * half}))  # inside, near the edge
+    write(mine, record(fmt="bf16", mode="mixed", setting="bf16-mixed", seed=0, metrics={"test_accuracy": 0.80}))
+    assert compare([str(mine), "--against", str(committed)]) == 1  # something is outside
+    out = capsys.readouterr().out
+    rows = {line.split("|")[2].strip(): line for line in out.splitlines() if line.startswith("| lenet")}
+    assert "| within" in rows["32-true"] and "92.00 [" in rows["32-true"] and f"{100 * 0.9 * half:+.2f}" in rows["32-true"]
+    assert "| outside" in rows["bf16-mixed"] and "-7.00" in rows["bf16-mixed"]
+    assert "2 cells paired: 1 within" in out
+
+
+def test_only_cells_of_the_same_training_length_pair(committed, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    rec = record(seed=0, metrics={"test_accuracy": 0.10})
+    rec["timing"]["steps"] = 2  # a smoke run
+    write(mine, rec)
+    assert compare([str(mine), "--against", str(committed)]) == 0
+    assert "none of the cells" in capsys.readouterr().out
+
+
+def test_bad_input_exits_2(tmp_path, capsys):
+    assert compare([str(tmp_path / "nowhere")]) == 2
+    (tmp_path / "mine").mkdir()
+    assert compare([str(tmp_path / "mine"), "--against", str(tmp_path / "not-a-folder")]) == 2
