@@ -104,6 +104,19 @@ class OpCasts:
         return cast(y, self.output, self.grad_output)
 
 
+def emulated_gemm(function, *tensors):
+    """`function` (a linear, a conv or a blocked GEMM) on its emulated operands in FP32, autocast off: the operands
+    already hold the format's values, and an autocast GEMM would round them again (NVFP4's tensor scale does not fit
+    BF16). Under autocast (format.elsewhere=bf16) the result is handed on in the autocast dtype, as an FP8 GEMM writes
+    it; otherwise as computed."""
+    device = next(t for t in tensors if t is not None).device.type
+    if not torch.is_autocast_enabled(device):
+        return function(*tensors)
+    with torch.autocast(device, enabled=False):
+        y = function(*(t if t is None or not t.is_floating_point() else t.float() for t in tensors))
+    return y.to(torch.get_autocast_dtype(device))
+
+
 class CastOp:
     """Mixin for a matmul/conv module whose inputs, output and gradients an emulated precision rounds.
 
@@ -117,8 +130,8 @@ class CastOp:
     def linear(self, x, weight, bias):
         """F.linear as the precision computes it: on block-scaled GEMM operands, or on rounded inputs and output."""
         if self.operands is not None:
-            return _BlockLinear.apply(x, weight, bias, self.operands)
-        return self.cast_result(F.linear(*self.cast_inputs(x, weight, bias)))
+            return emulated_gemm(lambda *t: _BlockLinear.apply(*t, self.operands), x, weight, bias)
+        return self.cast_result(emulated_gemm(F.linear, *self.cast_inputs(x, weight, bias)))
 
     def cast_inputs(self, x, weight, bias):
         return (x, weight, bias) if self.casts is None else self.casts.inputs(x, weight, bias)
@@ -134,7 +147,7 @@ class EmulatedLinear(CastOp, nn.Linear):
 
 class EmulatedConv2d(CastOp, nn.Conv2d):
     def forward(self, x):
-        return self.cast_result(self._conv_forward(*self.cast_inputs(x, self.weight, self.bias)))
+        return self.cast_result(emulated_gemm(self._conv_forward, *self.cast_inputs(x, self.weight, self.bias)))
 
 
 EMULATED_MODULES = {nn.Linear: EmulatedLinear, nn.Conv2d: EmulatedConv2d}

@@ -62,6 +62,9 @@ from bench.numerics.specs import FORMAT_SPECS, FormatSpec, block_formats, native
 from bench.numerics.telemetry import QuantTelemetry
 
 BACKENDS = ("auto", "native", "emulated")
+# format.elsewhere: what runs outside the GEMMs of the formats that convert only those (torchao, Transformer Engine
+# and DeepSeek-V3 train FP8 with BF16 autocast there)
+ELSEWHERE = ("fp32", "bf16")
 
 
 class PrecisionError(ConfigError):
@@ -104,6 +107,7 @@ class PrecisionConfig:
     rounding: str = "nearest"
     gradients: str | None = None
     scaling: str | None = None
+    elsewhere: str | None = None  # outside the converted GEMMs: None/"fp32" (FP32) or "bf16" (autocast)
 
     def __post_init__(self):
         check_choice(self.format, tuple(FORMAT_SPECS), "format", PrecisionError)
@@ -130,6 +134,12 @@ class PrecisionConfig:
         if not spec.stochastic_rounding and self.rounding != "nearest":
             raise PrecisionError(f"format.rounding applies to {', '.join(stochastic_formats())}, not to "
                                  f"format={self.format}; valid there: nearest")
+        if self.elsewhere is not None:
+            check_choice(self.elsewhere, ELSEWHERE, "format.elsewhere", PrecisionError)
+            if self.elsewhere != "fp32" and not spec.gemm_only:
+                raise PrecisionError(f"format.elsewhere={self.elsewhere} applies to the formats of the GEMM operands "
+                                     f"only ({', '.join(n for n, s in FORMAT_SPECS.items() if s.gemm_only)}), not to "
+                                     f"format={self.format}; valid there: null or fp32")
         if self.gradients is not None and self.gradients not in spec.gradient_elements:
             valid = {name: ", ".join(s.gradient_elements) for name, s in FORMAT_SPECS.items() if s.gradient_elements}
             raise PrecisionError(f"format.gradients={self.gradients} does not go with format={self.format}; valid: "
@@ -149,7 +159,7 @@ class PrecisionConfig:
         """From a composed config: its `format` node and `scaling.name`."""
         f = cfg.format
         return cls(f.name, str(f.mode).lower(), f.backend, f.overflow, f.ftz, f.scale_mode, f.rounding, f.gradients,
-                   cfg.scaling.name)
+                   cfg.scaling.name, f.get("elsewhere"))
 
 
 # what an emulated FP8 granularity scales together (the record's env.precision.block.tile)
@@ -162,13 +172,15 @@ class Precision:
 
     def __init__(self, fmt: str, mode: str, backend: str, overflow: str | None, ftz: bool,
                  device: torch.device, per_tensor=None, scale_mode: str = "floor", rounding: str = "nearest",
-                 granularity: str | None = None, gradients: str | None = None):
+                 granularity: str | None = None, gradients: str | None = None, elsewhere: str | None = None):
         """per_tensor: a factory `(tensor_class, spec) -> PerTensorScale` when scaling=per_tensor, else None.
         scale_mode: block formats only (bench/numerics/blocks.py's SCALE_MODES); rounding: fp8 and block formats (ROUNDINGS).
         granularity: FP8 only, scaling=rowwise or block (bench/numerics/blocks.py's FP8_GRANULARITIES), else None.
         gradients: the gradient operands' element format (the spec's gradient_elements), None for the recipe's."""
         scaling = granularity or ("per_tensor" if per_tensor is not None else None)
-        self.config = PrecisionConfig(fmt, mode, backend, overflow, ftz, scale_mode, rounding, gradients, scaling)
+        self.config = PrecisionConfig(fmt, mode, backend, overflow, ftz, scale_mode, rounding, gradients, scaling,
+                                      elsewhere)
+        self.elsewhere = elsewhere or "fp32"
         self.spec = self.config.spec
         self.format, self.mode, self.device, self.requested_backend = fmt, mode, device, backend
         self.rounding = rounding  # of the gradients entering each GEMM's backward (fp8 and the block formats)
@@ -320,8 +332,12 @@ class Precision:
         return model
 
     def autocast(self):
+        """Native 16-bit mixed: autocast in the format. format.elsewhere=bf16: BF16 autocast around the converted GEMMs,
+        which take their own operands (emulated ones compute in FP32 and hand on BF16, as an FP8 GEMM writes it)."""
         if self.native and self.mode == "mixed" and self.dtype is not None:
             return torch.autocast(self.device.type, dtype=self.dtype)
+        if self.elsewhere == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
@@ -364,7 +380,9 @@ class Precision:
             "mode": self.mode,
             "setting": self.setting,
             "backend": self.backend,
-            "label": self.setting + ("" if self.native else " (emulated)"),  # what dashboards group by
+            "label": self.setting + (" (bf16 elsewhere)" if self.elsewhere == "bf16" else "")
+            + ("" if self.native else " (emulated)"),  # what dashboards group by
+            "elsewhere": self.elsewhere,  # outside the converted GEMMs (format.elsewhere)
             "backend_reason": self.why,
             "element_formats": elements,
             "overflow": {e: "saturate" if self.block else resolve_overflow(FORMATS[e], self.overflow) for e in elements},

@@ -46,6 +46,7 @@ class FormatSpec:
     stochastic_rounding: bool = False  # format.rounding=stochastic applies (to the gradients entering the backward)
     tile_scalings: bool = False  # scaling=rowwise, rowwise_with_gw_hp and block apply (E4M3 per row or tile)
     native_path: str = "torch"  # where native: "torch" (autocast or the model cast; no per-tensor scales) or "torchao"
+    gemm_only: bool = False  # only the GEMM operands are in the format: the rest is a choice (format.elsewhere)
 
     def setting(self, mode: str) -> str:
         """Lightning-style name of the precision setting: 32-true, tf32, 16-mixed, bf16-true, fp8-mixed."""
@@ -105,19 +106,19 @@ register(FormatSpec("fp16", MODES, Recipe("fp16", "fp16", True), hardware.fp16_s
 register(FormatSpec("bf16", MODES, Recipe("bf16", "bf16", True), hardware.bf16_support, ("bf16-mixed", "bf16-true"),
                     torch.bfloat16))
 register(FormatSpec("fp8", ("mixed",), Recipe("fp8_e4m3", "fp8_e5m2", False), hardware.fp8_support,
-                    stochastic_rounding=True, tile_scalings=True, native_path="torchao"))
+                    stochastic_rounding=True, tile_scalings=True, native_path="torchao", gemm_only=True))
 # The MX paper's training recipes (Rouhani et al. 2023): E4M3 / E5M2, E2M3 / E3M2, E2M1 throughout. torchao's and
 # Transformer Engine's MXFP8 recipes take E4M3 gradients (format.gradients=fp8_e4m3).
 _NO_MX_TRAINING = "emulated on every device: torchao has no {} training path"
 register(FormatSpec("mxfp8", ("mixed",), Recipe("fp8_e4m3", "fp8_e5m2", False, "mx"), hardware.mxfp8_support,
-                    gradient_elements=("fp8_e4m3", "fp8_e5m2"), stochastic_rounding=True, native_path="torchao"))
+                    gradient_elements=("fp8_e4m3", "fp8_e5m2"), stochastic_rounding=True, native_path="torchao", gemm_only=True))
 register(FormatSpec("mxfp6", ("mixed",), Recipe("fp6_e2m3", "fp6_e3m2", False, "mx"),
                     hardware.emulated_everywhere("mxfp6 is " + _NO_MX_TRAINING.format("mxfp6")),
-                    gradient_elements=("fp6_e2m3", "fp6_e3m2"), stochastic_rounding=True))
+                    gradient_elements=("fp6_e2m3", "fp6_e3m2"), stochastic_rounding=True, gemm_only=True))
 register(FormatSpec("mxfp4", ("mixed",), Recipe("fp4_e2m1", "fp4_e2m1", False, "mx"),
-                    hardware.emulated_everywhere("mxfp4 is " + _NO_MX_TRAINING.format("mxfp4")), stochastic_rounding=True))
+                    hardware.emulated_everywhere("mxfp4 is " + _NO_MX_TRAINING.format("mxfp4")), stochastic_rounding=True, gemm_only=True))
 register(FormatSpec("nvfp4", ("mixed",), Recipe("fp4_e2m1", "fp4_e2m1", False, "nvfp4"),
                     hardware.emulated_everywhere("nvfp4 is emulated on every device: torchao's NVFP4 training is a "
                                                  "recipe of its own (random Hadamard transform, BF16 operands, "
                                                  "dimensions multiples of 128), not this one"),
-                    stochastic_rounding=True))
+                    stochastic_rounding=True, gemm_only=True))

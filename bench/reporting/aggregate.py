@@ -165,12 +165,13 @@ def _number(value):
 
 
 # Format options that make another recipe of a block format, and their defaults (the format's own recipe).
-RECIPE_OPTIONS = {"gradients": None, "scale_mode": "floor"}
+RECIPE_OPTIONS = {"gradients": None, "scale_mode": "floor", "elsewhere": "fp32"}
 
 
 def format_options(fmt: dict) -> str:
     """The recipe options a run's format departs from its defaults in, as "key=value, ..." ("" for none)."""
-    return ", ".join(f"{k}={fmt.get(k)}" for k, default in RECIPE_OPTIONS.items() if fmt.get(k, default) != default)
+    return ", ".join(f"{k}={fmt.get(k)}" for k, default in RECIPE_OPTIONS.items()
+                     if fmt.get(k) is not None and fmt.get(k) != default)
 
 
 def to_frame(records: list[dict]) -> pd.DataFrame:

@@ -126,7 +126,8 @@ def _metric_text(cell) -> str:
 
 
 def _setting_label(cell) -> str:
-    return f"{cell['setting']}{' ' + EMULATED if cell['backend'] == 'emulated' else ''}"
+    elsewhere = " (bf16 elsewhere)" if "elsewhere=bf16" in str(cell.get("format_options") or "") else ""
+    return f"{cell['setting']}{elsewhere}{' ' + EMULATED if cell['backend'] == 'emulated' else ''}"
 
 
 def _identity(cell, cells: pd.DataFrame) -> dict:

@@ -61,6 +61,7 @@ class FormatConfig:
     scale_mode: str = "floor"  # block formats (MX): floor | ceil | even | rceil (bench/numerics/blocks.py)
     rounding: str = "nearest"  # fp8 and block formats: nearest | stochastic (the gradients entering the backward GEMMs)
     gradients: Optional[str] = None  # mxfp8, mxfp6: the gradient operands' element format; None = the recipe's
+    elsewhere: Optional[str] = None  # fp8 and block formats, outside the converted GEMMs: null/fp32 (as before) | bf16
 
 
 @dataclass

@@ -26,7 +26,8 @@ from bench.data import DATA_DIR
 NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "device")
 NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
 NON_SEMANTIC_MODEL = ("task",)  # the model's declaration (bench/tasks/base.py TaskSpec): how to read it, not what runs
-SPELLINGS_OF_NULL = {("compile", "auto")}  # train keys whose named default means what null means
+# Keys whose named default means what null means (and what runs made before the key existed did), per section.
+SPELLINGS_OF_NULL = {"train": {("compile", "auto")}, "format": {("elsewhere", "fp32")}}
 
 
 def _identity_form(value):
@@ -55,8 +56,10 @@ def semantic_config(config: dict) -> dict:
     its identity form (`_identity_form`)."""
     semantic = _identity_form({k: v for k, v in config.items() if k not in NON_SEMANTIC})
     if "train" in semantic:
-        semantic["train"] = {k: v for k, v in semantic["train"].items()
-                             if k not in NON_SEMANTIC_TRAIN and (k, v) not in SPELLINGS_OF_NULL}
+        semantic["train"] = {k: v for k, v in semantic["train"].items() if k not in NON_SEMANTIC_TRAIN}
+    for section, spellings in SPELLINGS_OF_NULL.items():
+        if isinstance(semantic.get(section), dict):
+            semantic[section] = {k: v for k, v in semantic[section].items() if (k, v) not in spellings}
     if isinstance(semantic.get("model"), dict):
         semantic["model"] = {k: v for k, v in semantic["model"].items() if k not in NON_SEMANTIC_MODEL}
     return semantic

@@ -83,7 +83,7 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
     f = cfg.format
     granularity = cfg.scaling.name if cfg.scaling.name in FP8_GRANULARITIES else None
     precision = Precision(f.name, f.mode, f.backend, f.overflow, f.ftz, device, per_tensor, f.scale_mode, f.rounding,
-                          granularity, f.gradients)
+                          granularity, f.gradients, f.get("elsewhere"))
     return precision
 
 
