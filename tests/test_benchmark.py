@@ -56,6 +56,16 @@ def test_native_rows_time_the_compiled_loop_too_and_compare_it_with_its_compiled
     assert "native.tiny.bf16-mixed.compiled.speedup_vs_fp32" not in rows  # compiled is compared with compiled
 
 
+def test_every_native_row_is_a_valid_cell_and_fp8_is_also_measured_with_bf16_elsewhere(make_cfg):
+    """make gpu-report measures these on a GPU: each must pass the config check, and FP8 must also be timed in the
+    recipe torchao trains with (BF16 autocast outside its GEMMs), the fair comparison with bf16-mixed."""
+    from bench.running.config import check
+
+    for args in benchmark.NATIVE_FORMATS.values():
+        check(make_cfg("model=bert_tiny", *args))
+    assert "format.elsewhere=bf16" in benchmark.NATIVE_FORMATS["fp8-bf16-elsewhere"]
+
+
 def test_synthetic_batch_keeps_the_task_shape():
     import torch
 

@@ -324,7 +324,10 @@ def peer_rows(steps: int, repeats: int) -> list[dict]:
 # Dense peak TFLOP/s per dtype, from the vendors' datasheets (SXM parts).
 NATIVE_FORMATS = {"fp32": ["format=fp32"], "tf32": ["format=tf32"], "16-mixed": ["format=fp16"],
                   "16-true": ["format=fp16-true"], "bf16-mixed": ["format=bf16"], "bf16-true": ["format=bf16-true"],
-                  "fp8": ["format=fp8", "scaling=per_tensor"], "fp8-rowwise": ["format=fp8", "scaling=rowwise"]}
+                  "fp8": ["format=fp8", "scaling=per_tensor"], "fp8-rowwise": ["format=fp8", "scaling=rowwise"],
+                  # the recipe torchao and Transformer Engine train with: BF16 autocast outside the FP8 GEMMs
+                  "fp8-bf16-elsewhere": ["format=fp8", "scaling=per_tensor", "format.elsewhere=bf16"],
+                  "fp8-rowwise-bf16-elsewhere": ["format=fp8", "scaling=rowwise", "format.elsewhere=bf16"]}
 PAPER_SHAPES = {"distilbert": (["model=distilbert_tiny", "model.arch.layers=6", "model.arch.hidden=768",
                                 "model.arch.heads=12", "model.arch.intermediate=3072", "model.batch_size=12"], 512),
                 "bert_base": (["model=bert_tiny", "model.arch.layers=12", "model.arch.hidden=768", "model.arch.heads=12",
@@ -369,8 +372,8 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
                 rows.append(row(f"native.{model}.{name}.compiled.step_s", step_s[f"{name}.compiled"], "s", None))
             params = sum(p.numel() for p in cell.task.model.parameters())
             tokens = cfg.model.batch_size * seq_len
-            dtype = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16",
-                     "fp8-rowwise": "fp8"}.get(name, name)
+            dtype = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}.get(
+                name, "fp8" if name.startswith("fp8") else name)
             peak = next((p["tflops"][dtype] for gpu, p in DEVICES.items()
                          if gpu in devices.describe(precision.device)["device_name"] and dtype in p["tflops"]), None)
             rows += [row(f"native.{model}.{name}.step_s", seconds, "s", None),
