@@ -67,25 +67,3 @@ def test_a_registered_format_has_a_device_matrix_column_and_its_rules(e3m4, make
 def test_an_unregistered_format_is_refused_naming_the_registered_ones(make_cfg):
     with pytest.raises(ConfigError, match="format='fp9' is not valid; valid: fp32, tf32, fp16, bf16, fp8, mxfp8"):
         check(make_cfg("format=fp8", "format.name=fp9"))
-
-
-def test_bench_holds_no_list_of_format_names_outside_the_registry():
-    """No tuple, list, set or dict literal in bench/ names two or more formats or settings, but the registry
-    (specs.py), the element formats' own table (formats.py: fp32 and bf16 are element formats too), the speed
-    model's datasheet peaks per dtype, and the tools that pick what to measure."""
-    import ast
-
-    root = Path(__file__).resolve().parents[1] / "bench"
-    names = set(specs.FORMAT_SPECS) | set(specs.settings_in_order())
-    allowed = {root / "numerics" / "specs.py", root / "numerics" / "formats.py", root / "reporting" / "speed_model.py"}
-    found = []
-    for path in root.rglob("*.py"):
-        if path.parent.name == "tools" or path in allowed:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            items = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None) \
-                if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else None
-            strings = {i.value for i in items or [] if isinstance(i, ast.Constant) and isinstance(i.value, str)}
-            if len(strings & names) >= 2:
-                found.append(f"{path.relative_to(root)}:{node.lineno}: {sorted(strings & names)}")
-    assert found == []

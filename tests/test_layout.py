@@ -61,3 +61,37 @@ def test_the_entry_points_users_type_are_where_they_were():
 
     assert bench.run.main is run.main and bench.aggregate.main is report.main
     assert bench.formats.quantise is formats.quantise
+
+
+def _lists_naming(names: set[str], skip: set[Path] = frozenset()) -> list[str]:
+    """Every tuple, list, set or dict literal in bench/ (but tools/, which pick what to measure, and `skip`) that
+    names two or more of `names`: a registry written outside its one home."""
+    found = []
+    for path in BENCH.rglob("*.py"):
+        if path.parent.name == "tools" or path in skip:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            items = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None) \
+                if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else None
+            strings = {i.value for i in items or [] if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+            if len(strings & names) >= 2:
+                found.append(f"{path.relative_to(BENCH)}:{node.lineno}: {sorted(strings & names)}")
+    return found
+
+
+def test_bench_lists_no_model_by_name():
+    """Each model is declared once, in its yaml (model.task)."""
+    from omegaconf import OmegaConf
+
+    names = {OmegaConf.load(p).get("name") for p in (BENCH.parent / "conf" / "model").glob("*.yaml")} - {None}
+    assert {"lenet", "charlm", "distilbert", "bert_base"} <= names and _lists_naming(names) == []
+
+
+def test_bench_lists_no_format_by_name_outside_the_registry():
+    """Each format is declared once, in bench/numerics/specs.py; besides it only the element formats' own table
+    (formats.py: fp32 and bf16 are element formats too) and the speed model's datasheet peaks per dtype name them."""
+    from bench.numerics import specs
+
+    names = set(specs.FORMAT_SPECS) | set(specs.settings_in_order())
+    skip = {BENCH / "numerics" / "specs.py", BENCH / "numerics" / "formats.py", BENCH / "reporting" / "speed_model.py"}
+    assert _lists_naming(names, skip) == []

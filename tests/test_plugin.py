@@ -1,8 +1,7 @@
 """A model and a format defined outside bench/ (tests/plugin: a module on PYTHONPATH, a yaml for each on Hydra's
 search path) run through a sweep and its resumption, unit scaling, the tables, the plots and the dashboard with no
-edit to bench/; and bench/ holds no list of the shipped models' names."""
+edit to bench/ (tests/test_layout.py checks that bench/ lists no model by name)."""
 
-import ast
 import json
 import os
 import subprocess
@@ -10,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "tests" / "plugin"
@@ -68,24 +66,3 @@ def test_a_users_model_check_refuses_a_bad_key_before_training(tmp_path):
                  cwd=tmp_path)
     assert out.returncode == 2 and "model.arch.hidden=0 must be >= 1" in out.stderr
     assert not list(tmp_path.rglob("result.json"))
-
-
-def _shipped_model_names() -> set[str]:
-    return {OmegaConf.load(p).get("name") for p in (ROOT / "conf" / "model").glob("*.yaml")} - {None}
-
-
-def test_bench_holds_no_list_of_model_names():
-    """No tuple, list, set or dict literal in bench/ names two or more models: each model is declared once, in its
-    yaml (tools that pick workloads to measure, make bench's and make gpu-report's, are not registries)."""
-    names, found = _shipped_model_names(), []
-    assert {"lenet", "charlm", "distilbert", "bert_base"} <= names
-    for path in (ROOT / "bench").rglob("*.py"):
-        if path.parent.name == "tools":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            items = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None) \
-                if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else None
-            strings = {i.value for i in items or [] if isinstance(i, ast.Constant) and isinstance(i.value, str)}
-            if len(strings & names) >= 2:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {sorted(strings & names)}")
-    assert found == []

@@ -58,13 +58,17 @@ from bench.numerics.native import (
     torchao_mx_kernel,
 )
 from bench.numerics.scaling import SCALING_METHODS
-from bench.numerics.specs import FORMAT_SPECS, FormatSpec, block_formats, native_support, stochastic_formats
+from bench.numerics.specs import (
+    ELSEWHERE,
+    FORMAT_SPECS,
+    FormatSpec,
+    block_formats,
+    native_support,
+    stochastic_formats,
+)
 from bench.numerics.telemetry import QuantTelemetry
 
 BACKENDS = ("auto", "native", "emulated")
-# format.elsewhere: what runs outside the GEMMs of the formats that convert only those (torchao, Transformer Engine
-# and DeepSeek-V3 train FP8 with BF16 autocast there)
-ELSEWHERE = ("fp32", "bf16")
 
 
 class PrecisionError(ConfigError):

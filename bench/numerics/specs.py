@@ -17,6 +17,9 @@ from bench.numerics.hardware import NativeSupport
 from bench.numerics.scaling import SCALING_METHODS
 
 MODES = ("mixed", "true")  # FP32 master weights (Lightning's 16-mixed), or the whole model cast (16-true)
+# format.elsewhere: what may run outside the GEMMs of a gemm_only format (torchao, Transformer Engine and DeepSeek-V3
+# train FP8 with BF16 autocast there)
+ELSEWHERE = ("fp32", "bf16")
 # Block formats carry their own scales (per_tensor adds nothing); unit scaling's Linear takes block operands too.
 BLOCK_SCALINGS = ("none", "static", "dynamic", "unit")
 
