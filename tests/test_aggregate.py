@@ -436,3 +436,20 @@ def test_a_presets_own_table_comes_from_its_declaration_not_from_the_data(tmp_pa
     assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
     assert (tmp_path / "tables" / "block_formats" / "block_formats.md").is_file()
     assert not (tmp_path / "tables" / "mine" / "block_formats.md").exists()
+
+
+def test_a_compiled_cells_time_and_speed_up_leave_out_its_compiling_steps(tmp_path):
+    """A compiled bf16 run took 20 s, 12 of them in the steps that compiled: its time is 8 s beside 12 s compiling,
+    its speed-up over an eager 10 s FP32 is 10 / 8, and the table says so."""
+    root = tmp_path / "runs"
+    write(root, record(metrics={"test_accuracy": 0.9}, train_s=10.0))
+    compiled = record(fmt="bf16", mode="mixed", setting="bf16-mixed", metrics={"test_accuracy": 0.9}, train_s=20.0)
+    compiled["timing"] |= {"train_s_without_compile": 8.0, "compile": {"steps": [1], "seconds": 12.0}}
+    compiled["env"]["compile"] = {"requested": True, "compiled": True}
+    write(root, compiled)
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    precision = (tmp_path / "tables" / "t" / "precision.md").read_text()
+    row = _row(precision, "bf16-mixed")
+    assert "| 8.0 (n=1), compiled (+12.0 s compiling) |" in row and "| 1.25× " in row
+    assert "| 10.0 (n=1) " in _row(precision, "| 32-true")  # eager: its time as it was
+    assert "leave out the steps during which it compiled" in precision

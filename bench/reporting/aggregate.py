@@ -208,7 +208,12 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
             "metric": metric, "value": _number(metrics.get(metric)),
             "exact_match": _number(metrics.get("exact_match")), "f1": _number(metrics.get("f1")),
-            "steps": _number(r["timing"].get("steps")), "train_s": _number(r["timing"].get("train_s")),
+            "steps": _number(r["timing"].get("steps")),
+            # the training loop without the steps that compiled (timing.compile), which are counted apart: a
+            # speed-up compares steady steps, and an eager run's two times are one
+            "train_s": _number(r["timing"].get("train_s_without_compile", r["timing"].get("train_s"))),
+            "compile_s": _number((r["timing"].get("compile") or {}).get("seconds", 0.0)),
+            "compiled": bool((env.get("compile") or {}).get("compiled")),
             "disturbed": bool((r["timing"].get("conditions") or {}).get("disturbed")), "step_median_s": _number(r["timing"].get("step_median_s")),
             "samples_per_s": _number(r["timing"].get("samples_per_s")),
             "peak_bytes": _number(r["memory"].get("peak_bytes")),
@@ -255,6 +260,8 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     cells["train_s"] = finished["train_s"].median()
     cells["train_s_min"], cells["train_s_max"] = finished["train_s"].min(), finished["train_s"].max()
     cells["disturbed"] = groups["disturbed"].any()
+    cells["compiled"] = groups["compiled"].any()
+    cells["compile_s"] = finished["compile_s"].median()
     cells["metric"] = groups["metric"].first()
     cells["runs"] = groups.size()
     for status in ("ok", "diverged", "failed"):

@@ -40,6 +40,8 @@ NOTES = {
     "disturbed": f"{DISTURBED} timing disturbed: other processes kept more cores busy than this run's threads left "
                  "free (timing.conditions in the record).",
     "time": "train time: median over the seeds that finished [min–max] (n); speed-up: the 32-true median over this one.",
+    "compiled": "compiled: the cell trained with train.compile (torch.compile); its time and speed-up leave out the "
+                "steps during which it compiled, whose median seconds are shown beside it (timing.compile).",
     "std": "mean ± sample standard deviation over seeds (n runs with a value).",
     "difference": "Δ vs 32-true: mean of the per-seed differences to the 32-true cell of the same scaling, seed and "
                   "configuration (seeds are paired: same initial weights and data order) [95% confidence interval, "
@@ -55,7 +57,7 @@ NOTES = {
                      "= 4 + 8/16 for NVFP4; rowwise and 1x128 FP8 one FP32 scale per 128 elements); gradients rel. "
                      "MSE and clipped blocks: the block statistics of the record's telemetry (blocks whose largest "
                      "element saturated under the block's scale).",
-    "native_fp8": "native fp8-mixed: torchao's float8 training in eager mode (the runner does not torch.compile): "
+    "native_fp8": "native fp8-mixed run eagerly (train.compile off): torchao's float8 training in eager mode: "
                   "its time includes torchao's per-op Python dispatch, which on an H100 made BERT-base's step 2.8x "
                   "slower than FP32 (docs/performance.md, 'On an H100'); it is not what FP8 hardware gains.",
     "memory": "modelled memory: the bytes one training step holds (parameters, gradients, optimiser state, low-"
@@ -74,11 +76,14 @@ def scaled(metric: str | None, value):
 
 
 def fmt_time(cell) -> str:
+    """Median train time [min–max] (n); for a compiled cell, `compiled` and the median seconds its compiling steps
+    took, which the time (and so the speed-up) leaves out."""
     n = cell["train_s_n"]
     if n == 0 or pd.isna(cell["train_s"]):
         return "–"
     spread = "" if n == 1 else f" [{cell['train_s_min']:.1f}–{cell['train_s_max']:.1f}]"
-    return f"{cell['train_s']:.1f}{spread} (n={n}){DISTURBED if cell['disturbed'] else ''}"
+    compiled = f", compiled (+{cell['compile_s']:.1f} s compiling)" if cell.get("compiled") else ""
+    return f"{cell['train_s']:.1f}{spread} (n={n}){compiled}{DISTURBED if cell['disturbed'] else ''}"
 
 
 def fmt_stat(mean, std, n, digits: int = 2) -> str:
@@ -454,7 +459,9 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
     timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \
         + ([NOTES["disturbed"]] if cells["disturbed"].any() else []) \
-        + ([NOTES["native_fp8"]] if ((cells["setting"] == "fp8-mixed") & (cells["backend"] == "native")).any() else [])
+        + ([NOTES["compiled"]] if cells["compiled"].astype(bool).any() else []) \
+        + ([NOTES["native_fp8"]] if ((cells["setting"] == "fp8-mixed") & (cells["backend"] == "native")
+                                     & ~cells["compiled"].astype(bool)).any() else [])
     markdown = {}
     for name, table in built.items():
         extra = timing_notes if name == "precision" else [NOTES["charlm"]] if name == "unit_scaling_charlm" else \
