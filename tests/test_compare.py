@@ -29,7 +29,7 @@ def test_a_cell_is_within_or_outside_the_committed_interval(committed, tmp_path,
     out = capsys.readouterr().out
     rows = {line.split("|")[2].strip(): line for line in out.splitlines() if line.startswith("| lenet")}
     assert "| within" in rows["32-true"] and "92.00 [" in rows["32-true"] and f"{100 * 0.9 * half:+.2f}" in rows["32-true"]
-    assert "| outside" in rows["bf16-mixed"] and "-7.00" in rows["bf16-mixed"]
+    assert "| outside (worse)" in rows["bf16-mixed"] and "-7.00" in rows["bf16-mixed"]
     assert "2 cells paired: 1 within" in out
 
 
@@ -46,3 +46,17 @@ def test_bad_input_exits_2(tmp_path, capsys):
     assert compare([str(tmp_path / "nowhere")]) == 2
     (tmp_path / "mine").mkdir()
     assert compare([str(tmp_path / "mine"), "--against", str(tmp_path / "not-a-folder")]) == 2
+
+
+def test_outside_says_better_or_worse_by_the_models_declared_direction():
+    import pandas as pd
+
+    from bench.reporting.compare import compare as pair
+
+    cell = {"experiment": "t", "model": "charlm", "model_label": "charlm", "setting": "32-true", "scaling": "none",
+            "variant": "", "steps": 10, "metric": "val_loss", "value_std": 0.0, "value_n": 1, "device": "d",
+            "backend": "native"}
+    mine = pd.DataFrame([cell | {"value": 1.0, "value_ci_lo": None, "value_ci_hi": None}])
+    committed = pd.DataFrame([cell | {"value": 1.5, "value_ci_lo": 1.4, "value_ci_hi": 1.6, "published_value": None}])
+    assert pair(mine, committed, {"charlm": False})["verdict"][0] == "outside (better)"  # a lower loss
+    assert pair(mine, committed, {"charlm": True})["verdict"][0] == "outside (worse)"

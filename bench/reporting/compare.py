@@ -9,8 +9,9 @@ whole configuration); where your device or backend differs from
 the committed cell's (an AMD CPU emulates the bf16 an Intel CPU with AMX runs natively) the row says so, since
 its numerics need not agree.
 
-Each of your cells is *within* when its mean lies in the committed cell's interval, *outside* when it does not,
-and has *no interval* when the committed cell had one seed. Exit 0 when nothing is outside, 1 when something is,
+Each of your cells is *within* when its mean lies in the committed cell's interval, *outside* when it does not
+(better or worse, by the direction the model declares, `model.task.higher_is_better`), and has *no interval* when
+the committed cell had one seed. Exit 0 when nothing is outside, 1 when something is,
 2 for bad input.
 """
 
@@ -25,6 +26,7 @@ import pandas as pd
 from bench.errors import ConfigError
 from bench.reporting import aggregate
 from bench.reporting.tables import DIGITS, EMULATED, fmt_stat, scaled
+from bench.running.config import task_spec
 
 KEYS = ["experiment", "model_label", "setting", "scaling", "variant"]
 
@@ -57,15 +59,19 @@ def committed_cells(folder: Path) -> pd.DataFrame:
     return cells
 
 
-def compare(mine: pd.DataFrame, committed: pd.DataFrame) -> pd.DataFrame:
+def compare(mine: pd.DataFrame, committed: pd.DataFrame, higher_is_better: dict[str, bool] | None = None) -> pd.DataFrame:
     """One row per cell of mine that the committed folder has: both means, the committed interval, the published
-    figure, the difference and the verdict."""
+    figure, the difference and the verdict; an outside one says whether it is better or worse, by the direction the
+    model declares (`higher_is_better`, by model name; default higher)."""
     paired = mine.merge(committed, on=[*KEYS, "steps"], suffixes=("", "_committed"))
     rows = []
     for _, c in paired.iterrows():
         metric, digits = c["metric"], DIGITS.get(c["metric"], 2)
         lo, hi = c["value_ci_lo_committed"], c["value_ci_hi_committed"]
         verdict = "no interval" if pd.isna(lo) else "within" if lo <= c["value"] <= hi else "outside"
+        if verdict == "outside":
+            higher = (higher_is_better or {}).get(c["model"], True)
+            verdict += " (better)" if (c["value"] > hi) == higher else " (worse)"
         differs = [what for what, a, b in (("device", c["device"], c["device_committed"]),
                                            ("backend", c["backend"], c["backend_committed"])) if a != b]
         rows.append({
@@ -98,12 +104,14 @@ def main(argv: list[str] | None = None, api=None) -> int:
     if frame.empty:
         print(f"config error: no valid records in {args.mine}", file=sys.stderr)
         return 2
-    table = compare(_with_steps(aggregate.summarise(frame), frame), committed)
+    directions = {r["config"]["model"]["name"]: task_spec(r["config"]["model"]).get("higher_is_better", True)
+                  for r in records}
+    table = compare(_with_steps(aggregate.summarise(frame), frame), committed, directions)
     if table.empty:
         print(f"none of the cells in {args.mine} is among {args.against}'s (they pair by experiment, model, setting, "
               "scaling, variant and training steps)")
         return 0
-    outside = int((table["verdict"] == "outside").sum())
+    outside = int(table["verdict"].str.startswith("outside").sum())
     devices = sorted(set(frame["device"].dropna()))
     committed_devices = sorted(set(committed["device"].dropna()))
     print(f"## Yours ({', '.join(devices)}) beside {args.against} ({', '.join(committed_devices)})\n")
