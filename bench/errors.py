@@ -1,8 +1,12 @@
-"""The one exception every layer may raise for a set-up mistake; it imports nothing from bench.
+"""The one exception every layer may raise for a set-up mistake, and how a mistake is worded; it imports nothing
+from bench.
 
 A ConfigError stops a cell before training with exit code 2 and no record (bench/running/run.py): a bad option,
 a missing file, a download that cannot happen. `bench.running.config.ConfigError` is the same class.
 """
+
+
+import difflib
 
 
 class ConfigError(ValueError):
@@ -15,3 +19,9 @@ def check_choice(value, valid, key: str, error: type[ConfigError] = ConfigError)
     if value not in valid:
         raise error(f"{key}={value!r} is not valid; valid: {', '.join(map(str, valid))}")
     return value
+
+
+def suggestion(value, valid, prefix: str = "") -> str:
+    """` (did you mean <prefix><nearest>?)` for the valid choice nearest to `value`, or nothing."""
+    close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""

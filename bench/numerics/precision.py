@@ -171,6 +171,8 @@ FP8_TILES = {"rowwise": "row",
              "rowwise_with_gw_hp": "row; the weight one scale in the input-gradient GEMM; the weight-gradient GEMM in "
                                    "high precision",
              "block": "1x128 (activations, gradients), 128x128 (weights)"}
+
+
 class Precision:
     """A run's format decisions, made once: native or emulated, which sites round, TF32 flags."""
 

@@ -21,7 +21,7 @@ from bench.reporting.tables import (  # noqa: E402
     PERCENT_METRICS,
     SIGNIFICANT,
     BlockRow,
-    declared_table,
+    declared_table_of,
     fmt_difference,
     scaled,
 )
@@ -188,7 +188,7 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> list[
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     labels_per_model = cells.groupby("model")["model_label"].nunique()
-    declared = declared_table(str(cells["experiment"].iloc[0])) if cells["experiment"].nunique() == 1 else None
+    declared = declared_table_of(cells)
     if declared and declared[0] == "block_formats":  # the table the preset declares, as tables.write_all reads it
         for model, part in cells.groupby("model", sort=False):
             paths += metric_vs_bits(part, part["model_label"].iloc[0], directory, model, declared[1])

@@ -16,6 +16,7 @@ plus runs.csv (one row per run) and cells.csv (the numeric summary).
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import NamedTuple
@@ -339,6 +340,12 @@ class BlockRow(NamedTuple):
         return is_cell(frame, self.setting, self.scaling, self.rounding, self.options)
 
 
+def declared_table_of(cells: pd.DataFrame) -> tuple[str, list[BlockRow]] | None:
+    """The table the experiment of `cells` declares (one experiment's cells, as bench.aggregate writes them)."""
+    return declared_table(str(cells["experiment"].iloc[0])) if cells["experiment"].nunique() == 1 else None
+
+
+@functools.lru_cache(maxsize=None)
 def declared_table(experiment: str) -> tuple[str, list[BlockRow]] | None:
     """The table a preset declares for its records (`hydra.sweeper.table` in conf/experiment/<experiment>.yaml),
     found by their experiment_name, with its rows: the preset's settings that carry a `label` (and `bits`), each
@@ -451,7 +458,7 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
              "numerics": numerics_table(cells), "vs_published": published_table(cells)}
     if (cells["metric"] == "f1").any():
         built["squad"] = squad_table(cells)
-    declared = declared_table(str(cells["experiment"].iloc[0])) if cells["experiment"].nunique() == 1 else None
+    declared = declared_table_of(cells)
     if declared and declared[0] == "unit_scaling_charlm" and (cells["metric"] == "val_loss").any():
         built["unit_scaling_charlm"] = unit_scaling_charlm_table(runs, cells)
     if declared and declared[0] == "block_formats":

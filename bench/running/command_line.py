@@ -9,19 +9,12 @@ the valid options, and the nearest one as a suggestion. What Hydra alone can jud
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from bench.errors import ConfigError
+from bench.errors import ConfigError, suggestion
 from bench.running.config import CONF_DIR, check_results_dir
-
-
-def suggestion(value: str, valid) -> str:
-    """` (did you mean X?)` for the nearest valid choice, or nothing."""
-    close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _search_path(overrides) -> list[Path]:
@@ -94,14 +87,15 @@ def check_command_line(args: list[str]) -> None:
                 if value not in options:
                     raise ConfigError(f"{key}={value} is not an option; valid: {', '.join(options)}"
                                       f"{suggestion(value, options)}")
-            groups.append(f"{key}={values[0]}" if values else None)
+            if values:
+                groups.append(f"{key}={values[0]}")
         elif not (o.is_add() or o.is_force_add()):
             keys.append(key)  # `+key=value` adds past the schema: config.check names it (unknown_keys)
     if not keys:
         return
     searchpath = [a for a in args if a.startswith("hydra.searchpath=")]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[g for g in groups if g] + searchpath)
+        cfg = compose("config", overrides=groups + searchpath)
     for key in keys:
         if not _has_key(cfg, key):
             raise ConfigError(f"unknown config key {key}{_near_key(cfg, key)}; every key is documented in "

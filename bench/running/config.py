@@ -8,7 +8,6 @@ than Enums because Hydra's override grammar parses `format.mode=true` as a boole
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import os
@@ -20,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from bench.data import DATA_DIR
-from bench.errors import ConfigError, check_choice  # bench.running.config.ConfigError: the same class
+from bench.errors import ConfigError, check_choice, suggestion  # bench.running.config.ConfigError: the same class
 from bench.numerics.precision import PrecisionConfig
 from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING
 from bench.numerics.unit import LR_RULES
@@ -252,8 +251,6 @@ def register_schema() -> None:
 register_schema()
 
 
-
-
 def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
     """Keys that no schema declares, however they got in (Hydra's `+key=value` adds keys past the schema),
     each with the nearest declared key as a suggestion."""
@@ -264,8 +261,7 @@ def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
     found = []
     for key in node.keys():
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            found.append(f"{path}{key}" + (f" (did you mean {path}{close[0]}?)" if close else ""))
+            found.append(f"{path}{key}{suggestion(key, known, prefix=path)}")
         elif isinstance(child := node._get_node(key), DictConfig) and not child._is_missing() and not child._is_none():
             found += unknown_keys(child, f"{path}{key}.")
     return found

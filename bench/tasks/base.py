@@ -37,7 +37,7 @@ class TaskSpec:
     fetches `hub_model`, tables and plots take `metric` and `describe`'s label, the dashboard charts `report`.
     Functions are named by import path, so a model in the user's own module needs no edit to bench/.
 
-    It is not part of a run's identity (bench/running/record.py): it says how to read a model, not what it computes.
+    It is not part of a run's identity (bench/running/identity.py): it says how to read a model, not what it computes.
     """
 
     _target_: str = MISSING  # the builder: (model config, torch.device, seed) -> Task

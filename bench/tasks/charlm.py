@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from bench.numerics.ops import Add, CausalAttention, Residual
 from bench.errors import ConfigError, check_choice
+from bench.numerics.ops import Add, CausalAttention, Residual
 from bench.tasks.base import Task
 
 
