@@ -402,7 +402,8 @@ def test_block_formats_table_orders_by_bits_tells_rounding_and_recipes_apart_and
         for seed, value in enumerate(values):
             rec = record(fmt=fmt, mode="mixed", setting=setting, scaling=scaling, seed=seed,
                          metrics={"test_accuracy": value}, backend="native" if fmt == "fp32" else "emulated")
-            rec["config"]["format"] |= {"rounding": rounding, **dict(options)}
+            elsewhere = {} if fmt == "fp32" else {"elsewhere": "bf16"}  # the formats' yaml default since 0.2.0
+            rec["config"]["format"] |= {"rounding": rounding, **elsewhere, **dict(options)}
             rec["numerics"]["quantisation"]["gradients"]["blocks"] = {"relative_mse": 0.01, "clipped_block_fraction": 0.2}
             rec["config"]["experiment_name"] = "block_formats"  # its table is the preset's
             write_json_atomic(root / f"{setting}-{scaling}-{rounding}-{len(options)}-{seed}" / "result.json", rec)

@@ -148,17 +148,26 @@ def test_an_unusable_results_dir_stops_a_sweep_before_anything_starts(tmp_path):
 
 
 # run_ids and cell paths computed by the code before models declared `model.task` (c94ab73): the declaration is
-# not part of a run's identity, so existing records stay the runs a resumed sweep finds.
+# not part of a run's identity, so existing records stay the runs a resumed sweep finds. Records of fp8 and the
+# block formats made before 0.2.0 ran FP32 elsewhere: `format.elsewhere=fp32` finds them.
 KNOWN_IDS = [
     (["model=lenet", "format=fp32", "scaling=none"], "2d7e73f0ab5244d0", "default/lenet/fp32-true/none/seed0"),
     (["model=lenet", "format=bf16", "scaling=dynamic", "seed=2"], "0c38239560a8266b",
      "default/lenet/bf16-mixed/dynamic/seed2"),
-    (["model=charlm", "format=fp8", "scaling=per_tensor"], "3f917ca44e1eb5e5", "default/charlm/fp8-mixed/per_tensor/seed0"),
-    (["model=bert_tiny", "format=mxfp8", "scaling=none"], "45c3475f8564e03c", "default/bert_base/mxfp8-mixed/none/seed0"),
+    (["model=charlm", "format=fp8", "scaling=per_tensor", "format.elsewhere=fp32"], "3f917ca44e1eb5e5",
+     "default/charlm/fp8-mixed/per_tensor/seed0"),
+    (["model=bert_tiny", "format=mxfp8", "scaling=none", "format.elsewhere=fp32"], "45c3475f8564e03c",
+     "default/bert_base/mxfp8-mixed/none/seed0"),
     (["model=distilbert_tiny", "format=fp16-true", "scaling=static", "model.optimizer.lr=0.01"], "22fa6c19b1bb2f62",
      "default/distilbert/fp16-true/static/seed0"),
     (["experiment=unit_scaling_charlm", "scaling=unit"], "551160a8d0281025", "unit_scaling_charlm/charlm/fp32-true/unit/seed0"),
-    (["experiment=block_formats", "format=nvfp4"], "93400bba97180de0", "block_formats/lenet/nvfp4-mixed/none/seed0"),
+    (["experiment=block_formats", "format=nvfp4", "format.elsewhere=fp32"], "93400bba97180de0",
+     "block_formats/lenet/nvfp4-mixed/none/seed0"),
+    # since 0.2.0 fp8 and the block formats default to BF16 elsewhere: new runs, in places of their own
+    (["model=charlm", "format=fp8", "scaling=per_tensor"], "65a913c8d47a1515",
+     "default/charlm/fp8-mixed/per_tensor/seed0,format.elsewhere=bf16"),
+    (["experiment=block_formats", "format=nvfp4"], "e0db67f28a19a3ac",
+     "block_formats/lenet/nvfp4-mixed/none/seed0,format.elsewhere=bf16"),
 ]
 
 

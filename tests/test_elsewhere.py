@@ -50,10 +50,16 @@ def test_bf16_elsewhere_runs_the_rest_of_a_cell_in_bf16_and_says_so(make_cfg):
     assert sorted(table["setting"]) == ["fp8-mixed (bf16 elsewhere) †", "fp8-mixed †"]
 
 
-def test_elsewhere_fp32_is_the_run_it_always_was_and_bf16_is_another(make_cfg):
-    ids = {value: run_id(OmegaConf.to_container(make_cfg("format=fp8", *([f"format.elsewhere={value}"] if value else [])),
-                                                resolve=True)) for value in (None, "fp32", "bf16")}
-    assert ids[None] == ids["fp32"] != ids["bf16"]
+def test_elsewhere_fp32_is_the_run_it_always_was_and_bf16_the_recipes_default(make_cfg):
+    """Before 0.2.0 fp8 and the block formats ran FP32 elsewhere (no key, or null); now their yaml says bf16."""
+    configs = {value: make_cfg("format=fp8", *([f"format.elsewhere={value}"] if value else []))
+               for value in (None, "null", "fp32", "bf16")}
+    ids = {value: run_id(OmegaConf.to_container(cfg, resolve=True)) for value, cfg in configs.items()}
+    assert ids["null"] == ids["fp32"] != ids["bf16"] == ids[None]
+    assert configs["fp32"].cell == configs["null"].cell == "default/lenet/fp8-mixed/none/seed0"
+    assert configs[None].cell == configs["bf16"].cell == "default/lenet/fp8-mixed/none/seed0,format.elsewhere=bf16"
+    for fmt in ("fp8", "mxfp8", "mxfp6", "mxfp4", "nvfp4"):
+        assert make_cfg(f"format={fmt}").format.elsewhere == "bf16"
 
 
 @pytest.mark.parametrize("overrides, message", [

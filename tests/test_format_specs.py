@@ -38,7 +38,8 @@ def test_a_registered_format_trains_a_cell_and_is_tabled(e3m4, make_cfg, tmp_pat
     from bench.reporting import aggregate, tables
     from bench.running.run import run_cell
 
-    cfg = make_cfg("format=fp8", "format.name=fp8e3m4", "train.max_steps=3", "format.rounding=stochastic")
+    cfg = make_cfg("format=fp8", "format.name=fp8e3m4", "format.elsewhere=null", "train.max_steps=3",
+                   "format.rounding=stochastic")
     check(cfg)
     run_cell(cfg)
     record = json.loads((Path(cfg.results_dir) / cfg.cell / "result.json").read_text())

@@ -55,9 +55,21 @@ def test_tf32_holds_what_fp32_holds(make_cfg, tmp_path):
 def test_emulated_fp8_counts_what_enters_a_matmul_at_one_byte(make_cfg, tmp_path):
     """FP8 GEMMs read E4M3 inputs and write FP32: the matmul inputs and weight copies are 1 byte, the ReLU outputs
     between them stay FP32 (4 bytes), and FP32 master weights, gradients and optimiser state are 4 bytes."""
-    counted = step_memory(make_cfg, tmp_path, "format=fp8")
+    counted = step_memory(make_cfg, tmp_path, "format=fp8", "format.elsewhere=fp32")
     fc_relus = [120, 84]  # fc2's and fc3's inputs are fc1's and fc2's ReLU outputs, saved by the ReLU in FP32
     activations = B * (1 * sum(MATMUL_INPUTS) + 4 * sum(RELU_OUTPUTS + fc_relus) + 8 * sum(POOL_INDICES) + LOSS) \
+        + LOSS_SCALAR
+    assert counted["weight_copies"] == WEIGHTS
+    assert counted["activations"] == activations
+    assert counted["parameters"] == counted["gradients"] == counted["optimizer_state"] == 4 * LENET_PARAMS
+
+
+def test_fp8_with_bf16_elsewhere_counts_what_runs_outside_the_gemms_at_two_bytes(make_cfg, tmp_path):
+    """format.elsewhere=bf16 (fp8's default): the GEMMs still save their E4M3 operands (1 byte), and the ReLU
+    outputs between them are BF16, as the GEMMs hand them on under autocast; the loss stays FP32 (autocast's)."""
+    counted = step_memory(make_cfg, tmp_path, "format=fp8", "format.elsewhere=bf16")
+    fc_relus = [120, 84]
+    activations = B * (1 * sum(MATMUL_INPUTS) + 2 * sum(RELU_OUTPUTS + fc_relus) + 8 * sum(POOL_INDICES) + LOSS) \
         + LOSS_SCALAR
     assert counted["weight_copies"] == WEIGHTS
     assert counted["activations"] == activations

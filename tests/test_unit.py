@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bench.numerics.ops import Add, CausalAttention, Residual
@@ -303,3 +304,19 @@ def test_relative_lr_rule_gives_every_tensor_the_regular_models_relative_adam_st
         assert steps_unit[name] == pytest.approx(steps_regular[name], rel=0.02), name
     steps_same_lr = relative_steps(unit_scale(copy.deepcopy(regular)), unit_cross_entropy, None)
     assert steps_same_lr["wte.weight"] < steps_regular["wte.weight"] / 20  # the rule is what makes them equal
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_unit_scaled_layers_run_their_gemm_in_a_native_autocast_format(layer):
+    """Natively (bf16-mixed, nothing emulated) a unit-scaled layer's GEMM is autocast's: BF16 operands, BF16 out,
+    bit for bit F.linear/F.conv2d under autocast times the unit scale; not an FP32 GEMM rounded afterwards."""
+    torch.manual_seed(0)
+    unit = UnitLinear(64, 48) if layer == "linear" else UnitConv2d(4, 8, 3)
+    x = torch.randn(16, 64) if layer == "linear" else torch.randn(2, 4, 9, 9)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = unit(x)
+        plain = (F.linear(x, unit.weight, unit.bias) if layer == "linear"
+                 else F.conv2d(x, unit.weight, unit.bias))
+    fan_in = unit.weight[0].numel()
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, plain * fan_in**-0.5)

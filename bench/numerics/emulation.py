@@ -104,16 +104,17 @@ class OpCasts:
         return cast(y, self.output, self.grad_output)
 
 
-def emulated_gemm(function, *tensors):
-    """`function` (a linear, a conv or a blocked GEMM) on its emulated operands in FP32, autocast off: the operands
-    already hold the format's values, and an autocast GEMM would round them again (NVFP4's tensor scale does not fit
-    BF16). Under autocast (format.elsewhere=bf16) the result is handed on in the autocast dtype, as an FP8 GEMM writes
-    it; otherwise as computed."""
+def emulated_gemm(function, *tensors, rounded=lambda *t: t):
+    """`function` (a linear, a conv or a blocked GEMM) on its emulated operands (`rounded` makes them) in FP32,
+    autocast off: the operands hold the format's values, and an autocast GEMM would round them again (NVFP4's tensor
+    scale does not fit BF16). Under autocast (format.elsewhere=bf16) BF16 inputs are widened before they are rounded,
+    which is exact, so the operands the GEMM saves are the rounded ones (bench/numerics/memory.py counts those), and
+    the result is handed on in the autocast dtype, as an FP8 GEMM writes it; otherwise as computed."""
     device = next(t for t in tensors if t is not None).device.type
     if not torch.is_autocast_enabled(device):
-        return function(*tensors)
+        return function(*rounded(*tensors))
     with torch.autocast(device, enabled=False):
-        y = function(*(t if t is None or not t.is_floating_point() else t.float() for t in tensors))
+        y = function(*rounded(*(t if t is None or not t.is_floating_point() else t.float() for t in tensors)))
     return y.to(torch.get_autocast_dtype(device))
 
 
@@ -131,13 +132,14 @@ class CastOp:
         """F.linear as the precision computes it: on block-scaled GEMM operands, or on rounded inputs and output."""
         if self.operands is not None:
             return emulated_gemm(lambda *t: _BlockLinear.apply(*t, self.operands), x, weight, bias)
-        return self.cast_result(emulated_gemm(F.linear, *self.cast_inputs(x, weight, bias)))
+        return self.gemm(F.linear, x, weight, bias)
 
-    def cast_inputs(self, x, weight, bias):
-        return (x, weight, bias) if self.casts is None else self.casts.inputs(x, weight, bias)
-
-    def cast_result(self, y):
-        return y if self.casts is None else self.casts.result(y)
+    def gemm(self, function, x, weight, bias):
+        """`function(x, weight, bias)` as the precision computes it: emulated on rounded inputs, its output rounded;
+        with nothing to round (FP32, or a native format), as torch runs it, under the run's autocast if any."""
+        if self.casts is None:
+            return function(x, weight, bias)
+        return self.casts.result(emulated_gemm(function, x, weight, bias, rounded=self.casts.inputs))
 
 
 class EmulatedLinear(CastOp, nn.Linear):
@@ -147,7 +149,7 @@ class EmulatedLinear(CastOp, nn.Linear):
 
 class EmulatedConv2d(CastOp, nn.Conv2d):
     def forward(self, x):
-        return self.cast_result(emulated_gemm(self._conv_forward, *self.cast_inputs(x, self.weight, self.bias)))
+        return self.gemm(self._conv_forward, x, self.weight, self.bias)
 
 
 EMULATED_MODULES = {nn.Linear: EmulatedLinear, nn.Conv2d: EmulatedConv2d}

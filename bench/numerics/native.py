@@ -57,6 +57,17 @@ def torchao_mx_kernel():
     return KernelPreference.AUTO
 
 
+def cast_input_as_autocast_does(module: nn.Module, args: tuple) -> tuple | None:
+    """Forward pre-hook of a converted Linear: its input in the autocast dtype of its device, as F.linear under
+    autocast takes it (format.elsewhere=bf16). torchao's Float8Linear does this for CUDA's autocast only and its
+    MXFP8Linear not at all, so on another device, or in MXFP8, the input came in the dtype of whatever op wrote it
+    and a high-precision GEMM met an operand in another dtype ("expected m1 and m2 to have the same dtype")."""
+    x, *rest = args
+    if torch.is_tensor(x) and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        return (x.to(torch.get_autocast_dtype(x.device.type)), *rest)
+    return None
+
+
 @functools.cache
 def padded_mxfp8_linear() -> type:
     """torchao's MXFP8Linear with the tokens zero-padded to whole blocks of 32.

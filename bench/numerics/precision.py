@@ -51,6 +51,7 @@ from bench.numerics.formats import FORMATS, OVERFLOW_POLICIES, quantise_value, r
 from bench.numerics.native import (
     NATIVE_FP8_RECIPES,
     TORCHAO_MXFP8,
+    cast_input_as_autocast_does,
     padded_mxfp8_linear,
     torchao_converts,
     torchao_float8_config,
@@ -331,6 +332,9 @@ class Precision:
 
             model = convert_to_float8_training(model, config=torchao_float8_config(self.granularity or "tensorwise"),
                                                module_filter_fn=converts)
+        for module in model.modules():
+            if type(module).__name__ in ("Float8Linear", "PaddedMXFP8Linear"):
+                module.register_forward_pre_hook(cast_input_as_autocast_does)
         self.fp8_modules = {
             "converted": [n for n, m in model.named_modules() if type(m).__name__ in ("Float8Linear", "PaddedMXFP8Linear")],
             "kept_in_high_precision": [n for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)],

@@ -116,7 +116,7 @@ class UnitConv2d(CastOp, nn.Conv2d):
         x = scale_bwd(x, grad_input_scale)
         weight = scale_bwd(self.weight, positions**-0.5)
         bias = None if self.bias is None else scale_bwd(self.bias, positions**-0.5)
-        return scale_fwd(self.cast_result(self._conv_forward(*self.cast_inputs(x, weight, bias))), output_scale)
+        return scale_fwd(self.gemm(self._conv_forward, x, weight, bias), output_scale)
 
 
 class ScaledActivation(nn.Module):

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from bench.numerics.telemetry import TENSOR_CLASSES
 from bench.numerics.specs import FORMAT_SPECS
-from bench.reporting.aggregate import SCALING_ORDER, format_options, t_interval
+from bench.reporting.aggregate import RECIPE_OPTIONS, SCALING_ORDER, format_options, t_interval
 from bench.running.config import CONF_DIR
 
 PUBLISHED = Path(__file__).parent / "reference" / "published.yaml"
@@ -364,7 +364,7 @@ def _row(setting) -> BlockRow:
     overrides = dict(item.split("=", 1) for item in str(setting["overrides"]).split())
     option = OmegaConf.load(CONF_DIR / "format" / f"{overrides['format']}.yaml")
     spec = FORMAT_SPECS[option.name]
-    fmt = {"gradients": overrides.get("format.gradients"), "scale_mode": overrides.get("format.scale_mode", "floor")}
+    fmt = {key: overrides.get(f"format.{key}", option.get(key)) for key in RECIPE_OPTIONS}
     return BlockRow(spec.setting(overrides.get("format.mode", str(option.mode).lower())),
                     overrides.get("scaling", "none"), overrides.get("format.rounding", "nearest"), setting["label"],
                     float(setting.get("bits") or "nan"), format_options(fmt))

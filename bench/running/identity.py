@@ -76,7 +76,16 @@ def run_id(config: dict) -> str:
 
 # Keys a cell's path already spells out; with the non-semantic keys, never among its overrides.
 PATH_KEYS = ("experiment_name", "seed", "format.name", "format.mode")
+# Keys spelt among a cell's overrides whenever set (not null nor a spelling of it), from a yaml default too: a
+# default that changed what runs (fp8 and the block formats went from FP32 to BF16 elsewhere in 0.2.0) must not
+# put its new runs where the records of the old default are.
+ALWAYS_IN_PATH = ("format.elsewhere",)
 OVERRIDES_MAX = 120  # characters of `key=value,...` before a path's overrides are shortened to keys and a hash
+
+
+def _spells_null(key: str, value) -> bool:
+    section, _, name = key.partition(".")
+    return (name, value) in SPELLINGS_OF_NULL.get(section, ())
 
 
 def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[str] = ()) -> str:
@@ -86,7 +95,8 @@ def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[
     The options are the config-group choices as typed (`bert_tiny`, `mindspore_fixed`), falling back to
     the config's names where Hydra's choices are not at hand. Every other semantic key overridden on the
     command line or by a sweep (`format.backend=native`, `model.optimizer.lr=1e-3`) is appended with its
-    resolved value, sorted, as Hydra's override_dirname does: each swept value gets its own directory.
+    resolved value, sorted, as Hydra's override_dirname does: each swept value gets its own directory; so is
+    every key of ALWAYS_IN_PATH that is set.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -100,8 +110,14 @@ def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[
                 or any(key == tree or key.startswith(tree + ".") for tree in excluded_trees):
             continue  # a group (spelled out by the path) or a key that does not change what the run computes
         value = OmegaConf.select(cfg, key, default=None)
+        if _spells_null(key, value):
+            continue  # the same run as null, so the same place (`train.compile=auto`, `format.elsewhere=fp32`)
         overridden[key] = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) \
             else value
+    for key in ALWAYS_IN_PATH:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and not _spells_null(key, value):
+            overridden[key] = value
     path = (f"{cfg.experiment_name}/{choices.get('model', cfg.model.name)}/{cfg.format.name}-{str(cfg.format.mode).lower()}"
             f"/{choices.get('scaling', cfg.scaling.name)}/seed{cfg.seed}")
     if not overridden:

@@ -324,8 +324,11 @@ def peer_rows(steps: int, repeats: int) -> list[dict]:
 # Dense peak TFLOP/s per dtype, from the vendors' datasheets (SXM parts).
 NATIVE_FORMATS = {"fp32": ["format=fp32"], "tf32": ["format=tf32"], "16-mixed": ["format=fp16"],
                   "16-true": ["format=fp16-true"], "bf16-mixed": ["format=bf16"], "bf16-true": ["format=bf16-true"],
-                  "fp8": ["format=fp8", "scaling=per_tensor"], "fp8-rowwise": ["format=fp8", "scaling=rowwise"],
-                  # the recipe torchao and Transformer Engine train with: BF16 autocast outside the FP8 GEMMs
+                  # FP32 outside the FP8 GEMMs, as fp8-mixed was before 0.2.0 (the H100 rows of 2026-11-22)
+                  "fp8": ["format=fp8", "scaling=per_tensor", "format.elsewhere=fp32"],
+                  "fp8-rowwise": ["format=fp8", "scaling=rowwise", "format.elsewhere=fp32"],
+                  # the recipe torchao and Transformer Engine train with (fp8's default since 0.2.0): BF16 autocast
+                  # outside the FP8 GEMMs
                   "fp8-bf16-elsewhere": ["format=fp8", "scaling=per_tensor", "format.elsewhere=bf16"],
                   "fp8-rowwise-bf16-elsewhere": ["format=fp8", "scaling=rowwise", "format.elsewhere=bf16"]}
 PAPER_SHAPES = {"distilbert": (["model=distilbert_tiny", "model.arch.layers=6", "model.arch.hidden=768",
