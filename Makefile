@@ -15,7 +15,7 @@ LAUNCHER ?= parallel
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
-.PHONY: help setup test test-slow test-cluster sweep tables compare default-tables raschka-memory bench gpu-report dashboard prepare sync chaos doctor clean
+.PHONY: help setup test test-slow test-cluster sweep tables compare committed-tables default-tables raschka-memory bench gpu-report dashboard prepare sync chaos doctor clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -56,20 +56,28 @@ ifeq ($(EXPERIMENT),)
 else
 	$(PY) -m bench.run -m hydra/launcher=$(LAUNCHER) experiment=$(EXPERIMENT) results_dir=$(RESULTS) $(ARGS)
 endif
-	$(MAKE) --no-print-directory tables
+	$(PY) -m bench.aggregate $(RESULTS) --out $(TABLES)
 ifeq ($(EXPERIMENT),)
 	-$(PY) -m bench.compare $(RESULTS) --against results/tables/default
 endif
 
-tables: setup ## Markdown + CSV tables from the records under RESULTS (into TABLES; prints the headline table)
+tables: setup ## regenerate every committed table folder from its records, and their index (results/tables/README.md); with RESULTS=<dir>: your records into TABLES
+ifneq ($(filter command line environment,$(origin RESULTS)),)
 	$(PY) -m bench.aggregate $(RESULTS) --out $(TABLES)
+else
+	$(PY) -m bench.reporting.committed
+endif
 
 compare: setup ## your cells under RESULTS beside a committed folder (AGAINST, default results/tables/default): within or outside its intervals
 	$(PY) -m bench.compare $(RESULTS) --against $(or $(AGAINST),results/tables/default)
 
-default-tables: setup ## regenerate the committed results/tables/default from a fresh default sweep
-	rm -rf results/runs/committed
-	$(MAKE) --no-print-directory sweep RESULTS=results/runs/committed TABLES=results/tables
+committed-tables: setup ## sweep EXPERIMENT (or the default sweep) afresh and commit its tables with their records (results/tables/<experiment>/)
+	rm -rf results/runs/committed/$(or $(EXPERIMENT),default)
+	$(MAKE) --no-print-directory sweep RESULTS=results/runs/committed
+	$(PY) -m bench.aggregate results/runs/committed --experiment $(or $(EXPERIMENT),default) --out results/tables --keep-records
+	$(PY) -m bench.reporting.committed --index-only
+
+default-tables: committed-tables ## the same as committed-tables without EXPERIMENT (the name before 0.2.0)
 
 raschka-memory: setup ## Raschka's DistilBERT memory (A100) beside the modelled step on this CPU (results/tables/raschka_memory)
 	$(PY) -m bench.tools.raschka_memory --out results/tables/raschka_memory

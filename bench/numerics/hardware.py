@@ -13,6 +13,14 @@ from pathlib import Path
 import torch
 
 
+CPU_16BIT_UNITS = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
+
+
+def cpu_16bit_units() -> list[str]:
+    """The CPU's bf16/fp16 instruction sets (of CPU_16BIT_UNITS): what makes a 16-bit row native and fast on it."""
+    return sorted(_cpu_flags() & set(CPU_16BIT_UNITS))
+
+
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
     try:

@@ -1,7 +1,8 @@
 """Records -> one DataFrame per run, one summary per cell: what the tables and plots are made from.
 
-Records come from a results directory (every result.json below it) or wandb://entity/project[/group] (the runs'
-summaries, which hold the same records, pulled through wandb.Api). A corrupt, partial or malformed record
+Records come from a results directory (every result.json below it, and every committed records.jsonl.gz:
+bench/reporting/archive.py), an archive, or wandb://entity/project[/group] (the runs' summaries, which hold the
+same records, pulled through wandb.Api). A corrupt, partial or malformed record
 is reported by name and skipped; a record found twice (the same run_id) counts once.
 
 A cell is one configuration over seeds: runs that differ in anything that changes what they compute
@@ -27,6 +28,7 @@ from scipy import stats
 
 from bench.errors import ConfigError
 from bench.numerics.specs import settings_in_order
+from bench.reporting import archive
 from bench.numerics.telemetry import TENSOR_CLASSES
 from bench.running.config import task_spec
 from bench.running.identity import comparison_ids, config_hash, semantic_config
@@ -52,13 +54,19 @@ SUMMED = ["value", "exact_match", "f1", "step_median_s", "samples_per_s", "peak_
 
 
 def load_directory(root: Path) -> tuple[list[dict], list[str]]:
-    """All valid records under `root` (each with its directory under "_dir"), and one message per bad one."""
+    """All valid records under `root`, each with its directory under "_dir" and its training curve under
+    "_losses", those of committed archives (records.jsonl.gz, bench/reporting/archive.py) too; and one message per
+    bad one."""
     records, problems = [], []
     for path in sorted(Path(root).rglob("result.json")):
         try:
-            records.append(read_record(path) | {"_dir": str(path.parent)})
+            records.append(read_record(path) | {"_dir": str(path.parent), "_losses": archive.losses(path.parent)})
         except RecordError as e:
             problems.append(str(e))
+    for path in sorted(Path(root).rglob(archive.ARCHIVE)):
+        found, bad = archive.read(path)
+        records += found
+        problems += bad
     return records, problems
 
 
@@ -150,8 +158,10 @@ def load_sources(sources: list[str], api=None) -> tuple[list[dict], list[str]]:
             found, bad = load_wandb(str(source), api)
         elif Path(source).is_dir():
             found, bad = load_directory(Path(source))
+        elif Path(source).name == archive.ARCHIVE and Path(source).is_file():
+            found, bad = archive.read(Path(source))
         else:
-            found, bad = [], [f"{source}: not a directory or wandb:// source"]
+            found, bad = [], [f"{source}: not a directory, {archive.ARCHIVE} or wandb:// source"]
         records += found
         problems += bad
     return records, problems
@@ -174,21 +184,28 @@ def format_options(fmt: dict) -> str:
                      if fmt.get(k) is not None and fmt.get(k) != default)
 
 
+def unique(records: list[dict]) -> list[dict]:
+    """The first record of each run on each device: its run_id, recomputed as a resumed sweep does, and the device."""
+    kept, seen = [], set()
+    for r in records:
+        identity = (config_hash(semantic_config(r["config"])), r["env"].get("device_name"))
+        if identity not in seen:
+            seen.add(identity)
+            kept.append(r)
+    return kept
+
+
 def to_frame(records: list[dict]) -> pd.DataFrame:
     """One row per record (the first of several with the same run_id on the same device).
 
     The device is part of what a run is here: the same config run on a CPU and on an H100 (or on two GPU types
     of one cluster) makes two cells, labelled `device_name=...`, each paired with its own device's FP32, since their
     times cannot be averaged and their numerics need not agree."""
-    rows, seen = [], set()
-    for r in records:
+    rows = []
+    for r in unique(records):
         cfg, env, numerics, metrics = r["config"], r["env"], r["numerics"], r["metrics"]
         device = env.get("device_name")
         semantic = semantic_config(cfg)
-        identity = (config_hash(semantic), device)  # its run_id, recomputed as a resumed sweep does
-        if identity in seen:
-            continue
-        seen.add(identity)
         precision = env.get("precision", {})
         model = cfg["model"]["name"]
         metric = task_spec(cfg["model"])["metric"]
@@ -223,7 +240,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "overflow_steps": _number(numerics.get("overflow_steps")),
             "final_loss_scale": _number(numerics.get("final_loss_scale")),
             "loss_scale_history": (numerics.get("loss_scale") or {}).get("history"),
-            "dir": r.get("_dir"),
+            "dir": r.get("_dir"), "losses": r.get("_losses") or [],
         }
         for c in TENSOR_CLASSES:
             for f in QUANT_FIELDS:

@@ -5,7 +5,6 @@ failed runs is crossed: its point is the mean of the runs that finished."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -27,6 +26,10 @@ from bench.reporting.tables import (  # noqa: E402
 )
 
 MARKERS = dict(zip(SCALING_ORDER, "os^Dv"))
+# The same records draw the same bytes (a committed figure is checked against its records): SVG element ids
+# from a fixed salt, and no creation date in either file.
+plt.rcParams["svg.hashsalt"] = "precision-bench"
+METADATA = {".svg": {"Date": None}, ".png": {}}
 
 
 def _save(fig, directory: Path, name: str) -> list[Path]:
@@ -35,7 +38,7 @@ def _save(fig, directory: Path, name: str) -> list[Path]:
             ax.legend(fontsize=6, ncol=3)
     paths = [directory / f"{name}.png", directory / f"{name}.svg"]
     for path in paths:
-        fig.savefig(path, bbox_inches="tight", dpi=120)
+        fig.savefig(path, bbox_inches="tight", dpi=120, metadata=METADATA[path.suffix])
     plt.close(fig)
     return paths
 
@@ -99,22 +102,6 @@ def heatmap(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[
     return _save(fig, directory, f"{name}_heatmap")
 
 
-def _losses(run_dir: str | None) -> tuple[list[int], list[float]]:
-    steps, losses = [], []
-    path = Path(run_dir) / "metrics.jsonl" if run_dir else None
-    if path is None or not path.exists():
-        return steps, losses
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a torn last line after a kill
-            continue
-        if isinstance(row.get("loss"), (int, float)):
-            steps.append(row["step"])
-            losses.append(row["loss"])
-    return steps, losses
-
-
 def loss_curves(runs: pd.DataFrame, title: str, directory: Path, name: str) -> list[Path]:
     """One panel per scaling method, one colour per setting, one thin line per seed."""
     scalings = [str(x) for x in dict.fromkeys(runs["scaling"].astype(str))]
@@ -123,9 +110,9 @@ def loss_curves(runs: pd.DataFrame, title: str, directory: Path, name: str) -> l
     for ax, scaling in zip(axes[0], scalings):
         labelled = set()
         for _, r in runs[runs["scaling"].astype(str) == scaling].iterrows():
-            steps, losses = _losses(r["dir"])
             setting = str(r["setting"])
-            if steps:
+            if r["losses"]:
+                steps, losses = zip(*r["losses"])
                 ax.plot(steps, losses, lw=0.8, color=colours[setting],
                         label=None if setting in labelled else setting)
                 labelled.add(setting)

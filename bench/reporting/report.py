@@ -1,10 +1,11 @@
 """Paper-style tables and plots from run records: what `python -m bench.aggregate` runs.
 
-    python -m bench.aggregate SOURCE... [--out DIR] [--experiment NAME] [--no-plots]
+    python -m bench.aggregate SOURCE... [--out DIR] [--experiment NAME] [--no-plots] [--keep-records]
 
-SOURCE is a results directory or wandb://entity/project[/group] (bench/reporting/aggregate.py reads them). Tables
-go to <out>/<experiment>/ (default results/local/tables; bench/reporting/tables.py), plots beside them
-(bench/reporting/plots.py).
+SOURCE is a results directory, a records.jsonl.gz or wandb://entity/project[/group] (bench/reporting/aggregate.py
+reads them). Tables go to <out>/<experiment>/ (default results/local/tables; bench/reporting/tables.py), plots
+beside them (bench/reporting/plots.py); with --keep-records the records too, and the tables are made from them
+(bench/reporting/committed.py), as a committed folder is.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from bench.errors import ConfigError
-from bench.reporting import aggregate, plots, tables
+from bench.reporting import aggregate, archive, committed, plots, tables
 
 
 def main(argv: list[str] | None = None, api=None) -> int:
@@ -25,10 +26,14 @@ def main(argv: list[str] | None = None, api=None) -> int:
                              " unless named)")
     parser.add_argument("--experiment", help="only this experiment_name")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
+    parser.add_argument("--keep-records", action="store_true",
+                        help=f"write each experiment's records beside its tables ({archive.ARCHIVE}) and make the "
+                             "tables from them: a folder to commit, which `make tables` regenerates")
     args = parser.parse_args(argv)
-    if missing := [s for s in args.sources if not str(s).startswith("wandb://") and not Path(s).is_dir()]:
-        print(f"config error: {', '.join(missing)}: not a results directory or wandb://entity/project[/group]",
-              file=sys.stderr)
+    if missing := [s for s in args.sources if not str(s).startswith("wandb://") and not Path(s).is_dir()
+                   and not (Path(s).name == archive.ARCHIVE and Path(s).is_file())]:
+        print(f"config error: {', '.join(missing)}: not a results directory, {archive.ARCHIVE} or "
+              "wandb://entity/project[/group]", file=sys.stderr)
         return 2
     try:
         records, problems = aggregate.load_sources(args.sources, api)
@@ -45,10 +50,15 @@ def main(argv: list[str] | None = None, api=None) -> int:
         return 1
     for experiment, runs in frame.groupby("experiment", sort=True):
         directory = args.out / str(experiment)
-        cells = aggregate.summarise(runs)
-        written = tables.write_all(runs, cells, directory)
-        if not args.no_plots:
-            plots.write_all(runs, cells, directory)
+        if args.keep_records:
+            archive.write([r for r in aggregate.unique(records) if r["config"]["experiment_name"] == experiment],
+                          directory / archive.ARCHIVE)
+            written, _ = committed.regenerate(directory, not args.no_plots)
+        else:
+            cells = aggregate.summarise(runs)
+            written = tables.write_all(runs, cells, directory)
+            if not args.no_plots:
+                plots.write_all(runs, cells, directory)
         print(f"## {experiment}: what each setting costs in accuracy and gains in time and memory against 32-true "
               f"(all tables: {directory})\n\n{written['precision']}\n")
     return 0

@@ -452,7 +452,7 @@ CAPTIONS = {
 def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[str, str]:
     """Write every table (md, tex, csv) plus runs.csv and cells.csv; return the Markdown per table."""
     directory.mkdir(parents=True, exist_ok=True)
-    runs.drop(columns=["loss_scale_history"]).to_csv(directory / "runs.csv", index=False)
+    runs.drop(columns=["loss_scale_history", "losses"]).to_csv(directory / "runs.csv", index=False)
     cells.to_csv(directory / "cells.csv", index=False)
     built = {"precision": precision_table(cells), "scaling_grid": scaling_grid(cells),
              "numerics": numerics_table(cells), "vs_published": published_table(cells)}

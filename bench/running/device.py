@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import datetime
 import fcntl
 import functools
 import importlib.util
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from bench import __version__
+from bench.numerics import hardware
 
 DEVICES = ("auto", "cpu", "cuda", "xla")
 
@@ -310,7 +312,14 @@ def describe(device: torch.device) -> dict:
         "git_commit": _git_commit(),
         "visible_gpus": visible_gpus(),  # CUDA_VISIBLE_DEVICES's GPUs (or all CUDA sees)
         "gpu_index": device.index if device.type == "cuda" else None,  # the one among them this cell used
+        "cpu_16bit_units": hardware.cpu_16bit_units(),  # what decides whether bf16/fp16 run natively on a CPU
+        "started_at": utc_now(),
     }
+
+
+def utc_now() -> str:
+    """The time now, UTC, to the second, as records write it (ISO 8601)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def slurm_job() -> str | None:

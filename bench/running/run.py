@@ -284,6 +284,7 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
         if metrics_log is not None:
             metrics_log.close()
     record["numerics"] |= scaler.state() | {"quantisation": precision.telemetry.summary()}
+    record["env"]["finished_at"] = devices.utc_now()
     write_json_atomic(run_dir / "result.json", record)
     if record["status"] != "failed":  # a failed cell keeps its checkpoint: retry_failed=true resumes it
         checkpointer.remove()

@@ -124,7 +124,7 @@ def preset_rows() -> list[list[str]]:
 def main() -> int:
     device = devices.select_device("auto")
     described = devices.describe(device)
-    flags = sorted(hardware._cpu_flags() & {"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512f"})
+    flags = sorted(hardware._cpu_flags() & {*hardware.CPU_16BIT_UNITS, "avx512f"})
     print(f"device: {device.type}, {described['device_name']}"
           + (f", compute capability {described['compute_capability']}" if described["compute_capability"] else "")
           + f"; CPU flags: {', '.join(flags) or 'no 16-bit units'}; torch {described['torch_version']}, "

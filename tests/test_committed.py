@@ -1,0 +1,120 @@
+"""Committed tables come with their records (bench/reporting/archive.py) and regenerate from them alone
+(bench/reporting/committed.py, `make tables`); the index of results/tables is written from the records."""
+
+import filecmp
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.reporting import aggregate, archive, committed
+from bench.running.run import run_cell
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLES = ROOT / "results" / "tables"
+
+
+def test_the_default_tables_regenerate_from_their_records_identically(tmp_path):
+    """Every table, csv and SVG of results/tables/default is what its records.jsonl.gz makes today (PNGs, raster
+    renderings of the same figures as the SVGs, are left out: their pixels may depend on the machine's rasteriser)."""
+    folder = tmp_path / "default"
+    shutil.copytree(TABLES / "default", folder, ignore=shutil.ignore_patterns("*.png", "*.svg", "*.csv", "*.md", "*.tex"))
+    written, problems = committed.regenerate(folder)
+    assert written and not problems
+    made = sorted(p.name for p in folder.iterdir() if p.suffix != ".png")
+    assert made == sorted(p.name for p in (TABLES / "default").iterdir() if p.suffix != ".png")
+    differing = [name for name in made if not filecmp.cmp(folder / name, TABLES / "default" / name, shallow=False)]
+    assert differing == [], f"results/tables/default drifted from its records in {differing}: run `make tables`"
+
+
+def test_the_index_is_what_the_records_say():
+    assert (TABLES / committed.INDEX).read_text() == committed.index(TABLES), "run `make tables`"
+
+
+def test_every_committed_folder_is_in_the_index_and_says_whether_it_has_records():
+    text = (TABLES / committed.INDEX).read_text()
+    for folder in committed.folders(TABLES):
+        name = folder.relative_to(TABLES).as_posix()
+        assert f"[{name}]({name}/)" in text
+    assert "[records.jsonl.gz](default/records.jsonl.gz)" in text
+
+
+def test_committed_records_stay_small():
+    sizes = sum(p.stat().st_size for p in TABLES.rglob(archive.ARCHIVE))
+    assert 0 < sizes < 20 * 2**20
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    from hydra import compose, initialize_config_dir
+
+    results = tmp_path_factory.mktemp("runs")
+    for fmt in ("fp32", "bf16"):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[f"results_dir={results}", "model=lenet", f"format={fmt}",
+                                               "train.max_steps=20", "train.log_every=5"])
+        run_cell(cfg)
+    return results
+
+
+def test_an_archive_holds_each_record_and_its_loss_curve_and_reads_back_the_same(two_runs, tmp_path):
+    records, problems = aggregate.load_directory(two_runs)
+    assert len(records) == 2 and not problems
+    path = archive.write(records, tmp_path / archive.ARCHIVE)
+    again = archive.write(records[::-1], tmp_path / "again" / archive.ARCHIVE)
+    assert path.read_bytes() == again.read_bytes()  # the same records make the same bytes
+    back, problems = archive.read(path)
+    assert not problems
+    by_cell = {r["_dir"]: r for r in back}
+    for r in records:
+        cell = r["config"]["cell"]
+        assert by_cell[cell]["_losses"] == r["_losses"] == [[s, pytest.approx(x)] for s, x in r["_losses"]]
+        assert [s for s, _ in r["_losses"]] == [0, 5, 10, 15]  # its log steps
+        assert {k: v for k, v in by_cell[cell].items() if not k.startswith("_")} == \
+            {k: v for k, v in r.items() if not k.startswith("_")}
+
+
+def test_a_damaged_archive_line_is_named_and_the_rest_kept(two_runs, tmp_path):
+    records, _ = aggregate.load_directory(two_runs)
+    path = archive.write(records, tmp_path / archive.ARCHIVE)
+    lines = gzip.decompress(path.read_bytes()).decode().splitlines()
+    path.write_bytes(gzip.compress((lines[0] + "\n" + lines[1][:100] + "\n").encode()))
+    back, problems = archive.read(path)
+    assert len(back) == 1 and problems == [f"{path}:2: malformed line (JSONDecodeError: "
+                                           + problems[0].split("JSONDecodeError: ", 1)[1]]
+    path.write_bytes(b"not gzip")
+    assert archive.read(path)[1][0].startswith(f"{path}: unreadable archive")
+
+
+def test_keep_records_makes_a_folder_that_regenerates_itself_and_is_indexed(two_runs, tmp_path):
+    out = tmp_path / "tables"
+    made = subprocess.run([sys.executable, "-m", "bench.aggregate", str(two_runs), "--out", str(out),
+                           "--keep-records", "--no-plots"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert made.returncode == 0, made.stderr
+    folder = out / "default"
+    first = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert archive.ARCHIVE in first and "precision.md" in first
+    assert "32-true" in made.stdout and "bf16-mixed" in made.stdout  # the headline table, printed
+    again = subprocess.run([sys.executable, "-m", "bench.reporting.committed", "--root", str(out), "--no-plots"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == first  # from the records alone, the same tables
+    index = (out / committed.INDEX).read_text()
+    row = next(line for line in index.splitlines() if line.startswith("| [default]"))
+    record = json.loads(next(two_runs.rglob("result.json")).read_text())
+    assert "2 (2 ok)" in row and record["env"]["device_name"] in row and record["env"]["torch_version"] in row
+    assert "`make committed-tables`" in row and record["env"]["git_commit"][:7] in row
+    assert record["env"]["started_at"][:10] in row  # the date the cells ran
+
+
+def test_aggregate_reads_an_archive_as_a_source(two_runs, tmp_path):
+    records, _ = aggregate.load_directory(two_runs)
+    path = archive.write(records, tmp_path / "x" / archive.ARCHIVE)
+    made = subprocess.run([sys.executable, "-m", "bench.aggregate", str(path), "--out", str(tmp_path / "t"),
+                           "--no-plots"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert made.returncode == 0, made.stderr
+    assert (tmp_path / "t" / "default" / "precision.md").exists()
