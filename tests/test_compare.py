@@ -60,3 +60,24 @@ def test_outside_says_better_or_worse_by_the_models_declared_direction():
     committed = pd.DataFrame([cell | {"value": 1.5, "value_ci_lo": 1.4, "value_ci_hi": 1.6, "published_value": None}])
     assert pair(mine, committed, {"charlm": False})["verdict"][0] == "outside (better)"  # a lower loss
     assert pair(mine, committed, {"charlm": True})["verdict"][0] == "outside (worse)"
+
+
+def test_a_cpu_without_the_committed_runs_bf16_units_is_named_as_the_reason(tmp_path, capsys):
+    """With records committed beside the tables (--keep-records), the comparison knows the committed CPU's bf16
+    units and says that rows differ because of the device, not the code; with the same units it says nothing."""
+    root = tmp_path / "committed-runs"
+    for seed in range(3):
+        for fmt, mode, setting in (("fp32", "true", "32-true"), ("bf16", "mixed", "bf16-mixed")):
+            rec = record(fmt=fmt, mode=mode, setting=setting, seed=seed, metrics={"test_accuracy": 0.9 + seed / 100})
+            rec["env"] |= {"device_type": "cpu", "cpu_16bit_units": ["amx_bf16", "avx512_bf16"]}
+            write(root, rec)
+    assert aggregate([str(root), "--out", str(tmp_path / "tables"), "--no-plots", "--keep-records"]) == 0
+    for units, said in (([], True), (["amx_bf16", "avx512_bf16"], False)):
+        mine = tmp_path / f"mine-{len(units)}"
+        rec = record(fmt="bf16", mode="mixed", setting="bf16-mixed", seed=0, metrics={"test_accuracy": 0.91})
+        rec["env"] |= {"device_type": "cpu", "cpu_16bit_units": units}
+        write(mine, rec)
+        compare([str(mine), "--against", str(tmp_path / "tables" / "t")])
+        out = capsys.readouterr().out
+        assert ("Your CPU's bf16/fp16 units: none; the committed run's: amx_bf16, avx512_bf16. Rows in bf16 or fp16 "
+                "that differ did so because of the device" in out) == said, out

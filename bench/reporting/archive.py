@@ -37,7 +37,7 @@ def losses(run_dir: Path) -> list[list[float]]:
 
 def write(records: list[dict], path: Path) -> Path:
     """Archive `records` (as aggregate loads them: `_losses` beside each) at `path`; returns it."""
-    lines = sorted(json.dumps({"cell": r["config"]["cell"], "losses": r.get("_losses") or [],
+    lines = sorted(json.dumps({"cell": r["config"].get("cell") or r.get("_dir"), "losses": r.get("_losses") or [],
                                **{k: v for k, v in r.items() if not k.startswith("_")}}, sort_keys=True)
                    for r in records)
     buffer = io.BytesIO()

@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             for problem in regenerate(folder, not args.no_plots)[1]:
                 print(f"skipped: {problem}", file=sys.stderr)
             print(f"regenerated {folder} from its {archive.ARCHIVE}")
+        elif folder.name in TOOL_FOLDERS:
+            print(f"kept {folder}: computed by `{TOOL_FOLDERS[folder.name]}`, not from records")
         else:
             print(f"kept {folder}: it has no records (made before 0.2.0)")
     (args.root / INDEX).write_text(index(args.root))

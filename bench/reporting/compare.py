@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.errors import ConfigError
-from bench.reporting import aggregate
+from bench.reporting import aggregate, archive
 from bench.reporting.tables import DIGITS, EMULATED, fmt_stat, scaled
 from bench.running.config import task_spec
 
@@ -87,6 +87,13 @@ def compare(mine: pd.DataFrame, committed: pd.DataFrame, higher_is_better: dict[
     return pd.DataFrame(rows)
 
 
+def _units(records: list[dict]) -> str | None:
+    """The 16-bit instruction sets of the CPUs that ran `records` (env.cpu_16bit_units), or None off CPU / unknown."""
+    found = {", ".join(r["env"]["cpu_16bit_units"]) for r in records
+             if r["env"].get("device_type") == "cpu" and r["env"].get("cpu_16bit_units") is not None}
+    return "; ".join(sorted(found)) if found else None
+
+
 def main(argv: list[str] | None = None, api=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.splitlines()[0])
     parser.add_argument("mine", help="your results directory (records) or wandb://entity/project[/group]")
@@ -112,6 +119,8 @@ def main(argv: list[str] | None = None, api=None) -> int:
               "scaling, variant and training steps)")
         return 0
     outside = int(table["verdict"].str.startswith("outside").sum())
+    units = {"yours": _units(records), "committed": _units(archive.read(args.against / archive.ARCHIVE)[0])
+             if (args.against / archive.ARCHIVE).is_file() else None}
     devices = sorted(set(frame["device"].dropna()))
     committed_devices = sorted(set(committed["device"].dropna()))
     print(f"## Yours ({', '.join(devices)}) beside {args.against} ({', '.join(committed_devices)})\n")
@@ -121,4 +130,8 @@ def main(argv: list[str] | None = None, api=None) -> int:
           f"interval of its mean, {outside} outside, {int((table['verdict'] == 'no interval').sum())} without one"
           + ("; a device or backend that differs can move a cell honestly (emulated bf16 on a CPU without "
              "avx512_bf16 is not the native bf16 of one with it)" if table["differs"].astype(bool).any() else "") + ".")
+    if None not in units.values() and units["yours"] != units["committed"]:
+        print(f"Your CPU's bf16/fp16 units: {units['yours'] or 'none'}; the committed run's: "
+              f"{units['committed'] or 'none'}. Rows in bf16 or fp16 that differ did so because of the device (native "
+              "on one, emulated or slower on the other), not the code.")
     return 1 if outside else 0
