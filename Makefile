@@ -15,7 +15,7 @@ LAUNCHER ?= parallel
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
-.PHONY: help setup test test-slow test-cluster sweep tables compare committed-tables default-tables raschka-memory bench gpu-report dashboard prepare sync chaos doctor clean
+.PHONY: help setup test test-slow test-xla test-cluster sweep tables compare committed-tables default-tables raschka-memory bench gpu-report dashboard prepare sync chaos doctor clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -44,6 +44,22 @@ test: setup ## the fast offline test suite (slow tests excluded)
 
 test-slow: setup ## only the slow end-to-end tests
 	$(PY) -m pytest -m slow
+
+# make test-xla: torch_xla needs its own torch (XLA_TORCH), so it lives in its own environment; torchao, which
+# needs a newer torch, is left out there (the tests that need it skip).
+XLA_VENV  ?= .venv-xla
+XLA_TORCH ?= 2.9.0
+XLA_STAMP := $(XLA_VENV)/.installed-torch-xla-$(XLA_TORCH)
+
+$(XLA_STAMP): pyproject.toml
+	test -x $(XLA_VENV)/bin/python || $(PYTHON) -m venv $(XLA_VENV)
+	echo "torch==$(XLA_TORCH)" > $(XLA_VENV)/constraints.txt
+	$(XLA_VENV)/bin/pip install --quiet --disable-pip-version-check torch==$(XLA_TORCH) torch-xla==$(XLA_TORCH)
+	$(XLA_VENV)/bin/pip install --quiet --disable-pip-version-check -c $(XLA_VENV)/constraints.txt -e . 'pytest>=8'
+	touch $@
+
+test-xla: $(XLA_STAMP) ## the XLA path on torch_xla's CPU device (PJRT_DEVICE=CPU), in its own environment: pytest -m xla
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla tests/xla
 
 test-cluster: setup ## the SLURM path against a real single-node SLURM (set up here first if none answers; needs root)
 	tests/cluster/slurm_up.sh
@@ -106,6 +122,6 @@ chaos: setup ## kill, crash, diverge and corrupt cells of a small sweep; re-run 
 doctor: setup ## self-test of this node: device, one step per native path, W&B, HF cache, SLURM (< 2 min)
 	$(PY) -m bench.tools.doctor
 
-clean: ## remove the virtual environment and caches (records are kept)
-	rm -rf $(VENV) .pytest_cache
+clean: ## remove the virtual environments and caches (records are kept)
+	rm -rf $(VENV) $(XLA_VENV) .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

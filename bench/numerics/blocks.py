@@ -161,7 +161,8 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     element saturates to 6). With the floor a zero tensor quantises to exact zeros and a tiny one to finite values
     on its grid; the result equals torchao's wherever the amax is 2688 * 2^-121 (about 1.05e-33) or more. An infinite or NaN amax
     still gives a non-finite t, so an overflow stays visible."""
-    return (x.detach().abs().amax().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
+    # max(), not amax(): the same full reduction, but torch_xla 2.9 reduces nothing for amax() without dims
+    return (x.detach().abs().max().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
 
 
 def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1,

@@ -44,8 +44,13 @@ def _float8_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
 
 
 def _storage_key(t: torch.Tensor) -> int:
+    """What identifies the memory `t` lives in: its storage; on XLA, whose lazy tensors have none, the tensor a
+    view was taken of (within the counted forward, autograd holds every saved tensor, so no id is reused)."""
     parts = _float8_parts(t)
-    return (parts[0] if parts else t).untyped_storage().data_ptr()
+    base = parts[0] if parts else t
+    if base.device.type == "xla":
+        return id(base._base if base._base is not None else base)
+    return base.untyped_storage().data_ptr()
 
 
 def _own_bytes(t: torch.Tensor) -> int:
@@ -70,7 +75,7 @@ class StepMemory:
 
     def __init__(self, model: nn.Module, precision):
         self.model, self.precision = model, precision
-        self.params = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
+        self.params = {_storage_key(p): p for p in model.parameters()}
         self.saved: dict[int, tuple[str, float]] = {}  # storage -> (category, bytes)
         self.made: dict[int, SiteOutput] = {}  # storage -> what a rounding site made there (emulated runs)
         emulated = not precision.native and precision.recipe is not None
@@ -94,7 +99,7 @@ class StepMemory:
         lives in the input's storage (TF32 in FP32): then the output stands for the input (no copy)."""
         in_place = rounded.dtype == x.dtype and (FORMATS[fmt].storage_bytes == x.element_size()
                                                  or torch.equal(rounded, x))
-        self.made[rounded.untyped_storage().data_ptr()] = SiteOutput(tensor_class, fmt, rounded,
+        self.made[_storage_key(rounded)] = SiteOutput(tensor_class, fmt, rounded,
                                                                      x if in_place else None)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,13 @@ have, and reads found_inf on the host every step unless the optimiser is fused.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections import defaultdict, deque
 
 import torch
 
 from bench.numerics.formats import ElementFormat
+from bench.numerics.readings import Readings
 
 LOSS_SCALING = ("none", "static", "dynamic")
 SCALING_METHODS = ("none", "static", "dynamic", "per_tensor", "unit", "rowwise", "rowwise_with_gw_hp", "block")
@@ -47,11 +49,13 @@ class LossScaler:
 
     def __init__(self, kind: str = "none", init_scale: float = 1.0, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, loss_multiplier: float = 1.0,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, reads_every: int = 16):
         """loss_multiplier: a fixed factor on the loss that unscaling divides out again, so it changes only
         what the low-precision backward sees (train.loss_multiplier, a numerics stress test).
         max_grad_norm: clip the unscaled gradients' global norm before the step (torch's clip_grad_norm_, which
-        computes on the device), as GradScaler's users do between unscale_ and step."""
+        computes on the device), as GradScaler's users do between unscale_ and step.
+        reads_every: about how many checked steps pass between two `sync()`s (the loop's log_every): the size of
+        the window their flags wait in on the device (bench/numerics/readings.py)."""
         if kind not in LOSS_SCALING:
             raise ValueError(f"unknown loss scaling {kind!r}; valid: {', '.join(LOSS_SCALING)}")
         self.kind = kind
@@ -61,7 +65,8 @@ class LossScaler:
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self._clean_steps = 0
         self._on_device: dict | None = None  # scale, growth tracker, inv_scale, found_inf: made at first use
-        self._unread: list[tuple[int, torch.Tensor]] = []  # (step, [found_inf, scale]) not yet read
+        self._unread: list[int] = []  # checked steps whose [found_inf, scale] are in _readings, not yet read
+        self._readings = Readings(reads_every, 2)
         self.steps = 0
         self.checked_steps = 0  # steps whose gradients were checked for inf/NaN
         self.skipped_steps = 0
@@ -104,7 +109,15 @@ class LossScaler:
         tensors = self._tensors(next(iter(groups.values()))[0].device)
         found_inf, inv_scale = tensors["found_inf"], self._inv_scale(tensors)
         found_inf.zero_()
-        for grads in groups.values():
+        for dtype, grads in groups.items():
+            if grads[0].device.type == "xla" and dtype != torch.float32:
+                # XLA lowers the fused kernel to a multiply of the 16-bit gradient by the FP32 scale, which its HLO
+                # verifier refuses ("mixed precision is disallowed"): the same check, and the same product in the
+                # gradient's dtype (the inverse of a power-of-two scale is exact there)
+                for g in grads:
+                    found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(g)).any().float()))
+                    g.mul_(inv_scale.to(dtype))
+                continue
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         return found_inf
 
@@ -127,6 +140,8 @@ class LossScaler:
         self.checked_steps += 1
         if self.kind == "none":
             optimizer.step()
+        elif "found_inf" in inspect.signature(optimizer.step).parameters:  # torch_xla's sync-free optimisers
+            optimizer.step(found_inf=found_inf)
         elif getattr(optimizer, "_step_supports_amp_scaling", False):  # a fused kernel skips on found_inf
             optimizer.grad_scale, optimizer.found_inf = None, found_inf
             optimizer.step()
@@ -137,7 +152,8 @@ class LossScaler:
         if self.kind == "dynamic":
             torch._amp_update_scale_(tensors["scale"], tensors["growth_tracker"], found_inf,
                                      self.growth_factor, self.backoff_factor, self.growth_interval)
-        self._unread.append((self.steps, torch.stack([found_inf, tensors["scale"]])))
+        self._unread.append(self.steps)
+        self._readings.push(torch.stack([found_inf, tensors["scale"]]))
 
     def _clip(self, params) -> None:
         if self.max_grad_norm is not None:
@@ -147,9 +163,8 @@ class LossScaler:
         """Fold the checked steps since the last sync into the counters and the scale history (one read)."""
         if not self._unread:
             return
-        steps = [step for step, _ in self._unread]
-        rows = torch.stack([pair for _, pair in self._unread]).tolist()
-        self._unread.clear()
+        steps, rows = self._unread, self._readings.read()
+        self._unread = []
         for step, (found_inf, scale) in zip(steps, rows):
             self.overflow_steps += found_inf > 0
             self.last_step_skipped = found_inf > 0 and self.kind != "none"
@@ -163,11 +178,12 @@ class LossScaler:
         self.sync()
         if self._on_device is not None:
             self._clean_steps = int(self._on_device["growth_tracker"].item())
-        return copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in ("_on_device", "_unread")})
+        return copy.deepcopy({k: v for k, v in self.__dict__.items()
+                              if k not in ("_on_device", "_unread", "_readings")})
 
     def load_state_dict(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._on_device, self._unread = None, []
+        self._on_device, self._unread, self._readings = None, [], Readings(self._readings.length, 2)
 
     def state(self) -> dict:
         """The record's loss-scale fields."""
@@ -208,9 +224,10 @@ class PerTensorScale:
 
     @torch.no_grad()
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
-        current = x.detach().abs().amax().float()
+        # max(), not amax(): the same full reduction, but torch_xla 2.9 reduces nothing for amax() without dims
+        current = x.detach().abs().max().float()
         if self.amax_mode == "delayed" and self.history:
-            amax = torch.stack(list(self.history)).amax()
+            amax = torch.stack(list(self.history)).max()
         else:
             amax = current
         self.history.append(current)

@@ -121,6 +121,7 @@ class Checkpointer:
                     raise CheckpointMismatch(f"it is another configuration's (run_id {found}, this run {self.run_id})")
                 model.load_state_dict(state["model"])
                 optimizer.load_state_dict(state["optimizer"])
+                _state_beside_parameters(optimizer)
                 if schedule is not None:
                     schedule.load_state_dict(state["schedule"])
                 scaler.load_state_dict(state["scaler"])
@@ -145,9 +146,9 @@ class Checkpointer:
                     fallback)
 
     def save(self, model, optimizer, scaler: LossScaler, schedule, loop: dict) -> None:
-        state = {"run_id": self.run_id, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "schedule": schedule.state_dict() if schedule is not None else None,
-                 "scaler": scaler.state_dict(), "rng": _rng_state(), "loop": loop}
+        state = _on_host({"run_id": self.run_id, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                          "schedule": schedule.state_dict() if schedule is not None else None,
+                          "scaler": scaler.state_dict(), "rng": _rng_state(), "loop": loop})
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with storage_errors(tmp):
             try:
@@ -182,6 +183,28 @@ class Checkpointer:
         """Once the record is written: delete the checkpoint unless asked to keep it."""
         if not self.keep:
             self.path.unlink(missing_ok=True)
+
+
+def _on_host(state):
+    """`state` with XLA tensors copied to the CPU, as torch_xla's xm.save writes them: a checkpoint that loads
+    without torch_xla (the load maps it back through the model's and optimiser's own load_state_dict)."""
+    if torch.is_tensor(state):
+        return state.cpu() if state.device.type == "xla" else state
+    if isinstance(state, dict):
+        return {k: _on_host(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_on_host(v) for v in state)
+    return state
+
+
+def _state_beside_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """On XLA, every optimiser state tensor on its parameter's device: torch's load_state_dict keeps `step` on the
+    CPU (its own optimisers read it there), where torch_xla's sync-free kernels want every operand on the device."""
+    for param, state in optimizer.state.items():
+        if param.device.type == "xla":
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.device != param.device:
+                    state[key] = value.to(param.device)
 
 
 def _snapshot(model, optimizer, scaler: LossScaler, schedule) -> dict:

@@ -35,9 +35,9 @@ def select_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but no CUDA device is visible; valid here: auto, cpu")
     if name == "xla":
-        import torch_xla.core.xla_model as xm
+        import torch_xla
 
-        return xm.xla_device()
+        return torch_xla.device()
     return torch.device(name)
 
 
@@ -294,6 +294,11 @@ def describe(device: torch.device) -> dict:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    elif device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        hardware_name = xm.xla_device_hw(device)  # TPU, CPU (PJRT_DEVICE=CPU), CUDA
+        name, cc = f"XLA:{hardware_name}" + (f" ({_cpu_model()})" if hardware_name == "CPU" else ""), None
     else:
         name, cc = _cpu_model(), None
     return {

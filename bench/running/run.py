@@ -90,7 +90,8 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
 def build_scaler(cfg: DictConfig) -> LossScaler:
     s = cfg.scaling
     return LossScaler(s.loss_scaling, s.init_scale, s.growth_factor, s.backoff_factor, s.growth_interval,
-                      loss_multiplier=cfg.train.loss_multiplier, max_grad_norm=cfg.model.optimizer.grad_clip)
+                      loss_multiplier=cfg.train.loss_multiplier, max_grad_norm=cfg.model.optimizer.grad_clip,
+                      reads_every=cfg.train.log_every)
 
 
 def seed_everything(seed: int) -> None:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from bench.numerics.memory import StepMemory
 from bench.numerics.precision import Precision
+from bench.numerics.readings import Readings
 from bench.numerics.scaling import LossScaler
 from bench.running.checkpoint import Checkpointer
 from bench.running.compile import CompiledStep
@@ -41,8 +42,15 @@ def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None)
         groups.setdefault((decay, factor), []).append(p)
     groups = [{"params": members, "weight_decay": decay / factor, "lr": cfg.lr * factor}
               for (decay, factor), members in groups.items()]
+    sgd, adam, adamw = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
+    if params and params[0].device.type == "xla":
+        # torch_xla's sync-free subclasses of the same optimisers skip a step on a found_inf flag on the device
+        # (step(found_inf=...)), where torch's would need it read on the host at every step
+        from torch_xla.amp import syncfree
+
+        sgd, adam, adamw = syncfree.SGD, syncfree.Adam, syncfree.AdamW
     if cfg.name == "sgd":
-        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
+        optimizer = sgd(groups, lr=cfg.lr, momentum=cfg.momentum, **({"fused": True} if fused else {}))
         if fused and cfg.momentum:
             # torch's fused SGD makes its momentum buffers with empty_like on the first step and fills them in
             # the kernel, which a found_inf skip leaves out: the next step reads garbage. Zeros are the same
@@ -50,8 +58,8 @@ def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None)
             for p in params:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return optimizer
-    adam = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
-    return adam(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), fused=fused)
+    return (adam if cfg.name == "adam" else adamw)(groups, lr=cfg.lr, betas=(0.9, cfg.beta2),
+                                                    **({"fused": True} if fused else {}))
 
 
 def build_schedule(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int):
@@ -142,17 +150,17 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
     step_loss = CompiledStep.for_task(cfg.get("compile"), device, task, precision)
     timer = StepTimer(device)
     out.step_time_method = timer.method
-    unread_losses: list[tuple[int, torch.Tensor]] = []  # (step, loss) still on the device
+    unread_steps: list[int] = []  # steps whose losses are still on the device, in losses_on_device
+    losses_on_device = Readings(cfg.log_every)
 
     def settle() -> bool:
         """Read what the device holds since the last read; True when a loss was non-finite."""
         scaler.sync()
         out.step_s += timer.collect()
-        if not unread_losses:
+        if not unread_steps:
             return out.diverged_at_step is not None
-        steps = [step for step, _ in unread_losses]
-        losses = torch.stack([loss for _, loss in unread_losses]).tolist()
-        unread_losses.clear()
+        steps, losses = list(unread_steps), [row[0] for row in losses_on_device.read()]
+        unread_steps.clear()
         for step, value in zip(steps, losses):
             out.final_loss = value
             if not math.isfinite(value):
@@ -198,7 +206,8 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
                 with precision.autocast():
                     loss = step_loss(model, batch)
                 scaler.scale_loss(loss).backward()
-            unread_losses.append((out.steps, loss.detach()))
+            unread_steps.append(out.steps)
+            losses_on_device.push(loss)
             precision.after_backward(model)
             scaler.step(optimizer, params, check=sampled)
             precision.after_step(model, optimizer)  # idempotent: a step the scaler skipped changed nothing

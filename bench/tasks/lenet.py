@@ -92,13 +92,13 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
         hub.require(data=[cfg.data.name])
         x_train, y_train, x_test, y_test = load_mnist(cfg.data.name)
     x_train, y_train, x_val, y_val = split_validation(x_train, y_train, cfg.data.val_fraction)
+    background = float(x_train.min())  # read here, on the host: on a device every read is a transfer
     x_train, y_train, x_val, y_val, x_test, y_test = (t.to(device) for t in (x_train, y_train, x_val, y_val,
                                                                              x_test, y_test))
     model = LeNet5().to(device)
     n_batches = len(y_train) // batch_size  # drop_last: every step sees a full batch
 
     shift = cfg.data.augment_shift
-    background = x_train.min()
 
     def train_batches(epoch: int):
         generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
@@ -107,9 +107,12 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
             idx = order[b * batch_size:(b + 1) * batch_size].to(device)
             x = x_train[idx]
             if shift:
+                # the window is gathered by index tensors, not sliced: on XLA each of the 25 slices would be a graph
+                # of its own to compile, a gather is one (the values are the slice's)
                 dx, dy = torch.randint(-shift, shift + 1, (2,), generator=generator).tolist()
-                x = F.pad(x, (shift, shift, shift, shift), value=float(background))
-                x = x[..., shift + dy:shift + dy + 32, shift + dx:shift + dx + 32]
+                x = F.pad(x, (shift, shift, shift, shift), value=background)
+                window = torch.arange(32)
+                x = x.index_select(-2, (window + shift + dy).to(device)).index_select(-1, (window + shift + dx).to(device))
             yield x, y_train[idx]
 
     def forward(model, batch, cast_inputs):

@@ -152,14 +152,16 @@ def check_loading(model: torch.nn.Module, loading: dict, name: str) -> dict:
 def batches(tensors: dict[str, torch.Tensor], batch_size: int, generator: torch.Generator | None,
             device: torch.device, trim_padding: bool = False):
     """Yield dict batches (shuffled with `generator`, full batches only when shuffling); with trim_padding,
-    cut each batch to its longest sequence (pad-to-longest, as Raschka's collate)."""
+    cut each batch to its longest sequence (pad-to-longest, as Raschka's collate), except on XLA: there every new
+    length is a new graph to compile, so batches keep the fixed model.data.max_length (the masked positions add
+    exact zeros)."""
     n = len(next(iter(tensors.values())))
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
     stop = n - n % batch_size if generator is not None else n
     for start in range(0, stop, batch_size):
         idx = order[start:start + batch_size]
         batch = {k: v[idx] for k, v in tensors.items()}
-        if trim_padding:
+        if trim_padding and device.type != "xla":
             length = int(batch["attention_mask"].sum(1).max())
             batch = {k: (v[:, :length] if v.dim() == 2 else v) for k, v in batch.items()}
         yield {k: v.to(device) for k, v in batch.items()}
