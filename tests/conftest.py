@@ -70,3 +70,23 @@ def hub_answers(monkeypatch):
     import bench.data.hub
 
     monkeypatch.setattr(bench.data.hub, "reachable", lambda *a, **k: True)
+
+
+def interrupted_at_checkpoint_then_resumed(cfg, monkeypatch, step: int) -> dict:
+    """Run `cfg`'s cell, interrupt it (KeyboardInterrupt, as Ctrl-C) right after its checkpoint at `step`, then run
+    it again; returns the resumed run's record."""
+    import bench.running.checkpoint as checkpoint
+    from bench.running.run import run_cell
+
+    after_step = checkpoint.Checkpointer.after_step
+
+    def stop_after_the_checkpoint(self, at, save):
+        after_step(self, at, save)
+        if at == step:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "after_step", stop_after_the_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        run_cell(cfg)
+    monkeypatch.setattr(checkpoint.Checkpointer, "after_step", after_step)
+    return run_cell(cfg)

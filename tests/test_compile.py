@@ -11,6 +11,7 @@ from bench.running.compile import compile_wanted
 from bench.running.config import ConfigError, check
 from bench.running.identity import run_id
 from bench.running.run import run_cell
+from tests.conftest import interrupted_at_checkpoint_then_resumed
 
 # inductor fuses the forward and reorders its reductions, and computes a chain of 16-bit pointwise ops in FP32
 # without rounding between them: the same cell's losses agree to these relative errors over 30 steps, not bit for
@@ -90,8 +91,6 @@ def test_under_auto_a_path_that_cannot_compile_runs_eagerly_and_says_why(make_cf
 def test_a_compiled_cell_checkpoints_plain_keys_and_resumes_bit_for_bit(make_cfg, monkeypatch):
     """Interrupted after its checkpoint at step 20 and resumed (compiling again), a compiled cell ends with the
     weights of the same cell run straight through."""
-    import bench.running.checkpoint as checkpoint
-
     overrides = ["train.compile=true", "train.checkpoint_every=20", "train.keep_checkpoint=true"]
     straight = make_cfg(*STEPS, *overrides)
     assert run_cell(straight)["status"] == "ok"
@@ -99,18 +98,7 @@ def test_a_compiled_cell_checkpoints_plain_keys_and_resumes_bit_for_bit(make_cfg
     assert not any(key.startswith("_orig_mod") for key in reference["model"])
 
     interrupted = make_cfg(*STEPS, *overrides, "experiment_name=interrupted")
-    after_step = checkpoint.Checkpointer.after_step
-
-    def stop_after_the_checkpoint(self, step, save):
-        after_step(self, step, save)
-        if step == 20:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(checkpoint.Checkpointer, "after_step", stop_after_the_checkpoint)
-    with pytest.raises(KeyboardInterrupt):
-        run_cell(interrupted)
-    monkeypatch.setattr(checkpoint.Checkpointer, "after_step", after_step)
-    record = run_cell(interrupted)
+    record = interrupted_at_checkpoint_then_resumed(interrupted, monkeypatch, 20)
     assert record["status"] == "ok" and record["resumed_from"] == {"checkpoint": "checkpoint.pt", "step": 20}
     resumed = torch.load(Path(interrupted.results_dir) / interrupted.cell / "checkpoint.pt", weights_only=False)
     assert all(torch.equal(reference["model"][k], resumed["model"][k]) for k in reference["model"])

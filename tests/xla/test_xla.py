@@ -17,6 +17,7 @@ from bench.numerics.precision import Precision  # noqa: E402
 from bench.running import device as devices  # noqa: E402
 from bench.running.run import build_cell, preflight, run_cell  # noqa: E402
 from bench.running.train import train  # noqa: E402
+from tests.conftest import interrupted_at_checkpoint_then_resumed  # noqa: E402
 
 pytestmark = pytest.mark.xla
 assert os.environ.get("PJRT_DEVICE") == "CPU", "make test-xla runs these on XLA's CPU device (PJRT_DEVICE=CPU)"
@@ -138,8 +139,6 @@ def test_the_first_steps_memory_on_xla_is_what_it_is_on_the_cpu(make_cfg, fmt):
 
 
 def test_an_interrupted_cell_resumes_on_xla_to_the_weights_of_a_straight_run(make_cfg, monkeypatch):
-    import bench.running.checkpoint as checkpoint
-
     overrides = ["device=xla", "model=lenet", "format=bf16", "scaling=dynamic", "train.max_steps=40",
                  "train.checkpoint_every=20", "train.keep_checkpoint=true"]
     straight = make_cfg(*overrides)
@@ -147,18 +146,7 @@ def test_an_interrupted_cell_resumes_on_xla_to_the_weights_of_a_straight_run(mak
     assert first["status"] == "ok", first.get("traceback")
     reference = torch.load(Path(straight.results_dir) / straight.cell / "checkpoint.pt", weights_only=False)
     interrupted = make_cfg(*overrides, "experiment_name=interrupted")
-    after_step = checkpoint.Checkpointer.after_step
-
-    def stop_after_the_checkpoint(self, step, save):
-        after_step(self, step, save)
-        if step == 20:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(checkpoint.Checkpointer, "after_step", stop_after_the_checkpoint)
-    with pytest.raises(KeyboardInterrupt):
-        run_cell(interrupted)
-    monkeypatch.setattr(checkpoint.Checkpointer, "after_step", after_step)
-    record = _record(interrupted)
+    record = interrupted_at_checkpoint_then_resumed(interrupted, monkeypatch, 20)
     assert record["status"] == "ok" and record["resumed_from"] == {"checkpoint": "checkpoint.pt", "step": 20}
     resumed = torch.load(Path(interrupted.results_dir) / interrupted.cell / "checkpoint.pt", weights_only=False)
     assert all(v.device.type == "cpu" for v in resumed["model"].values())  # loadable without torch_xla
