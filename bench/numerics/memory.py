@@ -99,8 +99,7 @@ class StepMemory:
         lives in the input's storage (TF32 in FP32): then the output stands for the input (no copy)."""
         in_place = rounded.dtype == x.dtype and (FORMATS[fmt].storage_bytes == x.element_size()
                                                  or torch.equal(rounded, x))
-        self.made[_storage_key(rounded)] = SiteOutput(tensor_class, fmt, rounded,
-                                                                     x if in_place else None)
+        self.made[_storage_key(rounded)] = SiteOutput(tensor_class, fmt, rounded, x if in_place else None)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)

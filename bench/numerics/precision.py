@@ -332,11 +332,11 @@ class Precision:
 
             model = convert_to_float8_training(model, config=torchao_float8_config(self.granularity or "tensorwise"),
                                                module_filter_fn=converts)
-        for module in model.modules():
-            if type(module).__name__ in ("Float8Linear", "PaddedMXFP8Linear"):
-                module.register_forward_pre_hook(cast_input_as_autocast_does)
+        converted = [(n, m) for n, m in model.named_modules() if type(m).__name__ in ("Float8Linear", "PaddedMXFP8Linear")]
+        for _, module in converted:
+            module.register_forward_pre_hook(cast_input_as_autocast_does)
         self.fp8_modules = {
-            "converted": [n for n, m in model.named_modules() if type(m).__name__ in ("Float8Linear", "PaddedMXFP8Linear")],
+            "converted": [n for n, _ in converted],
             "kept_in_high_precision": [n for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)],
         }
         return model

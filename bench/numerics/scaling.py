@@ -11,6 +11,7 @@ have, and reads found_inf on the host every step unless the optimiser is fused.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections import defaultdict, deque
 
@@ -27,6 +28,12 @@ AMAX_MODES = ("current", "delayed")
 def _float32(value: float) -> float:
     """GradScaler keeps its scale in a float32 tensor; round our Python float the same way."""
     return torch.tensor(value, dtype=torch.float32).item()
+
+
+@functools.cache
+def _takes_found_inf(optimizer_class: type) -> bool:
+    """Whether the optimiser's step skips itself on a found_inf flag (torch_xla's sync-free ones); asked once a class."""
+    return "found_inf" in inspect.signature(optimizer_class.step).parameters
 
 
 class LossScaler:
@@ -140,7 +147,7 @@ class LossScaler:
         self.checked_steps += 1
         if self.kind == "none":
             optimizer.step()
-        elif "found_inf" in inspect.signature(optimizer.step).parameters:  # torch_xla's sync-free optimisers
+        elif _takes_found_inf(type(optimizer)):  # torch_xla's sync-free optimisers
             optimizer.step(found_inf=found_inf)
         elif getattr(optimizer, "_step_supports_amp_scaling", False):  # a fused kernel skips on found_inf
             optimizer.grad_scale, optimizer.found_inf = None, found_inf

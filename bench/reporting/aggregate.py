@@ -28,8 +28,8 @@ from scipy import stats
 
 from bench.errors import ConfigError
 from bench.numerics.specs import settings_in_order
-from bench.reporting import archive
 from bench.numerics.telemetry import TENSOR_CLASSES
+from bench.reporting import archive
 from bench.running.config import task_spec
 from bench.running.identity import comparison_ids, config_hash, semantic_config
 from bench.running.record import (
@@ -184,15 +184,21 @@ def format_options(fmt: dict) -> str:
                      if fmt.get(k) is not None and fmt.get(k) != default)
 
 
-def unique(records: list[dict]) -> list[dict]:
-    """The first record of each run on each device: its run_id, recomputed as a resumed sweep does, and the device."""
-    kept, seen = [], set()
+def _first_of_each_run(records: list[dict]):
+    """(record, its semantic config) for the first record of each run on each device: its run_id, recomputed as a
+    resumed sweep does, and the device."""
+    seen = set()
     for r in records:
-        identity = (config_hash(semantic_config(r["config"])), r["env"].get("device_name"))
+        semantic = semantic_config(r["config"])
+        identity = (config_hash(semantic), r["env"].get("device_name"))
         if identity not in seen:
             seen.add(identity)
-            kept.append(r)
-    return kept
+            yield r, semantic
+
+
+def unique(records: list[dict]) -> list[dict]:
+    """The first record of each run on each device (the records to_frame makes rows of)."""
+    return [r for r, _ in _first_of_each_run(records)]
 
 
 def to_frame(records: list[dict]) -> pd.DataFrame:
@@ -202,10 +208,9 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
     of one cluster) makes two cells, labelled `device_name=...`, each paired with its own device's FP32, since their
     times cannot be averaged and their numerics need not agree."""
     rows = []
-    for r in unique(records):
+    for r, semantic in _first_of_each_run(records):
         cfg, env, numerics, metrics = r["config"], r["env"], r["numerics"], r["metrics"]
         device = env.get("device_name")
-        semantic = semantic_config(cfg)
         precision = env.get("precision", {})
         model = cfg["model"]["name"]
         metric = task_spec(cfg["model"])["metric"]

@@ -31,18 +31,24 @@ def make_command(experiment: str) -> str:
     return "make committed-tables" + ("" if experiment == "default" else f" EXPERIMENT={experiment}")
 
 
-def regenerate(folder: Path, plots_too: bool = True) -> tuple[dict, list[str]]:
-    """Rewrite a committed folder's tables (and plots) from its records.jsonl.gz; returns the Markdown per table
-    (tables.write_all's) and the problems met reading the records."""
-    records, problems = archive.read(folder / archive.ARCHIVE)
-    runs = aggregate.to_frame(records)
-    if runs.empty:
-        return {}, problems + [f"{folder / archive.ARCHIVE}: no valid records"]
+def write_folder(runs, folder: Path, plots_too: bool = True) -> dict[str, str]:
+    """One experiment's tables (and plots) from its runs (aggregate.to_frame's) into `folder`; returns the Markdown
+    per table (tables.write_all's)."""
     cells = aggregate.summarise(runs)
     written = tables.write_all(runs, cells, folder)
     if plots_too:
         plots.write_all(runs, cells, folder)
-    return written, problems
+    return written
+
+
+def regenerate(folder: Path, plots_too: bool = True) -> tuple[dict, list[str]]:
+    """Rewrite a committed folder's tables (and plots) from its records.jsonl.gz; returns the Markdown per table
+    and the problems met reading the records."""
+    records, problems = archive.read(folder / archive.ARCHIVE)
+    runs = aggregate.to_frame(records)
+    if runs.empty:
+        return {}, problems + [f"{folder / archive.ARCHIVE}: no valid records"]
+    return write_folder(runs, folder, plots_too), problems
 
 
 def folders(root: Path) -> list[Path]:

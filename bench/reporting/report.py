@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from bench.errors import ConfigError
-from bench.reporting import aggregate, archive, committed, plots, tables
+from bench.reporting import aggregate, archive, committed
 
 
 def main(argv: list[str] | None = None, api=None) -> int:
@@ -55,10 +55,7 @@ def main(argv: list[str] | None = None, api=None) -> int:
                           directory / archive.ARCHIVE)
             written, _ = committed.regenerate(directory, not args.no_plots)
         else:
-            cells = aggregate.summarise(runs)
-            written = tables.write_all(runs, cells, directory)
-            if not args.no_plots:
-                plots.write_all(runs, cells, directory)
+            written = committed.write_folder(runs, directory, not args.no_plots)
         print(f"## {experiment}: what each setting costs in accuracy and gains in time and memory against 32-true "
               f"(all tables: {directory})\n\n{written['precision']}\n")
     return 0

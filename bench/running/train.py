@@ -49,8 +49,9 @@ def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None)
         from torch_xla.amp import syncfree
 
         sgd, adam, adamw = syncfree.SGD, syncfree.Adam, syncfree.AdamW
+    kernel = {"fused": True} if fused else {}  # (the sync-free optimisers take no `fused`)
     if cfg.name == "sgd":
-        optimizer = sgd(groups, lr=cfg.lr, momentum=cfg.momentum, **({"fused": True} if fused else {}))
+        optimizer = sgd(groups, lr=cfg.lr, momentum=cfg.momentum, **kernel)
         if fused and cfg.momentum:
             # torch's fused SGD makes its momentum buffers with empty_like on the first step and fills them in
             # the kernel, which a found_inf skip leaves out: the next step reads garbage. Zeros are the same
@@ -58,8 +59,7 @@ def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None)
             for p in params:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return optimizer
-    return (adam if cfg.name == "adam" else adamw)(groups, lr=cfg.lr, betas=(0.9, cfg.beta2),
-                                                    **({"fused": True} if fused else {}))
+    return (adam if cfg.name == "adam" else adamw)(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), **kernel)
 
 
 def build_schedule(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int):
