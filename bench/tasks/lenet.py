@@ -99,9 +99,6 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
     n_batches = len(y_train) // batch_size  # drop_last: every step sees a full batch
 
     shift = cfg.data.augment_shift
-    # each shift's 32 rows (or columns) of the padded image, on the device once: the window is gathered by index, not
-    # sliced, since on XLA each of the 25 slices would be a graph of its own to compile (the values are the slice's)
-    windows = [torch.arange(offset, offset + 32).to(device) for offset in range(2 * shift + 1)]
 
     def train_batches(epoch: int):
         generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
@@ -110,9 +107,13 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
             idx = order[b * batch_size:(b + 1) * batch_size].to(device)
             x = x_train[idx]
             if shift:
+                # the window is gathered by index tensors, not sliced: on XLA each of the 25 slices would be a graph
+                # of its own to compile, a gather is one (the values are the slice's). Two fresh index tensors each
+                # step: reusing one per offset made dx == dy a graph with one input fewer, compiled anew
                 dx, dy = torch.randint(-shift, shift + 1, (2,), generator=generator).tolist()
                 x = F.pad(x, (shift, shift, shift, shift), value=background)
-                x = x.index_select(-2, windows[shift + dy]).index_select(-1, windows[shift + dx])
+                window = torch.arange(32)
+                x = x.index_select(-2, (window + shift + dy).to(device)).index_select(-1, (window + shift + dx).to(device))
             yield x, y_train[idx]
 
     def forward(model, batch, cast_inputs):
