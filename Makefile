@@ -23,7 +23,7 @@ help: ## list the targets
 	@echo "  variables: TORCH=$(TORCH) RESULTS=$(RESULTS) TABLES=$(TABLES) SEEDS=$(SEEDS) FORMATS=$(FORMATS)"
 	@echo "             SCALINGS=$(SCALINGS) EXPERIMENT=$(EXPERIMENT) (a conf/experiment/ preset: smoke,"
 	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet, nanogpt_shakespeare_char_cpu,"
-	@echo "             unit_scaling_charlm, unit_scaling_charlm_lr, block_formats)  ARGS (more overrides for the sweep, e.g. ARGS='model.data.source=local"
+	@echo "             unit_scaling_charlm, unit_scaling_charlm_lr, umup_lr_transfer, umup_fp8, block_formats)  ARGS (more overrides for the sweep, e.g. ARGS='model.data.source=local"
 	@echo "             model.data.path=/path/to/input.txt')"
 	@echo "             LAUNCHER=$(LAUNCHER)  ONLY (make bench: some sections, e.g. ONLY=native,host_syncs)"
 	@echo "             ENTITY, PROJECT (make dashboard: the W&B entity and project; WANDB_API_KEY to create)"

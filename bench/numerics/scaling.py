@@ -21,7 +21,7 @@ from bench.numerics.formats import ElementFormat
 from bench.numerics.readings import Readings
 
 LOSS_SCALING = ("none", "static", "dynamic")
-SCALING_METHODS = ("none", "static", "dynamic", "per_tensor", "unit", "rowwise", "rowwise_with_gw_hp", "block")
+SCALING_METHODS = ("none", "static", "dynamic", "per_tensor", "unit", "umup", "rowwise", "rowwise_with_gw_hp", "block")
 AMAX_MODES = ("current", "delayed")
 
 

@@ -21,7 +21,7 @@ MODES = ("mixed", "true")  # FP32 master weights (Lightning's 16-mixed), or the 
 # train FP8 with BF16 autocast there)
 ELSEWHERE = ("fp32", "bf16")
 # Block formats carry their own scales (per_tensor adds nothing); unit scaling's Linear takes block operands too.
-BLOCK_SCALINGS = ("none", "static", "dynamic", "unit")
+BLOCK_SCALINGS = ("none", "static", "dynamic", "unit", "umup")
 
 
 @dataclass(frozen=True)

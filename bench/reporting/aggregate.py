@@ -40,7 +40,7 @@ from bench.running.record import (
 )
 from bench.tasks.base import describe as generic_describe
 
-SCALING_ORDER = ["none", "static", "dynamic", "per_tensor", "unit", "rowwise", "rowwise_with_gw_hp", "block"]
+SCALING_ORDER = ["none", "static", "dynamic", "per_tensor", "unit", "umup", "rowwise", "rowwise_with_gw_hp", "block"]
 CELL_KEYS = ["experiment", "model", "task", "model_label", "setting", "scaling", "backend", "variant"]
 # Keys a cell's row already names (setting, scaling, model) or that never differ between its runs (seed).
 LABELLED = {"experiment_name", "seed", "format.name", "format.mode", "format.backend", "scaling.name", "model.name"}
@@ -213,7 +213,8 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
         device = env.get("device_name")
         precision = env.get("precision", {})
         model = cfg["model"]["name"]
-        metric = task_spec(cfg["model"])["metric"]
+        spec = task_spec(cfg["model"])
+        metric = spec["metric"]
         dataset, label = describe(cfg["model"])
         quant = numerics.get("quantisation") or {}
         pretrained = cfg["model"].get("pretrained", True)
@@ -228,7 +229,8 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "format_options": format_options(cfg["format"]),
             "backend": precision.get("backend"), "device": device, "status": r["status"],
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
-            "metric": metric, "value": _number(metrics.get(metric)),
+            "metric": metric, "higher_is_better": spec["higher_is_better"], "value": _number(metrics.get(metric)),
+            "lr": _number((cfg["model"].get("optimizer") or {}).get("lr")),  # of a learning-rate sweep (bench.reporting.tables.lr_transfer_table)
             "exact_match": _number(metrics.get("exact_match")), "f1": _number(metrics.get("f1")),
             "steps": _number(r["timing"].get("steps")),
             # the training loop without the steps that compiled (timing.compile), which are counted apart: a
@@ -285,6 +287,8 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     cells["compiled"] = groups["compiled"].any()
     cells["compile_s"] = finished["compile_s"].median()
     cells["metric"] = groups["metric"].first()
+    cells["higher_is_better"] = groups["higher_is_better"].first()
+    cells["lr"] = groups["lr"].first()
     cells["runs"] = groups.size()
     for status in ("ok", "diverged", "failed"):
         cells[status] = groups["status"].apply(lambda s, st=status: int((s == st).sum()))

@@ -52,6 +52,7 @@ def committed_cells(folder: Path) -> pd.DataFrame:
     if published.is_file():
         pub = pd.read_csv(published).rename(columns={"our scaling": "scaling", "published": "published_value"})
         pub = pub[pub["metric"].notna()].drop_duplicates(["model", "task", "setting", "scaling", "metric"])
+        pub["published_value"] = pd.to_numeric(pub["published_value"], errors="coerce")  # a claim is no figure
         cells = cells.merge(pub[["model", "task", "setting", "scaling", "metric", "published_value"]],
                             on=["model", "task", "setting", "scaling", "metric"], how="left")
     else:

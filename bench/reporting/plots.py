@@ -18,8 +18,10 @@ import pandas as pd  # noqa: E402
 from bench.reporting.aggregate import SCALING_ORDER  # noqa: E402
 from bench.reporting.tables import (  # noqa: E402
     PERCENT_METRICS,
+    PARAMETRISATIONS,
     SIGNIFICANT,
     BlockRow,
+    best_learning_rates,
     declared_table_of,
     fmt_difference,
     scaled,
@@ -168,6 +170,32 @@ def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str, b
     return _save(fig, directory, f"{name}_metric_vs_bits")
 
 
+def lr_transfer(cells: pd.DataFrame, directory: Path) -> list[Path]:
+    """u-μP's Figure 1 in its style: the metric against the learning rate (log 2), one curve per model as configured
+    (a width), one panel per parametrisation; each curve's best learning rate starred. Diverged cells are missing."""
+    best = best_learning_rates(cells)
+    scalings = list(dict.fromkeys(str(s) for s in best["scaling"]))
+    fig, axes = plt.subplots(1, len(scalings), figsize=(5 * len(scalings), 4), squeeze=False)
+    for ax, scaling in zip(axes[0], scalings):
+        labels = best[best["scaling"].astype(str) == scaling]
+        for (_, row), colour in zip(labels.iterrows(), plt.cm.viridis(np.linspace(0, 0.85, len(labels)))):
+            part = cells[(cells["scaling"].astype(str) == scaling) & (cells["model_label"] == row["model_label"])]
+            part = part.sort_values("lr")
+            ax.plot(part["lr"], part["value"], "o-", color=colour, ms=3, lw=1,
+                    label=row["model_label"].split("(")[-1].split(",")[0])
+            ax.scatter([row["best"]["lr"]], [row["best"]["value"]], marker="*", s=120, color=colour, zorder=3)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("learning rate" + (" (u-μP's global η)" if scaling == "umup" else ""))
+        ax.set_title(PARAMETRISATIONS.get(scaling, scaling), fontsize=9)
+    axes[0][0].set_ylabel(f"{cells['metric'].iloc[0]} (★ best per width)")
+    values = cells["value"].dropna()
+    if not values.empty:  # the region around the optima: diverging learning rates would squash it
+        low = values.min()
+        for ax in axes[0]:
+            ax.set_ylim(low - 0.05, min(values.max(), low + 1.0) + 0.05)
+    return _save(fig, directory, f"{cells['model'].iloc[0]}_lr_transfer")
+
+
 def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> list[Path]:
     """Per model as configured and settings variant: `<model>[_<configuration>][_<variant>]_<plot>.png`/`.svg`,
     the configuration (model_label's parenthesis, e.g. `4L_128_post-norm_shakespeare_char`) named only where one
@@ -176,6 +204,8 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> list[
     paths = []
     labels_per_model = cells.groupby("model")["model_label"].nunique()
     declared = declared_table_of(cells)
+    if declared and declared[0] == "lr_transfer":  # one figure: the usual set per variant would be one per learning rate
+        return lr_transfer(cells, directory)
     if declared and declared[0] == "block_formats":  # the table the preset declares, as tables.write_all reads it
         for model, part in cells.groupby("model", sort=False):
             paths += metric_vs_bits(part, part["model_label"].iloc[0], directory, model, declared[1])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -228,14 +229,37 @@ PUBLISHED_COLUMNS = ["source", "model", "task", "setting", "our scaling", "metri
                      "published time (min)", "our time (min)", "our backend / device", "note"]
 
 
+def _claim_rows(pub: dict, match: pd.DataFrame) -> list[dict]:
+    """A published claim (a statement, not a figure) beside what our cells measure of it: the best learning rate's
+    move across the widths of a sweep (`best_lr_shift`), or a cell's paired difference to 32-true."""
+    base = {"source": pub["source"], "model": pub["model"], "task": pub["task"], "setting": pub["setting"],
+            "metric": pub["metric"], "published": pub["claim"], "difference": "–", "published time (min)": "–",
+            "our time (min)": "–", "note": pub.get("note", "")}
+    if pub["metric"] == "best_lr_shift":
+        best = best_learning_rates(match)
+        shift = lr_shift(best, pub["scaling"])
+        if shift is None:
+            return []
+        first, last = best.iloc[0], best.iloc[-1]
+        return [base | {"our scaling": pub["scaling"], "ours": f"{shift:+.0f} (lr {first['best']['lr']:.3g} at "
+                        f"{first['model_label']} → {last['best']['lr']:.3g} at {last['model_label']})",
+                        "our backend / device": f"{first['best']['backend']} / {first['best']['device']}"}]
+    return [base | {"our scaling": c["scaling"], "ours": fmt_difference(c),
+                    "our backend / device": f"{c['backend']} / {c['device']}"} for _, c in match.iterrows()]
+
+
 def published_table(cells: pd.DataFrame) -> pd.DataFrame:
-    """Ours beside every published figure of the same model, task and setting (and scaling, if it names one)."""
+    """Ours beside every published figure of the same model, task and setting (and scaling, if it names one), and
+    beside every published claim we measure (`claim` instead of `value`: _claim_rows)."""
     rows = []
     for pub in published_rows():
         match = cells[(cells["model"] == pub["model"]) & (cells["task"] == pub["task"])
                       & (cells["setting"].astype(str) == pub["setting"])]
         if "scaling" in pub:
             match = match[match["scaling"].astype(str) == pub["scaling"]]
+        if "claim" in pub:
+            rows += _claim_rows(pub, match)
+            continue
         for _, c in match.iterrows():
             metric = pub["metric"]
             n = c["value_n"] if metric == c["metric"] else c[f"{metric}_n"]
@@ -399,6 +423,72 @@ def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame, block_rows: lis
     return pd.DataFrame(rows)
 
 
+PARAMETRISATIONS = {"none": "standard (SP)", "umup": "u-μP", "unit": "unit scaling"}
+
+
+def _natural(text: str) -> list:
+    """Sort key that orders the numbers in a label by value ("4L×64" before "4L×128")."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
+
+
+def best_learning_rates(cells: pd.DataFrame) -> pd.DataFrame:
+    """Per scaling method and model as configured (one width of a sweep), in width order: the learning rates swept,
+    the best one (mean metric over the seeds that finished) and the metric there and at its neighbours in the sweep."""
+    rows = []
+    for (scaling, label), part in cells.groupby(["scaling", "model_label"], observed=True, sort=False):
+        part = part.sort_values("lr")
+        finished = part[part["value"].notna()]
+        if finished.empty:
+            continue
+        best = finished["value"].idxmax() if part["higher_is_better"].iloc[0] else finished["value"].idxmin()
+        position = list(part.index).index(best)
+        neighbours = [part.iloc[i] if 0 <= i < len(part) else None for i in (position - 1, position + 1)]
+        rows.append({"scaling": scaling, "model_label": label, "lrs": list(part["lr"]), "best": part.loc[best],
+                     "below": neighbours[0], "above": neighbours[1]})
+    rows.sort(key=lambda r: (SCALING_ORDER.index(str(r["scaling"])), _natural(r["model_label"])))
+    return pd.DataFrame(rows)
+
+
+def lr_shift(best: pd.DataFrame, scaling: str) -> float | None:
+    """How far the best learning rate moved from the narrowest model of the sweep to the widest, in factors of 2."""
+    rows = best[best["scaling"].astype(str) == scaling] if not best.empty else best
+    if len(rows) < 2:
+        return None
+    return math.log2(rows["best"].iloc[-1]["lr"] / rows["best"].iloc[0]["lr"])
+
+
+def lr_transfer_table(cells: pd.DataFrame) -> pd.DataFrame:
+    """A learning-rate sweep per width and parametrisation (u-μP's Figure 1 as a table): per row the best learning
+    rate, the metric there and at the learning rates either side (lr/2 and 2 lr in a sweep by factors of 2), and
+    where the best sits relative to the narrowest model's, in factors of 2."""
+    best = best_learning_rates(cells)
+    rows = []
+    for _, r in best.iterrows():
+        narrowest = best[best["scaling"] == r["scaling"]].iloc[0]["best"]["lr"]
+        metric = r["best"]["metric"]
+        rows.append({
+            "parametrisation": PARAMETRISATIONS.get(str(r["scaling"]), str(r["scaling"])), "model": r["model_label"],
+            "learning rates swept": f"{min(r['lrs']):.3g} … {max(r['lrs']):.3g} ({len(r['lrs'])})",
+            "best lr": f"{r['best']['lr']:.3g}", f"{metric} at best": _metric_text(r["best"]),
+            "at the lr below": "–" if r["below"] is None else f"{_metric_text(r['below'])} (lr {r['below']['lr']:.3g})",
+            "at the lr above": "–" if r["above"] is None else f"{_metric_text(r['above'])} (lr {r['above']['lr']:.3g})",
+            "best vs narrowest (factors of 2)": f"{math.log2(r['best']['lr'] / narrowest):+.0f}",
+        })
+    return pd.DataFrame(rows)
+
+
+def labelled_rows_table(cells: pd.DataFrame, labelled: list[BlockRow]) -> pd.DataFrame:
+    """The cells a preset labels, in its order: the metric (mean ± std over seeds) and its paired difference to the
+    32-true cell of the same configuration but the format (same scaling and learning rate), 95% t interval."""
+    rows = []
+    for (label, _), part in cells.groupby(["model_label", "design_id"], sort=False):
+        for row in labelled:
+            for _, c in part[row.selects(part)].iterrows():
+                rows.append({"model": label, "cell": row.label, "setting": _setting_label(c), "lr": f"{c['lr']:.3g}",
+                             "mean ± std": _metric_text(c), "Δ vs 32-true, same scaling and lr": fmt_difference(c)})
+    return pd.DataFrame(rows)
+
+
 def _paired_text(differences: list[float], baseline: bool, digits: int = 3) -> str:
     if baseline:
         return "baseline"
@@ -443,6 +533,10 @@ CAPTIONS = {
     "vs_published": "Ours beside the published figures for the same model, task and setting",
     "block_formats": "The primary metric per model by bits per element (scales included): FP8 tensorwise, rowwise "
                      "and block scaling, MX and NVFP4, with and without stochastic rounding of the gradients",
+    "lr_transfer": "The best learning rate per width and parametrisation, with the metric at it and at the learning "
+                   "rates either side (u-μP's learning-rate transfer, its Figure 1, as a table)",
+    "labelled_rows": "The cells the preset names, and each one's paired difference to the 32-true cell of the same "
+                     "scaling method and learning rate",
     "unit_scaling_charlm": "Validation bits per character in the Unit Scaling paper's char-LM layout, beside the "
                            "paper's WikiText-103 figures (a different dataset and model size: compare the pattern of "
                            "differences to FP32 regular, not the values)",
@@ -463,6 +557,10 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
         built["unit_scaling_charlm"] = unit_scaling_charlm_table(runs, cells)
     if declared and declared[0] == "block_formats":
         built["block_formats"] = block_formats_table(runs, cells, declared[1])
+    if declared and declared[0] == "lr_transfer":
+        built["lr_transfer"] = lr_transfer_table(cells)
+    if declared and declared[0] == "labelled_rows":
+        built["labelled_rows"] = labelled_rows_table(cells, declared[1])
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
     timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \
         + ([NOTES["disturbed"]] if cells["disturbed"].any() else []) \

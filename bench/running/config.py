@@ -77,6 +77,12 @@ class ScalingConfig:
     pow2: bool = False  # per_tensor: round s down to a power of two
     conversion_tolerance: float = 1e-4  # unit, pretrained: largest relative output change the conversion may make
     lr_rule: str = "same"  # unit, from scratch, Adam/AdamW: same | relative (bench.numerics.unit.relative_lr_multipliers)
+    # umup: u-μP's hyper-parameters (bench.numerics.umup.UmupHyper; conf/scaling/umup.yaml sets the paper's 1.0)
+    residual_mult: Optional[float] = None
+    residual_attn_ratio: Optional[float] = None
+    attn_softmax_mult: Optional[float] = None
+    ffn_act_mult: Optional[float] = None
+    output_mult: Optional[float] = None
 
 
 @dataclass

@@ -13,6 +13,7 @@ import shutil
 import sys
 import time
 import traceback
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from bench.numerics.blocks import FP8_GRANULARITIES
 from bench.numerics.precision import Precision, PrecisionError
 from bench.numerics.scaling import LossScaler, PerTensorScale
+from bench.numerics.umup import UmupHyper, umup_task
 from bench.numerics.unit import ConversionError, unit_scale_task
 from bench.running import device as devices
 from bench.running.checkpoint import Checkpointer
@@ -94,6 +96,11 @@ def build_scaler(cfg: DictConfig) -> LossScaler:
                       reads_every=cfg.train.log_every)
 
 
+def umup_hyper(scaling: DictConfig) -> UmupHyper:
+    """scaling=umup's multipliers (conf/scaling/umup.yaml sets the paper's defaults)."""
+    return UmupHyper(**{f.name: scaling[f.name] for f in dataclasses.fields(UmupHyper)})
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -125,13 +132,16 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
                                      tolerance=cfg.scaling.conversion_tolerance,
                                      relative_lr=cfg.scaling.lr_rule == "relative"
                                      and cfg.model.optimizer.name in ADAM_FAMILY)
+    elif cfg.scaling.name == "umup":
+        conversion = umup_task(task, umup_hyper(cfg.scaling))
     flops = step_flops_by_module(task)
     precision.prepare(task.model)
     if precision.fp8_modules is not None:  # how much of a training step torchao's filter actually put in FP8
         root = type(task.model).__name__
         converted = sum(flops.get(f"{root}.{name}", 0) for name in precision.fp8_modules["converted"])
         precision.fp8_modules["converted_flop_share"] = converted / flops["Global"] if flops["Global"] else None
-    optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters(), task.lr_multipliers)
+    optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters(), task.lr_multipliers,
+                                umup=cfg.scaling.name == "umup")
     schedule = build_schedule(cfg.model.optimizer, optimizer, total_steps(task, cfg.train))
     return Cell(task, build_scaler(cfg), optimizer, schedule, conversion, flops["Global"])
 

@@ -18,6 +18,7 @@ from bench.numerics.memory import StepMemory
 from bench.numerics.precision import Precision
 from bench.numerics.readings import Readings
 from bench.numerics.scaling import LossScaler
+from bench.numerics.umup import umup_parameter_groups
 from bench.running.checkpoint import Checkpointer
 from bench.running.compile import CompiledStep
 from bench.running.device import StepTimer, end_step, synchronize
@@ -26,13 +27,16 @@ from bench.tasks.base import Task
 ADAM_FAMILY = ("adam", "adamw")  # optimisers whose step size does not follow the gradient's scale
 
 
-def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None) -> torch.optim.Optimizer:
+def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None,
+                    umup: bool = False) -> torch.optim.Optimizer:
     """torch's optimiser, fused where the device has the kernel (CPU and CUDA do): one kernel per step, and
     the only way to skip an overflowing step without reading found_inf on the host (GradScaler's route).
     decay_matrices_only: weight decay on parameters of two or more dimensions only (nanoGPT's groups).
     lr_multipliers: parameter -> factor k on cfg.lr, its weight decay divided by k (one group per factor; schedules
     scale every group alike): AdamW's decoupled decay shrinks a weight by lr * weight_decay per step, so the
-    shrink per step stays what it was while Adam's step grows k-fold (bench/numerics/unit.py's relative rule)."""
+    shrink per step stays what it was while Adam's step grows k-fold (bench/numerics/unit.py's relative rule).
+    umup: unit_scaling.optim's groups instead (bench/numerics/umup.py umup_parameter_groups): cfg.lr is u-μP's
+    global learning rate, scaled per parameter by type and depth, and the weight decay is independent of it."""
     params = list(dict.fromkeys(params))  # a tied parameter once
     fused = bool(params) and params[0].device.type in _get_fused_kernels_supported_devices()
     groups = {}
@@ -42,6 +46,8 @@ def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None)
         groups.setdefault((decay, factor), []).append(p)
     groups = [{"params": members, "weight_decay": decay / factor, "lr": cfg.lr * factor}
               for (decay, factor), members in groups.items()]
+    if umup:
+        groups = umup_parameter_groups(groups, cfg.lr)
     sgd, adam, adamw = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
     if params and params[0].device.type == "xla":
         # torch_xla's sync-free subclasses of the same optimisers skip a step on a found_inf flag on the device

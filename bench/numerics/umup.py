@@ -1,0 +1,193 @@
+"""u-μP (Blake et al., "u-μP: The Unit-Scaled Maximal Update Parametrization", ICLR 2025) as a model transform.
+
+u-μP is unit scaling made width-transferable: every op is unit-scaled as in bench/numerics/unit.py, and on top
+- hidden weights keep the matmul's 1/sqrt(fan_in) forward scale, the readout (the last Linear) takes 1/fan_in
+  (`unit_scaling.LinearReadout`), embeddings none: μP's multipliers, with every weight initialised N(0, 1);
+- attention logits are scaled by mult/d_head (μP's 1/d_head, not 1/sqrt(d_head));
+- the residual branches are weighted by the library's `transformer_residual_scaling_rule` (its Appendix G);
+- norms have no trainable parameters, and the head is not tied to the embedding (a readout and an input weight
+  follow different rules), as the library's modules and its u-μP demo model do;
+- the optimiser scales each parameter's learning rate by its type and depth (`unit_scaling.optim`): hidden weights
+  by fan_in^-1/2, embeddings by width^-1/2, the readout, norms and biases by 1, everything inside the residual stack
+  also by depth^-1/2; the weight decay is independent of the learning rate (the library's default).
+
+What the library has is used as it is: its Embedding, LayerNorm, GELU, Dropout, attention, residual split/add,
+cross-entropy, Parameter tags, DepthModuleList and optimiser rules. The one thing written here is the Linear: the
+library's computes F.linear inside, where an emulated precision needs its rounding sites (`CastOp`) between the scales
+and the GEMM; `UmupLinear` is unit_scaling.functional.linear line for line with the GEMM through CastOp.linear, and
+tests/test_umup.py holds it to the library's output and gradients bit for bit.
+
+The abc-parametrisation's hyper-parameters (`UmupHyper`, config `scaling.*`) are the paper's, all 1 by default.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+import unit_scaling as uu
+import unit_scaling.functional as U
+from torch import nn
+from unit_scaling.constraints import apply_constraint
+from unit_scaling.core.functional import transformer_residual_scaling_rule
+from unit_scaling.optim import lr_scale_func_adam, scaled_parameters
+from unit_scaling.parameter import has_parameter_data
+from unit_scaling.scale import scale_bwd, scale_fwd
+
+from bench.errors import ConfigError
+from bench.numerics.emulation import CastOp
+from bench.numerics.ops import Add, CausalAttention, Residual
+from bench.numerics.unit import UnitAdd
+
+
+@dataclass(frozen=True)
+class UmupHyper:
+    """u-μP's hyper-parameters (the paper's Table 3), each a multiplier that is 1 at the paper's defaults."""
+
+    residual_mult: float = 1.0  # the residual branches' total contribution relative to the embedding's
+    residual_attn_ratio: float = 1.0  # attention branches' contribution relative to the MLP branches'
+    attn_softmax_mult: float = 1.0  # attention logits: q k^T * mult / d_head
+    ffn_act_mult: float = 1.0  # the MLP's activation: gelu(mult * x) / mult
+    output_mult: float = 1.0  # the loss's softmax: cross_entropy(mult * logits)
+
+
+class UmupLinear(CastOp, uu.Linear):
+    """unit_scaling.Linear whose GEMM an emulated precision rounds (CastOp): unit_scaling.functional.linear's
+    scales, in its own order and arithmetic, so that with nothing to round it is the library's Linear bit for bit."""
+
+    scale_power = (0.5, 0.5, 0.5)  # (output, input gradient, weight gradient), as the library's linear
+
+    def forward(self, x):
+        fan_out, fan_in = self.weight.shape
+        batch_size = x.numel() // fan_in
+        output_scale = 1 / fan_in ** self.scale_power[0]
+        grad_input_scale = 1 / fan_out ** self.scale_power[1]
+        grad_weight_scale = 1 / batch_size ** self.scale_power[2]
+        output_scale, grad_input_scale = apply_constraint(self.constraint, output_scale, grad_input_scale)
+        x = scale_bwd(x, grad_input_scale)
+        weight = scale_bwd(self.weight, grad_weight_scale)
+        bias = None if self.bias is None else scale_bwd(self.bias, grad_weight_scale)
+        return scale_fwd(self.linear(x, weight, bias), output_scale)
+
+
+class UmupReadout(UmupLinear):
+    """unit_scaling.LinearReadout the same way: output scale 1/fan_in, unconstrained, weight tagged `output`."""
+
+    scale_power = (1.0, 0.5, 0.5)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None):
+        super().__init__(in_features, out_features, bias, device, constraint=None, weight_mup_type="output")
+
+
+class UmupCausalAttention(CausalAttention):
+    """The library's unit-scaled causal attention, logits scaled by attn_softmax_mult / d_head."""
+
+    def __init__(self, dropout: float, mult: float):
+        super().__init__(dropout)
+        self.mult = mult
+
+    def forward(self, q, k, v):
+        return U.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                              is_causal=True, mult=self.mult)
+
+
+class UmupResidual(Residual):
+    """The library's residual split and add with its tau: the skip and the branch weighted 1 : tau, unit scale kept."""
+
+    def __init__(self, tau: float):
+        super().__init__()
+        self.tau = tau
+
+    def forward(self, x, branch):
+        residual, skip = U.residual_split(x, self.tau)
+        return U.residual_add(branch(residual), skip, self.tau)
+
+    def extra_repr(self) -> str:
+        return f"tau={self.tau:.4f}"
+
+
+COVERED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity, Residual, CausalAttention, Add)
+
+
+def _umup_module(module: nn.Module, hyper: UmupHyper, readout: bool) -> nn.Module | None:
+    """The u-μP replacement of `module`, or None to recurse into it; ConfigError for a layer with no u-μP rule."""
+    kind = type(module)
+    device = next((p.device for p in module.parameters()), None)
+    if kind is nn.Linear:
+        if readout:
+            return UmupReadout(module.in_features, module.out_features, module.bias is not None, device=device)
+        return UmupLinear(module.in_features, module.out_features, module.bias is not None, device=device)
+    if kind is nn.Embedding:
+        return uu.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx, device=device)
+    if kind is nn.LayerNorm:
+        return uu.LayerNorm(module.normalized_shape, module.eps, elementwise_affine=False)
+    if kind is nn.GELU:
+        return uu.GELU(mult=hyper.ffn_act_mult, approximate=module.approximate)
+    if kind is nn.Dropout:
+        return uu.Dropout(module.p)
+    if kind is CausalAttention:
+        return UmupCausalAttention(module.dropout, hyper.attn_softmax_mult)
+    if kind is Add:
+        return UnitAdd()
+    if kind in (nn.Identity, Residual):
+        return module  # residual adds are weighted once the whole model is known (umup_scale)
+    if any(True for _ in module.children()) and not any(True for _ in module.parameters(recurse=False)):
+        return None  # a container of other modules
+    raise ConfigError(f"scaling=umup has no rule for {kind.__name__}: u-μP here covers "
+                      f"{', '.join(c.__name__ for c in COVERED)} and modules made of them (a model built from "
+                      "bench/numerics/ops.py's ops, such as charlm); valid scalings for this model: none, static, "
+                      "dynamic, per_tensor, unit")
+
+
+def _convert(parent: nn.Module, hyper: UmupHyper, after_stack: bool) -> bool:
+    """Convert `parent`'s children in place, in order; returns whether a residual stack (a ModuleList) was passed:
+    a Linear after it is a readout."""
+    for name, child in parent.named_children():
+        if type(child) is nn.ModuleList:
+            _convert(child, hyper, after_stack=False)
+            setattr(parent, name, uu.DepthModuleList(list(child)))  # tags every parameter inside with the depth
+            after_stack = True
+            continue
+        replacement = _umup_module(child, hyper, readout=after_stack)
+        if replacement is None:
+            after_stack = _convert(child, hyper, after_stack)
+        elif replacement is not child:
+            setattr(parent, name, replacement)
+    return after_stack
+
+
+def umup_scale(model: nn.Module, hyper: UmupHyper = UmupHyper()) -> nn.Module:
+    """Make `model` (in place) a u-μP model with fresh N(0, 1) weights: see the module docstring. Residual adds are
+    weighted in the order the model holds them (attention, MLP, attention, ...), as unit_scaling.TransformerStack
+    weights its layers. Tied weights are untied: each module gets its own parameter."""
+    _convert(model, hyper, after_stack=False)
+    residuals = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+                 if type(child) is Residual]
+    rule = transformer_residual_scaling_rule(hyper.residual_mult, hyper.residual_attn_ratio)
+    for index, (parent, name) in enumerate(residuals):
+        setattr(parent, name, UmupResidual(rule(index, len(residuals))))
+    untagged = [name for name, p in model.named_parameters() if not has_parameter_data(p)]
+    if untagged:  # a module converted above without the library's u-μP parameter tags
+        raise ConfigError(f"scaling=umup: parameters {', '.join(untagged)} have no u-μP type")
+    return model
+
+
+def umup_task(task, hyper: UmupHyper) -> dict:
+    """u-μP `task.model` and its loss (the library's cross-entropy, softmax multiplier output_mult); what the record
+    says of the conversion."""
+    umup_scale(task.model, hyper)
+    task.cross_entropy = functools.partial(U.cross_entropy, mult=hyper.output_mult)
+    scales = sorted(lr_scale_func_adam(p) for p in task.model.parameters())
+    return {"parametrisation": "u-μP", "hyper": asdict(hyper),
+            "lr_scale": {"min": scales[0], "median": scales[len(scales) // 2], "max": scales[-1]},
+            "why": "fresh N(0, 1) weights, the library's u-μP ops and optimiser rules; head untied, norms without "
+                   "trainable parameters"}
+
+
+def umup_parameter_groups(groups: list[dict], lr: float) -> list[dict]:
+    """The optimiser's groups under u-μP: unit_scaling.optim's, one per parameter, lr * its type-and-depth scale, its
+    weight decay made independent of the learning rate (as unit_scaling.optim.AdamW makes them). The Adam rule
+    serves SGD too: the library's SGD rule for an unconstrained readout (ours) is the Adam rule."""
+    return scaled_parameters(groups, lr_scale_func_adam, lr=lr, independent_weight_decay=True)
+
+
