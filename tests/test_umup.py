@@ -140,7 +140,8 @@ def test_scales_at_initialisation_do_not_depend_on_width():
         idx = torch.randint(65, (16, 64))
         logits = model(idx)
         U.cross_entropy(logits.view(-1, 65), idx.view(-1)).backward()
-        scales[width] = {"stream": float(stream["out"].std()), "logits x sqrt(width)": float(logits.detach().std()) * width**0.5,
+        scales[width] = {"stream": float(stream["out"].std()),
+                         "logits x sqrt(width)": float(logits.detach().std()) * width**0.5,
                          **{name: float(model.get_parameter(name).grad.std())
                             for name in ("h.0.attn.c_attn.weight", "h.1.mlp.c_fc.weight", "h.1.mlp.c_proj.weight")}}
     for key, narrow in scales[64].items():
@@ -173,7 +174,7 @@ def test_a_umup_charlm_cell_trains_and_records_its_parametrisation(make_cfg, tex
     """FP8 is the plain cast (no per-tensor scale) of every GEMM input, emulated; its defaults put u-μP's optimiser
     in place of nanoGPT's."""
     cfg = _charlm(make_cfg, text_file, *overrides)
-    assert (cfg.model.optimizer.lr, cfg.model.optimizer.weight_decay, cfg.model.optimizer.grad_clip) == (1.0, 0.0, None)
+    assert (cfg.model.optimizer.lr, cfg.model.optimizer.weight_decay, cfg.model.optimizer.grad_clip) == (2.0, 0.0, None)
     record = run_cell(cfg)
     assert record["status"] == "ok", record["reason"]
     assert record["metrics"]["val_loss"] < math.log(record["metrics"]["vocabulary"])
@@ -231,7 +232,8 @@ def test_lr_transfer_finds_each_widths_best_learning_rate_and_the_claims_beside_
         ("u-μP", "(4L×256", "1", "1.850 (n=1)", "1.930 (n=1) (lr 0.5)", "1.880 (n=1) (lr 2)", "+0")]
     claims = {cells[4]: cells[6:8] for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in
               (folder / "vs_published.md").read_text().splitlines() if "best_lr_shift" in line)}
-    assert claims["umup"][0] == "0 (stays put as width grows)" and claims["umup"][1].startswith("+0 (lr 1 at charlm (4L×64")
+    assert claims["umup"][0] == "0 (stays put as width grows)"
+    assert claims["umup"][1].startswith("+0 (lr 1 at charlm (4L×64")
     assert claims["none"][0] == "≠ 0 (SP's optimum moves)" and claims["none"][1].startswith("-1 (lr 0.004 at")
     assert sorted(p.name for p in folder.glob("*.png")) == ["charlm_lr_transfer.png"]
 
@@ -245,7 +247,8 @@ def test_labelled_rows_pair_each_fp8_cell_with_its_own_parametrisations_fp32(tmp
     root = tmp_path / "runs"
     bf16 = {"elsewhere": "bf16"}
     for seed in range(3):
-        for scaling, lr, fp32, fp8 in (("umup", 1.0, 1.80, 1.81 + 0.01 * seed), ("none", 4e-3, 1.90, 2.00 + 0.02 * seed)):
+        for scaling, lr, fp32, fp8 in (("umup", 1.0, 1.80, 1.81 + 0.01 * seed),
+                                       ("none", 4e-3, 1.90, 2.00 + 0.02 * seed)):
             write_json_atomic(root / f"{scaling}-fp32-{seed}" / "result.json",
                               _charlm_record(128, scaling, lr, fp32, "umup_fp8", seed=seed))
             write_json_atomic(root / f"{scaling}-fp8-{seed}" / "result.json",
@@ -258,3 +261,25 @@ def test_labelled_rows_pair_each_fp8_cell_with_its_own_parametrisations_fp32(tmp
     assert rows["SP, FP8 (plain cast)"][5].startswith("+0.120 [") and rows["SP, FP8 (plain cast)"][5].endswith("*")
     assert rows["u-μP, FP32"][5] == "baseline"
     assert "SP, FP8 per-tensor" not in rows  # declared, not recorded: no row
+
+
+def test_a_umup_cell_interrupted_after_its_checkpoint_resumes_bit_for_bit(make_cfg, text_file,  # noqa: F811
+                                                                          monkeypatch):
+    """u-μP's one-group-per-parameter optimiser and its tagged parameters survive a checkpoint: interrupted after step
+    20 and resumed, the cell ends with the weights and optimiser state of the same cell run straight through."""
+    from pathlib import Path
+
+    from tests.conftest import interrupted_at_checkpoint_then_resumed
+
+    keep = ["train.checkpoint_every=20", "train.keep_checkpoint=true"]
+    straight = _charlm(make_cfg, text_file, *keep)
+    assert run_cell(straight)["status"] == "ok"
+    interrupted = _charlm(make_cfg, text_file, *keep, "experiment_name=interrupted")
+    record = interrupted_at_checkpoint_then_resumed(interrupted, monkeypatch, 20)
+    assert record["status"] == "ok" and record["resumed_from"]["step"] == 20
+    reference, resumed = (torch.load(Path(c.results_dir) / c.cell / "checkpoint.pt", weights_only=False)
+                          for c in (straight, interrupted))
+    assert reference["model"].keys() == resumed["model"].keys()
+    assert all(torch.equal(reference["model"][k], resumed["model"][k]) for k in reference["model"])
+    assert [g["lr"] for g in reference["optimizer"]["param_groups"]] == \
+        [g["lr"] for g in resumed["optimizer"]["param_groups"]]

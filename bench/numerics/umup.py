@@ -42,7 +42,8 @@ from bench.numerics.unit import UnitAdd
 
 @dataclass(frozen=True)
 class UmupHyper:
-    """u-μP's hyper-parameters (the paper's Table 3), each a multiplier that is 1 at the paper's defaults."""
+    """u-μP's hyper-parameters (the paper's α_res, α_res-attn-ratio, α_attn-softmax, α_ffn-act, α_loss-softmax),
+    each a multiplier that is 1 at the paper's defaults."""
 
     residual_mult: float = 1.0  # the residual branches' total contribution relative to the embedding's
     residual_attn_ratio: float = 1.0  # attention branches' contribution relative to the MLP branches'

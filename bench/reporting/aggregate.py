@@ -230,7 +230,8 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "backend": precision.get("backend"), "device": device, "status": r["status"],
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
             "metric": metric, "higher_is_better": spec["higher_is_better"], "value": _number(metrics.get(metric)),
-            "lr": _number((cfg["model"].get("optimizer") or {}).get("lr")),  # of a learning-rate sweep (bench.reporting.tables.lr_transfer_table)
+            # of a learning-rate sweep (bench.reporting.tables.lr_transfer_table)
+            "lr": _number((cfg["model"].get("optimizer") or {}).get("lr")),
             "exact_match": _number(metrics.get("exact_match")), "f1": _number(metrics.get("f1")),
             "steps": _number(r["timing"].get("steps")),
             # the training loop without the steps that compiled (timing.compile), which are counted apart: a

@@ -171,8 +171,9 @@ def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str, b
 
 
 def lr_transfer(cells: pd.DataFrame, directory: Path) -> list[Path]:
-    """u-μP's Figure 1 in its style: the metric against the learning rate (log 2), one curve per model as configured
-    (a width), one panel per parametrisation; each curve's best learning rate starred. Diverged cells are missing."""
+    """The u-μP paper's learning-rate transfer plot, in its style: the metric against the learning rate (log 2), one
+    curve per model as configured (a width), one panel per parametrisation; each curve's best learning rate starred.
+    Diverged cells are missing."""
     best = best_learning_rates(cells)
     scalings = list(dict.fromkeys(str(s) for s in best["scaling"]))
     fig, axes = plt.subplots(1, len(scalings), figsize=(5 * len(scalings), 4), squeeze=False)

@@ -458,9 +458,9 @@ def lr_shift(best: pd.DataFrame, scaling: str) -> float | None:
 
 
 def lr_transfer_table(cells: pd.DataFrame) -> pd.DataFrame:
-    """A learning-rate sweep per width and parametrisation (u-μP's Figure 1 as a table): per row the best learning
-    rate, the metric there and at the learning rates either side (lr/2 and 2 lr in a sweep by factors of 2), and
-    where the best sits relative to the narrowest model's, in factors of 2."""
+    """A learning-rate sweep per width and parametrisation (the u-μP paper's transfer plot as a table): per row the
+    best learning rate, the metric there and at the learning rates either side (lr/2 and 2 lr in a sweep by factors
+    of 2), and where the best sits relative to the narrowest model's, in factors of 2."""
     best = best_learning_rates(cells)
     rows = []
     for _, r in best.iterrows():
@@ -534,7 +534,7 @@ CAPTIONS = {
     "block_formats": "The primary metric per model by bits per element (scales included): FP8 tensorwise, rowwise "
                      "and block scaling, MX and NVFP4, with and without stochastic rounding of the gradients",
     "lr_transfer": "The best learning rate per width and parametrisation, with the metric at it and at the learning "
-                   "rates either side (u-μP's learning-rate transfer, its Figure 1, as a table)",
+                   "rates either side (the u-μP paper's learning-rate transfer, as a table)",
     "labelled_rows": "The cells the preset names, and each one's paired difference to the 32-true cell of the same "
                      "scaling method and learning rate",
     "unit_scaling_charlm": "Validation bits per character in the Unit Scaling paper's char-LM layout, beside the "
