@@ -376,15 +376,15 @@ def test_block_format_cells_train_and_say_what_they_did(make_cfg, tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["format=mxfp8", "scaling=per_tensor"], "valid for mxfp8: none, static, dynamic, unit$"),
+    (["format=mxfp8", "scaling=per_tensor"], "valid for mxfp8: none, static, dynamic, unit, umup$"),
     (["format=fp8", "format.scale_mode=ceil"], "applies to the block formats only"),
     (["format=bf16", "format.rounding=stochastic"], "applies to fp8, mxfp8, mxfp6, mxfp4, nvfp4, not to format=bf16; valid there: nearest"),
     (["format=fp8", "format.gradients=fp8_e4m3"], "does not go with format=fp8; valid: null .*fp8_e4m3, fp8_e5m2 for mxfp8"),
     (["format=mxfp8", "format.gradients=fp6_e3m2"], "fp6_e2m3, fp6_e3m2 for mxfp6"),
     (["format=mxfp4", "format.scale_mode=round"], "valid: floor, ceil, even, rceil"),
     (["format=mxfp6", "format.rounding=up"], "valid: nearest, stochastic"),
-    (["format=fp16", "scaling=rowwise"], "FP8 recipes.*valid for fp16: none, static, dynamic, per_tensor, unit$"),
-    (["format=mxfp8", "scaling=block"], "valid for mxfp8: none, static, dynamic, unit$"),
+    (["format=fp16", "scaling=rowwise"], "FP8 recipes.*valid for fp16: none, static, dynamic, per_tensor, unit, umup$"),
+    (["format=mxfp8", "scaling=block"], "valid for mxfp8: none, static, dynamic, unit, umup$"),
     (["format=fp8", "scaling=block", "format.overflow=ieee"], "valid there: null or saturate"),
 ])
 def test_block_format_combinations_that_do_not_exist_are_refused_before_training(make_cfg, overrides, message):

@@ -118,3 +118,22 @@ def test_aggregate_reads_an_archive_as_a_source(two_runs, tmp_path):
                            "--no-plots"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert made.returncode == 0, made.stderr
     assert (tmp_path / "t" / "default" / "precision.md").exists()
+
+
+def test_the_index_says_when_records_ran_on_uncommitted_code(two_runs, tmp_path):
+    """env.git_changes: a record made from a working tree with changes is indexed as its commit plus changes, not as
+    the commit alone (whose code it did not run)."""
+    runs = tmp_path / "runs"
+    shutil.copytree(two_runs, runs)
+    for path in runs.rglob("result.json"):
+        record = json.loads(path.read_text())
+        record["env"]["git_changes"] = True
+        path.write_text(json.dumps(record))
+    out = tmp_path / "tables"
+    made = subprocess.run([sys.executable, "-m", "bench.aggregate", str(runs), "--out", str(out), "--keep-records",
+                           "--no-plots"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert made.returncode == 0, made.stderr
+    assert committed.main(["--root", str(out), "--index-only"]) == 0
+    row = next(line for line in (out / committed.INDEX).read_text().splitlines() if line.startswith("| [default]"))
+    assert f"({record['env']['git_commit'][:7]} + uncommitted changes)" in row
+    assert isinstance(json.loads(next(two_runs.rglob("result.json")).read_text())["env"]["git_changes"], bool)

@@ -239,8 +239,9 @@ def test_lr_transfer_finds_each_widths_best_learning_rate_and_the_claims_beside_
 
 
 def test_labelled_rows_pair_each_fp8_cell_with_its_own_parametrisations_fp32(tmp_path):
-    """umup_fp8's table: u-μP FP8 against u-μP FP32 and SP FP8 against SP FP32, each at its own learning rate, by
-    seed (three seeds, differences 0.01, 0.02, 0.03 and 0.10, 0.12, 0.14)."""
+    """umup_fp8's table: u-μP FP8 against u-μP FP32, SP FP8 (plain cast and per-tensor, which has no FP32 cell of its
+    own) against SP FP32, each at its own learning rate, by seed (differences 0.01, 0.02, 0.03; 0.10, 0.12, 0.14;
+    0.00, 0.01, 0.02)."""
     from bench.aggregate import main
     from bench.running.record import write_json_atomic
 
@@ -253,6 +254,9 @@ def test_labelled_rows_pair_each_fp8_cell_with_its_own_parametrisations_fp32(tmp
                               _charlm_record(128, scaling, lr, fp32, "umup_fp8", seed=seed))
             write_json_atomic(root / f"{scaling}-fp8-{seed}" / "result.json",
                               _charlm_record(128, scaling, lr, fp8, "umup_fp8", "fp8-mixed", seed, "fp8", bf16))
+        write_json_atomic(root / f"per_tensor-fp8-{seed}" / "result.json",  # paired with SP's FP32 (none)
+                          _charlm_record(128, "per_tensor", 4e-3, 1.90 + 0.01 * seed, "umup_fp8", "fp8-mixed", seed,
+                                         "fp8", bf16))
     assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
     table = (tmp_path / "tables" / "umup_fp8" / "labelled_rows.md").read_text()
     rows = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()
@@ -260,7 +264,7 @@ def test_labelled_rows_pair_each_fp8_cell_with_its_own_parametrisations_fp32(tmp
     assert rows["u-μP, FP8 (plain cast)"][5].startswith("+0.020 [")  # mean of 0.01, 0.02, 0.03
     assert rows["SP, FP8 (plain cast)"][5].startswith("+0.120 [") and rows["SP, FP8 (plain cast)"][5].endswith("*")
     assert rows["u-μP, FP32"][5] == "baseline"
-    assert "SP, FP8 per-tensor" not in rows  # declared, not recorded: no row
+    assert rows["SP, FP8 per-tensor"][5].startswith("+0.010 [")  # 0.00, 0.01, 0.02 against SP's FP32
 
 
 def test_a_umup_cell_interrupted_after_its_checkpoint_resumes_bit_for_bit(make_cfg, text_file,  # noqa: F811

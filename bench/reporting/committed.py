@@ -100,7 +100,8 @@ def describe(folder: Path, root: Path) -> dict:
     experiments = sorted({r["config"]["experiment_name"] for r in records})
     dates, wall = _span(records)
     ok = sum(r["status"] == "ok" for r in records)
-    versions = {f"{r['env'].get('version')} ({str(r['env'].get('git_commit'))[:7]})" for r in records}
+    versions = {f"{r['env'].get('version')} ({str(r['env'].get('git_commit'))[:7]}"
+                f"{' + uncommitted changes' if r['env'].get('git_changes') else ''})" for r in records}
     return {"folder": f"[{name}]({name}/)", "experiment": ", ".join(experiments), "runs": f"{len(records)} ({ok} ok)",
             "device": _joined(map(_device, records)), "torch": _joined(r["env"].get("torch_version") for r in records),
             "precision-bench": _joined(versions), "date": dates, "wall time": wall,

@@ -477,15 +477,28 @@ def lr_transfer_table(cells: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def labelled_rows_table(cells: pd.DataFrame, labelled: list[BlockRow]) -> pd.DataFrame:
-    """The cells a preset labels, in its order: the metric (mean ± std over seeds) and its paired difference to the
-    32-true cell of the same configuration but the format (same scaling and learning rate), 95% t interval."""
+def labelled_rows_table(runs: pd.DataFrame, cells: pd.DataFrame, labelled: list[BlockRow]) -> pd.DataFrame:
+    """The cells a preset labels, in its order: the metric (mean ± std over seeds) and its paired difference, seed by
+    seed with a 95% t interval, to the 32-true cell of the same design (everything but format and scaling: the same
+    learning rate) and the same scaling method, or scaling `none` where FP32 has no cell of that method (per-tensor
+    scaling does nothing in FP32: SP's FP32 is its baseline)."""
+    ok = runs[(runs["status"] == "ok") & runs["value"].notna()]
     rows = []
-    for (label, _), part in cells.groupby(["model_label", "design_id"], sort=False):
+    for (label, design), part in cells.groupby(["model_label", "design_id"], sort=False):
+        here = ok[ok["design_id"] == design]
         for row in labelled:
             for _, c in part[row.selects(part)].iterrows():
+                fp32 = here[here["setting"].astype(str) == "32-true"]
+                same = fp32[fp32["scaling"].astype(str) == str(c["scaling"])]
+                reference = (same if not same.empty else fp32[fp32["scaling"].astype(str) == "none"])
+                reference = reference.drop_duplicates("seed").set_index("seed")["value"]
+                mine = here[row.selects(here)]
+                differences = [scaled(c["metric"], v - reference[s]) for v, s in zip(mine["value"], mine["seed"])
+                               if s in reference.index]
                 rows.append({"model": label, "cell": row.label, "setting": _setting_label(c), "lr": f"{c['lr']:.3g}",
-                             "mean ± std": _metric_text(c), "Δ vs 32-true, same scaling and lr": fmt_difference(c)})
+                             "mean ± std": _metric_text(c),
+                             "Δ vs its 32-true": _paired_text(differences, str(c["setting"]) == "32-true",
+                                                              DIGITS.get(c["metric"], 2))})
     return pd.DataFrame(rows)
 
 
@@ -535,8 +548,8 @@ CAPTIONS = {
                      "and block scaling, MX and NVFP4, with and without stochastic rounding of the gradients",
     "lr_transfer": "The best learning rate per width and parametrisation, with the metric at it and at the learning "
                    "rates either side (the u-μP paper's learning-rate transfer, as a table)",
-    "labelled_rows": "The cells the preset names, and each one's paired difference to the 32-true cell of the same "
-                     "scaling method and learning rate",
+    "labelled_rows": "The cells the preset names, and each one's paired difference to the 32-true cell of its own "
+                     "learning rate and scaling method (SP's FP32 for per-tensor scaling)",
     "unit_scaling_charlm": "Validation bits per character in the Unit Scaling paper's char-LM layout, beside the "
                            "paper's WikiText-103 figures (a different dataset and model size: compare the pattern of "
                            "differences to FP32 regular, not the values)",
@@ -560,7 +573,7 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
     if declared and declared[0] == "lr_transfer":
         built["lr_transfer"] = lr_transfer_table(cells)
     if declared and declared[0] == "labelled_rows":
-        built["labelled_rows"] = labelled_rows_table(cells, declared[1])
+        built["labelled_rows"] = labelled_rows_table(runs, cells, declared[1])
     notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
     timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \
         + ([NOTES["disturbed"]] if cells["disturbed"].any() else []) \

@@ -315,6 +315,7 @@ def describe(device: torch.device) -> dict:
         "slurm_job": slurm_job(),
         "version": __version__,  # precision-bench's (CHANGELOG.md), beside the commit it ran
         "git_commit": _git_commit(),
+        "git_changes": _git_changes(),  # the code ran with uncommitted changes to git_commit (None: not a checkout)
         "visible_gpus": visible_gpus(),  # CUDA_VISIBLE_DEVICES's GPUs (or all CUDA sees)
         "gpu_index": device.index if device.type == "cuda" else None,  # the one among them this cell used
         "cpu_16bit_units": hardware.cpu_16bit_units(),  # what decides whether bf16/fp16 run natively on a CPU
@@ -342,6 +343,22 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+CODE = ("bench", "conf", "hydra_plugins")  # what a run computes with: a change here is not git_commit's code
+
+
+@functools.cache
+def _git_changes() -> bool | None:
+    """Whether the code differs from git_commit (modified or untracked files under CODE): such a record's commit is
+    where its code came from, not what it ran."""
+    root = Path(__file__).parents[2]
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--", *CODE], capture_output=True, text=True, timeout=5,
+                             cwd=root)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
 
 
 @functools.cache
