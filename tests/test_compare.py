@@ -81,3 +81,14 @@ def test_a_cpu_without_the_committed_runs_bf16_units_is_named_as_the_reason(tmp_
         out = capsys.readouterr().out
         assert ("Your CPU's bf16/fp16 units: none; the committed run's: amx_bf16, avx512_bf16. Rows in bf16 or fp16 "
                 "that differ did so because of the device" in out) == said, out
+
+
+def test_the_committed_default_records_compare_within_their_own_tables(capsys):
+    """MINE may be a committed folder's records.jsonl.gz: the default folder's own records, compared with its own
+    tables, put every cell of three seeds within its interval (the records and the tables agree)."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "results" / "tables" / "default"
+    assert compare([str(folder / "records.jsonl.gz"), "--against", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "25 cells paired: 25 within" in out

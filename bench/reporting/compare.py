@@ -1,6 +1,7 @@
 """Your results beside the committed ones, cell by cell: `python -m bench.compare MINE [--against FOLDER]`.
 
-MINE is a results directory (records, as `make sweep` writes them) or wandb://entity/project[/group]. FOLDER is a
+MINE is a results directory (records, as `make sweep` writes them), a records.jsonl.gz (a committed folder's
+records, bench/reporting/archive.py) or wandb://entity/project[/group]. FOLDER is a
 committed table folder (default results/tables/default); its `cells.csv` holds each cell's mean over seeds and the
 95% t interval of that mean, and its `vs_published.csv` the published figure where one exists. Cells pair by
 experiment, model as configured, setting, scaling method, variant and number of training steps (a committed
@@ -97,12 +98,16 @@ def _units(records: list[dict]) -> str | None:
 
 def main(argv: list[str] | None = None, api=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.splitlines()[0])
-    parser.add_argument("mine", help="your results directory (records) or wandb://entity/project[/group]")
+    parser.add_argument("mine", help=f"your results directory (records), a {archive.ARCHIVE}, or "
+                                     "wandb://entity/project[/group]")
     parser.add_argument("--against", type=Path, default=DEFAULT_AGAINST, help="a committed table folder")
     args = parser.parse_args(argv)
     try:
-        if not str(args.mine).startswith("wandb://") and not Path(args.mine).is_dir():
-            raise ConfigError(f"{args.mine}: not a results directory or wandb://entity/project[/group]")
+        mine = Path(args.mine)
+        if not (str(args.mine).startswith("wandb://") or mine.is_dir()
+                or (mine.name == archive.ARCHIVE and mine.is_file())):
+            raise ConfigError(f"{args.mine}: not a results directory, a {archive.ARCHIVE} or "
+                              "wandb://entity/project[/group]")
         committed = committed_cells(args.against)
         records, _ = aggregate.load_sources([args.mine], api)
     except ConfigError as e:
