@@ -287,3 +287,11 @@ def test_a_umup_cell_interrupted_after_its_checkpoint_resumes_bit_for_bit(make_c
     assert all(torch.equal(reference["model"][k], resumed["model"][k]) for k in reference["model"])
     assert [g["lr"] for g in reference["optimizer"]["param_groups"]] == \
         [g["lr"] for g in resumed["optimizer"]["param_groups"]]
+
+
+@pytest.mark.parametrize("value", ["0", "-1.0", "null"])
+def test_a_multiplier_that_is_not_a_positive_number_is_refused_before_training(make_cfg, value):
+    from bench.running.config import check
+
+    with pytest.raises(ConfigError, match=r"scaling.attn_softmax_mult=.* must be a number > 0 under scaling=umup"):
+        check(make_cfg("model=charlm", "scaling=umup", f"scaling.attn_softmax_mult={value}"))

@@ -22,6 +22,7 @@ from bench.data import DATA_DIR
 from bench.errors import ConfigError, check_choice, suggestion  # bench.running.config.ConfigError: the same class
 from bench.numerics.precision import PrecisionConfig
 from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING
+from bench.numerics.umup import UmupHyper
 from bench.numerics.unit import LR_RULES
 from bench.running.device import DEVICES, parallel_jobs
 from bench.running.identity import cell_path
@@ -301,6 +302,11 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"train.max_steps={cfg.train.max_steps} must be >= 1 (or null for no cap)")
     if not cfg.scaling.conversion_tolerance > 0:
         raise ConfigError(f"scaling.conversion_tolerance={cfg.scaling.conversion_tolerance} must be > 0")
+    if cfg.scaling.name == "umup":
+        for key in (f.name for f in dataclasses.fields(UmupHyper)):
+            if not (isinstance(cfg.scaling[key], (int, float)) and 0 < cfg.scaling[key] < math.inf):
+                raise ConfigError(f"scaling.{key}={cfg.scaling[key]} must be a number > 0 under scaling=umup "
+                                  "(the paper's default: 1.0)")
     if cfg.scaling.loss_scaling != "none" and cfg.scaling.init_scale <= 0:
         raise ConfigError(f"scaling.init_scale={cfg.scaling.init_scale} must be > 0")
 

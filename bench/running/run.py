@@ -13,8 +13,7 @@ import shutil
 import sys
 import time
 import traceback
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import hydra
@@ -98,7 +97,7 @@ def build_scaler(cfg: DictConfig) -> LossScaler:
 
 def umup_hyper(scaling: DictConfig) -> UmupHyper:
     """scaling=umup's multipliers (conf/scaling/umup.yaml sets the paper's defaults)."""
-    return UmupHyper(**{f.name: scaling[f.name] for f in dataclasses.fields(UmupHyper)})
+    return UmupHyper(**{f.name: scaling[f.name] for f in fields(UmupHyper)})
 
 
 def seed_everything(seed: int) -> None:
