@@ -454,3 +454,14 @@ def test_a_compiled_cells_time_and_speed_up_leave_out_its_compiling_steps(tmp_pa
     assert "| 8.0 (n=1), compiled (+12.0 s compiling) |" in row and "| 1.25× " in row
     assert "| 10.0 (n=1) " in _row(precision, "| 32-true")  # eager: its time as it was
     assert "leave out the steps during which it compiled" in precision
+
+
+def test_a_key_one_run_leaves_unset_is_named_null_in_its_variant():
+    """A null key is left out of a run's identity; beside runs that set it, its variant says `=null`, not `=nan`."""
+    with_clip, without = record(seed=0, metrics={"test_accuracy": 0.9}), record(seed=1, metrics={"test_accuracy": 0.9})
+    for rec, clip in ((with_clip, 1.0), (without, None)):
+        rec["config"]["model"]["optimizer"] = {"lr": 0.01, "grad_clip": clip}
+    extra = record(seed=2, metrics={"test_accuracy": 0.9})
+    extra["config"]["model"]["optimizer"] = {"lr": 0.01, "grad_clip": 1.0}
+    frame = to_frame([with_clip, without, extra])
+    assert sorted(frame["variant"]) == ["", "", "model.optimizer.grad_clip=null"]

@@ -98,6 +98,10 @@ def _describer(path: str):
         return generic_describe
 
 
+def _unset(value) -> bool:
+    return not isinstance(value, (list, dict, str)) and pd.isna(value)
+
+
 def variants(frame: pd.DataFrame) -> pd.Series:
     """For each run, the settings in which it differs from its experiment's usual runs, as `key=value, ...`.
 
@@ -121,7 +125,9 @@ def variants(frame: pd.DataFrame) -> pd.Series:
                     continue
                 usual = counts.index[0] if counts.iloc[0] > counts.iloc[1] else None
                 for index in values.index[values != usual]:
-                    item = f"{column}={per_run.at[index, column]}"
+                    value = per_run.at[index, column]
+                    # a key a run leaves unset (null, so out of its identity: e.g. grad_clip under scaling=umup)
+                    item = f"{column}={'null' if _unset(value) else value}"
                     labels[index] = f"{labels[index]}, {item}" if labels[index] else item
     return labels
 
