@@ -153,8 +153,8 @@ def test_the_hyper_parameters_reach_their_ops():
     hyper = UmupHyper(residual_mult=2.0, residual_attn_ratio=0.5, attn_softmax_mult=3.0, ffn_act_mult=4.0)
     model = umup_scale(CharGPT(30, 16, 2, 2, 32), hyper)
     rule = uu.transformer_residual_scaling_rule(2.0, 0.5)
-    assert [model.h[i].attn_residual.tau for i in range(2)] == [rule(0, 4), rule(2, 4)]
-    assert [model.h[i].mlp_residual.tau for i in range(2)] == [rule(1, 4), rule(3, 4)]
+    assert [model.h[i].attn_residual.ratio for i in range(2)] == [rule(0, 4), rule(2, 4)]
+    assert [model.h[i].mlp_residual.ratio for i in range(2)] == [rule(1, 4), rule(3, 4)]
     assert model.h[0].attn.attend.mult == 3.0 and model.h[0].mlp.gelu.mult == 4.0
 
 

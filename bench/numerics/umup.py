@@ -37,7 +37,7 @@ from unit_scaling.scale import scale_bwd, scale_fwd
 from bench.errors import ConfigError
 from bench.numerics.emulation import CastOp
 from bench.numerics.ops import Add, CausalAttention, Residual
-from bench.numerics.unit import UnitAdd
+from bench.numerics.unit import UnitAdd, UnitCausalAttention, UnitResidual
 
 
 @dataclass(frozen=True)
@@ -80,31 +80,14 @@ class UmupReadout(UmupLinear):
         super().__init__(in_features, out_features, bias, device, constraint=None, weight_mup_type="output")
 
 
-class UmupCausalAttention(CausalAttention):
-    """The library's unit-scaled causal attention, logits scaled by attn_softmax_mult / d_head."""
+class UmupResidual(UnitResidual):
+    """The same residual split and add, given the library's tau (transformer_residual_scaling_rule's ratio of the
+    branch's weight to the skip's) as it is rather than as a variance share, so u-μP's residuals are the library's
+    to the bit."""
 
-    def __init__(self, dropout: float, mult: float):
-        super().__init__(dropout)
-        self.mult = mult
-
-    def forward(self, q, k, v):
-        return U.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                              is_causal=True, mult=self.mult)
-
-
-class UmupResidual(Residual):
-    """The library's residual split and add with its tau: the skip and the branch weighted 1 : tau, unit scale kept."""
-
-    def __init__(self, tau: float):
-        super().__init__()
-        self.tau = tau
-
-    def forward(self, x, branch):
-        residual, skip = U.residual_split(x, self.tau)
-        return U.residual_add(branch(residual), skip, self.tau)
-
-    def extra_repr(self) -> str:
-        return f"tau={self.tau:.4f}"
+    def __init__(self, ratio: float):
+        super().__init__(ratio**2 / (1 + ratio**2))
+        self.ratio = ratio
 
 
 COVERED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity, Residual, CausalAttention, Add)
@@ -127,7 +110,7 @@ def _umup_module(module: nn.Module, hyper: UmupHyper, readout: bool) -> nn.Modul
     if kind is nn.Dropout:
         return uu.Dropout(module.p)
     if kind is CausalAttention:
-        return UmupCausalAttention(module.dropout, hyper.attn_softmax_mult)
+        return UnitCausalAttention(module.dropout, hyper.attn_softmax_mult)
     if kind is Add:
         return UnitAdd()
     if kind in (nn.Identity, Residual):

@@ -185,11 +185,11 @@ class UnitResidual(Residual):
     def __init__(self, tau: float):
         super().__init__()
         self.tau = tau
+        self.ratio = math.sqrt(tau / (1 - tau))  # the library's tau: the branch's weight relative to the skip's
 
     def forward(self, x, branch):
-        ratio = math.sqrt(self.tau / (1 - self.tau))
-        residual, skip = U.residual_split(x, ratio)
-        return U.residual_add(branch(residual), skip, ratio)
+        residual, skip = U.residual_split(x, self.ratio)
+        return U.residual_add(branch(residual), skip, self.ratio)
 
     def extra_repr(self) -> str:
         return f"tau={self.tau:.4f}"
@@ -204,13 +204,19 @@ def residual_taus(count: int) -> list[float]:
 
 
 class UnitCausalAttention(CausalAttention):
-    """unit_scaling's causal attention: the same softmax(q k^T / sqrt(d_head)) (mult = sqrt(d_head)), its output
-    and the q, k, v gradients divided by the library's model of their std at initialisation (averaging over
-    a causal window shrinks it to about sqrt(log(length) / length))."""
+    """unit_scaling's causal attention: softmax(q k^T * mult / d_head), by default the same softmax(q k^T /
+    sqrt(d_head)) (mult = sqrt(d_head); u-μP passes its own), its output and the q, k, v gradients divided by the
+    library's model of their std at initialisation (averaging over a causal window shrinks it to about
+    sqrt(log(length) / length))."""
+
+    def __init__(self, dropout: float = 0.0, mult: float | None = None):
+        super().__init__(dropout)
+        self.mult = mult
 
     def forward(self, q, k, v):
+        mult = q.shape[-1] ** 0.5 if self.mult is None else self.mult
         return U.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                              is_causal=True, mult=q.shape[-1] ** 0.5)
+                                              is_causal=True, mult=mult)
 
 
 class UnitAdd(Add):

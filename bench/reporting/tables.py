@@ -394,24 +394,33 @@ def _row(setting) -> BlockRow:
                     float(setting.get("bits") or "nan"), format_options(fmt))
 
 
+def _differences_to_fp32(here: pd.DataFrame, mine: pd.DataFrame, scaling: str, metric: str) -> list[float]:
+    """Seed by seed, `mine`'s metric minus the 32-true run's of the same design (`here`: that design's finished runs)
+    and scaling method, or scaling `none` where FP32 has no run of that method (per-tensor, rowwise or block scaling
+    do nothing in FP32)."""
+    fp32 = here[here["setting"].astype(str) == "32-true"]
+    same = fp32[fp32["scaling"].astype(str) == scaling]
+    reference = (same if not same.empty else fp32[fp32["scaling"].astype(str) == "none"])
+    reference = reference.drop_duplicates("seed").set_index("seed")["value"]
+    return [scaled(metric, v - reference[s]) for v, s in zip(mine["value"], mine["seed"]) if s in reference.index]
+
+
 def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame, block_rows: list[BlockRow]) -> pd.DataFrame:
     """Per model, one row per declared row present (the preset's order, by bits per element): the primary
-    metric (mean ± std over seeds), its paired difference to FP32 of the same design and seed (95% t interval),
+    metric (mean ± std over seeds), its paired difference to FP32 of the same design, scaling and seed
+    (_differences_to_fp32; 95% t interval),
     and what the block scales did to the gradients (relative MSE, blocks clipped)."""
     ok = runs[(runs["status"] == "ok") & runs["value"].notna()]
     rows = []
     for (label, design), part in cells.groupby(["model_label", "design_id"], sort=False):
         here = ok[ok["design_id"] == design]
-        reference = here[is_cell(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
         for block_row in block_rows:
             match = part[block_row.selects(part)]
             if match.empty:
                 continue
             c = match.iloc[0]
             metric = c["metric"]
-            runs_here = here[block_row.selects(here)]
-            differences = [scaled(metric, v - reference[s]) for v, s in zip(runs_here["value"], runs_here["seed"])
-                           if s in reference.index]
+            differences = _differences_to_fp32(here, here[block_row.selects(here)], block_row.scaling, metric)
             rows.append({"model": label,
                          "format": block_row.label + (f" {EMULATED}" if c["backend"] == "emulated" else ""),
                          "bits / element": f"{block_row.bits:g}", "metric": metric, "mean ± std": _metric_text(c),
@@ -480,21 +489,14 @@ def lr_transfer_table(cells: pd.DataFrame) -> pd.DataFrame:
 def labelled_rows_table(runs: pd.DataFrame, cells: pd.DataFrame, labelled: list[BlockRow]) -> pd.DataFrame:
     """The cells a preset labels, in its order: the metric (mean ± std over seeds) and its paired difference, seed by
     seed with a 95% t interval, to the 32-true cell of the same design (everything but format and scaling: the same
-    learning rate) and the same scaling method, or scaling `none` where FP32 has no cell of that method (per-tensor
-    scaling does nothing in FP32: SP's FP32 is its baseline)."""
+    learning rate) and scaling method (_differences_to_fp32: SP's FP32 for per-tensor scaling)."""
     ok = runs[(runs["status"] == "ok") & runs["value"].notna()]
     rows = []
     for (label, design), part in cells.groupby(["model_label", "design_id"], sort=False):
         here = ok[ok["design_id"] == design]
         for row in labelled:
             for _, c in part[row.selects(part)].iterrows():
-                fp32 = here[here["setting"].astype(str) == "32-true"]
-                same = fp32[fp32["scaling"].astype(str) == str(c["scaling"])]
-                reference = (same if not same.empty else fp32[fp32["scaling"].astype(str) == "none"])
-                reference = reference.drop_duplicates("seed").set_index("seed")["value"]
-                mine = here[row.selects(here)]
-                differences = [scaled(c["metric"], v - reference[s]) for v, s in zip(mine["value"], mine["seed"])
-                               if s in reference.index]
+                differences = _differences_to_fp32(here, here[row.selects(here)], row.scaling, c["metric"])
                 rows.append({"model": label, "cell": row.label, "setting": _setting_label(c), "lr": f"{c['lr']:.3g}",
                              "mean ± std": _metric_text(c),
                              "Δ vs its 32-true": _paired_text(differences, str(c["setting"]) == "32-true",
