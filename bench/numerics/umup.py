@@ -31,12 +31,12 @@ from torch import nn
 from unit_scaling.constraints import apply_constraint
 from unit_scaling.core.functional import transformer_residual_scaling_rule
 from unit_scaling.optim import lr_scale_func_adam, scaled_parameters
-from unit_scaling.parameter import has_parameter_data
 from unit_scaling.scale import scale_bwd, scale_fwd
 
 from bench.errors import ConfigError
 from bench.numerics.emulation import CastOp
 from bench.numerics.ops import Add, CausalAttention, Residual
+from bench.numerics.scaling import SCALING_METHODS
 from bench.numerics.unit import UnitAdd, UnitCausalAttention, UnitResidual
 
 
@@ -119,8 +119,8 @@ def _umup_module(module: nn.Module, hyper: UmupHyper, readout: bool) -> nn.Modul
         return None  # a container of other modules
     raise ConfigError(f"scaling=umup has no rule for {kind.__name__}: u-μP here covers "
                       f"{', '.join(c.__name__ for c in COVERED)} and modules made of them (a model built from "
-                      "bench/numerics/ops.py's ops, such as charlm); valid scalings for this model: none, static, "
-                      "dynamic, per_tensor, unit")
+                      "bench/numerics/ops.py's ops, such as charlm); valid scalings for this model: "
+                      f"{', '.join(s for s in SCALING_METHODS if s != 'umup')}")
 
 
 def _convert(parent: nn.Module, hyper: UmupHyper, after_stack: bool) -> bool:
@@ -150,9 +150,6 @@ def umup_scale(model: nn.Module, hyper: UmupHyper = UmupHyper()) -> nn.Module:
     rule = transformer_residual_scaling_rule(hyper.residual_mult, hyper.residual_attn_ratio)
     for index, (parent, name) in enumerate(residuals):
         setattr(parent, name, UmupResidual(rule(index, len(residuals))))
-    untagged = [name for name, p in model.named_parameters() if not has_parameter_data(p)]
-    if untagged:  # a module converted above without the library's u-μP parameter tags
-        raise ConfigError(f"scaling=umup: parameters {', '.join(untagged)} have no u-μP type")
     return model
 
 
