@@ -6,6 +6,8 @@ TORCH   ?= 2.13.0
 RESULTS ?= results/runs
 # Tables go to an ignored directory: `make sweep` never rewrites committed files (`make default-tables` does).
 TABLES  ?= results/local/tables
+# Where `make committed-tables` commits a folder: results/tables/<experiment>, or a device's subfolder (results/tables/h100).
+COMMITTED ?= results/tables
 SEEDS   ?= 0,1,2
 FORMATS ?= fp32,tf32,fp16,bf16,fp8
 SCALINGS ?= none,static,dynamic,per_tensor,unit
@@ -25,6 +27,7 @@ help: ## list the targets
 	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet, nanogpt_shakespeare_char_cpu,"
 	@echo "             unit_scaling_charlm, unit_scaling_charlm_lr, umup_lr_transfer, umup_fp8, block_formats)  ARGS (more overrides for the sweep, e.g. ARGS='model.data.source=local"
 	@echo "             model.data.path=/path/to/input.txt')"
+	@echo "             COMMITTED=$(COMMITTED) (make committed-tables: results/tables/h100 for an H100's folder)"
 	@echo "             LAUNCHER=$(LAUNCHER)  ONLY (make bench: some sections, e.g. ONLY=native,host_syncs)"
 	@echo "             ENTITY, PROJECT (make dashboard: the W&B entity and project; WANDB_API_KEY to create)"
 
@@ -87,10 +90,10 @@ endif
 compare: setup ## your cells under RESULTS beside a committed folder (AGAINST, default results/tables/default): within or outside its intervals
 	$(PY) -m bench.compare $(RESULTS) --against $(or $(AGAINST),results/tables/default)
 
-committed-tables: setup ## sweep EXPERIMENT (or the default sweep) afresh and commit its tables with their records (results/tables/<experiment>/)
+committed-tables: setup ## sweep EXPERIMENT (or the default sweep) afresh and commit its tables with their records (COMMITTED/<experiment>/)
 	rm -rf results/runs/committed/$(or $(EXPERIMENT),default)
 	$(MAKE) --no-print-directory sweep RESULTS=results/runs/committed
-	$(PY) -m bench.aggregate results/runs/committed --experiment $(or $(EXPERIMENT),default) --out results/tables --keep-records
+	$(PY) -m bench.aggregate results/runs/committed --experiment $(or $(EXPERIMENT),default) --out $(COMMITTED) --keep-records
 	$(PY) -m bench.reporting.committed --index-only
 
 default-tables: committed-tables ## the same as committed-tables without EXPERIMENT (the name before 0.2.0)

@@ -152,6 +152,36 @@ def test_ours_beside_published_where_model_task_and_setting_match(tmp_path):
     assert "native / cpu-x" in row
 
 
+
+def charlm_record(val_loss, seed=0, arch=None, optimizer=None, max_steps=None):
+    """A char-LM run on Tiny Shakespeare, by default with nanoGPT README's CPU command (4 layers, 4 heads, width
+    128, block 64, batch 12, 2000 iterations, dropout 0) and config/train_shakespeare_char.py's optimiser."""
+    rec = record(metrics={"val_loss": val_loss}, seed=seed)
+    rec["config"]["model"] = {
+        "name": "charlm", "batch_size": 12, "iterations": 2000,
+        "data": {"source": "local", "sha256": "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"},
+        "arch": {"layers": 4, "heads": 4, "embedding": 128, "block_size": 64, "dropout": 0.0, "bias": False,
+                 "norm": "pre"} | (arch or {}),
+        "optimizer": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 100, "beta2": 0.99, "weight_decay": 0.1,
+                      "grad_clip": 1.0} | (optimizer or {})}
+    rec["config"]["train"] = {"max_steps": max_steps}
+    return rec
+
+
+def test_a_published_run_stands_only_beside_cells_trained_as_it_was(tmp_path):
+    """nanoGPT's 1.88 is one configuration: a wider model, another learning rate, post-norm or a run cut short is
+    not set beside it (they were, one row each, in every char-LM preset's vs_published)."""
+    root = tmp_path / "runs"
+    for i, rec in enumerate([charlm_record(1.90), charlm_record(1.91, seed=1),
+                             charlm_record(1.70, arch={"embedding": 256}), charlm_record(1.71, arch={"norm": "post"}),
+                             charlm_record(1.72, optimizer={"lr": 2e-3, "min_lr": 2e-4}),
+                             charlm_record(1.73, optimizer={"weight_decay": 0.0}), charlm_record(2.5, max_steps=100)]):
+        write_json_atomic(root / f"run{i}" / "result.json", rec)
+    main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"])
+    table = (tmp_path / "tables" / "t" / "vs_published.md").read_text()
+    row = _row(table, "nanogpt")
+    assert "1.905 ± 0.007 (n=2)" in row and "+0.025" in row, row
+
 class FakeRun:
     def __init__(self, rec, i):
         self.id, self.summary = f"run{i}", rec

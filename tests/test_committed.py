@@ -137,3 +137,25 @@ def test_the_index_says_when_records_ran_on_uncommitted_code(two_runs, tmp_path)
     row = next(line for line in (out / committed.INDEX).read_text().splitlines() if line.startswith("| [default]"))
     assert f"({record['env']['git_commit'][:7]} + uncommitted changes)" in row
     assert isinstance(json.loads(next(two_runs.rglob("result.json")).read_text())["env"]["git_changes"], bool)
+
+
+def test_a_device_subfolder_is_remade_into_itself_not_over_the_cpu_folder(two_runs, tmp_path):
+    """A folder under a device's subfolder (results/tables/h100/<experiment>) is indexed with the command that
+    remakes it there: `make committed-tables` without COMMITTED would write over results/tables/<experiment>."""
+    out = tmp_path / "tables"
+    made = subprocess.run([sys.executable, "-m", "bench.aggregate", str(two_runs), "--out", str(out / "h100"),
+                           "--keep-records", "--no-plots"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert made.returncode == 0, made.stderr
+    shutil.copytree(out / "h100" / "default", out / "h100" / "old")
+    (out / "h100" / "old" / archive.ARCHIVE).unlink()  # a folder made before records were kept
+    assert committed.main(["--root", str(out), "--index-only"]) == 0
+    rows = {line.split("]")[0][3:]: line for line in (out / committed.INDEX).read_text().splitlines()
+            if line.startswith("| [")}
+    assert "made on the device `h100` names by `make committed-tables COMMITTED=results/tables/h100`" \
+        in rows["h100/default"]
+    assert "remake on the device `h100` names: `make committed-tables COMMITTED=results/tables/h100`" \
+        in rows["h100/old"]
+    command = committed.make_command("smoke", "h100")
+    dry = subprocess.run(command.split()[:2] + ["-n", *command.split()[2:]], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert "--experiment smoke --out results/tables/h100 --keep-records" in dry.stdout, dry.stdout + dry.stderr

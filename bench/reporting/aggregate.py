@@ -110,7 +110,7 @@ def variants(frame: pd.DataFrame) -> pd.Series:
     runs have; where values tie there is none, and every run shows its own.
     """
     labels = pd.Series("", index=frame.index)
-    flat = frame["_settings"]
+    flat = frame["settings"]
     for _, part in frame.groupby(["experiment", "model_label"], sort=False):
         within = part.groupby(["setting", "scaling"], observed=True, sort=False)
         for group in [part] + [g for _, g in within]:
@@ -229,7 +229,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "experiment": cfg["experiment_name"], "model": model, "model_label": label,
             "task": dataset + ("" if pretrained else "_scratch"),
             **comparison_ids(semantic),  # config_id, baseline_id, design_id (bench/running/identity.py)
-            "_settings": _flatten(semantic),
+            "settings": _flatten(semantic),  # its semantic config as dotted keys: variants, published_table
             "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
             "rounding": cfg["format"].get("rounding", "nearest"),  # of the gradient operands (fp8, block formats)
             "format_options": format_options(cfg["format"]),
@@ -268,7 +268,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
     frame["setting"] = pd.Categorical(frame["setting"], settings_in_order(), ordered=True)  # the registry's order
     frame["scaling"] = pd.Categorical(frame["scaling"], SCALING_ORDER, ordered=True)
     frame["variant"] = variants(frame)
-    return frame.drop(columns="_settings").sort_values([*CELL_KEYS, "seed"]).reset_index(drop=True)
+    return frame.sort_values([*CELL_KEYS, "seed"]).reset_index(drop=True)
 
 
 def summarise(frame: pd.DataFrame) -> pd.DataFrame:
@@ -296,6 +296,7 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     cells["metric"] = groups["metric"].first()
     cells["higher_is_better"] = groups["higher_is_better"].first()
     cells["lr"] = groups["lr"].first()
+    cells["settings"] = groups["settings"].first()  # the same for every seed but in `seed`
     cells["runs"] = groups.size()
     for status in ("ok", "diverged", "failed"):
         cells[status] = groups["status"].apply(lambda s, st=status: int((s == st).sum()))

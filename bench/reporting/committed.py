@@ -26,9 +26,11 @@ INDEX = "README.md"
 TOOL_FOLDERS = {"raschka_memory": "make raschka-memory"}
 
 
-def make_command(experiment: str) -> str:
-    """The command that makes an experiment's committed folder from nothing (a sweep, then its tables and records)."""
-    return "make committed-tables" + ("" if experiment == "default" else f" EXPERIMENT={experiment}")
+def make_command(experiment: str, parent: str = "") -> str:
+    """The command that makes an experiment's committed folder from nothing (a sweep, then its tables and records),
+    into a device's subfolder such as `h100` when `parent` names one (to be run on that device)."""
+    return ("make committed-tables" + ("" if experiment == "default" else f" EXPERIMENT={experiment}")
+            + (f" COMMITTED={ROOT.as_posix()}/{parent}" if parent else ""))
 
 
 def write_folder(runs, folder: Path, plots_too: bool = True) -> dict[str, str]:
@@ -85,6 +87,9 @@ def _joined(values) -> str:
 def describe(folder: Path, root: Path) -> dict:
     """One row of the index."""
     name = folder.relative_to(root).as_posix()
+    parent = folder.parent.relative_to(root).as_posix()  # a device's subfolder (h100), or "." at the root
+    parent = "" if parent == "." else parent
+    on = f" on the device `{parent}` names" if parent else ""
     if name in TOOL_FOLDERS:
         return {"folder": f"[{name}]({name}/)", "experiment": "none (computed, not trained)", "runs": "0",
                 "device": "see its vs_published.md", "torch": "", "precision-bench": "", "date": "", "wall time": "",
@@ -94,8 +99,8 @@ def describe(folder: Path, root: Path) -> dict:
         return {"folder": f"[{name}]({name}/)", "experiment": _joined(runs["experiment"]), "runs": f"{len(runs)}",
                 "device": _joined(runs["device"]), "torch": "not recorded", "precision-bench": "not recorded",
                 "date": "not recorded", "wall time": "not recorded",
-                "records": "not kept (made before 0.2.0); remake: "
-                           + "; ".join(f"`{make_command(e)}`" for e in sorted(set(runs["experiment"])))}
+                "records": f"not kept (made before 0.2.0); remake{on}: "
+                           + "; ".join(f"`{make_command(e, parent)}`" for e in sorted(set(runs["experiment"])))}
     records, _ = archive.read(folder / archive.ARCHIVE)
     experiments = sorted({r["config"]["experiment_name"] for r in records})
     dates, wall = _span(records)
@@ -105,8 +110,8 @@ def describe(folder: Path, root: Path) -> dict:
     return {"folder": f"[{name}]({name}/)", "experiment": ", ".join(experiments), "runs": f"{len(records)} ({ok} ok)",
             "device": _joined(map(_device, records)), "torch": _joined(r["env"].get("torch_version") for r in records),
             "precision-bench": _joined(versions), "date": dates, "wall time": wall,
-            "records": f"[{archive.ARCHIVE}]({name}/{archive.ARCHIVE}); made by "
-                       + "; ".join(f"`{make_command(e)}`" for e in experiments)}
+            "records": f"[{archive.ARCHIVE}]({name}/{archive.ARCHIVE}); made{on} by "
+                       + "; ".join(f"`{make_command(e, parent)}`" for e in experiments)}
 
 
 def index(root: Path) -> str:

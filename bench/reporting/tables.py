@@ -248,15 +248,30 @@ def _claim_rows(pub: dict, match: pd.DataFrame) -> list[dict]:
                     "our backend / device": f"{c['backend']} / {c['device']}"} for _, c in match.iterrows()]
 
 
+def _ran_as_published(settings: dict, config: dict) -> bool:
+    """Whether a cell's settings (dotted keys of its semantic config) hold every value a published run names in its
+    `config:`; a key the record leaves out is null."""
+    def same(ours, theirs):
+        if theirs is None:
+            return ours is None
+        if isinstance(theirs, float) and isinstance(ours, (int, float)) and not isinstance(ours, bool):
+            return math.isclose(ours, theirs, rel_tol=1e-9)
+        return ours == theirs
+    return all(same(settings.get(key), value) for key, value in config.items())
+
+
 def published_table(cells: pd.DataFrame) -> pd.DataFrame:
-    """Ours beside every published figure of the same model, task and setting (and scaling, if it names one), and
-    beside every published claim we measure (`claim` instead of `value`: _claim_rows)."""
+    """Ours beside every published figure of the same model, task and setting (and scaling, if it names one, and
+    the published run's other settings, if it names them: `config`), and beside every published claim we measure
+    (`claim` instead of `value`: _claim_rows)."""
     rows = []
     for pub in published_rows():
         match = cells[(cells["model"] == pub["model"]) & (cells["task"] == pub["task"])
                       & (cells["setting"].astype(str) == pub["setting"])]
         if "scaling" in pub:
             match = match[match["scaling"].astype(str) == pub["scaling"]]
+        if "config" in pub:
+            match = match[[_ran_as_published(s, pub["config"]) for s in match["settings"]]]
         if "claim" in pub:
             rows += _claim_rows(pub, match)
             continue
@@ -561,8 +576,8 @@ CAPTIONS = {
 def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[str, str]:
     """Write every table (md, tex, csv) plus runs.csv and cells.csv; return the Markdown per table."""
     directory.mkdir(parents=True, exist_ok=True)
-    runs.drop(columns=["loss_scale_history", "losses"]).to_csv(directory / "runs.csv", index=False)
-    cells.to_csv(directory / "cells.csv", index=False)
+    runs.drop(columns=["loss_scale_history", "losses", "settings"]).to_csv(directory / "runs.csv", index=False)
+    cells.drop(columns="settings").to_csv(directory / "cells.csv", index=False)
     built = {"precision": precision_table(cells), "scaling_grid": scaling_grid(cells),
              "numerics": numerics_table(cells), "vs_published": published_table(cells)}
     if (cells["metric"] == "f1").any():
