@@ -2,6 +2,7 @@
 run here on the CPU for the formats the CPU has, at a tiny shape. No test asserts on a timing."""
 
 import json
+import sys
 
 import pytest
 
@@ -116,8 +117,53 @@ def test_gpu_report_on_a_machine_without_cuda_prints_its_plan_and_exits_0(capsys
     assert gpu_report.main([]) == 0
     out = capsys.readouterr().out
     assert "no CUDA device here" in out and "bench.tools.doctor" in out and "train.compile=true" in out
-    assert "--only host_syncs,native" in out and "model.arch.hidden=768" in out
+    assert "--only harness,host_syncs,native" in out and "model.arch.hidden=768" in out  # harness: LeNet's goal
+    assert "--native-formats fp32,bf16-mixed,bf16-true,fp8-bf16-elsewhere" in out  # what the goals compare
+    assert set(gpu_report.NATIVE_FORMATS) <= set(benchmark.NATIVE_FORMATS)
     assert sum(limit for *_, limit in gpu_report.steps()) <= 9 * 60
+
+
+def test_a_gpu_report_step_past_its_limit_ends_with_its_whole_process_group(tmp_path):
+    """A timed-out step's children (inductor's compile workers, a launcher's jobs) must not outlive it: on a GPU they
+    would hold the device through the next step's timings."""
+    import time
+    from pathlib import Path
+
+    from bench.tools import gpu_report
+
+    pid_file = tmp_path / "grandchild"
+    spawn = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '120']); "
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    started = time.perf_counter()
+    assert gpu_report.run_step([sys.executable, "-c", spawn], limit=3) == "timed out"
+    assert time.perf_counter() - started < 30
+    grandchild = Path(f"/proc/{pid_file.read_text()}/stat")
+    for _ in range(50):  # its new parent reaps it
+        if not grandchild.exists() or grandchild.read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    assert not grandchild.exists() or grandchild.read_text().split()[2] == "Z", "the step's child outlived it"
+    assert gpu_report.run_step([sys.executable, "-c", "raise SystemExit(3)"], limit=30) == 3
+
+
+def test_the_benchmark_json_keeps_every_row_measured_before_a_stop(tmp_path, monkeypatch):
+    """A section stopped at a time limit (gpu-report's) keeps the rows it measured: the JSON is written row by row."""
+    def stopped():
+        yield benchmark.row("quantise_ns.fp8_e4m3", 1.0, "ns", None)
+        raise KeyboardInterrupt  # as a time limit's signal would end it
+
+    monkeypatch.setattr(benchmark, "quantise_rows", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        benchmark.main(["--out", str(tmp_path), "--only", "quantise"])
+    (path,) = tmp_path.glob("*.json")
+    assert [r["metric"] for r in json.loads(path.read_text())["rows"]] == ["quantise_ns.fp8_e4m3"]
+
+
+def test_native_formats_can_be_chosen_and_an_unknown_one_is_named(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as refused:
+        benchmark.main(["--out", str(tmp_path), "--only", "native", "--native-formats", "fp32,fp9"])
+    assert refused.value.code == 2
+    assert "unknown native format(s) fp9; valid: fp32, tf32, 16-mixed" in capsys.readouterr().err
 
 
 def test_benchmark_steps_and_repeats_can_be_set(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """`make bench`: is the harness free, is the emulation cheap, are native formats as fast as promised?
 
     python -m bench.tools.benchmark [--out results/bench] [--quick] [--only harness,native,...]
+                                    [--native-formats fp32,bf16-mixed,...]
 
 Writes results/bench/<device>-<date>.json: {"device", "env", "rows": [{"metric", "value", "unit", "target"}]}
 and prints the rows as a table. Every timing is the median of repeats after a warm-up, alternating the
@@ -49,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -350,10 +352,11 @@ def synthetic_batch(template: dict, batch_size: int, seq_len: int, vocab: int) -
 
 
 def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: dict = NATIVE_FORMATS,
-                compiled: bool = True) -> list[dict]:
+                compiled: bool = True) -> Iterator[dict]:
     """Native formats at the papers' shapes (random init, synthetic token batches of full length), eager and,
-    with `compiled`, with the forward and loss compiled (rows `.compiled.*`; speed-ups compiled over compiled)."""
-    rows = []
+    with `compiled`, with the forward and loss compiled (rows `.compiled.*`; speed-ups compiled over compiled).
+    Yields each format's rows as soon as they are measured (a run stopped at a time limit keeps them), and a
+    model's speed-ups after its last format."""
     for model, (args, seq_len) in shapes.items():
         step_s = {}
         for name, fmt_args in formats.items():
@@ -372,14 +375,14 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
                 step_s[f"{name}.compiled"] = alternate(
                     {name: lambda: bare_loop(cell.task.model, cell.task, precision, cell.optimizer, data, forward)},
                     precision.device, repeats)[name] / steps
-                rows.append(row(f"native.{model}.{name}.compiled.step_s", step_s[f"{name}.compiled"], "s", None))
+                yield row(f"native.{model}.{name}.compiled.step_s", step_s[f"{name}.compiled"], "s", None)
             params = sum(p.numel() for p in cell.task.model.parameters())
             tokens = cfg.model.batch_size * seq_len
             dtype = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}.get(
                 name, "fp8" if name.startswith("fp8") else name)
             peak = next((p["tflops"][dtype] for gpu, p in DEVICES.items()
                          if gpu in devices.describe(precision.device)["device_name"] and dtype in p["tflops"]), None)
-            rows += [row(f"native.{model}.{name}.step_s", seconds, "s", None),
+            yield from [row(f"native.{model}.{name}.step_s", seconds, "s", None),
                      row(f"native.{model}.{name}.samples_per_s", cfg.model.batch_size / seconds, "samples/s", None),
                      row(f"native.{model}.{name}.tokens_per_s", tokens / seconds, "tokens/s", None),
                      row(f"native.{model}.{name}.peak_memory", memory.peak_bytes(), "bytes", None),
@@ -389,9 +392,8 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
             suffix = ".compiled" if name.endswith(".compiled") else ""
             for baseline in ("fp32", "tf32", "bf16-mixed"):
                 if baseline + suffix in step_s:
-                    rows.append(row(f"native.{model}.{name}.speedup_vs_{baseline}{suffix}",
-                                    step_s[baseline + suffix] / seconds, "x", None))
-    return rows
+                    yield row(f"native.{model}.{name}.speedup_vs_{baseline}{suffix}",
+                              step_s[baseline + suffix] / seconds, "x", None)
 
 
 MEASURED_ON_H100 = Path(__file__).resolve().parents[2] / "results" / "bench" / "cuda-nvidia-h100-80gb-hbm3-2026-11-22.json"
@@ -478,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="few steps and repeats (a smoke test of the benchmark)")
     parser.add_argument("--steps", type=int, help="steps per timed loop (default 100; native rows 10)")
     parser.add_argument("--repeats", type=int, help="alternating rounds per figure (default 7)")
+    parser.add_argument("--native-formats", default=",".join(NATIVE_FORMATS),
+                        help=f"comma-separated formats of the native rows (default all: {','.join(NATIVE_FORMATS)})")
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections to measure (default all: {','.join(SECTIONS)}; "
                              f"{' and '.join(CUDA_ONLY)} on CUDA only)")
@@ -485,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     sections = args.only.split(",")
     if unknown := [name for name in sections if name not in SECTIONS]:
         parser.error(f"unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
+    native = args.native_formats.split(",")
+    if unknown := [name for name in native if name not in NATIVE_FORMATS]:
+        parser.error(f"unknown native format(s) {', '.join(unknown)}; valid: {', '.join(NATIVE_FORMATS)}")
     datasets.disable_progress_bars()
     steps, repeats = (5, 1) if args.quick else (100, 7)
     steps, repeats = args.steps or steps, args.repeats or repeats
@@ -493,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                "compile": lambda: compile_rows(steps, min(repeats, 3)),
                "peers": lambda: peer_rows(steps, repeats), "accounting": lambda: accounting_rows(repeats),
                "host_syncs": lambda: host_sync_rows(steps),
-               "native": lambda: native_rows(steps=args.steps or (10 if not args.quick else 2), repeats=repeats),
+               "native": lambda: native_rows(steps=args.steps or (10 if not args.quick else 2), repeats=repeats,
+                                             formats={name: NATIVE_FORMATS[name] for name in native}),
                "speed_model": speed_model_rows,
                "aggregate": lambda: aggregate_rows(200 if args.quick else 10_000), "quantise": quantise_rows}
     env = devices.describe(device)
@@ -501,14 +509,19 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{name}-{dt.date.today().isoformat()}.json"
     rows = []
+
+    def save():  # after every row, so that a run stopped at a time limit keeps what it measured
+        path.write_text(json.dumps({"device": name, "env": env, "rows": rows}, indent=2) + "\n")
+
+    save()
     for section in SECTIONS:
         if section not in sections or (section in CUDA_ONLY and device.type != "cuda"):
             continue
         start = time.perf_counter()
-        rows += measure[section]()
+        for measured in measure[section]():
+            rows.append(measured)
+            save()
         print(f"{section}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-        # after every section, so that a run stopped at a time limit keeps what it measured
-        path.write_text(json.dumps({"device": name, "env": env, "rows": rows}, indent=2) + "\n")
     print(tabulate([[r["metric"], f"{r['value']:.4g}" if isinstance(r["value"], float) else r["value"], r["unit"],
                      r["target"] or ""] for r in rows], headers=["metric", "value", "unit", "target"]))
     print(f"\nwritten to {path}")
