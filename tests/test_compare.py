@@ -83,12 +83,28 @@ def test_a_cpu_without_the_committed_runs_bf16_units_is_named_as_the_reason(tmp_
                 "that differ did so because of the device" in out) == said, out
 
 
-def test_the_committed_default_records_compare_within_their_own_tables(capsys):
-    """MINE may be a committed folder's records.jsonl.gz: the default folder's own records, compared with its own
-    tables, put every cell of three seeds within its interval (the records and the tables agree)."""
+def test_the_committed_default_records_pair_cell_by_cell_and_a_shifted_cell_is_outside(tmp_path, capsys):
+    """MINE may be a committed folder's records.jsonl.gz. The default folder's own records, one cell shifted by 30
+    points (fp32 none, every seed), against the folder's tables: that one cell is outside (better), the other 24
+    within. Comparing the records unshifted with the tables made from them could not fail: a mean lies in its own
+    interval; the shift shows the pairing and the verdict work cell by cell. The interval of the cell with a stalled
+    run, which the t interval took past 100%, is printed clipped and marked."""
+    import gzip
+    import json
     from pathlib import Path
 
     folder = Path(__file__).resolve().parents[1] / "results" / "tables" / "default"
-    assert compare([str(folder / "records.jsonl.gz"), "--against", str(folder)]) == 0
+    records = [json.loads(line) for line in gzip.open(folder / "records.jsonl.gz", "rt")]
+    for r in records:
+        if (r["config"]["format"]["name"], r["config"]["scaling"]["name"]) == ("fp32", "none"):
+            r["metrics"]["test_accuracy"] -= 0.30
+    shifted = tmp_path / "records.jsonl.gz"
+    shifted.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
+    assert compare([str(shifted), "--against", str(folder)]) == 1
     out = capsys.readouterr().out
-    assert "25 cells paired: 25 within" in out
+    rows = {tuple(cell.strip() for cell in line.split("|")[2:4]): line for line in out.splitlines()
+            if line.startswith("| lenet")}
+    assert "outside (worse)" in rows[("32-true", "none")] and "-30.00" in rows[("32-true", "none")]
+    assert all("| within" in line for key, line in rows.items() if key != ("32-true", "none")) and len(rows) == 25
+    assert "25 cells paired: 24 within the committed cell's 95% interval of its mean, 1 outside" in out
+    assert "[0.00, 100.00]§" in rows[("bf16-mixed", "unit")]

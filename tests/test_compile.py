@@ -63,6 +63,25 @@ def test_a_compiled_cell_trains_as_the_eager_one(make_cfg, cell):
     assert compiled["memory"]["step"] == eager["memory"]["step"]  # counted on the eager first step either way
 
 
+def test_a_function_past_dynamos_recompile_limit_is_named_in_the_record():
+    """The record's env.compile.recompile_limit_hit_by reads dynamo's warning; the compiled-cell test's check of it
+    would pass on an empty list if that warning's wording changed. Here a function recompiles past a limit of 2 (a
+    global it guards on changes every call) and must be named."""
+    import torch
+
+    from bench.running.compile import CompiledStep
+
+    def forward_and_loss(model, batch):
+        return model(batch)
+
+    with torch._dynamo.config.patch(recompile_limit=2):
+        step = CompiledStep(True, torch.device("cpu"), forward_and_loss)
+        for k in range(4):
+            step(lambda x, k=k: x.sum() * k, torch.ones(3))  # a new closure constant each call: a recompile each
+        hits = step.describe()["recompile_limit_hit_by"]
+    assert len(hits) == 1 and hits[0].startswith("'forward_and_loss' (") and "test_compile.py" in hits[0]
+
+
 def test_under_auto_a_path_that_cannot_compile_runs_eagerly_and_says_why(make_cfg):
     """Emulated FP8 with delayed per-tensor scales keeps its amax state across the autograd.Function that casts,
     which dynamo refuses; under auto (here as on a GPU) the step runs eagerly from then on, with the reason."""

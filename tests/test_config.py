@@ -101,6 +101,17 @@ def test_every_swept_value_gets_its_own_cell_and_a_rerun_skips_them_all(tmp_path
     assert again.returncode == 0 and "(4 skipped as already recorded)" in again.stderr, again.stderr[-2000:]
 
 
+def test_a_sweep_ends_by_writing_each_runs_stalled_verdict_into_its_record(tmp_path):
+    """Three seeds of one cell: each judged against the other two (bench/running/learning.py), and the verdict, with
+    its numbers, written into its record; nothing here stalled, so the summary names no run."""
+    from bench.running.record import read_record
+
+    out = _bench(tmp_path, "-m", "seed=0,1,2", "train.max_steps=20", "train.log_every=2")
+    assert out.returncode == 0 and "stalled" not in out.stderr, out.stderr[-2000:]
+    verdicts = [read_record(p)["numerics"]["stalled"] for p in sorted(Path(tmp_path).rglob("result.json"))]
+    assert len(verdicts) == 3 and all(v["stalled"] is False and v["siblings"] == 2 for v in verdicts)
+
+
 def test_cells_that_would_share_a_place_stop_the_sweep_before_any_trains(tmp_path):
     out = _bench(tmp_path, "-m", "format=fp32,fp16", "cell=one/place", "train.max_steps=2")
     assert out.returncode == 2 and "would write to the same place (one/place)" in out.stderr, out.stderr[-2000:]

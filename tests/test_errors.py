@@ -31,6 +31,9 @@ def _run(module: str, *args, cwd: Path, env: dict | None = None) -> subprocess.C
      "model.data.path=/nonexistent/input.txt: no such file"),
     (["model=bert_tiny", "model.data.files.train=/nonexistent/train.jsonl", "train.max_steps=1"],
      "model.data.files: no such file (train: /nonexistent/train.jsonl)"),
+    (["-m", "hydra.sweeper.table=block_format", "format=fp32"],  # a preset's table name, misspelt: no table at all
+     "hydra.sweeper.table='block_format' is not a table; valid: unit_scaling_charlm, block_formats, lr_transfer, "
+     "labelled_rows (did you mean block_formats?)"),
 ])
 def test_a_mistake_exits_2_naming_the_choices_and_writes_nothing(tmp_path, args, says):
     out = _run("bench.run", *args, f"results_dir={tmp_path / 'runs'}", cwd=tmp_path)
@@ -79,10 +82,24 @@ def test_aggregate_writes_under_results_local_unless_told(tmp_path):
     assert not (tmp_path / "results" / "tables").exists()
 
 
-def test_a_native_path_refused_while_converting_is_a_setup_error():
-    """Native FP8 on a model torchao converts nothing of is refused as the model is converted (bench/numerics/
-    precision.py): a set-up problem like any other, so the runner records nothing (exit 2)."""
-    from bench.errors import ConfigError
-    from bench.numerics.precision import PrecisionError
+def test_a_native_path_refused_while_converting_is_a_setup_error(tmp_path):
+    """Native FP8 on a model torchao converts nothing of (LeNet: no Linear has both sizes multiples of 16) is refused
+    only as the model is converted, after the cell has started (bench/numerics/precision.py): still a set-up problem
+    like any other, so `python -m bench.run` exits 2 naming the valid choices and leaves nothing behind. A CPU has no
+    native FP8, so the process declares one (the way bench.tools.matrix simulates devices) before the command runs."""
+    simulated = ("import dataclasses, sys; import bench.numerics.specs as specs; "
+                 "from bench.numerics.hardware import NativeSupport; "
+                 "specs.FORMAT_SPECS['fp8'] = dataclasses.replace(specs.FORMAT_SPECS['fp8'], "
+                 "native=lambda device: NativeSupport(True, True, 'a simulated FP8 device')); "
+                 "sys.argv = ['bench.run', *sys.argv[1:]]; from bench.run import main; main()")
+    out = subprocess.run([sys.executable, "-c", simulated, "model=lenet", "format=fp8", "format.backend=native",
+                          "scaling=per_tensor", "train.max_steps=2", f"results_dir={tmp_path / 'runs'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2, out.stderr[-1500:]
+    assert "format.backend=native: torchao's float8 training converts only Linear layers whose in and out features " \
+           "are multiples of 16, and this model has none" in out.stderr
+    assert "valid here: format.backend=auto or emulated" in out.stderr and "Traceback" not in out.stderr
+    assert not list(tmp_path.rglob("*.json*")) and not list((tmp_path / "runs").rglob("*"))
 
-    assert issubclass(PrecisionError, ConfigError)
+

@@ -29,7 +29,11 @@ def test_every_cell_writes_a_complete_record(make_cfg, tmp_path, fmt, mode, scal
     assert env["version"] == bench.__version__
     assert env["precision"]["backend"] in ("native", "emulated") and env["precision"]["backend_reason"]
     assert env["precision"]["fp32_precision_flags"]["cuda_matmul"] == ("tf32" if fmt == "tf32" else "ieee")
-    assert 0 <= record["metrics"]["test_accuracy"] <= 1 and record["metrics"]["final_train_loss"] > 0
+    metrics = record["metrics"]
+    # an accuracy is a count of the 360 test digits (20% of sklearn's 1,797, stratified) that came out right
+    assert metrics["test_examples"] == 360 and metrics["test_accuracy"] * 360 == pytest.approx(
+        round(metrics["test_accuracy"] * 360), abs=1e-9)
+    assert metrics["evaluated_in"] == env["precision"]["label"]  # evaluated as it trained (train.eval_precision)
     assert record["timing"]["steps"] == 4 and record["timing"]["train_s"] > 0
     assert record["timing"]["step_median_s"] > 0 and record["timing"]["samples_per_s"] > 0
     assert record["memory"]["peak_bytes"] > 0 and "resident" in record["memory"]["measures"]
@@ -39,9 +43,34 @@ def test_every_cell_writes_a_complete_record(make_cfg, tmp_path, fmt, mode, scal
     assert numerics["loss_scale"]["history"][0] == [0, expected_scale]
     rows = [json.loads(line) for line in (path.parent / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 2]
+    learning = numerics["learning"]  # what bench.running.learning's rule reads: its curve's early and final loss
+    assert learning["steps"] == 4 and learning["final_loss"] == rows[-1]["loss"] > 0
+    assert metrics["final_train_loss"] > 0 and "stalled" not in numerics  # a sweep, which knows the siblings, judges
     if env["precision"]["backend"] == "emulated":
         assert numerics["quantisation"]["weights"]["values_sampled"] > 0
         assert set(rows[0]["quantisation"]) == {"weights", "activations", "gradients"}
+
+
+def test_the_recorded_test_accuracy_is_the_trained_weights_accuracy_on_the_test_digits(make_cfg, tmp_path):
+    """An FP32 cell's test accuracy, recomputed by the test from the weights it kept (train.keep_checkpoint) on the
+    same 360 test digits, with a LeNet-5 and a forward pass of its own."""
+    import torch
+    from torch import nn
+
+    from bench.tasks.lenet import load_digits
+
+    cfg = make_cfg("format=fp32", "train.max_steps=150", "train.keep_checkpoint=true", "device=cpu")
+    record = run_cell(cfg)
+    weights = torch.load(Path(tmp_path) / cfg.cell / "checkpoint.pt", weights_only=False)["model"]
+    model = nn.Sequential(nn.Conv2d(1, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
+                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
+                          nn.Linear(84, 10))
+    model.load_state_dict(weights)
+    _, _, x_test, y_test = load_digits(0.2)
+    with torch.no_grad():
+        correct = int((model(x_test).argmax(1) == y_test).sum())
+    assert record["metrics"]["test_accuracy"] == correct / len(y_test) and len(y_test) == 360
+    assert 0.5 < correct / len(y_test) < 1.0  # 150 steps learn something, not everything
 
 
 def test_nan_loss_gives_status_diverged_not_a_crash(make_cfg, tmp_path):

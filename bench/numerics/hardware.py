@@ -5,10 +5,12 @@ execution; `python -m bench.tools.matrix` asks it on simulated devices (by patch
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -126,3 +128,16 @@ def mxfp8_support(device: torch.device) -> NativeSupport:
         return NativeSupport(False, False, why + ", but torchao has no MXFP8Linear (pip install '.[fp8-gpu]', "
                                                  "torchao >= 0.18)")
     return NativeSupport(cc >= (10, 0), cc >= (10, 0), why + (" (torchao MXFP8Linear)" if cc >= (10, 0) else ""))
+
+
+@contextlib.contextmanager
+def simulated(kind: str, cpu_flags=(), capability: tuple[int, int] | None = None, torchao: bool = False):
+    """Within the block, this module's probes answer as a device of `kind` (cpu | cuda | xla) with these CPU flags,
+    CUDA compute capability and torchao would: what the device matrix (bench/tools/matrix.py) and the speed model's
+    "the path the runner would take on that GPU" ask. Yields its torch.device."""
+    with mock.patch(f"{__name__}._cpu_flags", lambda: frozenset(cpu_flags)), \
+            mock.patch(f"{__name__}.torchao_available", lambda: torchao), \
+            mock.patch(f"{__name__}.torchao_mxfp8_available", lambda: torchao), \
+            mock.patch.object(torch.cuda, "is_available", lambda: kind == "cuda"), \
+            mock.patch.object(torch.cuda, "get_device_capability", lambda *_: capability):
+        yield torch.device(kind)

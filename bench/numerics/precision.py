@@ -58,7 +58,7 @@ from bench.numerics.native import (
     torchao_mx_converts,
     torchao_mx_kernel,
 )
-from bench.numerics.scaling import SCALING_METHODS
+from bench.numerics.scaling import SCALING_METHODS, PerTensorScale
 from bench.numerics.specs import (
     ELSEWHERE,
     FORMAT_SPECS,
@@ -70,6 +70,9 @@ from bench.numerics.specs import (
 from bench.numerics.telemetry import QuantTelemetry
 
 BACKENDS = ("auto", "native", "emulated")
+# train.eval_precision: every evaluation (per-epoch validation and the final test) in the precision the cell trained
+# in, native or emulated (its autocast, its rounding sites, its torchao layers), or in FP32 (none of them)
+EVAL_PRECISIONS = ("trained", "fp32")
 
 
 class PrecisionError(ConfigError):
@@ -174,6 +177,39 @@ FP8_TILES = {"rowwise": "row",
              "block": "1x128 (activations, gradients), 128x128 (weights)"}
 
 
+@contextlib.contextmanager
+def full_precision(model: nn.Module, widen: bool = False):
+    """`model` computing in FP32 for the while: emulated rounding sites and block operands off, torchao's converted
+    Linears back to nn.Linear (their weights are the high-precision ones); `widen`: a whole-model 16-bit cast
+    (native true mode) widened to FP32 and narrowed back afterwards, exactly (every 16-bit value is an FP32 one)."""
+    converted = [(m, type(m)) for m in model.modules() if type(m).__name__ in TORCHAO_LINEARS]
+    sites = [(m, m.__dict__.get("casts"), m.__dict__.get("operands")) for m in model.modules() if isinstance(m, CastOp)]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None) if widen else None
+    for module, _ in converted:
+        module.__class__ = nn.Linear
+    for module, _, _ in sites:
+        module.casts = module.operands = None
+    if dtype is not None:
+        model.float()
+    try:
+        yield
+    finally:
+        if dtype is not None:
+            model.to(dtype)
+        for module, kind in converted:
+            module.__class__ = kind
+        for module, casts, operands in sites:
+            for name, value in (("casts", casts), ("operands", operands)):
+                if value is None:
+                    module.__dict__.pop(name, None)  # back to the class's None
+                else:
+                    setattr(module, name, value)
+
+
+# the Linear classes torchao's float8 and MXFP8 training convert to (Precision._convert_with_torchao)
+TORCHAO_LINEARS = ("Float8Linear", "PaddedMXFP8Linear")
+
+
 class Precision:
     """A run's format decisions, made once: native or emulated, which sites round, TF32 flags."""
 
@@ -195,6 +231,7 @@ class Precision:
         self.granularity = granularity
         self.recipe = self.spec.recipe if gradients is None else replace(self.spec.recipe, grads=gradients)
         self.telemetry = QuantTelemetry()
+        self._per_tensor_scales: list = []  # every PerTensorScale its sites made: paused while evaluating
         if granularity is not None:
             self.block = FP8TileOperands(granularity, rounding, self.telemetry)
         elif self.recipe is not None and self.recipe.block:
@@ -253,6 +290,24 @@ class Precision:
         # tensor a rounding site makes. None otherwise.
         self.site_listener = None
 
+    @classmethod
+    def from_config(cls, cfg, device: torch.device) -> "Precision":
+        """The precision a composed cell config asks for, on `device`: its `format` node, and what its scaling method
+        asks of the format (per-tensor scales, FP8's row or tile granularity)."""
+        per_tensor = None
+        if cfg.scaling.name == "per_tensor":
+            s = cfg.scaling
+
+            def per_tensor(tensor_class, spec):
+                return PerTensorScale(spec, s.amax, s.history_len, s.margin, s.pow2,
+                                      on_scale=lambda a, sc: precision.telemetry.observe_scale(tensor_class, a, sc))
+
+        f = cfg.format
+        granularity = cfg.scaling.name if cfg.scaling.name in FP8_GRANULARITIES else None
+        precision = cls(f.name, f.mode, f.backend, f.overflow, f.ftz, device, per_tensor, f.scale_mode, f.rounding,
+                        granularity, f.gradients, f.get("elsewhere"))
+        return precision
+
     def _emulate_instead(self, refusal: str, reason: str) -> None:
         """A native path this cell cannot take: format.backend=native is refused with `refusal` (which names the
         valid choices); auto emulates and records `reason`."""
@@ -271,6 +326,8 @@ class Precision:
 
     def _site(self, tensor_class: str, fmt: str) -> TensorSite:
         scaler = self.per_tensor(tensor_class, FORMATS[fmt]) if self.per_tensor else None
+        if scaler is not None:
+            self._per_tensor_scales.append(scaler)
         rounding = self.rounding if tensor_class == "gradients" else "nearest"
         return TensorSite(tensor_class, fmt, self.overflow, self.ftz, self.telemetry, scaler, self._note_output,
                           rounding)
@@ -332,7 +389,7 @@ class Precision:
 
             model = convert_to_float8_training(model, config=torchao_float8_config(self.granularity or "tensorwise"),
                                                module_filter_fn=converts)
-        converted = [(n, m) for n, m in model.named_modules() if type(m).__name__ in ("Float8Linear", "PaddedMXFP8Linear")]
+        converted = [(n, m) for n, m in model.named_modules() if type(m).__name__ in TORCHAO_LINEARS]
         for _, module in converted:
             module.register_forward_pre_hook(cast_input_as_autocast_does)
         self.fp8_modules = {
@@ -349,6 +406,33 @@ class Precision:
         if self.elsewhere == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def evaluating(self, model: nn.Module, in_precision: str = "trained"):
+        """Evaluation, per-epoch validation and the final test alike, as `train.eval_precision` asks: `trained`, as
+        a training step computes the forward pass (its autocast, its emulated rounding sites, its torchao layers),
+        so that a native and an emulated cell of one setting are measured alike; `fp32`, with none of them and a
+        whole-model 16-bit cast widened for the while (FP32 inference of the weights the cell trained). Yields the
+        cast for the task's float inputs. Training is left as it was: no telemetry is sampled, and no per-tensor
+        amax enters a delayed-scaling history."""
+        sampling, self.telemetry.sampling = self.telemetry.sampling, False
+        for scale in self._per_tensor_scales:
+            scale.recording = False
+        try:
+            if in_precision == "trained":
+                with self.autocast():
+                    yield self.inputs
+            else:
+                with full_precision(model, widen=self.native and self.mode == "true"):
+                    yield lambda x: x
+        finally:
+            self.telemetry.sampling = sampling
+            for scale in self._per_tensor_scales:
+                scale.recording = True
+
+    def evaluated_in(self, in_precision: str) -> str:
+        """What the record's `metrics.evaluated_in` says: the setting its evaluation computed in."""
+        return self.describe()["label"] if in_precision == "trained" else "32-true"
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Cast a floating-point model input as a whole-model ("true") run needs."""

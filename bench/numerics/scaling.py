@@ -228,6 +228,7 @@ class PerTensorScale:
         self.target = min(spec.max, self.WIDE_TARGET)
         self.history: deque[torch.Tensor] = deque(maxlen=history_len)
         self.on_scale = on_scale  # telemetry callback (amax, scale)
+        self.recording = True  # off while the cell evaluates: an evaluation's amaxes never enter the history
 
     @torch.no_grad()
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,7 +238,8 @@ class PerTensorScale:
             amax = torch.stack(list(self.history)).max()
         else:
             amax = current
-        self.history.append(current)
+        if self.recording:
+            self.history.append(current)
         usable = torch.isfinite(amax) & (amax > 0)
         scale = torch.where(usable, self.target / amax / 2.0**self.margin, torch.ones_like(amax))
         if self.pow2:

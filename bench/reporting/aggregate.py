@@ -24,18 +24,19 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from scipy import stats
-
 from bench.errors import ConfigError
-from bench.numerics.specs import settings_in_order
+from bench.numerics.specs import FORMAT_SPECS, settings_in_order
 from bench.numerics.telemetry import TENSOR_CLASSES
 from bench.reporting import archive
+from bench.reporting.statistics import paired, t_interval, unit
 from bench.running.config import task_spec
 from bench.running.identity import comparison_ids, config_hash, semantic_config
+from bench.running.learning import learning_of, stalled_verdict
 from bench.running.record import (
     RECORD_KEYS,
     RecordError,
     check_record,
+    logged_losses,
     read_record,
 )
 from bench.tasks.base import describe as generic_describe
@@ -60,7 +61,7 @@ def load_directory(root: Path) -> tuple[list[dict], list[str]]:
     records, problems = [], []
     for path in sorted(Path(root).rglob("result.json")):
         try:
-            records.append(read_record(path) | {"_dir": str(path.parent), "_losses": archive.losses(path.parent)})
+            records.append(read_record(path) | {"_dir": str(path.parent), "_losses": logged_losses(path.parent)})
         except RecordError as e:
             problems.append(str(e))
     for path in sorted(Path(root).rglob(archive.ARCHIVE)):
@@ -190,6 +191,26 @@ def format_options(fmt: dict) -> str:
                      if fmt.get(k) is not None and fmt.get(k) != default)
 
 
+# A record made before evaluation ran in the trained precision (`metrics.evaluated_in`, 0.3.0) by a cell that trained
+# under autocast was evaluated without it: what its GEMMs outside the format (native 16-bit: all of them) computed in.
+EVALUATED_WITHOUT_AUTOCAST = "without its autocast (recorded before evaluation ran in the trained precision)"
+
+
+def evaluated_in(record: dict) -> str | None:
+    """The setting a record's metrics were computed in: `metrics.evaluated_in`, or for a record made before it was
+    recorded, its training setting, unless the cell trained under autocast (native 16-bit mixed, or BF16 outside an
+    FP8 or block format's GEMMs): then EVALUATED_WITHOUT_AUTOCAST, for those records evaluated outside it."""
+    if "evaluated_in" in record["metrics"]:
+        return record["metrics"]["evaluated_in"]
+    precision = record["env"].get("precision") or {}
+    spec = FORMAT_SPECS.get(precision.get("format"))
+    native_autocast = (precision.get("backend") == "native" and precision.get("mode") == "mixed" and spec is not None
+                       and spec.native_path == "torch" and spec.torch_dtype is not None)  # 16-bit mixed, natively
+    if native_autocast or precision.get("elsewhere") == "bf16":
+        return EVALUATED_WITHOUT_AUTOCAST
+    return precision.get("label")
+
+
 def _first_of_each_run(records: list[dict]):
     """(record, its semantic config) for the first record of each run on each device: its run_id, recomputed as a
     resumed sweep does, and the device."""
@@ -235,7 +256,8 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "format_options": format_options(cfg["format"]),
             "backend": precision.get("backend"), "device": device, "status": r["status"],
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
-            "metric": metric, "higher_is_better": spec["higher_is_better"], "value": _number(metrics.get(metric)),
+            "metric": metric, "unit": spec["unit"], "higher_is_better": spec["higher_is_better"],
+            "value": _number(metrics.get(metric)), "evaluated_in": evaluated_in(r),
             # of a learning-rate sweep (bench.reporting.tables.lr_transfer_table)
             "lr": _number((cfg["model"].get("optimizer") or {}).get("lr")),
             "exact_match": _number(metrics.get("exact_match")), "f1": _number(metrics.get("f1")),
@@ -254,7 +276,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "overflow_steps": _number(numerics.get("overflow_steps")),
             "final_loss_scale": _number(numerics.get("final_loss_scale")),
             "loss_scale_history": (numerics.get("loss_scale") or {}).get("history"),
-            "dir": r.get("_dir"), "losses": r.get("_losses") or [],
+            "dir": r.get("_dir"), "losses": r.get("_losses") or [], "learning": learning_of(r),
         }
         for c in TENSOR_CLASSES:
             for f in QUANT_FIELDS:
@@ -268,7 +290,19 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
     frame["setting"] = pd.Categorical(frame["setting"], settings_in_order(), ordered=True)  # the registry's order
     frame["scaling"] = pd.Categorical(frame["scaling"], SCALING_ORDER, ordered=True)
     frame["variant"] = variants(frame)
+    frame["stalled"] = _stalled(frame)
     return frame.sort_values([*CELL_KEYS, "seed"]).reset_index(drop=True)
+
+
+def _stalled(frame: pd.DataFrame) -> pd.Series:
+    """Per run, bench.running.learning's verdict against its siblings (the cell's other finished seeds): True,
+    False, or None where it cannot be decided (no curve, fewer than two siblings, not finished)."""
+    verdicts = pd.Series(None, index=frame.index, dtype=object)
+    for _, runs in frame[frame["status"] == "ok"].groupby("config_id", sort=False):
+        for i in runs.index:
+            verdict = stalled_verdict(runs.at[i, "learning"], [runs.at[j, "learning"] for j in runs.index if j != i])
+            verdicts[i] = None if verdict is None else verdict["stalled"]
+    return verdicts
 
 
 def summarise(frame: pd.DataFrame) -> pd.DataFrame:
@@ -305,8 +339,20 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     cells["design_id"] = groups["design_id"].first()
     cells["rounding"] = groups["rounding"].first()
     cells["format_options"] = groups["format_options"].first()
-    cells["value_ci_lo"], cells["value_ci_hi"] = zip(*[t_interval(v) for v in finished["value"].apply(list)
-                                                       .reindex(cells.index, fill_value=[])])
+    cells["unit"] = groups["unit"].first()
+    values = finished["value"].apply(list).reindex(cells.index, fill_value=[])
+    intervals = [t_interval(v, unit(u).bounds) for v, u in zip(values, cells["unit"])]
+    cells["value_ci_lo"] = [i.lo for i in intervals]
+    cells["value_ci_hi"] = [i.hi for i in intervals]
+    cells["value_ci_clipped"] = [i.clipped for i in intervals]
+    # the runs bench.running.learning's rule found stalled, and the cell's statistics without them
+    cells["stalled"] = groups["stalled"].apply(lambda s: int(s.eq(True).sum()))
+    kept = frame[frame["status"].eq("ok") & ~frame["stalled"].eq(True)].groupby(keys, observed=True, sort=True)
+    cells["value_without_stalled"] = kept["value"].mean()
+    cells["value_without_stalled_std"] = kept["value"].std(ddof=1)
+    cells["value_without_stalled_n"] = kept["value"].count().reindex(cells.index, fill_value=0)
+    evaluated = finished["evaluated_in"].apply(lambda s: "; ".join(sorted({str(v) for v in s.dropna()})))
+    cells["evaluated_in"] = evaluated.reindex(cells.index, fill_value="")
     cells = cells.reset_index()
     base = cells[cells["setting"] == "32-true"][["baseline_id", "train_s", "peak_bytes", "step_bytes"]]
     base = base.rename(columns={"train_s": "fp32_train_s", "peak_bytes": "fp32_peak_bytes",
@@ -317,32 +363,29 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     cells["memory_ratio_vs_fp32"] = cells["peak_bytes"] / cells["fp32_peak_bytes"]
     cells["step_memory_ratio_vs_fp32"] = cells["step_bytes"] / cells["fp32_step_bytes"]
     cells = cells.merge(paired_differences(frame), on="config_id", how="left")
+    without = paired_differences(frame[~frame["stalled"].eq(True)])  # a pair with a stalled run is left out
+    cells = cells.merge(without.rename(columns={c: f"{c}_without_stalled" for c in DIFFERENCE_COLUMNS}),
+                        on="config_id", how="left")
     return cells.drop(columns=["fp32_train_s", "fp32_peak_bytes", "fp32_step_bytes", "baseline_id", "config_id"])
 
 
-def t_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
-    """Student's t interval for the mean of `values` (NaN, NaN with fewer than two)."""
-    values = np.asarray([v for v in values if not pd.isna(v)], dtype=float)
-    if len(values) < 2:
-        return np.nan, np.nan
-    half = stats.t.ppf((1 + confidence) / 2, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
-    return values.mean() - half, values.mean() + half
+DIFFERENCE_COLUMNS = ["value_vs_fp32", "value_vs_fp32_n", "value_vs_fp32_lo", "value_vs_fp32_hi",
+                      "value_vs_fp32_significant", "value_vs_fp32_clipped"]
 
 
 def paired_differences(frame: pd.DataFrame) -> pd.DataFrame:
     """Per cell (config_id): the mean over seeds of (this run's metric - the 32-true run's of the same seed and
-    otherwise the same configuration), over the seeds where both finished; its 95% t interval; and whether that
-    interval excludes 0. A 32-true cell is its own baseline (every difference 0)."""
+    otherwise the same configuration), over the seeds where both finished; its 95% t interval, clipped to the
+    differences the metric's unit allows (bench/reporting/statistics.py); whether that interval excludes 0, and
+    whether it was clipped. A 32-true cell is its own baseline (every difference 0)."""
     ok = frame[(frame["status"] == "ok") & frame["value"].notna()]
     baseline = ok[ok["setting"] == "32-true"].drop_duplicates(["baseline_id", "seed"]) \
         .set_index(["baseline_id", "seed"])["value"]
     rows = []
     for config_id, runs in ok.groupby("config_id", sort=False):
         pairs = zip(runs["value"], zip(runs["baseline_id"], runs["seed"]))
-        differences = [value - baseline[key] for value, key in pairs if key in baseline.index]
-        lo, hi = t_interval(differences)
-        rows.append({"config_id": config_id, "value_vs_fp32": np.mean(differences) if differences else np.nan,
-                     "value_vs_fp32_n": len(differences), "value_vs_fp32_lo": lo, "value_vs_fp32_hi": hi,
-                     "value_vs_fp32_significant": bool(lo > 0 or hi < 0)})
-    return pd.DataFrame(rows, columns=["config_id", "value_vs_fp32", "value_vs_fp32_n", "value_vs_fp32_lo",
-                                       "value_vs_fp32_hi", "value_vs_fp32_significant"])
+        difference = paired([value - baseline[key] for value, key in pairs if key in baseline.index],
+                            unit(runs["unit"].iloc[0]))
+        rows.append([config_id, difference.mean, difference.n, difference.interval.lo, difference.interval.hi,
+                     difference.significant, difference.interval.clipped])
+    return pd.DataFrame(rows, columns=["config_id", *DIFFERENCE_COLUMNS])

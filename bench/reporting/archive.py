@@ -19,22 +19,6 @@ from bench.running.record import RecordError, check_record
 ARCHIVE = "records.jsonl.gz"
 
 
-def losses(run_dir: Path) -> list[list[float]]:
-    """A run's training curve, `[step, loss]` at its log steps, from its metrics.jsonl (empty without one)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    curve = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a torn last line after a kill
-            continue
-        if isinstance(row.get("loss"), (int, float)):
-            curve.append([row["step"], row["loss"]])
-    return curve
-
-
 def write(records: list[dict], path: Path) -> Path:
     """Archive `records` (as aggregate loads them: `_losses` beside each) at `path`; returns it."""
     lines = sorted(json.dumps({"cell": r["config"].get("cell") or r.get("_dir"), "losses": r.get("_losses") or [],

@@ -26,7 +26,8 @@ import pandas as pd
 
 from bench.errors import ConfigError
 from bench.reporting import aggregate, archive
-from bench.reporting.tables import DIGITS, EMULATED, fmt_stat, scaled
+from bench.reporting.statistics import CLIPPED, flag
+from bench.reporting.tables import EMULATED, cell_unit, fmt_stat
 from bench.running.config import task_spec
 
 KEYS = ["experiment", "model_label", "setting", "scaling", "variant"]
@@ -68,8 +69,10 @@ def compare(mine: pd.DataFrame, committed: pd.DataFrame, higher_is_better: dict[
     paired = mine.merge(committed, on=[*KEYS, "steps"], suffixes=("", "_committed"))
     rows = []
     for _, c in paired.iterrows():
-        metric, digits = c["metric"], DIGITS.get(c["metric"], 2)
+        metric, metric_unit = c["metric"], cell_unit(c)
+        shown, digits = metric_unit.shown, metric_unit.digits
         lo, hi = c["value_ci_lo_committed"], c["value_ci_hi_committed"]
+        clipped = CLIPPED if flag(c.get("value_ci_clipped_committed")) else ""
         verdict = "no interval" if pd.isna(lo) else "within" if lo <= c["value"] <= hi else "outside"
         if verdict == "outside":
             higher = (higher_is_better or {}).get(c["model"], True)
@@ -79,12 +82,12 @@ def compare(mine: pd.DataFrame, committed: pd.DataFrame, higher_is_better: dict[
         rows.append({
             "model": c["model_label"], "setting": c["setting"] + (f" {EMULATED}" if c["backend"] == "emulated" else ""),
             "scaling": c["scaling"], "metric": metric,
-            "mine": fmt_stat(scaled(metric, c["value"]), scaled(metric, c["value_std"]), c["value_n"], digits),
+            "mine": fmt_stat(shown(c["value"]), shown(c["value_std"]), c["value_n"], digits),
             "committed [95% interval]": "–" if pd.isna(c["value_committed"]) else
-            f"{scaled(metric, c['value_committed']):.{digits}f}" + ("" if pd.isna(lo) else
-                                                                     f" [{scaled(metric, lo):.{digits}f}, {scaled(metric, hi):.{digits}f}]"),
+            f"{shown(c['value_committed']):.{digits}f}" + ("" if pd.isna(lo) else
+                                                          f" [{shown(lo):.{digits}f}, {shown(hi):.{digits}f}]{clipped}"),
             "published": "–" if pd.isna(c.get("published_value")) else f"{c['published_value']:g}",
-            "mine − committed": f"{scaled(metric, c['value'] - c['value_committed']):+.{digits}f}",
+            "mine − committed": f"{shown(c['value'] - c['value_committed']):+.{digits}f}",
             "verdict": verdict, "differs": ", ".join(differs)})
     return pd.DataFrame(rows)
 

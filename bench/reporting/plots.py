@@ -16,15 +16,14 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from bench.reporting.aggregate import SCALING_ORDER  # noqa: E402
+from bench.reporting.statistics import SIGNIFICANT  # noqa: E402
 from bench.reporting.tables import (  # noqa: E402
-    PERCENT_METRICS,
     PARAMETRISATIONS,
-    SIGNIFICANT,
     BlockRow,
     best_learning_rates,
+    cell_unit,
     declared_table_of,
     fmt_difference,
-    scaled,
 )
 
 MARKERS = dict(zip(SCALING_ORDER, "os^Dv"))
@@ -46,8 +45,16 @@ def _save(fig, directory: Path, name: str) -> list[Path]:
 
 
 def _metric_label(part: pd.DataFrame) -> str:
-    metric = part["metric"].iloc[0]
-    return f"{metric} (%)" if metric in PERCENT_METRICS else str(metric)
+    return f"{part['metric'].iloc[0]}{cell_unit(part.iloc[0]).suffix}"
+
+
+def _with_interval(c) -> tuple[float, list | None]:
+    """A cell's mean in its shown units, and its 95% interval as errorbar's [[below], [above]] (None: no interval)."""
+    shown = cell_unit(c).shown
+    value = shown(c["value"])
+    if pd.isna(c["value_ci_lo"]):
+        return value, None
+    return value, [[value - shown(c["value_ci_lo"])], [shown(c["value_ci_hi"]) - value]]
 
 
 def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[Path]:
@@ -57,9 +64,7 @@ def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -
     for _, c in part.iterrows():
         emulated = c["backend"] == "emulated"
         colour = colours[str(c["setting"])]
-        value = scaled(c["metric"], c["value"])
-        interval = None if pd.isna(c["value_ci_lo"]) else [[value - scaled(c["metric"], c["value_ci_lo"])],
-                                                           [scaled(c["metric"], c["value_ci_hi"]) - value]]
+        value, interval = _with_interval(c)
         time_range = None if c["train_s_n"] < 2 else [[c["train_s"] - c["train_s_min"]],
                                                           [c["train_s_max"] - c["train_s"]]]
         ax.errorbar(c["train_s"], value, yerr=interval, xerr=time_range, fmt="none",
@@ -89,7 +94,7 @@ def heatmap(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[
     texts = np.full(grid.shape, "–", dtype=object)
     for _, c in part.iterrows():
         i, j = rows.index((str(c["setting"]), c["backend"])), columns.index(str(c["scaling"]))
-        grid[i, j] = scaled(c["metric"], c["value"])
+        grid[i, j] = cell_unit(c).shown(c["value"])
         if not np.isnan(grid[i, j]):  # the mean, then the paired difference to 32-true with its 95% interval
             texts[i, j] = f"{grid[i, j]:.3g}\n{fmt_difference(c, with_n=False)}"
     fig, ax = plt.subplots(figsize=(1.6 * len(columns) + 2, 0.7 * len(rows) + 1.5))
@@ -153,9 +158,7 @@ def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str, b
         if match.empty:
             continue
         c = match.iloc[0]
-        value = scaled(c["metric"], c["value"])
-        interval = None if pd.isna(c["value_ci_lo"]) else [[value - scaled(c["metric"], c["value_ci_lo"])],
-                                                           [scaled(c["metric"], c["value_ci_hi"]) - value]]
+        value, interval = _with_interval(c)
         colour = plt.cm.tab10.colors[formats.index((setting, scaling, options)) % 10]
         # side by side with its nearest twin, another recipe of the format on the other side
         x = bits * (1.02 if rounding == "stochastic" else 0.98 if options else 1.0)

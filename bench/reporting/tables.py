@@ -29,18 +29,40 @@ from omegaconf import OmegaConf
 
 from bench.numerics.telemetry import TENSOR_CLASSES
 from bench.numerics.specs import FORMAT_SPECS
-from bench.reporting.aggregate import RECIPE_OPTIONS, SCALING_ORDER, format_options, t_interval
+from bench.reporting.aggregate import EVALUATED_WITHOUT_AUTOCAST, RECIPE_OPTIONS, SCALING_ORDER, format_options
+from bench.reporting.statistics import (
+    CLIPPED,
+    SIGNIFICANT,
+    Interval,
+    Paired,
+    Unit,
+    flag,
+    format_paired,
+    paired,
+    unit,
+)
 from bench.running.config import CONF_DIR
 
 PUBLISHED = Path(__file__).parent / "reference" / "published.yaml"
 EMULATED = "†"
 DISTURBED = "‡"
-SIGNIFICANT = "*"
+STALLED = "¶"
+EVALUATED_OUTSIDE = "°"
 NOTES = {
     "emulated": f"{EMULATED} emulated in FP32: time, speed-up and measured peak measure the emulation on this device, "
                 "not the format (modelled memory counts the format's storage either way).",
     "disturbed": f"{DISTURBED} timing disturbed: other processes kept more cores busy than this run's threads left "
                  "free (timing.conditions in the record).",
+    "stalled": f"{STALLED} stalled: a run that trained without a NaN but did not learn as its siblings (the cell's "
+               "other seeds) did: its final training loss is above where they were a tenth of the way in, while they "
+               "went on learning (bench/running/learning.py; numerics.stalled in its record). The cell's statistics "
+               "are shown with it and, after `without:`, without it (and its paired differences without its pairs).",
+    "clipped": f"{CLIPPED} the 95% t interval reached past the values the metric can take (an accuracy above 100%, a "
+               "difference beyond ±100 points) and is clipped to them: with these few seeds and this spread it says "
+               "little beyond that the seeds disagree.",
+    "evaluated": f"{EVALUATED_OUTSIDE} evaluated without the autocast the cell trained under (native 16-bit mixed: in "
+                 "FP32; FP8 or a block format with BF16 elsewhere: FP32 outside its GEMMs): a record made before "
+                 "evaluation ran in the trained precision (metrics.evaluated_in).",
     "time": "train time: median over the seeds that finished [min–max] (n); speed-up: the 32-true median over this one.",
     "compiled": "compiled: the cell trained with train.compile (torch.compile); its time and speed-up leave out the "
                 "steps during which it compiled, whose median seconds are shown beside it (timing.compile).",
@@ -68,13 +90,9 @@ NOTES = {
               "process's peak resident set on CPU (mostly the Python/torch runtime), max_memory_allocated on CUDA; "
               "TFLOP/s: FLOPs of a step over its median time, native runs only.",
 }
-PERCENT_METRICS = {"test_accuracy"}
-DIGITS = {"val_loss": 3, "val_bpc": 3}  # nats and bits per character: seeds differ in the third decimal
-
-
-def scaled(metric: str | None, value):
-    """Accuracy as a percentage; EM/F1 already are points."""
-    return value * 100 if metric in PERCENT_METRICS and value is not None and not pd.isna(value) else value
+def cell_unit(cell) -> Unit:
+    """The unit of a cell's (or run's) metric, as its model declares it (`model.task.unit`)."""
+    return unit(cell.get("unit"))
 
 
 def fmt_time(cell) -> str:
@@ -96,22 +114,25 @@ def fmt_stat(mean, std, n, digits: int = 2) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f} (n={n})"
 
 
+def cell_difference(cell, suffix: str = "") -> Paired:
+    """The cell's paired difference to 32-true as bench.reporting.aggregate.paired_differences left it in its columns
+    (`suffix` "_without_stalled": without the stalled runs' pairs)."""
+    n = cell[f"value_vs_fp32_n{suffix}"]
+    return Paired(cell[f"value_vs_fp32{suffix}"], 0 if pd.isna(n) else int(n),
+                  Interval(cell[f"value_vs_fp32_lo{suffix}"], cell[f"value_vs_fp32_hi{suffix}"],
+                           flag(cell[f"value_vs_fp32_clipped{suffix}"])))
+
+
 def fmt_difference(cell, with_n: bool = True) -> str:
-    """The paired difference to 32-true in the metric's units, its interval, the number of paired seeds (unless
-    with_n is off) and the mark when the interval excludes 0."""
-    metric, n = cell["metric"], cell["value_vs_fp32_n"]
+    """The paired difference to 32-true (bench.reporting.statistics.format_paired), and where stalled runs took part
+    in it, the same without their pairs."""
     if str(cell["setting"]) == "32-true":
         return "baseline"
-    if pd.isna(cell["value_vs_fp32"]) or not n:
-        return "–"
-    digits = DIGITS.get(metric, 2)
-    text = f"{scaled(metric, cell['value_vs_fp32']):+.{digits}f}"
-    count = f" (n={int(n)})" if with_n else ""
-    if pd.isna(cell["value_vs_fp32_lo"]):
-        return text + count
-    interval = (f" [{scaled(metric, cell['value_vs_fp32_lo']):+.{digits}f}, "
-                f"{scaled(metric, cell['value_vs_fp32_hi']):+.{digits}f}]")
-    return f"{text}{interval}{count}{SIGNIFICANT if cell['value_vs_fp32_significant'] else ''}"
+    text = format_paired(cell_difference(cell), cell_unit(cell), with_n)
+    without = cell_difference(cell, "_without_stalled")
+    if without.n < cell_difference(cell).n:
+        text += f"; without stalled runs: {format_paired(without, cell_unit(cell), with_n)}"
+    return text
 
 
 def fmt_mib(value) -> str:
@@ -125,11 +146,20 @@ def status_note(cell) -> str:
 
 
 def _metric_text(cell) -> str:
-    metric = cell["metric"]
-    text = fmt_stat(scaled(metric, cell["value"]), scaled(metric, cell["value_std"]), cell["value_n"],
-                    DIGITS.get(metric, 2))
-    note = status_note(cell)
-    return f"{text} [{note}]" if note else text
+    """mean ± std (n) in the metric's shown units; the runs that did not finish, and the stalled ones with the cell's
+    statistics without them; ° where the metric was evaluated without the autocast the cell trained under."""
+    metric_unit = cell_unit(cell)
+    text = fmt_stat(metric_unit.shown(cell["value"]), metric_unit.shown(cell["value_std"]), cell["value_n"],
+                    metric_unit.digits)
+    if cell["value_n"] and EVALUATED_WITHOUT_AUTOCAST in str(cell.get("evaluated_in") or ""):
+        text += EVALUATED_OUTSIDE
+    notes = [status_note(cell)] if status_note(cell) else []
+    if cell.get("stalled"):
+        without = fmt_stat(metric_unit.shown(cell["value_without_stalled"]),
+                           metric_unit.shown(cell["value_without_stalled_std"]), cell["value_without_stalled_n"],
+                           metric_unit.digits)
+        notes.append(f"{int(cell['stalled'])} stalled{STALLED}; without: {without}")
+    return f"{text} [{'; '.join(notes)}]" if notes else text
 
 
 def _setting_label(cell) -> str:
@@ -278,13 +308,14 @@ def published_table(cells: pd.DataFrame) -> pd.DataFrame:
         for _, c in match.iterrows():
             metric = pub["metric"]
             n = c["value_n"] if metric == c["metric"] else c[f"{metric}_n"]
-            ours = scaled(metric, c["value"] if metric == c["metric"] else c[metric])
-            std = scaled(metric, c["value_std"] if metric == c["metric"] else c[f"{metric}_std"])
+            metric_unit = cell_unit(c)
+            ours = metric_unit.shown(c["value"] if metric == c["metric"] else c[metric])
+            std = metric_unit.shown(c["value_std"] if metric == c["metric"] else c[f"{metric}_std"])
             rows.append({
                 "source": pub["source"], "model": pub["model"], "task": pub["task"], "setting": pub["setting"],
                 "our scaling": c["scaling"], "metric": metric, "published": f"{pub['value']:.2f}",
-                "ours": fmt_stat(ours, std, n, DIGITS.get(metric, 2)),
-                "difference": "–" if pd.isna(ours) else f"{ours - pub['value']:+.{DIGITS.get(metric, 2)}f}",
+                "ours": fmt_stat(ours, std, n, metric_unit.digits),
+                "difference": "–" if pd.isna(ours) else f"{ours - pub['value']:+.{metric_unit.digits}f}",
                 "published time (min)": pub.get("train_min", "–"),
                 "our time (min)": "–" if pd.isna(c["train_s"]) else f"{c['train_s'] / 60:.2f}",
                 "our backend / device": f"{c['backend']} / {c['device']}",
@@ -309,6 +340,7 @@ CHARLM_COLUMNS = [("16-mixed", "none", "FP16 regular"), ("16-mixed", "static", "
                   ("fp8-mixed", "dynamic", "FP8 regular, dynamic loss scale"),
                   ("fp8-mixed", "per_tensor", "FP8 per-tensor"), ("fp8-mixed", "unit", "FP8 unit")]
 BPC_PER_NAT = 1 / math.log(2)
+BITS = Unit("bits per character", BPC_PER_NAT, 3, (0.0, math.inf))  # a loss in nats, shown in bits
 
 
 def _norm_of(model_label: str) -> str:
@@ -346,9 +378,9 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
                 text = fmt_stat(c["value"] * BPC_PER_NAT, c["value_std"] * BPC_PER_NAT, c["value_n"], 3)
                 ours[heading] = text + (f" {EMULATED}" if c["backend"] == "emulated" else "") + (f" [{note}]" if note else "")
                 runs_here = here[is_cell(here, setting, scaling)]
-                differences = [(v - reference[s]) * BPC_PER_NAT for v, s in zip(runs_here["value"], runs_here["seed"])
+                differences = [v - reference[s] for v, s in zip(runs_here["value"], runs_here["seed"])
                                if s in reference.index]
-                ours_delta[heading] = _paired_text(differences, baseline=(setting, scaling) == ("32-true", "none"))
+                ours_delta[heading] = _paired_text(differences, BITS, baseline=(setting, scaling) == ("32-true", "none"))
             rows += [ours, ours_delta]
         published = {(r["setting"], r["scaling"]): r["value"] for r in paper if r["norm"] == norm}
         base = published.get(("32-true", "none"))
@@ -417,7 +449,7 @@ def _differences_to_fp32(here: pd.DataFrame, mine: pd.DataFrame, scaling: str, m
     same = fp32[fp32["scaling"].astype(str) == scaling]
     reference = (same if not same.empty else fp32[fp32["scaling"].astype(str) == "none"])
     reference = reference.drop_duplicates("seed").set_index("seed")["value"]
-    return [scaled(metric, v - reference[s]) for v, s in zip(mine["value"], mine["seed"]) if s in reference.index]
+    return [v - reference[s] for v, s in zip(mine["value"], mine["seed"]) if s in reference.index]
 
 
 def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame, block_rows: list[BlockRow]) -> pd.DataFrame:
@@ -439,7 +471,7 @@ def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame, block_rows: lis
             rows.append({"model": label,
                          "format": block_row.label + (f" {EMULATED}" if c["backend"] == "emulated" else ""),
                          "bits / element": f"{block_row.bits:g}", "metric": metric, "mean ± std": _metric_text(c),
-                         "Δ vs FP32": _paired_text(differences, block_row.setting == "32-true", DIGITS.get(metric, 2)),
+                         "Δ vs FP32": _paired_text(differences, cell_unit(c), block_row.setting == "32-true"),
                          "gradients rel. MSE": "–" if pd.isna(c["gradients_rel_mse"]) else f"{c['gradients_rel_mse']:.2e}",
                          "blocks clipped (act. / grad.)": " / ".join(
                              "–" if pd.isna(c[f"{tc}_clipped_blocks"]) else f"{100 * c[f'{tc}_clipped_blocks']:.2g}%"
@@ -514,21 +546,25 @@ def labelled_rows_table(runs: pd.DataFrame, cells: pd.DataFrame, labelled: list[
                 differences = _differences_to_fp32(here, here[row.selects(here)], row.scaling, c["metric"])
                 rows.append({"model": label, "cell": row.label, "setting": _setting_label(c), "lr": f"{c['lr']:.3g}",
                              "mean ± std": _metric_text(c),
-                             "Δ vs its 32-true": _paired_text(differences, str(c["setting"]) == "32-true",
-                                                              DIGITS.get(c["metric"], 2))})
+                             "Δ vs its 32-true": _paired_text(differences, cell_unit(c),
+                                                              str(c["setting"]) == "32-true")})
     return pd.DataFrame(rows)
 
 
-def _paired_text(differences: list[float], baseline: bool, digits: int = 3) -> str:
-    if baseline:
-        return "baseline"
-    if not differences:
-        return "–"
-    lo, hi = t_interval(differences)
-    text = f"{np.mean(differences):+.{digits}f}"
-    if pd.isna(lo):
-        return f"{text} (n={len(differences)})"
-    return f"{text} [{lo:+.{digits}f}, {hi:+.{digits}f}] (n={len(differences)}){SIGNIFICANT if lo > 0 or hi < 0 else ''}"
+def _paired_text(differences: list[float], metric_unit: Unit, baseline: bool) -> str:
+    """A table's paired difference (bench.reporting.statistics), or `baseline` for the reference cell itself."""
+    return "baseline" if baseline else format_paired(paired(differences, metric_unit), metric_unit)
+
+
+# The tables a preset may declare (`hydra.sweeper.table` in its yaml, checked before a sweep starts): name ->
+# (runs, cells, the preset's labelled rows) -> the table, or None where its cells are not there.
+DECLARED_TABLES = {
+    "unit_scaling_charlm": lambda runs, cells, rows: unit_scaling_charlm_table(runs, cells)
+    if (cells["metric"] == "val_loss").any() else None,
+    "block_formats": block_formats_table,
+    "lr_transfer": lambda runs, cells, rows: lr_transfer_table(cells),
+    "labelled_rows": labelled_rows_table,
+}
 
 
 _LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
@@ -576,22 +612,21 @@ CAPTIONS = {
 def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[str, str]:
     """Write every table (md, tex, csv) plus runs.csv and cells.csv; return the Markdown per table."""
     directory.mkdir(parents=True, exist_ok=True)
-    runs.drop(columns=["loss_scale_history", "losses", "settings"]).to_csv(directory / "runs.csv", index=False)
+    runs.drop(columns=["loss_scale_history", "losses", "settings", "learning"]).to_csv(directory / "runs.csv", index=False)
     cells.drop(columns="settings").to_csv(directory / "cells.csv", index=False)
     built = {"precision": precision_table(cells), "scaling_grid": scaling_grid(cells),
              "numerics": numerics_table(cells), "vs_published": published_table(cells)}
     if (cells["metric"] == "f1").any():
         built["squad"] = squad_table(cells)
     declared = declared_table_of(cells)
-    if declared and declared[0] == "unit_scaling_charlm" and (cells["metric"] == "val_loss").any():
-        built["unit_scaling_charlm"] = unit_scaling_charlm_table(runs, cells)
-    if declared and declared[0] == "block_formats":
-        built["block_formats"] = block_formats_table(runs, cells, declared[1])
-    if declared and declared[0] == "lr_transfer":
-        built["lr_transfer"] = lr_transfer_table(cells)
-    if declared and declared[0] == "labelled_rows":
-        built["labelled_rows"] = labelled_rows_table(runs, cells, declared[1])
-    notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else [])
+    if declared and declared[0] in DECLARED_TABLES \
+            and (table := DECLARED_TABLES[declared[0]](runs, cells, declared[1])) is not None:
+        built[declared[0]] = table
+    notes = [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else []) \
+        + ([NOTES["stalled"]] if cells["stalled"].any() else []) \
+        + ([NOTES["clipped"]] if cells[["value_ci_clipped", "value_vs_fp32_clipped"]].map(flag).any(axis=None) else []) \
+        + ([NOTES["evaluated"]] if cells["evaluated_in"].str.contains(EVALUATED_WITHOUT_AUTOCAST, regex=False).any()
+           else [])
     timing_notes = [NOTES["time"], NOTES["memory"], NOTES["difference"]] \
         + ([NOTES["disturbed"]] if cells["disturbed"].any() else []) \
         + ([NOTES["compiled"]] if cells["compiled"].astype(bool).any() else []) \

@@ -20,13 +20,13 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from bench.data import DATA_DIR
 from bench.errors import ConfigError, check_choice, suggestion  # bench.running.config.ConfigError: the same class
-from bench.numerics.precision import PrecisionConfig
+from bench.numerics.precision import EVAL_PRECISIONS, PrecisionConfig
 from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING
 from bench.numerics.umup import UmupHyper
 from bench.numerics.unit import LR_RULES
 from bench.running.device import DEVICES, parallel_jobs
 from bench.running.identity import cell_path
-from bench.tasks.base import TaskSpec
+from bench.tasks.base import METRIC_UNITS, TaskSpec
 from bench.tasks.charlm import SHAKESPEARE_SHA256
 
 SCHEDULES = ("none", "linear", "cosine")
@@ -217,6 +217,7 @@ class TrainConfig:
     checkpoint_every: Optional[int] = None  # also checkpoint every N steps (always on SIGUSR2/SIGTERM)
     keep_checkpoint: bool = False  # keep the final checkpoint (weights, optimiser) after a finished run
     compile: Any = None  # torch.compile the forward and loss: null or auto (on CUDA only), true, false
+    eval_precision: str = "trained"  # trained (evaluate as the cell trained: autocast, rounding sites) | fp32
 
 
 @dataclass
@@ -286,6 +287,7 @@ def check(cfg: DictConfig) -> None:
     check_choice(cfg.scaling.amax, AMAX_MODES, "scaling.amax")
     check_choice(cfg.scaling.lr_rule, LR_RULES, "scaling.lr_rule")
     check_choice(cfg.device, DEVICES, "device")
+    check_choice(cfg.train.eval_precision, EVAL_PRECISIONS, "train.eval_precision")
     check_choice(cfg.logger.name, LOGGERS, "logger")
     if not (cfg.train.loss_multiplier > 0 and math.isfinite(cfg.train.loss_multiplier)):
         raise ConfigError(f"train.loss_multiplier={cfg.train.loss_multiplier} must be finite and > 0")
@@ -333,6 +335,7 @@ def _check_model(model: DictConfig) -> None:
         raise ConfigError(f"model {model.get('name')!r} declares no `task` (its builder, metric and data sources): "
                           "see docs/extending.md")
     check_choice(model.data.source, list(model.task.data_sources), "model.data.source")
+    check_choice(model.task.unit, METRIC_UNITS, "model.task.unit")
     check_choice(model.optimizer.name, OPTIMIZERS, "model.optimizer.name")
     check_choice(model.optimizer.schedule, SCHEDULES, "model.optimizer.schedule")
     if model.optimizer.grad_clip is not None and not model.optimizer.grad_clip > 0:
@@ -348,16 +351,24 @@ def _check_model(model: DictConfig) -> None:
 
 
 def task_spec(model_cfg: dict) -> dict:
-    """A recorded model's declaration: the record's own, or, for records made before models declared one, the
-    declaration in the model's yaml of the same name (conf/model/<name>.yaml)."""
-    if "task" in model_cfg:
-        return model_cfg["task"]
-    return _shipped_task_spec(model_cfg["name"])
+    """A recorded model's declaration: the record's own, over the declaration in the model's yaml of the same name
+    (conf/model/<name>.yaml) where that exists, over TaskSpec's defaults. Records made before a key was declared (every
+    model's `task` before 0.2.0, `unit` before 0.3.0) read it from the shipped yaml."""
+    shipped = _shipped_task_spec(model_cfg["name"])
+    if "task" not in model_cfg and shipped is None:
+        raise ConfigError(f"model {model_cfg['name']!r}: its record declares no task and conf/model/"
+                          f"{model_cfg['name']}.yaml does not exist")
+    return {**(shipped or _DEFAULT_TASK_SPEC), **model_cfg.get("task", {})}
+
+
+_DEFAULT_TASK_SPEC = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                      for f in dataclasses.fields(TaskSpec) if f.default is not MISSING}
 
 
 @functools.lru_cache(maxsize=None)
-def _shipped_task_spec(name: str) -> dict:
-    spec = OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml").get("task")
+def _shipped_task_spec(name: str) -> dict | None:
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    spec = OmegaConf.load(path).get("task") if path.is_file() else None
     if spec is None:
-        raise ConfigError(f"model {name!r}: its record declares no task and conf/model/{name}.yaml does not exist")
+        return None
     return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(TaskSpec), spec))

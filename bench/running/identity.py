@@ -27,7 +27,7 @@ NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "d
 NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
 NON_SEMANTIC_MODEL = ("task",)  # the model's declaration (bench/tasks/base.py TaskSpec): how to read it, not what runs
 # Keys whose named default means what null means (and what runs made before the key existed did), per section.
-SPELLINGS_OF_NULL = {"train": {("compile", "auto")}, "format": {("elsewhere", "fp32")}}
+SPELLINGS_OF_NULL = {"train": {("compile", "auto"), ("eval_precision", "trained")}, "format": {("elsewhere", "fp32")}}
 
 
 def _identity_form(value):

@@ -130,6 +130,22 @@ class MetricsLog:
             self._file.close()
 
 
+def logged_losses(run_dir: Path) -> list[list[float]]:
+    """A run's training curve, `[step, loss]` at its log steps, from its metrics.jsonl (empty without one)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    curve = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a torn last line after a kill
+            continue
+        if isinstance(row.get("loss"), (int, float)):
+            curve.append([row["step"], row["loss"]])
+    return curve
+
+
 class RecordError(ValueError):
     """A result.json that cannot be read or lacks the schema's keys."""
 

@@ -21,9 +21,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bench.numerics.blocks import FP8_GRANULARITIES
 from bench.numerics.precision import Precision, PrecisionError
-from bench.numerics.scaling import LossScaler, PerTensorScale
+from bench.numerics.scaling import LossScaler
 from bench.numerics.umup import UmupHyper, umup_task
 from bench.numerics.unit import ConversionError, unit_scale_task
 from bench.running import device as devices
@@ -32,6 +31,7 @@ from bench.running.command_line import check_command_line
 from bench.running.config import CONF_DIR, ConfigError, check
 from bench.running.flops import step_flops_by_module
 from bench.running.identity import run_id
+from bench.running.learning import learning_summary
 from bench.running.logger import NullLogger, open_logger
 from bench.running.record import (
     IN_FLIGHT,
@@ -41,6 +41,7 @@ from bench.running.record import (
     MetricsLog,
     StorageError,
     cell_lock,
+    logged_losses,
     previous_record,
     require_free_space,
     storage_errors,
@@ -72,20 +73,7 @@ def device_preflight(cfg: DictConfig) -> tuple[torch.device, Precision]:
         raise DeviceError(str(e)) from None
 
 
-def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
-    per_tensor = None
-    if cfg.scaling.name == "per_tensor":
-        s = cfg.scaling
-
-        def per_tensor(tensor_class, spec):
-            return PerTensorScale(spec, s.amax, s.history_len, s.margin, s.pow2,
-                                  on_scale=lambda a, sc: precision.telemetry.observe_scale(tensor_class, a, sc))
-
-    f = cfg.format
-    granularity = cfg.scaling.name if cfg.scaling.name in FP8_GRANULARITIES else None
-    precision = Precision(f.name, f.mode, f.backend, f.overflow, f.ftz, device, per_tensor, f.scale_mode, f.rounding,
-                          granularity, f.gradients, f.get("elsewhere"))
-    return precision
+build_precision = Precision.from_config  # the cell's precision on a device
 
 
 def build_scaler(cfg: DictConfig) -> LossScaler:
@@ -262,7 +250,9 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
             outcome = train(task, precision, scaler, optimizer, schedule, cfg.train, device, log_row,
                             label=cfg.cell, checkpointer=checkpointer, resume=resume)
             timing_conditions = conditions.finish()
-            metrics = task.evaluate(task.model, precision.inputs)  # inside: pre-empted here, it resumes here
+            with precision.evaluating(task.model, cfg.train.eval_precision) as cast_inputs:
+                metrics = task.evaluate(task.model, cast_inputs)  # inside: pre-empted here, it resumes here
+            metrics["evaluated_in"] = precision.evaluated_in(cfg.train.eval_precision)
         record["memory"]["peak_bytes"] = memory.peak_bytes()
         record["memory"]["step"] = outcome.step_memory
         record["metrics"] = {**metrics, "final_train_loss": outcome.final_loss}
@@ -294,6 +284,8 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
         if metrics_log is not None:
             metrics_log.close()
     record["numerics"] |= scaler.state() | {"quantisation": precision.telemetry.summary()}
+    # what bench.running.learning's rule reads of this run (the sweep judges it against its siblings when they end)
+    record["numerics"]["learning"] = learning_summary(logged_losses(run_dir), record["timing"].get("steps"))
     record["env"]["finished_at"] = devices.utc_now()
     write_json_atomic(run_dir / "result.json", record)
     if record["status"] != "failed":  # a failed cell keeps its checkpoint: retry_failed=true resumes it

@@ -239,9 +239,8 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
         if settle():
             break
         if task.validate is not None and out.position > 0:
-            precision.telemetry.sampling = False  # validation is not training: nothing to count
-            with precision.autocast():
-                metrics = task.validate(model, precision.inputs)
+            with precision.evaluating(model, cfg.get("eval_precision", "trained")) as cast_inputs:
+                metrics = task.validate(model, cast_inputs)
             out.per_epoch.append({"epoch": epoch, **metrics})
             log({"step": out.steps, "epoch": epoch, **metrics})
         out.epoch, out.position = epoch + 1, 0

@@ -30,6 +30,10 @@ class Task:
         return self.loss(outputs, targets, self.cross_entropy)
 
 
+# A metric's unit: fraction (in [0, 1], shown as a percentage), percent (in [0, 100]), nats (a cross-entropy, >= 0).
+METRIC_UNITS = ("fraction", "percent", "nats")
+
+
 @dataclass
 class TaskSpec:
     """A model's declaration, `model.task` in its yaml: the one place the suite learns what a model is. The runner
@@ -42,6 +46,7 @@ class TaskSpec:
 
     _target_: str = MISSING  # the builder: (model config, torch.device, seed) -> Task
     metric: str = MISSING  # the primary metric in the record's `metrics`: the tables' value, the paired difference
+    unit: str = "fraction"  # the metric's unit (METRIC_UNITS): how tables show it and the range its intervals keep to
     higher_is_better: bool = True
     report: list = field(default_factory=list)  # the metrics the dashboard charts ([]: just `metric`)
     data_sources: list = field(default_factory=lambda: ["local"])  # the valid `model.data.source` values

@@ -20,7 +20,6 @@ import urllib.request
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
@@ -207,20 +206,22 @@ def charlm_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
 
     @torch.no_grad()
     def evaluate(model, cast_inputs) -> dict:
-        """Mean loss over every validation window; also the spread of the per-window means, from which the noise
-        of nanoGPT's estimate (eval_iters batches of batch_size random windows) follows:
-        val_window_loss_std / sqrt(eval_iters * batch_size)."""
+        """Mean loss over every validation window, each window's by the task's own loss (`task.compute_loss`: the one
+        training minimises, with the cross-entropy unit scaling or u-μP swapped in, its softmax multiplier
+        included); also the spread of the per-window means, from which the noise of nanoGPT's estimate (eval_iters
+        batches of batch_size random windows) follows: val_window_loss_std / sqrt(eval_iters * batch_size)."""
         model.eval()
         per_window = []
         for start in range(0, len(val_x), cfg.eval_batch_size):
             logits = model(val_x[start:start + cfg.eval_batch_size]).float()
-            losses = F.cross_entropy(logits.transpose(1, 2), val_y[start:start + cfg.eval_batch_size], reduction="none")
-            per_window.append(losses.mean(1))
+            per_window += [task.compute_loss(window, targets)
+                           for window, targets in zip(logits, val_y[start:start + cfg.eval_batch_size])]
         model.train()
-        per_window = torch.cat(per_window).double()
+        per_window = torch.stack(per_window).double()
         mean = float(per_window.mean())  # every window has block_size characters: the mean over all characters
         return {"val_loss": mean, "val_bpc": mean / math.log(2), "val_tokens": val_y.numel(),
                 "val_window_loss_std": float(per_window.std()), "vocabulary": len(vocabulary)}
 
-    return Task(model=model, train_batches=train_batches, forward=forward, loss=loss, evaluate=evaluate,
+    task = Task(model=model, train_batches=train_batches, forward=forward, loss=loss, evaluate=evaluate,
                 batch_size=batch_size, steps_per_epoch=cfg.iterations)
+    return task

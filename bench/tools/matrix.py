@@ -8,11 +8,7 @@ against the rules written out by hand.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from unittest import mock
-
-import torch
 
 from bench.numerics import hardware
 from bench.numerics.blocks import FP8_GRANULARITIES
@@ -38,16 +34,10 @@ def settings() -> list[tuple[str, str]]:
     return [(name, mode) for name, spec in FORMAT_SPECS.items() for mode in spec.modes]
 
 
-@contextlib.contextmanager
 def simulated(profile: str):
     """Within the block, bench.numerics.hardware answers as the named device would; yields its torch.device."""
     kind, flags, capability, torchao = PROFILES[profile]
-    with mock.patch.object(hardware, "_cpu_flags", lambda: frozenset(flags)), \
-            mock.patch.object(hardware, "torchao_available", lambda: torchao), \
-            mock.patch.object(hardware, "torchao_mxfp8_available", lambda: torchao), \
-            mock.patch.object(torch.cuda, "is_available", lambda: kind == "cuda"), \
-            mock.patch.object(torch.cuda, "get_device_capability", lambda *_: capability):
-        yield torch.device(kind)
+    return hardware.simulated(kind, flags, capability, torchao)
 
 
 # Settings whose backend depends on format options the columns leave at their defaults: (format, how the line

@@ -8,6 +8,8 @@ Hydra's basic sweeper with four additions:
   (not for SLURM, whose nodes decide for themselves);
 - cells whose record is already finished are not launched at all (on SLURM: no job is submitted),
   and the log names each one; failed or diverged cells re-run with retry_failed=true;
+- the sweep ends by judging each finished run against its siblings (the other seeds of its cell): a run that did not
+  learn as they did gets `numerics.stalled` in its record (bench/running/learning.py) and is named in the summary;
 - the sweep ends with a status summary and a non-zero exit if any cell (run now or before) failed,
   including a SLURM job that ended without a result (cancelled, killed) and a cell stopped by a full or failing
   disk (no record), neither of which ends the sweep;
@@ -27,8 +29,10 @@ from typing import Any, Sequence
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import OmegaConf, open_dict
 
+from bench.errors import suggestion
 from bench.running.config import ConfigError, check_results_dir
 from bench.running.identity import cell_path, run_id
+from bench.running.learning import judge
 from bench.running.record import IN_FLIGHT, RETRY_HINT, STATUSES, STORAGE_ERRNOS, in_flight
 
 log = logging.getLogger(__name__)
@@ -88,8 +92,10 @@ class CheckingSweeper(BasicSweeper):
         """settings: override sets, each a string or a mapping whose `overrides` is one (the mapping's other keys,
         and `table`, are the preset's table declaration, read by bench/reporting/tables.py, not here)."""
         super().__init__(*args, **kwargs)
+        self.table = table
         self.settings = [str(s["overrides"] if hasattr(s, "keys") else s).split() for s in settings or []]
         self.already: Counter = Counter()  # statuses of cells skipped because they were recorded before
+        self.run_dirs: dict[str, Path] = {}  # every cell of the sweep, run now or before: judged when it ends
 
     def split_arguments(self, overrides, max_batch_size):
         """Hydra's product of the swept params, each job then repeated once per entry of `settings`."""
@@ -159,6 +165,7 @@ class CheckingSweeper(BasicSweeper):
             except ConfigError as e:
                 print(f"config error in cell [{' '.join(overrides)}]: {e}", file=sys.stderr)
                 sys.exit(2)
+            self.run_dirs.setdefault(cfg.cell, Path(cfg.results_dir) / cfg.cell)
             if places[cfg.cell][1] is not overrides:
                 log.info("skipped [%s]: the same configuration as [%s]", " ".join(overrides),
                          " ".join(places[cfg.cell][1]))
@@ -179,6 +186,12 @@ class CheckingSweeper(BasicSweeper):
     def sweep(self, arguments: list[str]) -> Any:
         try:  # Hydra's basic sweeper creates the sweep directory before it composes any cell
             check_results_dir(Path(self.config.results_dir))
+            if self.table is not None:
+                from bench.reporting.tables import DECLARED_TABLES
+
+                if self.table not in DECLARED_TABLES:
+                    raise ConfigError(f"hydra.sweeper.table={self.table!r} is not a table; valid: "
+                                      f"{', '.join(DECLARED_TABLES)}{suggestion(self.table, DECLARED_TABLES)}")
             if not self._cells_run_here:
                 check_slurm_accounting()
         except ConfigError as e:
@@ -191,11 +204,14 @@ class CheckingSweeper(BasicSweeper):
         skipped = sum(n for status, n in self.already.items() if status != IN_FLIGHT) \
             + sum(r.get("skipped", False) and r["status"] != IN_FLIGHT for r in launched)
         unrecorded = sum(r.get("recorded") is False for r in launched)
+        stalled = judge(self.run_dirs.values())
         print("sweep: " + ", ".join(f"{total.get(s, 0)} {s}" for s in STATUSES)
               + f" ({skipped} skipped as already recorded"
               + (f"; {unrecorded} failed without a record, the disk being full or failing: run again once it has "
                  "space" if unrecorded else "") + ")"
               + (f"; {busy} in flight in another process, not run here (run again once it ends)" if busy else "")
+              + (f"; {len(stalled)} ok but stalled, not learning as their siblings did (numerics.stalled): "
+                 + ", ".join(stalled) if stalled else "")
               + (f"; {RETRY_HINT}" if total.get("failed") or total.get("diverged") else ""),
               file=sys.stderr)
         if total.get("failed"):
