@@ -17,7 +17,7 @@ LAUNCHER ?= parallel
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
-.PHONY: help setup test test-slow test-xla test-cluster sweep tables compare committed-tables default-tables raschka-memory bench gpu-report dashboard prepare sync chaos doctor clean
+.PHONY: help setup test test-slow test-xla test-cluster sweep tables compare committed-tables default-tables raschka-memory bench predict speed-validation gpu-report dashboard prepare sync chaos doctor clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -104,6 +104,12 @@ raschka-memory: setup ## Raschka's DistilBERT memory (A100) beside the modelled 
 bench: setup ## measure harness overhead, emulation cost, native speed (on CUDA), aggregation; JSON to results/bench/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m bench.tools.benchmark --out results/bench $(if $(ONLY),--only $(ONLY))
+
+predict: setup ## the speed model's step time, speed-ups and memory for cells not trained, on GPU profiles (ARGS='model=bert_base format=fp32,bf16,fp8 gpu=H100,B200')
+	$(PY) -m bench.predict $(ARGS)
+
+speed-validation: setup ## fit the speed model's constants on its fit rows, validate on every other GPU figure we have (results/bench/speed_model_validation.md)
+	$(PY) -m bench.tools.speed_validation
 
 gpu-report: setup ## on a CUDA machine, the GPU checks in one command (~9 min): doctor, native rows eager and compiled, a compiled Raschka-shape run; elsewhere prints the plan
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'

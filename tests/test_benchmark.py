@@ -68,11 +68,13 @@ def test_every_native_row_is_a_valid_cell_and_fp8_is_also_measured_with_bf16_els
 
 
 def test_synthetic_batch_keeps_the_task_shape():
+    from bench.tasks.text import full_length_batch
+
     import torch
 
     template = {"input_ids": torch.ones(2, 7, dtype=torch.long), "attention_mask": torch.ones(2, 7, dtype=torch.long),
                 "token_type_ids": torch.zeros(2, 7, dtype=torch.long), "start_positions": torch.tensor([3, 4])}
-    batch = benchmark.synthetic_batch(template, 5, 16, vocab=30)
+    batch = full_length_batch(template, 5, 16, vocab=30)
     assert batch["input_ids"].shape == (5, 16) and int(batch["input_ids"].max()) < 30
     assert batch["attention_mask"].all() and not batch["token_type_ids"].any()
     assert batch["start_positions"].tolist() == [3] * 5

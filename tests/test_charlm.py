@@ -167,16 +167,19 @@ def test_validation_is_the_mean_over_every_window_of_the_split(text_file):
 
 
 def test_a_steps_flops_count_the_causal_attention_on_cpu(make_cfg, text_file):
-    """FlopCounterMode had no formula for SDPA's CPU kernel: charlm's step counted its Linears only. Now the
-    attention adds, per layer, torch's SDPA count: 2 GEMMs of 2·b·h·s²·d forward, 5 backward (by hand)."""
-    from bench.running.flops import step_flops_by_module
+    """The traced step counts charlm's causal attention as one fused op per layer with torch's SDPA formulas: 2 GEMMs
+    of 2·b·h·s²·d forward, 5 backward (by hand); the rest of its FLOPs are its Linears' three GEMMs each."""
     from bench.running.run import build_cell, preflight
 
     cfg = make_cfg("model=charlm", "model.data.source=local", f"model.data.path={text_file}", "model.data.sha256=null",
                    "model.arch.layers=2", "model.arch.heads=2", "model.arch.embedding=32", "model.arch.block_size=16",
                    "model.batch_size=3")
     cell = build_cell(cfg, preflight(cfg)[1])
-    flops = step_flops_by_module(cell.task)
-    linears = sum(v for k, v in flops.items() if k != "Global")
+    attention = [o for o in cell.trace.ops if o.kind == "attention"]
     b, h, s, d = 3, 2, 16, 32 // 2
-    assert flops["Global"] - linears == 2 * (2 + 5) * 2 * b * h * s * s * d
+    assert len(attention) == 2 * 2 and sum(o.flops for o in attention) == 2 * (2 + 5) * 2 * b * h * s * s * d
+    tokens, width = b * s, 32
+    linears = 2 * (3 * width * width + width * width + 2 * 4 * width * width) + width * cell.task.model.lm_head.out_features
+    assert sum(o.flops for o in cell.trace.ops if o.kind == "gemm") == 3 * 2 * tokens * linears
+
+

@@ -94,6 +94,5 @@ def test_bench_lists_no_format_by_name_outside_the_registry():
     from bench.numerics import specs
 
     names = set(specs.FORMAT_SPECS) | set(specs.settings_in_order())
-    skip = {BENCH / "numerics" / "specs.py", BENCH / "numerics" / "formats.py", BENCH / "running" / "speed.py",
-            BENCH / "reporting" / "speed_model.py"}
+    skip = {BENCH / "numerics" / "specs.py", BENCH / "numerics" / "formats.py", BENCH / "running" / "speed.py"}
     assert _lists_naming(names, skip) == []

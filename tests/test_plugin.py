@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +44,10 @@ def test_a_users_model_sweeps_and_resumes_without_editing_bench(swept):
     assert all(r["status"] == "ok" and r["config"]["model"]["task"]["_target_"] == "mlp_digits.mlp_task"
                for r in records)
     assert all(r["metrics"]["test_accuracy"] > 0 for r in records)
+    # its validate() gives the quality curve: after each of the 2 epochs (the second, the final evaluation's value)
+    steps = records[0]["timing"]["steps"]
+    assert all(r["metrics"]["curve"]["metric"] == "val_accuracy" and [p[0] for p in r["metrics"]["curve"]["points"]]
+               == [steps // 2, steps] for r in records)
     unit = next(r for r in records if r["config"]["scaling"]["name"] == "unit")
     assert unit["numerics"]["unit_conversion"]["why"].startswith("fresh unit-variance init")  # converted, from scratch
 
@@ -54,6 +59,10 @@ def test_a_users_model_gets_tables_plots_and_a_dashboard(swept):
     precision = (tmp / "tables" / "default" / "precision.md").read_text()
     assert "mlp (32 hidden, digits)" in precision and "test_accuracy" in precision  # its describe() and metric
     assert "| fp8e3m4-mixed †" in precision  # the user's format, marked emulated
+    to_target = pd.read_csv(tmp / "tables" / "default" / "time_to_target.csv")  # read from its curve
+    fp32 = to_target[(to_target["setting"] == "32-true") & (to_target["scaling"] == "none")].iloc[0]
+    steps, reached = fp32["steps to target"].split(" ", 1)  # the FP32 run reaches its own final value, by its end
+    assert reached == "(1 of 1)" and int(steps) in (40, 80)
     assert (tmp / "tables" / "default" / "mlp_heatmap.png").is_file()
     board = _bench("bench.reporting.dashboard", "default", "--results", str(tmp / "runs"), "--tables",
                    str(tmp / "tables"), "--out", str(tmp / "dash"), cwd=tmp)

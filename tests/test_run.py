@@ -35,14 +35,23 @@ def test_every_cell_writes_a_complete_record(make_cfg, tmp_path, fmt, mode, scal
         round(metrics["test_accuracy"] * 360), abs=1e-9)
     assert metrics["evaluated_in"] == env["precision"]["label"]  # evaluated as it trained (train.eval_precision)
     assert record["timing"]["steps"] == 4 and record["timing"]["train_s"] > 0
+    assert record["timing"]["trace_s"] > 0 and record["timing"]["traced_on"] == "meta"
+    h100 = record["predicted"]["H100"]  # the speed model on the step this cell traced (bench/running/speed.py)
+    assert set(record["predicted"]) == {"V100", "A100", "H100", "H200", "B200"}
+    assert h100["compiled"]["step_s"] > 0 and h100["eager"]["step_s"] >= h100["compiled"]["step_s"] \
+        if "compiled" in h100 else h100["no_native_path"]
     assert record["timing"]["step_median_s"] > 0 and record["timing"]["samples_per_s"] > 0
     assert record["memory"]["peak_bytes"] > 0 and "resident" in record["memory"]["measures"]
     numerics = record["numerics"]
     expected_scale = {"static": 2048.0, "dynamic": 65536.0}.get(scaling, 1.0)
     assert numerics["final_loss_scale"] == expected_scale and numerics["skipped_steps"] == 0
     assert numerics["loss_scale"]["history"][0] == [0, expected_scale]
-    rows = [json.loads(line) for line in (path.parent / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (path.parent / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in logged if "loss" in r]  # the log steps'; the rest are the quality curve's evaluations
     assert [r["step"] for r in rows] == [0, 2]
+    curve = [r for r in logged if "loss" not in r]  # LeNet validates after each epoch: here one, of 4 steps
+    assert [(r["step"], r["epoch"]) for r in curve] == [(4, 0)] and 0 <= curve[0]["val_accuracy"] <= 1
+    assert metrics["curve"] == {"metric": "val_accuracy", "points": [[4, curve[0]["val_accuracy"]]]}  # as evaluated
     learning = numerics["learning"]  # what bench.running.learning's rule reads: its curve's early and final loss
     assert learning["steps"] == 4 and learning["final_loss"] == rows[-1]["loss"] > 0
     assert metrics["final_train_loss"] > 0 and "stalled" not in numerics  # a sweep, which knows the siblings, judges
@@ -211,20 +220,21 @@ def test_records_get_the_permissions_the_umask_gives_new_files(tmp_path, umask, 
 
 
 def test_flops_per_linear_are_its_three_gemms_counted_by_hand(make_cfg):
-    """DistilBERT's q_lin, k_lin, v_lin and out_lin are 64 x 64 Linears on the same tokens: each step costs each
-    2·tokens·64·64 FLOPs forward and as much for each gradient GEMM. FlopCounterMode's backward attribution gave
-    v_lin the q_lin and k_lin gradients (3x its share), and the converted layers more FLOPs than the step."""
-    from bench.running.flops import step_flops_by_module
+    """DistilBERT's q_lin, k_lin, v_lin and out_lin are 64 x 64 Linears on the same tokens: the traced step
+    (bench/running/trace.py) charges each 2·tokens·64·64 FLOPs forward and as much for each gradient GEMM, to that
+    module alone (FlopCounterMode's backward attribution once gave v_lin the q_lin and k_lin gradients)."""
     from bench.running.run import build_cell, preflight
 
     cfg = make_cfg("model=distilbert_tiny", "model.batch_size=12")
     cell = build_cell(cfg, preflight(cfg)[1])
-    flops = step_flops_by_module(cell.task)
     tokens = next(iter(cell.task.train_batches(0)))["input_ids"].numel()
-    root = "DistilBertForSequenceClassification.distilbert.transformer.layer.0.attention"
+    root = "distilbert.transformer.layer.0.attention"
     for name in ("q_lin", "k_lin", "v_lin", "out_lin"):
-        assert flops[f"{root}.{name}"] == 3 * 2 * tokens * 64 * 64
-    assert sum(v for k, v in flops.items() if k != "Global") < flops["Global"] == cell.flops_per_step
+        gemms = [o for o in cell.trace.ops if o.module == f"{root}.{name}" and o.kind == "gemm"]
+        assert sorted(o.role for o in gemms) == ["grad_input", "grad_weight", "output"]
+        assert sum(o.flops for o in gemms) == 3 * 2 * tokens * 64 * 64
+    linears = sum(o.flops for o in cell.trace.ops if o.module_type == "Linear")
+    assert linears < cell.trace.flops("forward") + cell.trace.flops("backward")
 
 
 def test_a_record_made_in_another_checkout_is_the_same_run_for_a_resumed_sweep_and_the_tables(make_cfg):

@@ -1,47 +1,191 @@
-"""The roofline speed model against figures worked by hand and against the committed H100 measurements."""
+"""The traced step (bench/running/trace.py) and the speed model on it (bench/running/speed.py), against hand counts,
+an analytic encoder model written out here, and made-up GPU profiles."""
 
-import json
+import dataclasses
+import math
+from pathlib import Path
 
 import pytest
+import torch
+import yaml
+from torch import nn
 
-from bench.reporting.speed_model import DEVICES, Encoder, gemm_seconds, predict
-from bench.tools.benchmark import ENCODERS, MEASURED_ON_H100, speed_model_rows
+from bench.errors import ConfigError
+from bench.running import speed
+from bench.running.speed import GPU, Recipe, gpu, predict, recipe_on, shipped_gpus, step_memory
+from bench.running.trace import trace_step
+from bench.tasks.base import Task
 
-H100 = DEVICES["H100"]
-
-
-def test_one_gemm_by_hand_compute_bound_and_memory_bound():
-    # 4096^3 in BF16: 2 * 4096^3 = 1.374e11 FLOPs at 989.4 TFLOP/s * 0.75 = 0.1852 ms; its 1.0e8 bytes would take
-    # 0.0376 ms at 3.35 TB/s * 0.8, so compute decides
-    assert gemm_seconds(4096, 4096, 4096, "bf16", 2, H100) == pytest.approx(2 * 4096**3 / (989.4e12 * 0.75))
-    # 16 tokens through a 4096 x 4096 weight: 5.4e8 FLOPs (0.7 us) but the weight's 33.6 MB take 12.5 us: memory
-    moved = (16 * 4096 + 4096 * 4096) * 2 + 16 * 4096 * 2
-    assert gemm_seconds(16, 4096, 4096, "bf16", 2, H100) == pytest.approx(moved / (3.35e12 * 0.8))
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_fp32_steps_are_predicted_within_20_percent_of_the_h100_measurements():
-    """FP32 at the papers' shapes is GEMM-bound even eagerly (the launch overhead is small beside 50-70 ms), so
-    the committed eager measurements test the model there; 16-bit and FP8 eager steps are overhead-bound."""
-    measured = {r["metric"]: r["value"] for r in json.loads(MEASURED_ON_H100.read_text())["rows"]}
-    for model, shape in ENCODERS.items():
-        predicted = predict(shape, "H100")
-        assert predicted["fp32"]["total"] == pytest.approx(measured[f"native.{model}.fp32.step_s"], rel=0.2)
-        steps = [predicted[s]["total"] for s in ("fp32", "tf32", "bf16-mixed")]
-        assert steps == sorted(steps, reverse=True)
-        errors = {r["metric"]: r["value"] for r in speed_model_rows() if r["metric"].endswith("error_vs_eager")}
-        assert abs(errors[f"predicted.H100.{model}.fp32.error_vs_eager"]) < 0.2
+def _task(model: nn.Module, batch, loss=None) -> Task:
+    """A task over one made-up batch (inputs, targets), its model on the meta device."""
+    return Task(model=model, train_batches=lambda epoch: iter([batch]), evaluate=lambda *a: {}, batch_size=1,
+                steps_per_epoch=1, forward=lambda m, b, cast: (m(b[0]), b[1]),
+                loss=loss or (lambda out, y, ce: out.float().pow(2).mean()))
 
 
-def test_fp8_wins_only_where_its_gemms_outweigh_its_casts():
-    """At the papers' shapes (768 wide) FP8's casts cost more than its GEMMs save, even with BF16 elsewhere; a
-    wide layer over many tokens is where torchao reports its gains."""
-    for shape in ENCODERS.values():
-        assert predict(shape, "H100")["fp8-bf16-elsewhere"]["speedup_vs_bf16-mixed"] < 1
-    wide = Encoder(layers=1, hidden=8192, heads=64, intermediate=32768, seq=2048, batch=8)
-    assert predict(wide, "H100")["fp8-bf16-elsewhere"]["speedup_vs_bf16-mixed"] > 1.2
-    assert "fp8" not in predict(wide, "A100")  # no FP8 tensor cores: not predicted
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def test_every_device_profile_names_its_source():
-    assert set(DEVICES) == {"V100", "A100", "H100", "H200", "B200"}
-    assert all(profile["source"] and profile["tb_s"] > 0 and profile["tflops"]["fp32"] > 0 for profile in DEVICES.values())
+def test_the_trace_counts_a_linear_a_conv_and_attention_as_by_hand():
+    """Linear(64 -> 32) on 8 x 64 inputs: 2·8·64·32 FLOPs forward, as much for each gradient GEMM (its input needs
+    none, so two: output and weight gradient). Conv2d(3 -> 4, 3x3) on 2 x 3 x 8 x 8 (6 x 6 out): 2·2·4·36·27 forward
+    and as much for its weight gradient. Causal SDPA on (2, 4, 16, 8) q, k, v: torch's formulas, 2 GEMMs of
+    2·b·h·s²·d forward, 5 backward."""
+    with torch.device("meta"):
+        linear = nn.Linear(64, 32)
+    traced = trace_step(_task(linear, (torch.randn(8, 64, device="meta"), None)), _sgd)
+    gemms = [o for o in traced.ops if o.kind == "gemm"]
+    assert sorted(o.role for o in gemms) == ["grad_weight", "output"]
+    assert [o.flops for o in gemms] == [2 * 8 * 64 * 32] * 2 and traced.linears == {"": (8, 64, 32)}
+
+    with torch.device("meta"):
+        conv = nn.Conv2d(3, 4, 3)
+    traced = trace_step(_task(conv, (torch.randn(2, 3, 8, 8, device="meta"), None)), _sgd)
+    assert sum(o.flops for o in traced.ops if o.kind == "gemm") == 2 * (2 * 2 * 4 * 36 * 27)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1, device="meta"))
+
+        def forward(self, x):
+            return nn.functional.scaled_dot_product_attention(x * self.scale, x, x, is_causal=True)
+
+    traced = trace_step(_task(Attention(), (torch.randn(2, 4, 16, 8, device="meta"), None)), _sgd)
+    attention = [o for o in traced.ops if o.kind == "attention"]
+    assert len(attention) == 2 and sum(o.flops for o in attention) == (2 + 5) * 2 * 2 * 4 * 16 * 16 * 8
+
+
+def _linear_trace(tokens: int = 4096, width: int = 4096):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(width, width, bias=False))
+    return trace_step(_task(model, (torch.randn(tokens, width, device="meta", requires_grad=True), None)), _sgd)
+
+
+def test_bytes_by_type_of_a_bf16_and_an_fp8_gemm():
+    """One 4096 x 4096 Linear on 4096 tokens: its forward GEMM moves (in + weight) elements at the operands' width and
+    the output at the type outside the GEMMs; an FP8 GEMM at the FP8 rate, its casts as torchao's roofline counts
+    them (tensorwise, per operand: amax, then casts)."""
+    traced = _linear_trace()
+    profile = GPU("made-up", "Made-up", (9, 0), {"fp32": 1.0, "bf16": 100.0, "fp8": 200.0}, 1.0, "made up")
+    c = dataclasses.replace(speed.CONSTANTS, gemm_efficiency=0.5, tensor_core_efficiency=1.0, memory_efficiency=1.0,
+                            kernel_floor_s=0.0, dispatch_s=0.0, autocast_dispatch_s=0.0, compiled_launch_s=0.0,
+                            float8_linear_s=0.0)  # FP32's CUDA cores at half their peak: no GEMM here runs on them
+    n = 4096 * 4096
+    bf16 = Recipe("bf16-true", "bf16", "bf16", "bf16", "all")
+    fp8 = Recipe("fp8-mixed", "fp8", "bf16", "fp32", "fp8", casts="tensorwise", autocast=True)
+    # three GEMMs of 2·4096³ FLOPs each: compute-bound at these rates (memory: 3·n elements of 1-2 bytes at 1 TB/s)
+    assert predict(traced, bf16, profile, True, c).gemm == pytest.approx(3 * 2 * 4096**3 / 100e12)
+    assert predict(traced, fp8, profile, True, c).gemm == pytest.approx(3 * 2 * 4096**3 / 200e12)
+    # fp8 casts, eager (no fusion): input and output gradient: amax (2n) + one cast (2n read, 2·1n written) each;
+    # the FP32 master weight: amax (4n) + a cast per layout (4n + 1n, twice)
+    casts = speed._cast_traffic(fp8, traced, fused=False)
+    assert sum(casts) == 2 * (2 * n + 4 * n) + (4 * n + 2 * 5 * n) and len(casts) == 3 + 2 + 2
+    # a compiled step fuses the activations' and gradients' amax into the op before (0 bytes, one kernel floor each)
+    assert sum(speed._cast_traffic(fp8, traced, fused=True)) == sum(casts) - 2 * 2 * n
+
+
+def test_compiled_and_eager_compose_gpu_and_host_time_on_a_made_up_profile():
+    """A step of small ops is the host's: eager = the ops' dispatches (each longer than its kernel), compiled = its
+    fused kernels' launches; a large GEMM hides the host time it overlaps."""
+    tiny = _linear_trace(tokens=8, width=16)
+    profile = GPU("made-up", "Made-up", (9, 0), {"fp32": 1e3}, 1e3, "made up")
+    c = dataclasses.replace(speed.CONSTANTS, dispatch_s=1e-3, compiled_launch_s=1e-4, kernel_floor_s=1e-6,
+                            autocast_dispatch_s=0.0)
+    fp32 = Recipe("32-true", "fp32", "fp32", "fp32", "all")
+    eager, compiled = predict(tiny, fp32, profile, False, c), predict(tiny, fp32, profile, True, c)
+    assert eager.step_s == pytest.approx(1e-3 * len(tiny.ops))  # every op, views too, one dispatch
+    non_view = [o for o in tiny.ops if o.kind != "view"]
+    assert compiled.step_s == pytest.approx(1e-4 * compiled.kernels) and compiled.kernels <= len(non_view)
+    assert eager.launches == pytest.approx(eager.step_s - eager.gemm - eager.memory - eager.optimizer)
+    big = _linear_trace()
+    slow = dataclasses.replace(profile, tflops={"fp32": 1.0})  # 1 TFLOP/s: each GEMM takes 0.137 s
+    gemms = sum(o.kind == "gemm" for o in big.ops)
+    assert gemms == 3 and predict(big, fp32, slow, False, c).launches == pytest.approx(1e-3 * (len(big.ops) - gemms),
+                                                                                      rel=1e-3)
+
+
+def test_the_trace_accounts_for_the_step_memory_the_runner_counts(make_cfg):
+    """LeNet in FP32 and natively in bf16-mixed (autocast): the trace's account of a step (parameters, gradients,
+    momentum, saved activations, autocast's weight copies) against bench/numerics/memory.py's count of a real one."""
+    from bench.running.run import run_cell
+    from bench.running.trace import trace_cell
+
+    for fmt in ("fp32", "bf16"):
+        cfg = make_cfg(f"format={fmt}", "format.backend=native", "train.max_steps=1")
+        counted = run_cell(cfg)["memory"]["step"]
+        modelled = step_memory(trace_cell(cfg), recipe_on(cfg, trace_cell(cfg), gpu("H100")))
+        assert modelled["total"] == pytest.approx(counted["total"], rel=0.001), (fmt, modelled, counted)
+        assert modelled["weight_copies"] == counted["weight_copies"]
+
+
+def test_the_path_predicted_is_the_runners_on_that_gpu(make_cfg):
+    """A CPU-emulated cell is predicted natively on a GPU that runs its format (bf16 on an H100), and a format the
+    GPU lacks, or a recipe the runner would emulate there, is no native path, with the runner's reason."""
+    from bench.running.trace import trace_cell
+
+    traced = trace_cell(make_cfg("format=bf16"))
+    assert isinstance(recipe_on(make_cfg("format=bf16", "format.backend=emulated"), traced, gpu("H100")), Recipe)
+    for cfg, gpu_name, why in ((make_cfg("format=fp8", "scaling=per_tensor"), "A100", "compute capability 8.0 < 8.9"),
+                               (make_cfg("format=fp8", "scaling=none"), "H100", "FP8 without per-tensor scales"),
+                               (make_cfg("format=fp8", "scaling=per_tensor"), "H100", "torchao converts no Linear"),
+                               (make_cfg("format=bf16"), "V100", "compute capability 7.0 < 8.0")):
+        found = recipe_on(cfg, traced, gpu(gpu_name))
+        assert isinstance(found, speed.NoNativePath) and why in str(found), (gpu_name, found)
+    assert str(recipe_on(make_cfg("format=mxfp4"), traced, gpu("B200"))).startswith("no native path on B200")
+
+
+def _analytic_gemm_seconds(layers: int, hidden: int, intermediate: int, tokens: int, profile: GPU, element: str,
+                           efficiency: float) -> float:
+    """The Linear GEMMs of a BERT encoder's step written out from its shapes (the speed model before the trace):
+    per layer Q, K, V, O (hidden x hidden) and the two FFN layers, three GEMMs each (forward, input and weight
+    gradient), each compute-bound at these sizes: 2·m·k·n FLOPs at the peak x efficiency."""
+    linears = [(hidden, hidden)] * 4 * layers + [(hidden, intermediate), (intermediate, hidden)] * layers
+    return sum(3 * 2 * tokens * k * n for k, n in linears) / (profile.tflops[element] * 1e12 * efficiency)
+
+
+@pytest.mark.parametrize("layers, seq", [(6, 512), (12, 384)])
+def test_the_traced_model_and_the_analytic_encoder_model_agree_within_5_percent_on_gemms(make_cfg, layers, seq):
+    """DistilBERT's and BERT-base's shapes (random init, full-length batches of 12), compiled bf16 on an H100: the GEMM
+    part the trace predicts against the analytic count of the encoder's Linears (the head and attention aside)."""
+    from bench.running.trace import trace_cell
+
+    model = "distilbert_tiny" if layers == 6 else "bert_tiny"
+    cfg = make_cfg(f"model={model}", f"model.arch.layers={layers}", "model.arch.hidden=768", "model.arch.heads=12",
+                   "model.arch.intermediate=3072", "model.batch_size=12", f"model.max_length={seq}",
+                   "format=bf16-true")
+    traced = trace_cell(cfg, full_length=True)
+    h100 = gpu("H100")
+    predicted = predict(traced, recipe_on(cfg, traced, h100), h100, compiled=True).gemm
+    analytic = _analytic_gemm_seconds(layers, 768, 3072, 12 * seq, h100, "bf16", speed.CONSTANTS.tensor_core_efficiency)
+    assert predicted == pytest.approx(analytic, rel=0.05)
+
+
+def test_gpu_profiles_are_data_with_their_sources_and_a_users_is_a_yaml_path(tmp_path):
+    profiles = shipped_gpus()
+    assert list(profiles) == ["V100", "A100", "H100", "H200", "B200"]
+    assert all(p.source and p.tb_s > 0 and p.tflops["fp32"] > 0 for p in profiles.values())
+    assert gpu("h100") == profiles["H100"]
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(yaml.safe_dump({"name": "Mine", "device_name": "Mine", "compute_capability": [9, 0],
+                                    "tflops": {"fp32": 10, "bf16": 100}, "tb_s": 1.0, "source": "made up"}))
+    assert gpu(str(mine)).tflops == {"fp32": 10.0, "bf16": 100.0}
+    with pytest.raises(ConfigError, match="unknown GPU 'H900'; known: V100, A100, H100, H200, B200"):
+        gpu("H900")
+    (tmp_path / "bad.yaml").write_text("name: Bad\n")
+    with pytest.raises(ConfigError, match="missing device_name, compute_capability, tflops, tb_s, source"):
+        gpu(str(tmp_path / "bad.yaml"))
+
+
+def test_the_committed_validation_names_the_constants_the_model_uses():
+    """results/bench/speed_model_validation.md is made from the constants bench/data/speed_constants.yaml holds."""
+    text = (ROOT / "results" / "bench" / "speed_model_validation.md").read_text()
+    for field in dataclasses.fields(speed.CONSTANTS):
+        value = getattr(speed.CONSTANTS, field.name)
+        shown = f"{value * 1e6:.3g} µs" if field.name.endswith("_s") else f"{value:.3g}"
+        assert f"| {field.name} | {shown} |" in text
+    assert not math.isnan(speed.CONSTANTS.gemm_efficiency)

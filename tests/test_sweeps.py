@@ -117,8 +117,12 @@ def test_an_interrupted_run_resumes_to_bitwise_the_same_weights(tmp_path, how):
     assert f"resuming from its checkpoint at step {stopped_at}" in resumed.stdout + resumed.stderr
     reference, result = _final_weights(cell), _final_weights(checkpoint.parent)
     assert all(torch.equal(reference[k], result[k]) for k in reference)
-    steps = [json.loads(line)["step"] for line in (checkpoint.parent / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (checkpoint.parent / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in logged if "loss" in r]
     assert steps == sorted(set(steps)) == list(range(0, 600, 10))  # no step lost or logged twice
+    evaluations = [r for r in logged if "loss" not in r]  # the quality curve's, after each epoch: as uninterrupted
+    reference_log = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines()]
+    assert len(evaluations) > 1 and evaluations == [r for r in reference_log if "loss" not in r]
     ours, theirs = (json.loads((d / "result.json").read_text()) for d in (checkpoint.parent, cell))
     assert ours["metrics"] == theirs["metrics"] and ours["timing"]["steps"] == 600
 

@@ -28,10 +28,13 @@ from bench.errors import ConfigError
 from bench.numerics.specs import FORMAT_SPECS, settings_in_order
 from bench.numerics.telemetry import TENSOR_CLASSES
 from bench.reporting import archive
+from bench.reporting.recorded_predictions import DEFAULT_GPUS, predicted
+from bench.reporting.quality import targets
 from bench.reporting.statistics import paired, t_interval, unit
 from bench.running.config import task_spec
 from bench.running.identity import comparison_ids, config_hash, semantic_config
 from bench.running.learning import learning_of, stalled_verdict
+from bench.running.speed import GPU, gpu
 from bench.running.record import (
     RECORD_KEYS,
     RecordError,
@@ -228,12 +231,15 @@ def unique(records: list[dict]) -> list[dict]:
     return [r for r, _ in _first_of_each_run(records)]
 
 
-def to_frame(records: list[dict]) -> pd.DataFrame:
-    """One row per record (the first of several with the same run_id on the same device).
+def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None) -> pd.DataFrame:
+    """One row per record (the first of several with the same run_id on the same device), with the speed model's
+    prediction on each of `gpus` (default: DEFAULT_GPUS; bench/reporting/recorded_predictions.py), its quality curve and the
+    steps it took to reach its target (bench/reporting/quality.py).
 
     The device is part of what a run is here: the same config run on a CPU and on an H100 (or on two GPU types
     of one cluster) makes two cells, labelled `device_name=...`, each paired with its own device's FP32, since their
     times cannot be averaged and their numerics need not agree."""
+    gpus = gpus or tuple(gpu(name) for name in DEFAULT_GPUS)
     rows = []
     for r, semantic in _first_of_each_run(records):
         cfg, env, numerics, metrics = r["config"], r["env"], r["numerics"], r["metrics"]
@@ -277,6 +283,9 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "final_loss_scale": _number(numerics.get("final_loss_scale")),
             "loss_scale_history": (numerics.get("loss_scale") or {}).get("history"),
             "dir": r.get("_dir"), "losses": r.get("_losses") or [], "learning": learning_of(r),
+            # a record made before records held their quality curve has none: no steps to target are read off it
+            "curve": (metrics.get("curve") or {}).get("points") or [],
+            "predicted": predicted(r, gpus),
         }
         for c in TENSOR_CLASSES:
             for f in QUANT_FIELDS:
@@ -291,6 +300,8 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
     frame["scaling"] = pd.Categorical(frame["scaling"], SCALING_ORDER, ordered=True)
     frame["variant"] = variants(frame)
     frame["stalled"] = _stalled(frame)
+    frame = frame.join(targets(frame))
+    frame.attrs["gpus"] = [g.name for g in gpus]
     return frame.sort_values([*CELL_KEYS, "seed"]).reset_index(drop=True)
 
 
@@ -353,6 +364,9 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     cells["value_without_stalled_n"] = kept["value"].count().reindex(cells.index, fill_value=0)
     evaluated = finished["evaluated_in"].apply(lambda s: "; ".join(sorted({str(v) for v in s.dropna()})))
     cells["evaluated_in"] = evaluated.reindex(cells.index, fill_value="")
+    _time_to_target(cells, groups, finished)
+    for name in frame.attrs.get("gpus", []):
+        _predicted_columns(cells, groups, finished, name)
     cells = cells.reset_index()
     base = cells[cells["setting"] == "32-true"][["baseline_id", "train_s", "peak_bytes", "step_bytes"]]
     base = base.rename(columns={"train_s": "fp32_train_s", "peak_bytes": "fp32_peak_bytes",
@@ -362,11 +376,47 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     cells["speedup_vs_fp32"] = cells["fp32_train_s"] / cells["train_s"]
     cells["memory_ratio_vs_fp32"] = cells["peak_bytes"] / cells["fp32_peak_bytes"]
     cells["step_memory_ratio_vs_fp32"] = cells["step_bytes"] / cells["fp32_step_bytes"]
+    for name in frame.attrs.get("gpus", []):  # a predicted speed-up: against the 32-true cell's prediction there
+        column = f"predicted_{name}_compiled_s"
+        fp32 = cells[cells["setting"] == "32-true"].groupby("baseline_id")[column].first()
+        cells[f"predicted_{name}_speedup"] = cells["baseline_id"].map(fp32) / cells[column]
     cells = cells.merge(paired_differences(frame), on="config_id", how="left")
     without = paired_differences(frame[~frame["stalled"].eq(True)])  # a pair with a stalled run is left out
     cells = cells.merge(without.rename(columns={c: f"{c}_without_stalled" for c in DIFFERENCE_COLUMNS}),
                         on="config_id", how="left")
     return cells.drop(columns=["fp32_train_s", "fp32_peak_bytes", "fp32_step_bytes", "baseline_id", "config_id"])
+
+
+def _time_to_target(cells: pd.DataFrame, groups, finished) -> None:
+    """A cell's steps to its target (bench/reporting/quality.py) over the seeds that reached it: mean, 95% interval
+    (clipped at 0), how many reached it of how many could be judged, and the target (the same for every seed where a
+    preset declares it; the 32-true seeds' mean otherwise)."""
+    cells["target"] = finished["target"].mean()
+    cells["target_judged"] = finished["reached"].apply(lambda s: int(s.notna().sum())).reindex(cells.index,
+                                                                                               fill_value=0)
+    cells["target_reached"] = finished["reached"].apply(lambda s: int(s.eq(True).sum())).reindex(cells.index,
+                                                                                                 fill_value=0)
+    cells["steps_to_target"] = finished["steps_to_target"].mean()
+    steps = finished["steps_to_target"].apply(list).reindex(cells.index, fill_value=[])
+    intervals = [t_interval(v, (0.0, np.inf)) for v in steps]
+    cells["steps_to_target_lo"], cells["steps_to_target_hi"] = [i.lo for i in intervals], [i.hi for i in intervals]
+
+
+def _predicted_columns(cells: pd.DataFrame, groups, finished, name: str) -> None:
+    """The speed model's step on GPU `name`, compiled and eager (the same for every seed: one configuration), or why
+    there is none; its steps to target, in predicted seconds; and, for a cell that ran natively on that GPU, the
+    prediction's error against its own measured step (compiled against compiled, eager against eager)."""
+    first = groups["predicted"].first()
+    cells[f"predicted_{name}_compiled_s"] = first.map(lambda p: (p[name].get("compiled") or {}).get("step_s"))
+    cells[f"predicted_{name}_eager_s"] = first.map(lambda p: (p[name].get("eager") or {}).get("step_s"))
+    cells[f"predicted_{name}_why"] = first.map(lambda p: p[name].get("no_native_path") or p[name].get("no_prediction"))
+    cells[f"predicted_{name}_to_target_s"] = cells["steps_to_target"] * cells[f"predicted_{name}_compiled_s"]
+    profile = gpu(name)
+    measured = finished["step_median_s"].mean().reindex(cells.index)
+    here = cells["device"].astype(str).str.startswith(profile.device_name) & (cells.index.get_level_values(
+        "backend") == "native")
+    mode = np.where(cells["compiled"], cells[f"predicted_{name}_compiled_s"], cells[f"predicted_{name}_eager_s"])
+    cells[f"predicted_{name}_error"] = np.where(here, mode / measured - 1, np.nan)
 
 
 DIFFERENCE_COLUMNS = ["value_vs_fp32", "value_vs_fp32_n", "value_vs_fp32_lo", "value_vs_fp32_hi",

@@ -43,11 +43,11 @@ def write_folder(runs, folder: Path, plots_too: bool = True) -> dict[str, str]:
     return written
 
 
-def regenerate(folder: Path, plots_too: bool = True) -> tuple[dict, list[str]]:
-    """Rewrite a committed folder's tables (and plots) from its records.jsonl.gz; returns the Markdown per table
-    and the problems met reading the records."""
+def regenerate(folder: Path, plots_too: bool = True, gpus: tuple | None = None) -> tuple[dict, list[str]]:
+    """Rewrite a committed folder's tables (and plots) from its records.jsonl.gz, predicting on `gpus` (default the
+    tables' own); returns the Markdown per table and the problems met reading the records."""
     records, problems = archive.read(folder / archive.ARCHIVE)
-    runs = aggregate.to_frame(records)
+    runs = aggregate.to_frame(records, gpus)
     if runs.empty:
         return {}, problems + [f"{folder / archive.ARCHIVE}: no valid records"]
     return write_folder(runs, folder, plots_too), problems

@@ -1,6 +1,7 @@
 """Paper-style tables and plots from run records: what `python -m bench.aggregate` runs.
 
     python -m bench.aggregate SOURCE... [--out DIR] [--experiment NAME] [--no-plots] [--keep-records]
+                              [--predict-for H100,B200]
 
 SOURCE is a results directory, a records.jsonl.gz or wandb://entity/project[/group] (bench/reporting/aggregate.py
 reads them). Tables go to <out>/<experiment>/ (default results/local/tables; bench/reporting/tables.py), plots
@@ -16,6 +17,8 @@ from pathlib import Path
 
 from bench.errors import ConfigError
 from bench.reporting import aggregate, archive, committed
+from bench.reporting.recorded_predictions import DEFAULT_GPUS
+from bench.running.speed import gpu, shipped_gpus
 
 
 def main(argv: list[str] | None = None, api=None) -> int:
@@ -26,6 +29,10 @@ def main(argv: list[str] | None = None, api=None) -> int:
                              " unless named)")
     parser.add_argument("--experiment", help="only this experiment_name")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
+    parser.add_argument("--predict-for", default=",".join(DEFAULT_GPUS),
+                        help="the GPUs the tables predict each cell's step and time to target on: shipped profiles "
+                             f"({', '.join(shipped_gpus())}) or profiles' yaml paths, comma-separated (default: "
+                             f"{','.join(DEFAULT_GPUS)})")
     parser.add_argument("--keep-records", action="store_true",
                         help=f"write each experiment's records beside its tables ({archive.ARCHIVE}) and make the "
                              "tables from them: a folder to commit, which `make tables` regenerates")
@@ -36,13 +43,14 @@ def main(argv: list[str] | None = None, api=None) -> int:
               "wandb://entity/project[/group]", file=sys.stderr)
         return 2
     try:
+        gpus = tuple(gpu(name) for name in args.predict_for.split(",") if name)
         records, problems = aggregate.load_sources(args.sources, api)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     for problem in problems:
         print(f"skipped: {problem}", file=sys.stderr)
-    frame = aggregate.to_frame(records)
+    frame = aggregate.to_frame(records, gpus)
     if args.experiment and not frame.empty:
         frame = frame[frame["experiment"] == args.experiment]
     if frame.empty:
@@ -53,7 +61,7 @@ def main(argv: list[str] | None = None, api=None) -> int:
         if args.keep_records:
             archive.write([r for r in aggregate.unique(records) if r["config"]["experiment_name"] == experiment],
                           directory / archive.ARCHIVE)
-            written, _ = committed.regenerate(directory, not args.no_plots)
+            written, _ = committed.regenerate(directory, not args.no_plots, gpus)
         else:
             written = committed.write_folder(runs, directory, not args.no_plots)
         print(f"## {experiment}: what each setting costs in accuracy and gains in time and memory against 32-true "

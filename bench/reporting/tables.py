@@ -49,6 +49,15 @@ DISTURBED = "‡"
 STALLED = "¶"
 EVALUATED_OUTSIDE = "°"
 NOTES = {
+    "predicted": "predicted step, speed-up and time to target: predicted, not measured: the speed model's step "
+                 "time on that GPU (bench/running/speed.py), from this cell's own traced step, on the path the runner would take there (no native path: it would "
+                 "emulate the format); compiled, as published FP8 figures are; speed-up against the 32-true cell's "
+                 "prediction. How far off it has been: results/bench/speed_model_validation.md.",
+    "time_to_target": "steps to target: the first evaluation at which a seed's quality curve (its validation metric) "
+                      "reached the target: the 32-true run's final value on the same seed, or the preset's own "
+                      "(hydra.sweeper.quality_target); mean over the seeds that reached it [95% t interval] (how many "
+                      "reached it of how many had a curve and a target); predicted time to target: those steps at the "
+                      "predicted compiled step (bench/reporting/quality.py).",
     "emulated": f"{EMULATED} emulated in FP32: time, speed-up and measured peak measure the emulation on this device, "
                 "not the format (modelled memory counts the format's storage either way).",
     "disturbed": f"{DISTURBED} timing disturbed: other processes kept more cores busy than this run's threads left "
@@ -176,6 +185,43 @@ def _identity(cell, cells: pd.DataFrame) -> dict:
     return columns
 
 
+def predicted_gpus(cells: pd.DataFrame) -> list[str]:
+    """The GPUs the cells carry the speed model's predictions for (bench.reporting.aggregate.summarise's columns)."""
+    return [c[len("predicted_"):-len("_compiled_s")] for c in cells.columns
+            if c.startswith("predicted_") and c.endswith("_compiled_s")]
+
+
+def fmt_seconds(seconds) -> str:
+    """A time in the unit that reads best: µs, ms, s, min or h."""
+    if seconds is None or pd.isna(seconds):
+        return "–"
+    for limit, scale, unit_name in ((1e-3, 1e6, "µs"), (1.0, 1e3, "ms"), (120.0, 1.0, "s"), (7200.0, 1 / 60, "min")):
+        if seconds < limit:
+            return f"{seconds * scale:.3g} {unit_name}"
+    return f"{seconds / 3600:.3g} h"
+
+
+def _unpredicted(cell, name: str) -> str:
+    """What stands where a cell has no prediction on GPU `name`: no native path (the runner would emulate it there),
+    or nothing (its step could not be traced here)."""
+    why = cell[f"predicted_{name}_why"]
+    return "no native path" if isinstance(why, str) and not why.startswith("its step could not") else "–"
+
+
+def _predicted(cell, name: str) -> dict:
+    """The precision table's predicted columns for GPU `name`: its compiled step, the speed-up over 32-true there, and
+    for a cell measured natively on that GPU, the prediction's error."""
+    step = cell[f"predicted_{name}_compiled_s"]
+    if pd.isna(step):
+        return {f"predicted step ({name}, compiled)": _unpredicted(cell, name), f"predicted speed-up ({name})": "–"}
+    columns = {f"predicted step ({name}, compiled)": fmt_seconds(step),
+               f"predicted speed-up ({name})": "–" if pd.isna(cell[f"predicted_{name}_speedup"])
+               else f"{cell[f'predicted_{name}_speedup']:.2f}×"}
+    if not pd.isna(cell.get(f"predicted_{name}_error", np.nan)):
+        columns[f"prediction error ({name})"] = f"{cell[f'predicted_{name}_error']:+.0%}"
+    return columns
+
+
 def precision_table(cells: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for _, c in cells.iterrows():
@@ -184,6 +230,7 @@ def precision_table(cells: pd.DataFrame) -> pd.DataFrame:
             **_identity(c, cells), "setting": _setting_label(c), "scaling": c["scaling"],
             "train time (s)": fmt_time(c) + emulated,
             "speed-up vs 32-true": "–" if pd.isna(c["speedup_vs_fp32"]) else f"{c['speedup_vs_fp32']:.2f}×{emulated}",
+            **{k: v for name in predicted_gpus(cells) for k, v in _predicted(c, name).items()},
             "modelled memory (MiB)": fmt_mib(c["step_bytes"]),
             "memory vs 32-true": "–" if pd.isna(c["step_memory_ratio_vs_fp32"])
             else f"{c['step_memory_ratio_vs_fp32']:.2f}",
@@ -193,6 +240,34 @@ def precision_table(cells: pd.DataFrame) -> pd.DataFrame:
             "Δ vs 32-true": fmt_difference(c),
         })
     return pd.DataFrame(rows).fillna("")
+
+
+def time_to_target_table(cells: pd.DataFrame) -> pd.DataFrame:
+    """Time to quality (bench/reporting/quality.py): per cell, its target, the steps its seeds took to reach it (mean
+    [95% interval], how many reached it), and those steps at the speed model's compiled step on each GPU."""
+    rows = []
+    for _, c in cells.iterrows():
+        metric_unit = cell_unit(c)
+        judged, reached = int(c["target_judged"]), int(c["target_reached"])
+        if not judged:
+            steps = "no quality curve" if pd.isna(c["target"]) or c["ok"] else "–"
+        elif not reached:
+            steps = f"not reached (0 of {judged})"
+        else:
+            spread = "" if pd.isna(c["steps_to_target_lo"]) else \
+                f" [{c['steps_to_target_lo']:.0f}, {c['steps_to_target_hi']:.0f}]"
+            steps = f"{c['steps_to_target']:.0f}{spread} ({reached} of {judged})"
+        row = {**_identity(c, cells), "setting": _setting_label(c), "scaling": c["scaling"],
+               "target": "–" if pd.isna(c["target"]) else f"{metric_unit.shown(c['target']):.{metric_unit.digits}f}",
+               "steps to target": steps}
+        for name in predicted_gpus(cells):
+            seconds = c[f"predicted_{name}_to_target_s"]
+            row[f"predicted time to target ({name})"] = (
+                _unpredicted(c, name) if pd.isna(c[f"predicted_{name}_compiled_s"]) else
+                fmt_seconds(seconds) + ("" if reached == judged else f" ({reached} of {judged} seeds)")
+                if reached else "–")
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def scaling_grid(cells: pd.DataFrame) -> pd.DataFrame:
@@ -568,6 +643,7 @@ DECLARED_TABLES = {
 
 
 _LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                  CLIPPED: r"\S{}", STALLED: r"\P{}", EVALUATED_OUTSIDE: r"$^\circ$", "µ": r"$\mu$",
                   "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}", "±": r"$\pm$",
                   "×": r"$\times$", EMULATED: r"$^\dagger$", "–": "--"}
 
@@ -603,6 +679,8 @@ CAPTIONS = {
                    "rates either side (the u-μP paper's learning-rate transfer, as a table)",
     "labelled_rows": "The cells the preset names, and each one's paired difference to the 32-true cell of its own "
                      "learning rate and scaling method (SP's FP32 for per-tensor scaling)",
+    "time_to_target": "Steps to the quality target per cell, and the time they take on a GPU by the speed model's "
+                      "prediction",
     "unit_scaling_charlm": "Validation bits per character in the Unit Scaling paper's char-LM layout, beside the "
                            "paper's WikiText-103 figures (a different dataset and model size: compare the pattern of "
                            "differences to FP32 regular, not the values)",
@@ -615,7 +693,8 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
     runs.drop(columns=["loss_scale_history", "losses", "settings", "learning"]).to_csv(directory / "runs.csv", index=False)
     cells.drop(columns="settings").to_csv(directory / "cells.csv", index=False)
     built = {"precision": precision_table(cells), "scaling_grid": scaling_grid(cells),
-             "numerics": numerics_table(cells), "vs_published": published_table(cells)}
+             "numerics": numerics_table(cells), "vs_published": published_table(cells),
+             "time_to_target": time_to_target_table(cells)}
     if (cells["metric"] == "f1").any():
         built["squad"] = squad_table(cells)
     declared = declared_table_of(cells)
@@ -634,8 +713,9 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
                                      & ~cells["compiled"].astype(bool)).any() else [])
     markdown = {}
     for name, table in built.items():
-        extra = timing_notes if name == "precision" else [NOTES["charlm"]] if name == "unit_scaling_charlm" else \
-            [NOTES["block_formats"]] if name == "block_formats" else []
+        extra = timing_notes + [NOTES["predicted"]] if name == "precision" else [NOTES["charlm"]] \
+            if name == "unit_scaling_charlm" else [NOTES["block_formats"]] if name == "block_formats" else \
+            [NOTES["time_to_target"], NOTES["predicted"]] if name == "time_to_target" else []
         markdown[name] = to_markdown(table, notes + extra)
         (directory / f"{name}.md").write_text(f"# {CAPTIONS[name]}\n\n{markdown[name]}\n")
         (directory / f"{name}.tex").write_text(to_latex(table, CAPTIONS[name]))

@@ -29,9 +29,10 @@ from bench.running import device as devices
 from bench.running.checkpoint import Checkpointer
 from bench.running.command_line import check_command_line
 from bench.running.config import CONF_DIR, ConfigError, check
-from bench.running.flops import step_flops_by_module
 from bench.running.identity import run_id
 from bench.running.learning import learning_summary
+from bench.running.speed import predictions
+from bench.running.trace import StepTrace, trace_task
 from bench.running.logger import NullLogger, open_logger
 from bench.running.record import (
     IN_FLIGHT,
@@ -103,12 +104,13 @@ class Cell:
     optimizer: torch.optim.Optimizer
     schedule: object
     unit_conversion: dict | None
-    flops_per_step: int  # forward and backward of one training batch (torch.utils.flop_counter)
+    trace: StepTrace  # one training step, op by op (bench/running/trace.py): its FLOPs, the speed model's input
+    trace_s: float  # what tracing it cost
 
 
 def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
-    """Set threads, seed, build the task, unit-scale it if asked, apply the precision, build optimiser, schedule,
-    scaler."""
+    """Set threads, seed, build the task, unit-scale it if asked, trace its step, apply the precision, build
+    optimiser, schedule, scaler."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
@@ -121,16 +123,25 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
                                      and cfg.model.optimizer.name in ADAM_FAMILY)
     elif cfg.scaling.name == "umup":
         conversion = umup_task(task, umup_hyper(cfg.scaling))
-    flops = step_flops_by_module(task)
+
+    def optimizer_over(model: torch.nn.Module) -> torch.optim.Optimizer:
+        """The cell's optimiser, over `model` (the task's, or the traced copy of it: the same parameters by name)."""
+        factors = task.lr_multipliers and {mine: task.lr_multipliers.get(theirs, 1.0) for mine, theirs in
+                                           zip(model.parameters(), task.model.parameters())}
+        return build_optimizer(cfg.model.optimizer, model.parameters(), factors, umup=cfg.scaling.name == "umup")
+
+    started = time.perf_counter()
+    trace = trace_task(task, optimizer_over)
+    trace_s = time.perf_counter() - started
     precision.prepare(task.model)
     if precision.fp8_modules is not None:  # how much of a training step torchao's filter actually put in FP8
-        root = type(task.model).__name__
-        converted = sum(flops.get(f"{root}.{name}", 0) for name in precision.fp8_modules["converted"])
-        precision.fp8_modules["converted_flop_share"] = converted / flops["Global"] if flops["Global"] else None
-    optimizer = build_optimizer(cfg.model.optimizer, task.model.parameters(), task.lr_multipliers,
-                                umup=cfg.scaling.name == "umup")
+        converted = set(precision.fp8_modules["converted"])
+        total = trace.flops("forward") + trace.flops("backward")
+        share = sum(o.flops for o in trace.ops if o.module in converted and o.phase != "optimizer")
+        precision.fp8_modules["converted_flop_share"] = share / total if total else None
+    optimizer = optimizer_over(task.model)
     schedule = build_schedule(cfg.model.optimizer, optimizer, total_steps(task, cfg.train))
-    return Cell(task, build_scaler(cfg), optimizer, schedule, conversion, flops["Global"])
+    return Cell(task, build_scaler(cfg), optimizer, schedule, conversion, trace, trace_s)
 
 
 def finished_record(cfg: DictConfig, config: dict | None = None) -> dict | None:
@@ -248,17 +259,23 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
 
             conditions.start()
             outcome = train(task, precision, scaler, optimizer, schedule, cfg.train, device, log_row,
-                            label=cfg.cell, checkpointer=checkpointer, resume=resume)
+                            label=cfg.cell, checkpointer=checkpointer, resume=resume,
+                            eval_every=cfg.model.task.get("eval_every"))
             timing_conditions = conditions.finish()
             with precision.evaluating(task.model, cfg.train.eval_precision) as cast_inputs:
                 metrics = task.evaluate(task.model, cast_inputs)  # inside: pre-empted here, it resumes here
             metrics["evaluated_in"] = precision.evaluated_in(cfg.train.eval_precision)
         record["memory"]["peak_bytes"] = memory.peak_bytes()
         record["memory"]["step"] = outcome.step_memory
-        record["metrics"] = {**metrics, "final_train_loss": outcome.final_loss}
-        if outcome.per_epoch:
-            record["metrics"]["per_epoch"] = outcome.per_epoch
-        record["timing"] = outcome.timing(cell.flops_per_step, precision.native) | {"conditions": timing_conditions}
+        record["metrics"] = {**metrics, "final_train_loss": outcome.final_loss,
+                             "curve": quality_curve(cfg.model.task, outcome, metrics)}
+        if outcome.validations and not cfg.model.task.get("eval_every"):
+            record["metrics"]["per_epoch"] = outcome.validations
+        flops = cell.trace.flops("forward") + cell.trace.flops("backward")
+        record["timing"] = outcome.timing(flops, precision.native) | {
+            "conditions": timing_conditions, "trace_s": cell.trace_s,
+            "traced_on": cell.trace.traced_on + (f" ({cell.trace.note})" if cell.trace.note else "")}
+        record["predicted"] = predictions(cfg, cell.trace)  # each GPU profile's step time (bench/running/speed.py)
         record["env"]["compile"] = outcome.compile
         record["numerics"]["diverged_at_step"] = outcome.diverged_at_step
         if outcome.diverged_at_step is None:
@@ -293,6 +310,16 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
     logger.finish(record)
     log.info("%s: %s %s", cfg.cell, record["status"], record["reason"] or record["metrics"])
     return record
+
+
+def quality_curve(spec: DictConfig, outcome, final: dict) -> dict:
+    """The record's `metrics.curve`: the task's validation metric (`task.curve_metric`, default its primary metric)
+    at each evaluation, and at the end from the final evaluation, as [step, value] pairs (what time to target reads)."""
+    metric = spec.get("curve_metric") or spec.metric
+    points = {row["step"]: row[metric] for row in outcome.validations if metric in row}
+    if metric in final:
+        points[outcome.steps] = final[metric]
+    return {"metric": metric, "points": [[step, value] for step, value in sorted(points.items())]}
 
 
 class ProgressLine:

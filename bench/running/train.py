@@ -97,7 +97,9 @@ class TrainOutcome:
     step_s: list[float] = field(default_factory=list)
     final_loss: float | None = None
     diverged_at_step: int | None = None
-    per_epoch: list[dict] = field(default_factory=list)  # the task's validation metrics after each epoch
+    # the task's validation metrics, each evaluation's: {"step", "epoch", ...}, after each epoch or every eval_every
+    # steps (from step 0): the quality curve
+    validations: list[dict] = field(default_factory=list)
     step_memory: dict | None = None  # bytes the first step held, by category (bench/numerics/memory.py)
     step_time_method: str = "wall_clock"  # how step_s was measured (bench.running.device.StepTimer)
     compile_steps: list[int] = field(default_factory=list)  # steps during which torch.compile compiled
@@ -135,11 +137,12 @@ def total_steps(task: Task, cfg: DictConfig) -> int:
 def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch.optim.Optimizer, schedule,
           cfg: DictConfig, device: torch.device, log: Callable[[dict], None], label: str = "",
           checkpointer: Checkpointer | None = None, resume: dict | None = None,
-          count_memory: bool = True) -> TrainOutcome:
+          count_memory: bool = True, eval_every: int | None = None) -> TrainOutcome:
     """Train `task.model` for cfg.epochs (at most cfg.max_steps steps); stop at a non-finite loss.
 
     `log` receives a metrics dict every cfg.log_every steps (telemetry is sampled on those steps) and
-    the task's validation metrics after each epoch. Ordinary steps never wait for the device: losses,
+    the task's validation metrics after each epoch (with `eval_every`: before the first step and every eval_every
+    steps instead, but at the last, which the final evaluation covers). Ordinary steps never wait for the device: losses,
     the loss scaler's inf/NaN flags and step timings stay there and are read together on log steps,
     at epoch ends, checkpoints and the end (`settle`). A non-finite loss is therefore noticed at the
     next such point: the run stops there, recording the step it happened at. Timing covers the loop
@@ -152,6 +155,8 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
     model = task.model
     params = [p for p in model.parameters() if p.requires_grad]
     total = total_steps(task, cfg)
+    if resume and "per_epoch" in resume:  # a checkpoint written before the curve had its every-N-steps points
+        resume = {k: v for k, v in resume.items() if k != "per_epoch"} | {"validations": resume["per_epoch"]}
     out = TrainOutcome(**resume) if resume else TrainOutcome()
     step_loss = CompiledStep.for_task(cfg.get("compile"), device, task, precision)
     timer = StepTimer(device)
@@ -182,11 +187,22 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
         settle()
         checkpointer.save(model, optimizer, scaler, schedule, loop_state())
 
+    def validate(epoch: int) -> None:
+        """The task's validation metrics now, in the cell's evaluation precision: one point of the quality curve."""
+        with precision.evaluating(model, cfg.get("eval_precision", "trained")) as cast_inputs:
+            metrics = task.validate(model, cast_inputs)
+        out.validations.append({"step": out.steps, "epoch": epoch, **metrics})
+        log({"step": out.steps, "epoch": epoch, **metrics})
+
+    every = eval_every if task.validate is not None else None
+
     model.train()
     progress = tqdm(total=total, initial=out.steps, desc=label, unit="step", leave=False, mininterval=1.0,
                     disable=None)  # a bar on terminals, none in logs
     synchronize(device)
     segment_start = time.perf_counter()
+    if every and out.steps == 0 and not out.validations:
+        validate(0)  # the curve starts where training does (nanoGPT evaluates at iteration 0 too)
     for epoch in range(out.epoch, cfg.epochs):
         for index, batch in enumerate(task.train_batches(epoch)):
             if index < out.position:
@@ -234,15 +250,16 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
                      "stepped": not scaler.last_step_skipped, "skipped_steps": scaler.skipped_steps,
                      "step_s": out.step_s[-1], "quantisation": precision.telemetry.end_step()})
                 progress.set_postfix(loss=f"{out.final_loss:.4f}", refresh=False)
+            if every and out.steps % every == 0 and out.steps < total:
+                if settle():
+                    break
+                validate(epoch)
             if checkpointer:
                 checkpointer.after_step(out.steps, save)
         if settle():
             break
-        if task.validate is not None and out.position > 0:
-            with precision.evaluating(model, cfg.get("eval_precision", "trained")) as cast_inputs:
-                metrics = task.validate(model, cast_inputs)
-            out.per_epoch.append({"epoch": epoch, **metrics})
-            log({"step": out.steps, "epoch": epoch, **metrics})
+        if task.validate is not None and not every and out.position > 0:
+            validate(epoch)
         out.epoch, out.position = epoch + 1, 0
         if out.steps >= total:
             break

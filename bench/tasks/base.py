@@ -21,7 +21,9 @@ class Task:
     evaluate: Callable[[nn.Module, Callable], dict]  # (model, cast_inputs) -> final metrics
     batch_size: int
     steps_per_epoch: int
-    validate: Callable[[nn.Module, Callable], dict] | None = None  # per-epoch metrics, when the task has them
+    # (model, cast_inputs) -> validation metrics (never the test set's): the quality curve's points, after each epoch
+    # or every `TaskSpec.eval_every` steps; None: the curve has only the final evaluation
+    validate: Callable[[nn.Module, Callable], dict] | None = None
     cross_entropy: Callable[..., torch.Tensor] = F.cross_entropy  # unit scaling swaps in unit_scaling's
     source: dict | None = None  # what the model was built from (checkpoint, commit, initialised head), for the record
     lr_multipliers: dict | None = None  # parameter -> factor on the optimiser's lr (unit scaling's relative rule)
@@ -48,6 +50,11 @@ class TaskSpec:
     metric: str = MISSING  # the primary metric in the record's `metrics`: the tables' value, the paired difference
     unit: str = "fraction"  # the metric's unit (METRIC_UNITS): how tables show it and the range its intervals keep to
     higher_is_better: bool = True
+    # the quality curve (time to target): the validation metric it plots (null: `metric`), and the steps between its
+    # evaluations (null: after each epoch, where the task validates); both are how to read and watch a model, not
+    # what it computes
+    curve_metric: Optional[str] = None
+    eval_every: Optional[int] = None
     report: list = field(default_factory=list)  # the metrics the dashboard charts ([]: just `metric`)
     data_sources: list = field(default_factory=lambda: ["local"])  # the valid `model.data.source` values
     hub_model: Optional[str] = None  # transformers Auto class that `make prepare` loads `model.hub_name` with

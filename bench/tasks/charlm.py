@@ -223,5 +223,5 @@ def charlm_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
                 "val_window_loss_std": float(per_window.std()), "vocabulary": len(vocabulary)}
 
     task = Task(model=model, train_batches=train_batches, forward=forward, loss=loss, evaluate=evaluate,
-                batch_size=batch_size, steps_per_epoch=cfg.iterations)
+                batch_size=batch_size, steps_per_epoch=cfg.iterations, validate=evaluate)
     return task

@@ -134,6 +134,10 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
             metrics |= {"val_accuracy": accuracy(model, cast_inputs, x_val, y_val), "val_examples": len(y_val)}
         return metrics
 
+    def validate(model, cast_inputs) -> dict:
+        """The validation split's accuracy after each epoch: the quality curve (never the test set)."""
+        return {"val_accuracy": accuracy(model, cast_inputs, x_val, y_val)} if len(y_val) else {}
+
     return Task(model=model, train_batches=train_batches, forward=forward,
                 loss=lambda logits, y, cross_entropy: cross_entropy(logits, y), evaluate=evaluate,
-                batch_size=batch_size, steps_per_epoch=n_batches)
+                batch_size=batch_size, steps_per_epoch=n_batches, validate=validate)

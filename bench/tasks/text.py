@@ -165,3 +165,17 @@ def batches(tensors: dict[str, torch.Tensor], batch_size: int, generator: torch.
             length = int(batch["attention_mask"].sum(1).max())
             batch = {k: (v[:, :length] if v.dim() == 2 else v) for k, v in batch.items()}
         yield {k: v.to(device) for k, v in batch.items()}
+
+
+def full_length_batch(template: dict, batch_size: int, seq_len: int, vocab: int) -> dict:
+    """A batch shaped like `template` (a text task's), every sequence at full length: random token ids, all-ones
+    masks, the template's targets (make bench's native rows, and the speed model's traces of text models: the
+    cost of a batch padded to its longest sequence, which most batches of long documents are)."""
+    def fill(key, value):
+        if value.dim() == 1:
+            return value[:1].repeat(batch_size)
+        if key == "input_ids":
+            return torch.randint(0, vocab, (batch_size, seq_len), device=value.device)
+        return torch.full((batch_size, seq_len), int(key == "attention_mask"), dtype=value.dtype, device=value.device)
+
+    return {key: fill(key, value) for key, value in template.items()}

@@ -27,11 +27,13 @@ things compared, in one process:
 - native rows, on a CUDA device only: per model and format at the papers' batch sizes, step time,
   samples/s, tokens/s, peak memory, MFU against the device's dense peak for the dtype (6 x parameters x
   tokens FLOPs per step), speed-up vs fp32 (TF32 off) and vs tf32.
-- predicted.H100.<model>.<setting>: bench.reporting.speed_model's roofline step time and speed-up over bf16-mixed
-  at the papers' shapes, and its error against the committed H100 measurements (eager, before train.compile).
+- predicted.<gpu>.<model>.<setting>.<mode>: the speed model's step time (or published ratio) and its error against
+  every GPU figure we have (bench/tools/speed_validation.py's rows; `make speed-validation` fits and writes them).
 - accounting_share.lenet.<format>: what a run's one-off accounting costs (the memory breakdown of its first
-  step, bench/numerics/memory.py, plus the FLOP count of one step) as a share of a default LeNet cell's training time
-  (its steps x a plain step's median time). Target <= 0.05.
+  step, bench/numerics/memory.py) as a share of a default LeNet cell's training time (its steps x a plain step's
+  median time). Target <= 0.05.
+- trace_share.lenet.<format>: what tracing its step costs a cell (bench/running/trace.py, the speed model's input and
+  its FLOPs) as the same share. Target <= 0.02.
 - aggregate_s.10k: reading, summarising and tabulating 10,000 synthetic records. Target <= 5 s.
 - quantise_ns.<format>: nanoseconds per value of bench.numerics.formats.quantise on 2^20 float32 values, and of the block
   quantisers (MX, NVFP4, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix.
@@ -68,13 +70,14 @@ from bench.numerics.blocks import (
 )
 from bench.numerics.formats import quantise
 from bench.numerics.memory import StepMemory
-from bench.reporting.speed_model import DEVICES, Encoder, predict
 from bench.running.compile import CompiledStep
 from bench.running import device as devices
 from bench.running.config import CONF_DIR
-from bench.running.flops import step_flops_by_module
 from bench.running.run import build_cell, preflight
-from bench.running.train import total_steps, train
+from bench.running.speed import shipped_gpus
+from bench.running.trace import trace_task
+from bench.running.train import build_optimizer, total_steps, train
+from bench.tasks.text import full_length_batch
 
 NO_TELEMETRY = 10**9  # train.log_every that never samples within a measurement
 
@@ -119,6 +122,7 @@ def our_loop(cfg, precision, cell, data):
     task = copy.copy(cell.task)
     task.train_batches = lambda epoch: iter(data)
     task.steps_per_epoch = len(data)
+    task.validate = None  # the quality curve's evaluations are not the loop's to time (a bare loop has none)
     train_cfg = copy.deepcopy(cfg.train)
     train_cfg.epochs, train_cfg.max_steps = 1, len(data)
     return lambda: train(task, precision, cell.scaler, cell.optimizer, None, train_cfg, precision.device,
@@ -240,11 +244,15 @@ def accounting_rows(repeats: int) -> list[dict]:
                 counting.finish(optimizer)
 
         t = alternate({"counted": lambda: step(True), "plain": lambda: step(False),
-                       "flops": lambda: step_flops_by_module(task)}, precision.device, 4 * repeats)
-        once = max(0.0, t["counted"] - t["plain"]) + t["flops"]
-        rows.append(row(f"accounting_s.lenet.{fmt}", once, "s per run (memory breakdown + FLOP count)"))
-        rows.append(row(f"accounting_share.lenet.{fmt}", once / (total_steps(task, cfg.train) * t["plain"]),
-                        "of a default LeNet cell's training time", "<= 0.05"))
+                       "trace": lambda: trace_task(task, lambda m: build_optimizer(cfg.model.optimizer, m.parameters()))},
+                      precision.device, 4 * repeats)
+        once, training = max(0.0, t["counted"] - t["plain"]), total_steps(task, cfg.train) * t["plain"]
+        rows.append(row(f"accounting_s.lenet.{fmt}", once, "s per run (the first step's memory breakdown)"))
+        rows.append(row(f"accounting_share.lenet.{fmt}", once / training, "of a default LeNet cell's training time",
+                        "<= 0.05"))
+        rows.append(row(f"trace_s.lenet.{fmt}", t["trace"], "s per run (tracing its step on the meta device)"))
+        rows.append(row(f"trace_share.lenet.{fmt}", t["trace"] / training, "of a default LeNet cell's training time",
+                        "<= 0.02"))
     return rows
 
 
@@ -339,18 +347,6 @@ PAPER_SHAPES = {"distilbert": (["model=distilbert_tiny", "model.arch.layers=6", 
                                "model.arch.intermediate=3072", "model.batch_size=12"], 384)}
 
 
-def synthetic_batch(template: dict, batch_size: int, seq_len: int, vocab: int) -> dict:
-    """A full-length batch shaped like the task's: random token ids, all-ones masks, the template's targets."""
-    def fill(key, value):
-        if value.dim() == 1:
-            return value[:1].repeat(batch_size)
-        if key == "input_ids":
-            return torch.randint(0, vocab, (batch_size, seq_len), device=value.device)
-        return torch.full((batch_size, seq_len), int(key == "attention_mask"), dtype=value.dtype, device=value.device)
-
-    return {key: fill(key, value) for key, value in template.items()}
-
-
 def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: dict = NATIVE_FORMATS,
                 compiled: bool = True) -> Iterator[dict]:
     """Native formats at the papers' shapes (random init, synthetic token batches of full length), eager and,
@@ -363,7 +359,7 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
             cfg, precision, cell = make_cell(*args, *fmt_args, f"model.max_length={seq_len}", "format.backend=native",
                                              "device=auto")
             template = next(iter(cell.task.train_batches(0)))
-            batch = synthetic_batch(template, cfg.model.batch_size, seq_len, cell.task.model.config.vocab_size)
+            batch = full_length_batch(template, cfg.model.batch_size, seq_len, cell.task.model.config.vocab_size)
             data = [batch] * steps
             memory = devices.PeakMemory(precision.device)
             memory.reset()
@@ -380,8 +376,9 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
             tokens = cfg.model.batch_size * seq_len
             dtype = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}.get(
                 name, "fp8" if name.startswith("fp8") else name)
-            peak = next((p["tflops"][dtype] for gpu, p in DEVICES.items()
-                         if gpu in devices.describe(precision.device)["device_name"] and dtype in p["tflops"]), None)
+            peak = next((g.tflops[dtype] for g in shipped_gpus().values()
+                         if devices.describe(precision.device)["device_name"].startswith(g.device_name)
+                         and dtype in g.tflops), None)
             yield from [row(f"native.{model}.{name}.step_s", seconds, "s", None),
                      row(f"native.{model}.{name}.samples_per_s", cfg.model.batch_size / seconds, "samples/s", None),
                      row(f"native.{model}.{name}.tokens_per_s", tokens / seconds, "tokens/s", None),
@@ -396,24 +393,19 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
                               step_s[baseline + suffix] / seconds, "x", None)
 
 
-MEASURED_ON_H100 = Path(__file__).resolve().parents[2] / "results" / "bench" / "cuda-nvidia-h100-80gb-hbm3-2026-11-22.json"
-ENCODERS = {"distilbert": Encoder(layers=6, hidden=768, heads=12, intermediate=3072, seq=512, batch=12),
-            "bert_base": Encoder(layers=12, hidden=768, heads=12, intermediate=3072, seq=384, batch=12)}
+def speed_model_rows() -> list[dict]:
+    """The speed model (bench/running/speed.py) against every GPU step measured here and the published ratios
+    (bench/tools/speed_validation.py's rows, its constants as they are): predicted, measured, error."""
+    from bench.tools import speed_validation
 
-
-def speed_model_rows(device: str = "H100", measured: Path = MEASURED_ON_H100) -> list[dict]:
-    """The speed model's step times and speed-ups at the papers' shapes on `device`, beside the committed
-    measurements there (eager: the H100 run predates train.compile) and the relative error."""
-    taken = {r["metric"]: r["value"] for r in json.loads(measured.read_text())["rows"]}
     rows = []
-    for model, shape in ENCODERS.items():
-        for setting, parts in predict(shape, device).items():
-            rows.append(row(f"predicted.{device}.{model}.{setting}.step_s", parts["total"], "s", None))
-            rows.append(row(f"predicted.{device}.{model}.{setting}.speedup_vs_bf16-mixed",
-                            parts["speedup_vs_bf16-mixed"], "x", None))
-            if (seen := taken.get(f"native.{model}.{setting}.step_s")) is not None:
-                rows.append(row(f"predicted.{device}.{model}.{setting}.error_vs_eager", parts["total"] / seen - 1,
-                                "predicted / measured (eager) - 1", None))
+    validation = speed_validation.measured_rows() + speed_validation.hand_compiled_rows() \
+        + speed_validation.published_rows()
+    for r in validation:
+        predicted = r.predict(speed_validation.CONSTANTS)
+        name = f"predicted.{r.gpu}.{r.model.split(',')[0].replace(' ', '_')}.{r.what.replace(' ', '_')}.{r.mode}"
+        rows += [row(f"{name}.{'step_s' if r.unit == 's' else 'ratio'}", predicted, r.unit, None),
+                 row(f"{name}.error", predicted / r.measured - 1, f"predicted / {r.source} - 1", None)]
     return rows
 
 

@@ -30,6 +30,8 @@ def describe(model_cfg: dict) -> tuple[str, str]:
 
 def mlp_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
     x_train, y_train, x_test, y_test = (t.to(device) for t in load_digits(cfg.data.test_fraction))
+    held_out = len(y_train) // 10  # the validation split, for the quality curve (never the test set)
+    x_train, y_train, x_val, y_val = x_train[held_out:], y_train[held_out:], x_train[:held_out], y_train[:held_out]
     model = nn.Sequential(nn.Flatten(), nn.Linear(32 * 32, cfg.arch.hidden), nn.ReLU(),
                           nn.Linear(cfg.arch.hidden, 10)).to(device)
     batches_per_epoch = len(y_train) // cfg.batch_size
@@ -45,10 +47,16 @@ def mlp_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
         return model(cast_inputs(x)).float(), y
 
     @torch.no_grad()
+    def accuracy(model, cast_inputs, x, y) -> float:
+        return (model(cast_inputs(x)).argmax(1) == y).sum().item() / len(y)
+
     def evaluate(model, cast_inputs) -> dict:
-        correct = (model(cast_inputs(x_test)).argmax(1) == y_test).sum().item()
-        return {"test_accuracy": correct / len(y_test), "test_examples": len(y_test)}
+        return {"test_accuracy": accuracy(model, cast_inputs, x_test, y_test), "test_examples": len(y_test),
+                "val_accuracy": accuracy(model, cast_inputs, x_val, y_val)}
+
+    def validate(model, cast_inputs) -> dict:
+        return {"val_accuracy": accuracy(model, cast_inputs, x_val, y_val)}
 
     return Task(model=model, train_batches=train_batches, forward=forward,
                 loss=lambda logits, y, cross_entropy: cross_entropy(logits, y), evaluate=evaluate,
-                batch_size=cfg.batch_size, steps_per_epoch=batches_per_epoch)
+                batch_size=cfg.batch_size, steps_per_epoch=batches_per_epoch, validate=validate)

@@ -1,0 +1,132 @@
+"""`python -m bench.predict [overrides] [gpu=H100,B200]`: the speed model's answer for cells that are not trained.
+
+    python -m bench.predict model=bert_base format=fp32,bf16,fp8 scaling=per_tensor gpu=H100,B200
+    make predict ARGS="model=charlm format=bf16,fp8"
+
+The overrides are `python -m bench.run`'s, comma lists swept as `-m` sweeps them; `gpu=` names shipped profiles
+(bench/data/gpus/: V100, A100, H100, H200, B200; default all) or a profile's yaml path. Each cell's training step is
+traced on the meta device (bench/running/trace.py: no data trained on, no weights loaded) and predicted on every
+GPU (bench/running/speed.py): compiled and eager step time, the speed-up over the same model's FP32 and bf16-mixed
+(compiled), and the step's memory as the trace accounts for it. Every figure is a prediction; how far off the
+model has been is in results/bench/speed_model_validation.md. Bad input exits 2 naming the valid choices.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tabulate import tabulate
+
+from bench.errors import ConfigError
+from bench.numerics.specs import format_spec
+from bench.running.speed import NoNativePath, gpu, predict, recipe_on, shipped_gpus, step_memory
+
+
+def _split_gpus(argv: list[str]) -> tuple[list[str], list]:
+    """The overrides, and the GPU profiles `gpu=` names (default: every shipped one)."""
+    names = [a.split("=", 1)[1] for a in argv if a.startswith("gpu=")]
+    overrides = [a for a in argv if not a.startswith("gpu=")]
+    if not names:
+        return overrides, list(shipped_gpus().values())
+    return overrides, [gpu(name) for value in names for name in value.split(",") if name]
+
+
+def _configs(overrides: list[str]):
+    """Every cell the overrides sweep, composed and checked as bench.run would (ConfigError for a bad one)."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from bench.running.command_line import check_command_line
+    from bench.running.config import CONF_DIR, check
+
+    check_command_line(overrides)
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    cells = [cell for batch in BasicSweeper.split_arguments(parsed, None) for cell in batch] or [[]]
+    composed = []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for cell in cells:
+            cfg = compose("config", overrides=list(cell))
+            check(cfg)
+            composed.append((list(cell), cfg))
+    return composed
+
+
+def rows(overrides: list[str], gpus: list) -> list[dict]:
+    """One row per cell and GPU."""
+    from hydra import compose, initialize_config_dir
+
+    from bench.reporting.aggregate import describe
+    from bench.reporting.recorded_predictions import trace_key
+    from bench.running.config import CONF_DIR
+    from bench.running.trace import trace_cell
+
+    from omegaconf import OmegaConf
+
+    traces: dict[str, object] = {}
+
+    def traced(cfg):
+        key = str(trace_key(OmegaConf.to_container(cfg, resolve=True)))
+        if key not in traces:
+            traces[key] = trace_cell(cfg, full_length=True)
+        return traces[key]
+
+    def baseline(cell: list[str], fmt: str, target):
+        """The same cell in `fmt` (a speed-up's reference) on `target`: with its scaling method where that has a
+        native path there, else with none."""
+        kept = [o for o in cell if not o.startswith(("format=", "format."))]
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            for scaling in ([], ["scaling=none"]):
+                reference = compose("config", overrides=[*kept, f"format={fmt}", *scaling])
+                recipe = recipe_on(reference, traced(reference), target)
+                if not isinstance(recipe, NoNativePath):
+                    return recipe
+        return recipe
+
+    out = []
+    for cell, cfg in _configs(overrides):
+        trace = traced(cfg)
+        label = describe(OmegaConf.to_container(cfg.model, resolve=True))[1]
+        for target in gpus:
+            recipe = recipe_on(cfg, trace, target)
+            row = {"model": label, "scaling": cfg.scaling.name, "GPU": target.name}
+            if isinstance(recipe, NoNativePath):
+                setting = format_spec(cfg.format.name).setting(cfg.format.mode)
+                out.append(row | {"setting": setting, "compiled step": "–", "eager step": "–",
+                                  "vs 32-true": "–", "vs bf16-mixed": "–", "memory (MiB)": "–",
+                                  "note": str(recipe)})
+                continue
+            compiled = predict(trace, recipe, target, compiled=True)
+            eager = predict(trace, recipe, target, compiled=False)
+            speedups = {"vs 32-true": baseline(cell, "fp32", target), "vs bf16-mixed": baseline(cell, "bf16", target)}
+            speedups = {name: "–" if isinstance(base, NoNativePath) else
+                        f"{predict(trace, base, target, compiled=True).step_s / compiled.step_s:.2f}×"
+                        for name, base in speedups.items()}
+            out.append(row | {"setting": recipe.setting, "compiled step": f"{compiled.step_s * 1e3:.3g} ms",
+                              "eager step": f"{eager.step_s * 1e3:.3g} ms", **speedups,
+                              "memory (MiB)": f"{step_memory(trace, recipe)['total'] / 2**20:.4g}",
+                              "note": trace.note or ""})
+    return out
+
+
+COLUMNS = ["model", "setting", "scaling", "GPU", "compiled step", "eager step", "vs 32-true", "vs bf16-mixed",
+           "memory (MiB)", "note"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        overrides, gpus = _split_gpus(argv)
+        table = rows(overrides, gpus)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(tabulate([[r[c] for c in COLUMNS] for r in table], headers=COLUMNS, tablefmt="github"))
+    print("\npredicted, not measured: the speed model (bench/running/speed.py) on each cell's traced step; speed-ups "
+          "compiled against compiled; memory as the trace accounts for a step (parameters, gradients, optimiser "
+          "state, saved activations and weight copies). How far off it has been: "
+          "results/bench/speed_model_validation.md")
+    return 0

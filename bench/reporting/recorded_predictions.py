@@ -1,0 +1,85 @@
+"""The speed model's predictions for recorded cells (bench/running/speed.py): a record's own (`predicted`, which the
+runner writes from the step it traced), or, for a record made before records held them or for a GPU profile it does
+not name, computed from its configuration (bench/running/trace.py `trace_cell`: the step traced on the meta device,
+nothing retrained) and cached, in this process and on disk (~/.cache/precision-bench/predictions/), keyed by what the
+prediction reads: the configuration's structure (not its seed, learning rate or format), the profile and the model's
+constants."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from bench.running.identity import semantic_config
+from bench.running.speed import CONSTANTS, GPU, NoNativePath, predict, recipe_on, shipped_gpus
+
+DEFAULT_GPUS = ("H100",)  # the tables' predicted columns, unless `--predict-for` names others
+# Optimiser keys that change no op of a step (its values), left out of what a trace is cached by.
+VALUES_ONLY = ("lr", "min_lr", "warmup_steps", "schedule", "grad_clip", "momentum", "beta2")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "precision-bench" / "predictions"
+
+
+def trace_key(config: dict) -> dict:
+    """What a cell's traced step depends on: its model (but the optimiser's values) and scaling method."""
+    semantic = semantic_config(config)
+    model = dict(semantic.get("model", {}))
+    model["optimizer"] = {k: v for k, v in (model.get("optimizer") or {}).items() if k not in VALUES_ONLY}
+    return {"model": model, "scaling": semantic.get("scaling")}
+
+
+_TRACES: dict = {}  # trace_key (as JSON) -> its traced step, for this process
+
+
+def _trace(config: dict):
+    from bench.running.trace import trace_cell
+
+    key = json.dumps(trace_key(config), sort_keys=True, default=str)
+    if key not in _TRACES:
+        _TRACES[key] = trace_cell(OmegaConf.create(config))
+    return _TRACES[key]
+
+
+def _model_code() -> str:
+    """The speed model's own code (bench/running/speed.py and trace.py): a cached prediction is one of this code."""
+    from bench.running import speed, trace
+
+    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (speed, trace))).hexdigest()[:16]
+
+
+def _computed(config: dict, target: GPU) -> dict:
+    """One GPU's prediction for a recorded config, from the disk cache or a fresh trace."""
+    fingerprint = json.dumps({"trace": trace_key(config), "format": semantic_config(config).get("format"),
+                              "gpu": dataclasses.asdict(target), "constants": dataclasses.asdict(CONSTANTS),
+                              "code": _model_code()}, sort_keys=True, default=str)
+    path = _cache_dir() / f"{hashlib.sha256(fingerprint.encode()).hexdigest()[:24]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    cfg = OmegaConf.create(config)
+    try:
+        trace = _trace(config)
+    except Exception as e:  # noqa: BLE001 - a model not buildable here (its data, its module): said, not raised
+        return {"no_prediction": f"its step could not be traced here ({type(e).__name__}: {str(e).splitlines()[0][:120]})"}
+    recipe = recipe_on(cfg, trace, target)
+    result = {"no_native_path": recipe.why} if isinstance(recipe, NoNativePath) else {
+        mode: predict(trace, recipe, target, mode == "compiled").as_dict() for mode in ("compiled", "eager")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+    return result
+
+
+def predicted(record: dict, gpus: tuple[GPU, ...]) -> dict[str, dict]:
+    """Per GPU of `gpus`, the record's prediction: its own where it holds one for that profile, else computed."""
+    own = record.get("predicted") or {}
+    shipped = shipped_gpus()
+    return {g.name: own[g.name] if g.name in own and shipped.get(g.name) == g else _computed(record["config"], g)
+            for g in gpus}

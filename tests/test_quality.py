@@ -1,0 +1,102 @@
+"""Time to quality (bench/reporting/quality.py): steps to a target on made-up curves at every edge, the default target
+(the 32-true run of the same seed), the tables, and `python -m bench.predict`'s table and refusals."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from bench.reporting.quality import steps_to_target, targets
+
+
+@pytest.mark.parametrize("points, target, higher, steps", [
+    ([[0, 0.1], [10, 0.5], [20, 0.9], [30, 0.95]], 0.9, True, 20),  # reached at a later evaluation
+    ([[0, 0.1], [10, 0.5], [20, 0.89]], 0.9, True, None),  # never reached: no number
+    ([[0, 0.95], [10, 0.97]], 0.9, True, 0),  # reached at step 0, before training
+    ([[0, 0.5], [10, 0.9], [20, 0.9]], 0.9, True, 10),  # a tie with the target reaches it, at its first evaluation
+    ([[0, 4.2], [250, 2.1], [500, 1.9], [750, 1.95]], 1.95, False, 500),  # a loss: at or below
+    ([[0, 4.2], [250, float("nan")], [500, 1.9]], 2.0, False, 500),  # an evaluation without a value is passed over
+])
+def test_steps_to_target_on_made_up_curves(points, target, higher, steps):
+    assert steps_to_target(points, target, higher) == steps
+
+
+def _frame(rows) -> pd.DataFrame:
+    return pd.DataFrame([{"experiment": "t", "baseline_id": "b", "higher_is_better": False, "status": "ok"} | r
+                         for r in rows])
+
+
+def test_the_default_target_is_the_final_value_of_the_32_true_run_of_the_same_seed():
+    frame = _frame([
+        {"setting": "32-true", "seed": 0, "curve": [[0, 4.0], [100, 2.0], [200, 1.5]]},
+        {"setting": "32-true", "seed": 1, "curve": [[0, 4.0], [100, 2.5], [200, 1.8]]},
+        {"setting": "fp8-mixed", "seed": 0, "curve": [[0, 4.0], [100, 1.5], [200, 1.4]]},  # sooner than its FP32
+        {"setting": "fp8-mixed", "seed": 1, "curve": [[0, 4.0], [100, 2.0], [200, 1.9]]},  # never
+        {"setting": "fp8-mixed", "seed": 2, "curve": [[0, 4.0], [200, 1.0]]},  # no 32-true run of seed 2
+        {"setting": "bf16-mixed", "seed": 0, "curve": []},  # a record without a curve
+        {"setting": "bf16-mixed", "seed": 1, "curve": [[0, 4.0], [200, 1.0]], "status": "diverged"},
+    ])
+    found = targets(frame)
+    assert found["target"].tolist()[:4] == [1.5, 1.8, 1.5, 1.8] and math.isnan(found["target"][4])
+    assert found["reached"].tolist() == [True, True, True, False, None, None, None]
+    assert found["steps_to_target"].tolist()[:3] == [200, 200, 100]
+    assert np.isnan(found["steps_to_target"].tolist()[3:]).all()
+
+
+def test_a_preset_may_declare_its_own_target(monkeypatch):
+    from bench.reporting import quality
+
+    monkeypatch.setattr(quality, "declared_target", lambda experiment: 2.0)
+    frame = _frame([{"setting": "32-true", "seed": 0, "curve": [[0, 4.0], [100, 2.0], [200, 1.5]]}])
+    assert targets(frame)[["target", "steps_to_target"]].values.tolist() == [[2.0, 100]]
+
+
+def test_the_time_to_target_table_says_how_many_seeds_reached_it_and_makes_no_number_up(tmp_path):
+    """LeNet records with curves: 32-true reaches its own final value; bf16 in 2 of 3 seeds (one at a later epoch);
+    fp16 never. (These made-up records cannot be traced: no predicted time, and no number made up for it.)"""
+    from bench.reporting.report import main as aggregate
+    from tests.test_aggregate import record, write
+
+    curves = {"32-true": [[[36, 0.5], [72, 0.9]]] * 3,
+              "bf16-mixed": [[[36, 0.95], [72, 0.97]], [[36, 0.8], [72, 0.9]], [[36, 0.8], [72, 0.85]]],
+              "16-mixed": [[[36, 0.5], [72, 0.6]]] * 3}
+    formats = {"32-true": ("fp32", "true"), "bf16-mixed": ("bf16", "mixed"), "16-mixed": ("fp16", "mixed")}
+    for setting, per_seed in curves.items():
+        for seed, points in enumerate(per_seed):
+            rec = record(fmt=formats[setting][0], mode=formats[setting][1], setting=setting, seed=seed,
+                         metrics={"test_accuracy": 0.9, "curve": {"metric": "val_accuracy", "points": points}})
+            write(tmp_path / "runs", rec)
+    assert aggregate([str(tmp_path / "runs"), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    rows = {line.split("|")[2].strip(): line for line in (tmp_path / "tables" / "t" / "time_to_target.md")
+            .read_text().splitlines() if line.startswith("| lenet")}
+    assert "| 90.00 " in rows["32-true"] and "| 72 [72, 72] (3 of 3)" in rows["32-true"]
+    bf16 = next(v for k, v in rows.items() if k.startswith("bf16-mixed"))
+    # 36 and 72: mean 54, t interval 54 ± 12.706 · 25.456 / √2 = [-174.7, 282.7], clipped at 0 steps
+    assert "| 54 [0, 283] (2 of 3)" in bf16
+    fp16 = next(v for k, v in rows.items() if k.startswith("16-mixed"))
+    assert "not reached (0 of 3)" in fp16 and fp16.rstrip(" |").endswith("–")
+
+
+def test_bench_predict_tables_every_cell_on_every_gpu_it_names(capsys):
+    from bench.reporting.predict_cells import main as predict
+
+    assert predict(["model=lenet", "format=fp32,bf16,fp8", "scaling=none", "gpu=A100,H100"]) == 0
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| lenet")]
+    assert [(r[1], r[3]) for r in rows] == [("32-true", "A100"), ("32-true", "H100"), ("bf16-mixed", "A100"),
+                                           ("bf16-mixed", "H100"), ("fp8-mixed", "A100"), ("fp8-mixed", "H100")]
+    assert all(r[4].endswith(("ms", "µs")) or r[4].endswith("s") for r in rows[:4]) and rows[0][6] == "1.00×"
+    assert "no native path on A100: compute capability 8.0 < 8.9" in rows[4][-1]
+    assert "FP8 without per-tensor scales exists only as emulation" in rows[5][-1]
+    assert "predicted, not measured" in out
+
+
+@pytest.mark.parametrize("args, says", [(["gpu=H900"], "unknown GPU 'H900'; known: V100, A100, H100, H200, B200"),
+                                        (["format=fp9"], "format=fp9 is not an option"),
+                                        (["model.optimizer.lrr=1"], "did you mean model.optimizer.lr?")])
+def test_bench_predict_refuses_bad_input_with_exit_2(args, says, capsys):
+    from bench.reporting.predict_cells import main as predict
+
+    assert predict(args) == 2
+    assert says in capsys.readouterr().err
