@@ -42,7 +42,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[$(EXTRAS)]'
 	touch $@
 
-test: setup ## the fast offline test suite (slow tests excluded)
+test: setup ## lint (ruff: unused names, undefined names, import order), then the fast offline test suite (slow tests excluded)
+	$(PY) -m ruff check bench tests hydra_plugins
 	$(PY) -m pytest
 
 test-slow: setup ## only the slow end-to-end tests

@@ -1,9 +1,11 @@
 """Compose the real configs (conf/) with Hydra's compose API, as the runner would."""
 
+import random
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import bench.running.config  # noqa: F401 - registers the schema and the `lower` resolver
 
@@ -90,3 +92,24 @@ def interrupted_at_checkpoint_then_resumed(cfg, monkeypatch, step: int) -> dict:
         run_cell(cfg)
     monkeypatch.setattr(checkpoint.Checkpointer, "after_step", after_step)
     return run_cell(cfg)
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory):
+    """(the char-LM tests') ~60k characters of made-up verse: 40-odd distinct characters, newlines, capitals, punctuation."""
+    rng = random.Random(7)
+    words = ["thou", "art", "more", "lovely", "and", "temperate", "rough", "winds", "do", "shake", "the", "darling",
+             "buds", "of", "may", "summer's", "lease", "hath", "all", "too", "short", "a", "date"]
+    lines = []
+    for _ in range(2000):
+        line = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
+        lines.append(line.capitalize() + rng.choice([",", ".", ";", "!", "?", ":"]))
+    path = tmp_path_factory.mktemp("text") / "verse.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def char_data(**kw):
+    """A char-LM's `model.data` node: local where a path is given."""
+    return OmegaConf.create({"source": "local" if kw.get("path") else "download", "path": None, "url": "",
+                             "sha256": None, "train_fraction": 0.9} | kw)

@@ -68,9 +68,9 @@ def test_every_native_row_is_a_valid_cell_and_fp8_is_also_measured_with_bf16_els
 
 
 def test_synthetic_batch_keeps_the_task_shape():
-    from bench.tasks.text import full_length_batch
-
     import torch
+
+    from bench.tasks.text import full_length_batch
 
     template = {"input_ids": torch.ones(2, 7, dtype=torch.long), "attention_mask": torch.ones(2, 7, dtype=torch.long),
                 "token_type_ids": torch.zeros(2, 7, dtype=torch.long), "start_positions": torch.tensor([3, 4])}

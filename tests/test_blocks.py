@@ -18,6 +18,7 @@ from bench.numerics.blocks import (
     tile_quantise,
 )
 from bench.numerics.formats import quantise_stochastic, quantise_value
+from bench.numerics.scaling_methods import SCALING_METHODS
 from bench.tools.conformance import (
     DEPARTURES,
     conformance_rows,
@@ -334,7 +335,7 @@ def test_mxfp8_linear_blocks_each_gemm_operand_along_that_gemms_reduction_dimens
     g = torch.randn_like(y) * 1e-3
     y.backward(g)
     w, b = layer.weight.detach(), layer.bias.detach()
-    mx = lambda t, element, dim: mx_quantise(t, element, dim=dim).values  # noqa: E731
+    mx = lambda t, element, dim: mx_quantise(t, element, dim=dim).values
     assert torch.equal(y, (mx(x.detach(), "fp8_e4m3", -1).reshape(-1, 64) @ mx(w, "fp8_e4m3", -1).t()).reshape(2, 40, 48) + b)
     g2, x2 = g.reshape(-1, 48), x.detach().reshape(-1, 64)
     assert torch.equal(x.grad, (mx(g2, "fp8_e5m2", -1) @ mx(w, "fp8_e4m3", 0)).reshape(x.shape))
@@ -420,7 +421,7 @@ def test_rowwise_fp8_linear_is_torchaos_rowwise_recipe_bit_for_bit(recipe):
     with torch.no_grad():
         reference.weight.mul_(torch.logspace(-2, 2, 256))
     ours = copy.deepcopy(reference)
-    ours.__class__, ours.operands = EmulatedLinear, FP8TileOperands(recipe)
+    ours.__class__, ours.operands = EmulatedLinear, FP8TileOperands(SCALING_METHODS[recipe].tiles)
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
     reference = convert_to_float8_training(torch.nn.Sequential(reference), config=config)[0]
     x = torch.randn(4, 32, 256) * torch.logspace(-3, 1, 32).view(1, 32, 1)
@@ -480,7 +481,7 @@ def test_block_scaled_fp8_uses_1x128_tiles_for_activations_and_gradients_and_128
     squares = tile2d_quantise(w)
     assert squares.scale.shape == (2, 3)
     assert squares.scale[1, 2] == te_pow2_scale(w[128:, 256:].abs().amax())
-    operands = FP8TileOperands("block")
+    operands = FP8TileOperands(SCALING_METHODS["block"].tiles)
     assert torch.equal(operands.weight(w, -1), operands.weight(w, 0))  # one quantisation serves W and W^T
     assert not torch.equal(operands.weight(w, -1), operands.forward(w, -1))  # and it is not 1 x 128
 
@@ -552,7 +553,7 @@ def test_stochastic_fp8_tiles_round_only_the_gradients_unbiased_and_keep_their_s
         spacing = (nearest.values - x).abs().max()
         assert (draws.mean(0) - x).abs().max() < 0.25 * spacing  # unbiased within 400 draws
         assert not torch.equal(draws[0], nearest.values)
-    operands = FP8TileOperands("block", "stochastic")
+    operands = FP8TileOperands(SCALING_METHODS["block"].tiles, "stochastic")
     assert torch.equal(operands.forward(x, -1), tile_quantise(x).values)  # the forward stays nearest
     assert not torch.equal(operands.gradient(x, -1), tile_quantise(x).values)
 

@@ -3,7 +3,6 @@ the test generates (Tiny Shakespeare itself is never part of the project)."""
 
 import hashlib
 import math
-import random
 
 import pytest
 import torch
@@ -15,26 +14,7 @@ from bench.running.record import read_record
 from bench.running.run import run_cell
 from bench.running.train import build_optimizer, build_schedule
 from bench.tasks.charlm import CharGPT, encode, load_text, validation_windows
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    """~60k characters of made-up verse: 40-odd distinct characters, newlines, capitals, punctuation."""
-    rng = random.Random(7)
-    words = ["thou", "art", "more", "lovely", "and", "temperate", "rough", "winds", "do", "shake", "the", "darling",
-             "buds", "of", "may", "summer's", "lease", "hath", "all", "too", "short", "a", "date"]
-    lines = []
-    for _ in range(2000):
-        line = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
-        lines.append(line.capitalize() + rng.choice([",", ".", ";", "!", "?", ":"]))
-    path = tmp_path_factory.mktemp("text") / "verse.txt"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def _data(**kw):
-    return OmegaConf.create({"source": "local" if kw.get("path") else "download", "path": None, "url": "",
-                             "sha256": None, "train_fraction": 0.9} | kw)
+from tests.conftest import char_data as _data
 
 
 def test_load_text_reads_a_path_and_checks_its_checksum(text_file):

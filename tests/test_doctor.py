@@ -1,5 +1,6 @@
 """`make doctor` on this machine: every claimed native path passes; one that breaks makes it exit 1."""
 
+import bench.numerics.plan
 import bench.numerics.precision
 import bench.tools.doctor
 
@@ -59,9 +60,14 @@ def test_the_fp32_check_catches_a_matmul_that_rounds_its_inputs_to_tf32(monkeypa
 
 
 def test_a_native_path_that_breaks_makes_the_doctor_fail(capsys, monkeypatch):
-    native = bench.numerics.precision.native_support
-    monkeypatch.setattr(bench.tools.doctor.specs, "native_support", lambda fmt, device: bench.tools.doctor.hardware.NativeSupport(
-        True, True, "claimed for the test") if fmt == "bf16" else native(fmt, device))
+    native = bench.numerics.plan.native_support
+
+    def claimed(fmt, device):
+        return bench.tools.doctor.hardware.NativeSupport(True, True, "claimed for the test") if fmt == "bf16" \
+            else native(fmt, device)
+
+    monkeypatch.setattr(bench.tools.doctor.specs, "native_support", claimed)  # what doctor lists
+    monkeypatch.setattr(bench.numerics.plan, "native_support", claimed)  # what the plan decides
     prepare = bench.numerics.precision.Precision.prepare
 
     def broken(self, model):

@@ -13,8 +13,7 @@ from bench.numerics.precision import Precision
 from bench.numerics.scaling import PerTensorScale
 from bench.running.run import run_cell
 from bench.tasks.charlm import charlm_task
-
-from test_charlm import _data, text_file  # noqa: F401 - the made-up verse, as a fixture here too
+from tests.conftest import char_data as _data
 
 CPU = torch.device("cpu")
 
@@ -94,23 +93,23 @@ def test_an_evaluation_leaves_a_delayed_amax_history_and_the_telemetry_as_they_w
     precision.prepare(model)
     precision.telemetry.sampling = True
     model(torch.randn(8, 32)).sum().backward()  # a training step fills the histories
-    histories = [list(s.history) for s in precision._per_tensor_scales]
+    histories = [list(s.history) for s in precision._site_scales]
     counted = precision.telemetry.end_step()
     precision.telemetry.sampling = True
     with torch.no_grad(), precision.evaluating(model) as cast_inputs:
         model(cast_inputs(100 * torch.randn(8, 32)))
-    assert [list(s.history) for s in precision._per_tensor_scales] == histories and histories[0]
+    assert [list(s.history) for s in precision._site_scales] == histories and histories[0]
     assert precision.telemetry.sampling and precision.telemetry.end_step() == {} and counted
 
 
-def _charlm(make_cfg, text_file, *overrides):  # noqa: F811
+def _charlm(make_cfg, text_file, *overrides):
     return make_cfg("model=charlm", "model.data.source=local", f"model.data.path={text_file}", "model.data.sha256=null",
                     "model.iterations=20", "model.arch.layers=2", "model.arch.embedding=32", "model.arch.block_size=16",
                     "train.log_every=10", *overrides)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp32"])
-def test_eval_precision_fp32_evaluates_the_same_training_in_fp32(make_cfg, text_file, fmt, tmp_path):  # noqa: F811
+def test_eval_precision_fp32_evaluates_the_same_training_in_fp32(make_cfg, text_file, fmt, tmp_path):
     """The same cell trained once more with train.eval_precision=fp32 (another run: its own run_id): the same
     training, to the bit; the validation loss differs where the cell's format rounds (FP8 GEMMs, BF16 elsewhere), not
     where it does not (FP32)."""
@@ -133,7 +132,7 @@ def test_eval_precision_fp32_evaluates_the_same_training_in_fp32(make_cfg, text_
         assert trained["metrics"]["val_loss"] == in_fp32["metrics"]["val_loss"]
 
 
-def test_the_validation_loss_is_the_loss_the_task_trains_with_umups_output_multiplier(text_file):  # noqa: F811
+def test_the_validation_loss_is_the_loss_the_task_trains_with_umups_output_multiplier(text_file):
     """scaling.output_mult=2: u-μP trains on cross_entropy(2 * logits); evaluation reported F.cross_entropy(logits)."""
     from omegaconf import OmegaConf
 

@@ -35,19 +35,28 @@ def test_no_two_modules_import_each_other():
     assert not mutual
 
 
-# The layers, bottom up: errors; numerics (what a format does to numbers) and data (what is shipped, the hub); tasks
-# (models and their data); then running, reporting and tools.
-def test_layers_import_only_the_layers_below_them_and_tools_are_imported_by_nothing():
-    """No lower layer imports an upper one (tasks never import running: a model is built without the runner);
-    no library module imports a tool."""
-    graph = _imports()
-    below = {"errors": set(), "numerics": {"errors"}, "data": {"errors"}, "tasks": {"errors", "numerics", "data"}}
-    for name, deps in graph.items():
-        layer = name.split(".")[1] if "." in name else None
-        if layer in below:
-            assert not [d for d in deps if d.split(".")[1] not in below[layer] | {layer}], name
-        if not name.startswith("bench.tools"):
-            assert not [d for d in deps if d.startswith("bench.tools")], name
+# The layers, bottom up, each with the layers it may import: errors; numerics (what a format does to numbers) and
+# data (what is shipped, the hub), apart; tasks (models and their data); running; reporting; tools (commands that
+# measure or check); and the entry points at the top of the package (bench/run.py, bench/aggregate.py, ...).
+MAY_IMPORT = {"errors": set(), "numerics": {"errors"}, "data": {"errors"}, "tasks": {"errors", "numerics", "data"},
+              "running": {"errors", "numerics", "data", "tasks"},
+              "reporting": {"errors", "numerics", "data", "tasks", "running"},
+              "tools": {"errors", "numerics", "data", "tasks", "running", "reporting"}}
+
+
+def _layer(module: str) -> str:
+    """`bench.<layer>...`; bench itself and the modules at the package's top are the entry layer."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (len(parts) > 2 or parts[1] in MAY_IMPORT) else "entry"
+
+
+def test_every_layer_imports_only_the_layers_below_it():
+    """For every pair of layers, the upper may import the lower and never the other way (tasks never import
+    running: a model is built without the runner; nothing but an entry point imports a tool or an entry point)."""
+    wrong = [f"{name} imports {dep}" for name, deps in _imports().items() for dep in deps
+             if dep != "bench" and _layer(name) != "entry" and _layer(dep) != _layer(name)  # (bench: its version)
+             and _layer(dep) not in MAY_IMPORT[_layer(name)]]
+    assert wrong == []
     assert all((BENCH / layer / "__init__.py").is_file() for layer in LAYERS)
 
 
@@ -96,3 +105,45 @@ def test_bench_lists_no_format_by_name_outside_the_registry():
     names = set(specs.FORMAT_SPECS) | set(specs.settings_in_order())
     skip = {BENCH / "numerics" / "specs.py", BENCH / "numerics" / "formats.py", BENCH / "running" / "speed.py"}
     assert _lists_naming(names, skip) == []
+
+
+def _decides_by_scaling_name(node: ast.AST, names: set[str]) -> bool:
+    """A comparison of a scaling method's name (`cfg.scaling.name`, `row["scaling"]`, a variable `scaling`) with one
+    of `names`, or with a literal collection of them: an if-chain on a scaling method outside its declaration."""
+    if not isinstance(node, ast.Compare):
+        return False
+
+    def is_scaling(expr) -> bool:
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "str" and expr.args:
+            expr = expr.args[0]
+        return (isinstance(expr, ast.Attribute) and (expr.attr == "scaling" or (
+                    expr.attr == "name" and isinstance(expr.value, ast.Attribute) and expr.value.attr == "scaling")))\
+            or (isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant) and expr.slice.value == "scaling")\
+            or (isinstance(expr, ast.Name) and expr.id == "scaling")
+
+    def strings(expr) -> set[str]:
+        items = expr.elts if isinstance(expr, (ast.Tuple, ast.List, ast.Set)) else [expr]
+        return {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+
+    sides = [node.left, *node.comparators]
+    return any(is_scaling(s) for s in sides) and any(strings(s) & names for s in sides)
+
+
+def test_bench_names_no_scaling_method_outside_its_declaration():
+    """Each scaling method is declared once, in bench/numerics/scaling_methods.py (its class, its name, what it asks
+    of the precision plan, its transform, its loss scaler); nothing else in bench/ lists scaling methods or decides
+    by one's name. bench/numerics/scaling.py's loss scalers speak of their own kinds (none, static, dynamic), and
+    tools/ pick what to measure."""
+    from bench.numerics.scaling_methods import SCALING_METHODS
+
+    names = set(SCALING_METHODS)
+    home = {BENCH / "numerics" / "scaling_methods.py", BENCH / "numerics" / "scaling.py"}
+    deciding = []
+    for path in BENCH.rglob("*.py"):
+        if path.parent.name == "tools" or path in home:
+            continue
+        deciding += [f"{path.relative_to(BENCH)}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+                     if _decides_by_scaling_name(node, names)]
+    assert _lists_naming(names, home) == [] and deciding == []
+    assert {"none", "static", "dynamic", "per_tensor", "unit", "umup", "rowwise", "rowwise_with_gw_hp", "block"} \
+        <= names  # the shipped methods, from their one home

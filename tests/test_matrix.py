@@ -6,6 +6,7 @@ import itertools
 import pytest
 import yaml
 
+from bench.numerics.scaling_methods import combining_with
 from bench.numerics.specs import FORMAT_SPECS
 from bench.running.config import check
 from bench.running.run import build_precision
@@ -50,7 +51,7 @@ def expected(profile: str, fmt: str, scaling: str, torchaos_mx_recipe: bool = Fa
 
 @pytest.mark.parametrize("profile", list(PROFILES))
 def test_every_decision_follows_the_rules(profile):
-    for (fmt, mode), scaling in ((setting, s) for setting in settings() for s in FORMAT_SPECS[setting[0]].scalings()):
+    for (fmt, mode), scaling in ((setting, s) for setting in settings() for s in combining_with(FORMAT_SPECS[setting[0]])):
         backend, why = decide(profile, fmt, mode, scaling)
         want, reason = expected(profile, fmt, scaling)
         assert (backend, reason in why) == (want, True), (profile, fmt, mode, scaling, backend, why)

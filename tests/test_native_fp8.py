@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import bench.numerics.plan
 import bench.numerics.precision
 from bench.errors import ConfigError
 from bench.numerics.hardware import NativeSupport
@@ -18,8 +19,8 @@ pytest.importorskip("torchao.float8")
 
 def _native_on_cpu(monkeypatch, native_format: str, why: str) -> None:
     """`native_format` counts as native (and fast) on this CPU; every other format as the CPU really has it."""
-    support = bench.numerics.precision.native_support
-    monkeypatch.setattr(bench.numerics.precision, "native_support", lambda fmt, device: NativeSupport(
+    support = bench.numerics.plan.native_support
+    monkeypatch.setattr(bench.numerics.plan, "native_support", lambda fmt, device: NativeSupport(
         True, True, why) if fmt == native_format else support(fmt, device))
 
 

@@ -24,9 +24,10 @@ def _bench(module: str, *args, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
-    """The user's model swept over two formats and two scaling methods, then the same sweep launched again."""
+    """The user's model swept over two formats (one the user's) and three scaling methods (one the user's), then the
+    same sweep launched again."""
     tmp = tmp_path_factory.mktemp("plugin")
-    args = ["-m", SEARCHPATH, "model=mlp", "format=fp32,fp8e3m4", "scaling=none,unit", "seed=0",
+    args = ["-m", SEARCHPATH, "model=mlp", "format=fp32,fp8e3m4", "scaling=none,unit,channel_scale", "seed=0",
             f"results_dir={tmp / 'runs'}"]
     first, again = _bench("bench.run", *args, cwd=tmp), _bench("bench.run", *args, cwd=tmp)
     return tmp, first, again
@@ -35,12 +36,11 @@ def swept(tmp_path_factory):
 def test_a_users_model_sweeps_and_resumes_without_editing_bench(swept):
     tmp, first, again = swept
     assert first.returncode == 0, first.stderr[-2000:]
-    assert "sweep: 4 ok, 0 diverged, 0 failed (0 skipped" in first.stderr
-    assert "(4 skipped as already recorded)" in again.stderr
+    assert "sweep: 6 ok, 0 diverged, 0 failed (0 skipped" in first.stderr
+    assert "(6 skipped as already recorded)" in again.stderr
     records = [json.loads(p.read_text()) for p in sorted((tmp / "runs").rglob("result.json"))]
-    assert sorted(r["config"]["scaling"]["name"] for r in records) == ["none", "none", "unit", "unit"]
-    assert sorted(r["env"]["precision"]["setting"] for r in records) == ["32-true", "32-true", "fp8e3m4-mixed",
-                                                                         "fp8e3m4-mixed"]
+    assert sorted(r["config"]["scaling"]["name"] for r in records) == ["channel_scale"] * 2 + ["none"] * 2 + ["unit"] * 2
+    assert sorted(r["env"]["precision"]["setting"] for r in records) == ["32-true"] * 3 + ["fp8e3m4-mixed"] * 3
     assert all(r["status"] == "ok" and r["config"]["model"]["task"]["_target_"] == "mlp_digits.mlp_task"
                for r in records)
     assert all(r["metrics"]["test_accuracy"] > 0 for r in records)
@@ -50,6 +50,12 @@ def test_a_users_model_sweeps_and_resumes_without_editing_bench(swept):
                == [steps // 2, steps] for r in records)
     unit = next(r for r in records if r["config"]["scaling"]["name"] == "unit")
     assert unit["numerics"]["unit_conversion"]["why"].startswith("fresh unit-variance init")  # converted, from scratch
+    # the user's scaling method scaled each weight row into E3M4's range: no weight fell below its normal range, where
+    # unscaled the small ones did; activations and gradients it leaves alone (no scale recorded for them)
+    fp8 = {r["config"]["scaling"]["name"]: r["numerics"]["quantisation"] for r in records
+           if r["env"]["precision"]["setting"] == "fp8e3m4-mixed"}
+    assert fp8["channel_scale"]["weights"]["subnormal_fraction"] < fp8["none"]["weights"]["subnormal_fraction"]
+    assert fp8["channel_scale"]["weights"]["scale_max"] > 1 and "scale_max" not in fp8["channel_scale"]["gradients"]
 
 
 def test_a_users_model_gets_tables_plots_and_a_dashboard(swept):
@@ -59,6 +65,9 @@ def test_a_users_model_gets_tables_plots_and_a_dashboard(swept):
     precision = (tmp / "tables" / "default" / "precision.md").read_text()
     assert "mlp (32 hidden, digits)" in precision and "test_accuracy" in precision  # its describe() and metric
     assert "| fp8e3m4-mixed †" in precision  # the user's format, marked emulated
+    grid = (tmp / "tables" / "default" / "scaling_grid.md").read_text().splitlines()[2]
+    assert grid.split("|")[-2].strip() == "channel_scale"  # the user's scaling method: a column, after the built-ins'
+    assert "channel_scale" in (tmp / "tables" / "default" / "mlp_heatmap.svg").read_text()
     to_target = pd.read_csv(tmp / "tables" / "default" / "time_to_target.csv")  # read from its curve
     fp32 = to_target[(to_target["setting"] == "32-true") & (to_target["scaling"] == "none")].iloc[0]
     steps, reached = fp32["steps to target"].split(" ", 1)  # the FP32 run reaches its own final value, by its end

@@ -17,15 +17,57 @@ def _linear_and_input(seed=0):
     return layer, torch.randn(16, 64)
 
 
-def test_fp32_has_tf32_off_and_tf32_has_it_on():
-    flags = Precision("fp32", "true", "auto", None, False, CPU).flags
-    assert flags["cuda_matmul"] == flags["cudnn_conv"] == flags["cudnn_rnn"] == "ieee"
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
-    flags = Precision("tf32", "true", "auto", None, False, CPU).flags
-    assert flags["cuda_matmul"] == flags["cudnn_conv"] == "tf32"
-    assert flags["mkldnn_matmul"] == "ieee"  # CPU rounding is decided by emulation, never by oneDNN
-    Precision("fp32", "true", "auto", None, False, CPU)
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+FLAG_NAMES = [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"),
+              (torch.backends.cudnn.rnn, "fp32_precision"), (torch.backends.mkldnn.matmul, "fp32_precision"),
+              (torch.backends.mkldnn.conv, "fp32_precision")]
+
+
+def _flags() -> list[str]:
+    return [getattr(obj, name) for obj, name in FLAG_NAMES]
+
+
+def test_fp32_has_tf32_off_and_tf32_has_it_on_while_the_cell_runs_and_not_after():
+    """A plan names the flags; only the cell's run sets them (precision.fp32_flags()), and its end puts back what
+    was there, whatever that was."""
+    before = _flags()
+    fp32, tf32 = (Precision(fmt, "true", "auto", None, False, CPU) for fmt in ("fp32", "tf32"))
+    assert _flags() == before  # building a precision touches nothing global
+    assert fp32.flags["cuda_matmul"] == fp32.flags["cudnn_conv"] == fp32.flags["cudnn_rnn"] == "ieee"
+    assert tf32.flags["cuda_matmul"] == tf32.flags["cudnn_conv"] == "tf32"
+    assert tf32.flags["mkldnn_matmul"] == "ieee"  # CPU rounding is decided by emulation, never by oneDNN
+    for precision, value in ((fp32, "ieee"), (tf32, "tf32")):
+        with precision.fp32_flags():
+            assert _flags() == [value, value, value, "ieee", "ieee"]
+        assert _flags() == before
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # someone else's setting survives a cell
+    try:
+        with fp32.fp32_flags():
+            assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before[0]
+
+
+def test_the_device_matrix_doctor_predictions_and_the_preflight_leave_torchs_flags_as_they_found_them(make_cfg):
+    """What decides many cells without training one: each plans on (simulated) devices, none sets a flag."""
+    from bench.running.run import preflight
+    from bench.running.speed import gpu, recipe_on
+    from bench.running.trace import trace_cell
+    from bench.tools import doctor, matrix
+
+    original = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # not what a 32-true cell runs under: a change would show
+    try:
+        before = _flags()
+        matrix.markdown()
+        doctor.precision_rows(CPU)
+        for fmt in ("fp32", "tf32", "bf16", "fp8"):
+            cfg = make_cfg(f"format={fmt}")
+            preflight(cfg)
+            recipe_on(cfg, trace_cell(cfg), gpu("H100"))
+        assert _flags() == before
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = original
 
 
 def test_emulated_tf32_rounding_is_visible_in_a_matmul():
@@ -45,7 +87,7 @@ def test_emulated_sixteen_bit_mixed_rounds_inputs_output_and_gradients(fmt):
     x.requires_grad_(True)
     Precision(fmt, "mixed", "emulated", None, False, CPU).prepare(layer)
     y = layer(x)
-    q = lambda t: quantise_value(t, fmt)  # noqa: E731
+    q = lambda t: quantise_value(t, fmt)
     assert torch.equal(y, q(F.linear(q(x), q(layer.weight), q(layer.bias))))
     grad_out = torch.randn_like(y) * 1e-3
     y.backward(grad_out)
@@ -59,7 +101,7 @@ def test_emulated_fp8_uses_e4m3_forward_and_e5m2_gradients_and_keeps_outputs_fp3
     x.requires_grad_(True)
     Precision("fp8", "mixed", "emulated", None, False, CPU).prepare(layer)
     y = layer(x)
-    e4m3 = lambda t: quantise_value(t, "fp8_e4m3")  # noqa: E731
+    e4m3 = lambda t: quantise_value(t, "fp8_e4m3")
     assert torch.equal(y, F.linear(e4m3(x), e4m3(layer.weight), layer.bias))
     grad_out = torch.randn_like(y)
     y.backward(grad_out)

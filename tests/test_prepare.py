@@ -8,7 +8,7 @@ from bench.tools import prepare
 
 def test_prepare_fetches_every_configured_model_and_dataset(monkeypatch, hub_answers):
     fetched = []
-    record = lambda kind: (lambda name, *a, **k: fetched.append((kind, name)))  # noqa: E731
+    record = lambda kind: (lambda name, *a, **k: fetched.append((kind, name)))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", record("tokenizer"))
     monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained", record("classifier"))
     monkeypatch.setattr(transformers.AutoModelForQuestionAnswering, "from_pretrained", record("qa"))

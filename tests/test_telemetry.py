@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.numerics.formats import FORMATS
 from bench.numerics.emulation import TensorSite
+from bench.numerics.formats import FORMATS
 from bench.numerics.telemetry import QuantTelemetry, category_counts
 
 

@@ -13,13 +13,11 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from bench.errors import ConfigError
-from bench.numerics.umup import UmupHyper, UmupLinear, UmupReadout, umup_scale
+from bench.numerics.umup import UmupHyper, UmupLinear, UmupReadout, umup_parameter_groups, umup_scale
 from bench.running.run import run_cell
 from bench.running.train import build_optimizer
 from bench.tasks.charlm import CharGPT
 from bench.tasks.lenet import LeNet5
-
-from test_charlm import text_file  # noqa: F401 - the module's made-up verse, as a fixture here too
 
 
 @pytest.mark.parametrize("ours, library", [(UmupLinear, uu.Linear), (UmupReadout, uu.LinearReadout)])
@@ -96,7 +94,7 @@ def test_a_converted_charlm_trains_one_step_exactly_as_the_library_built_model_a
         for mine, theirs in zip(ours_params, reference_params):
             theirs.copy_(mine)
     idx, targets = torch.randint(vocab, (4, block)), torch.randint(vocab, (4, block))
-    optimizers = [build_optimizer(OPTIMIZER, ours.parameters(), umup=True),
+    optimizers = [build_optimizer(OPTIMIZER, ours.parameters(), parameter_groups=umup_parameter_groups),
                   uu.optim.AdamW(reference.parameters(), lr=0.5, betas=(0.9, 0.99), weight_decay=0.0, fused=True)]
     logits = []
     for model, optimizer in zip((ours, reference), optimizers):
@@ -117,7 +115,7 @@ def test_the_learning_rates_follow_u_mup_rules_by_type_width_and_depth():
     lr; written out from the paper's Table 2, not read from the library."""
     layers, width = 4, 64
     model = umup_scale(CharGPT(30, 16, layers, 2, width))
-    optimizer = build_optimizer(OPTIMIZER, model.parameters(), umup=True)
+    optimizer = build_optimizer(OPTIMIZER, model.parameters(), parameter_groups=umup_parameter_groups)
     lr_of = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
     lr = OPTIMIZER.lr
     assert lr_of[id(model.wte.weight)] == pytest.approx(lr / math.sqrt(width))
@@ -163,14 +161,14 @@ def test_a_model_with_a_layer_u_mup_has_no_rule_for_is_refused_naming_it():
         umup_scale(LeNet5())
 
 
-def _charlm(make_cfg, text_file, *overrides):  # noqa: F811
+def _charlm(make_cfg, text_file, *overrides):
     return make_cfg("model=charlm", "model.data.source=local", f"model.data.path={text_file}", "model.data.sha256=null",
                     "model.iterations=30", "model.arch.layers=2", "model.arch.embedding=32", "model.arch.block_size=16",
                     "train.log_every=10", "scaling=umup", *overrides)
 
 
 @pytest.mark.parametrize("overrides", [["format=fp32"], ["format=fp8"], ["format=bf16"]])
-def test_a_umup_charlm_cell_trains_and_records_its_parametrisation(make_cfg, text_file, overrides):  # noqa: F811
+def test_a_umup_charlm_cell_trains_and_records_its_parametrisation(make_cfg, text_file, overrides):
     """FP8 is the plain cast (no per-tensor scale) of every GEMM input, emulated; its defaults put u-μP's optimiser
     in place of nanoGPT's."""
     cfg = _charlm(make_cfg, text_file, *overrides)
@@ -267,7 +265,7 @@ def test_labelled_rows_pair_each_fp8_cell_with_its_own_parametrisations_fp32(tmp
     assert rows["SP, FP8 per-tensor"][5].startswith("+0.010 [")  # 0.00, 0.01, 0.02 against SP's FP32
 
 
-def test_a_umup_cell_interrupted_after_its_checkpoint_resumes_bit_for_bit(make_cfg, text_file,  # noqa: F811
+def test_a_umup_cell_interrupted_after_its_checkpoint_resumes_bit_for_bit(make_cfg, text_file,
                                                                           monkeypatch):
     """u-μP's one-group-per-parameter optimiser and its tagged parameters survive a checkpoint: interrupted after step
     20 and resumed, the cell ends with the weights and optimiser state of the same cell run straight through."""

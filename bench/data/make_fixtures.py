@@ -104,7 +104,7 @@ def main() -> None:
     qa = squad(rng)
     fixtures = HERE / "fixtures"
     fixtures.mkdir(exist_ok=True)
-    write = lambda name, rows: (fixtures / name).write_text("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
+    write = lambda name, rows: (fixtures / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     write("imdb_tiny.jsonl", reviews)
     write("squad_tiny_train.jsonl", qa[:120])
     write("squad_tiny_validation.jsonl", qa[120:])

@@ -42,10 +42,19 @@ import torch
 from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
-# FP8 recipes with finer scales than one per tensor: torchao's rowwise ones (rowwise, and rowwise with the
-# weight-gradient GEMM in high precision) and Transformer Engine's block scaling
-TORCHAO_ROWWISE = ("rowwise", "rowwise_with_gw_hp")
-FP8_GRANULARITIES = (*TORCHAO_ROWWISE, "block")
+
+
+@dataclass(frozen=True)
+class TileScaling:
+    """An FP8 recipe with finer scales than one per tensor, E4M3 throughout (a scaling method's `tiles`,
+    bench/numerics/scaling_methods.py): torchao's rowwise recipes (`rows`: one power-of-two scale per row along the
+    dimension each GEMM reduces; `grad_weight_in_high_precision`: rowwise_with_gw_hp, whose weight enters the
+    input-gradient GEMM with one scale and whose weight-gradient GEMM stays in high precision), or Transformer
+    Engine's block scaling (1 x 128 tiles, 128 x 128 for weights). `tile` says what one scale covers."""
+
+    tile: str
+    rows: bool
+    grad_weight_in_high_precision: bool = False
 FP8_TILE = 128  # Transformer Engine's Float8BlockScaling tile
 E4M3_MAX = 448.0
 TORCHAO_AMAX_EPS = 1e-12  # torchao.float8.float8_utils.EPS
@@ -95,14 +104,9 @@ def _blocked(values: torch.Tensor, elements: torch.Tensor, length: int, dim: int
              amax: torch.Tensor, factor: torch.Tensor, scale_bits: torch.Tensor | None = None) -> Blocked:
     """A Blocked from `_blocks`' layout: values and elements back in the input's shape, the per-block tensors
     (one trailing singleton per block) with their block index where `dim` was."""
-    per_block = lambda t: t.squeeze(-1).movedim(-1, dim)  # noqa: E731
+    per_block = lambda t: t.squeeze(-1).movedim(-1, dim)
     return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), per_block(scale), per_block(amax),
                    per_block(factor), None if scale_bits is None else per_block(scale_bits))
-
-
-def _exponent_field(x: torch.Tensor) -> torch.Tensor:
-    """The biased exponent of float32 x (0 for zeros and subnormals, 255 for inf and NaN)."""
-    return (x.view(torch.int32) >> 23) & 0xFF
 
 
 def _round_elements(x: torch.Tensor, element: str, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
@@ -237,6 +241,6 @@ def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:
     amax = squares.abs().amax((1, 3), keepdim=True)
     scale = te_pow2_scale(amax)
     elements, values = _fp8_scaled(squares, scale)
-    per_tile = lambda t: t.squeeze(3).squeeze(1)  # noqa: E731
+    per_tile = lambda t: t.squeeze(3).squeeze(1)
     return Blocked(values.reshape(padded.shape)[:rows, :cols], elements.reshape(padded.shape)[:rows, :cols],
                    per_tile(scale), per_tile(amax), per_tile(1 / scale))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.numerics.blocks import (
-    TORCHAO_ROWWISE,
+    TileScaling,
     mx_quantise,
     nvfp4_quantise,
     nvfp4_tensor_scale,
@@ -195,7 +195,7 @@ class FP8TileOperands:
     GEMM in high precision. _BlockLinear names each GEMM by the dimension its operands are reduced along: dim 0
     of an activation or a gradient is the weight-gradient GEMM's, dim 0 of the weight the input-gradient GEMM's."""
 
-    granularity: str
+    tiles: TileScaling
     rounding: str = "nearest"  # of the gradient operands
     telemetry: QuantTelemetry | None = field(default=None, compare=False)
 
@@ -206,11 +206,11 @@ class FP8TileOperands:
 
     @property
     def rowwise(self) -> bool:
-        return self.granularity in TORCHAO_ROWWISE
+        return self.tiles.rows
 
     @property
     def grad_weight_in_high_precision(self) -> bool:
-        return self.granularity == "rowwise_with_gw_hp"
+        return self.tiles.grad_weight_in_high_precision
 
     def _runs(self, t: torch.Tensor, dim: int, rounding: str = "nearest"):
         quantiser = rowwise_quantise if self.rowwise else tile_quantise

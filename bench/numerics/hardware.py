@@ -14,7 +14,6 @@ from unittest import mock
 
 import torch
 
-
 CPU_16BIT_UNITS = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
 
 

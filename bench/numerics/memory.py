@@ -81,7 +81,7 @@ class StepMemory:
         emulated = not precision.native and precision.recipe is not None
         self.stored_format = FORMATS[precision.recipe.inputs] if emulated and precision.mode == "true" else None
         self.sixteen_bit_values = (FORMATS[precision.recipe.inputs] if emulated and precision.recipe.sixteen_bit_kernel
-                                   and precision.per_tensor is None else None)
+                                   and not precision.plan.site_scales else None)
 
     @contextlib.contextmanager
     def saving(self):

@@ -13,16 +13,9 @@ from torch import nn
 from bench.numerics.blocks import MX_BLOCK
 
 
-# what a native FP8 cell runs, by scaling method (torchao's recipe names, but per_tensor's)
-NATIVE_FP8_RECIPES = {
-    "per_tensor": "torchao float8 tensorwise (per-tensor dynamic scaling)",
-    "rowwise": "torchao float8 rowwise (per-row dynamic power-of-two scaling)",
-    "rowwise_with_gw_hp": "torchao float8 rowwise_with_gw_hp (rowwise; weight-gradient GEMM in high precision)"}
-
-
 def torchao_float8_config(recipe: str = "tensorwise"):
-    """A native FP8 recipe: torchao's float8 training, `tensorwise` (scaling=per_tensor), `rowwise` or
-    `rowwise_with_gw_hp` (the scaling methods of those names); tests run them with emulate=True on CPU.
+    """A native FP8 recipe: torchao's float8 training by its recipe name (a scaling method's `torchao_recipe`:
+    tensorwise, rowwise, rowwise_with_gw_hp); tests run them with emulate=True on CPU.
 
     pad_inner_dim: torch._scaled_mm needs every GEMM's inner dimension to be a multiple of 16. The module
     filter (`torchao_converts`) guarantees it for the forward and input-gradient GEMMs; the weight-gradient GEMM

@@ -1,6 +1,6 @@
-"""Scaling methods. Loss scalers (none / static / dynamic) share one small protocol; per-tensor
-scaling is a cast policy (`PerTensorScale`, used by the precision sites); unit scaling is a model
-transform (bench/numerics/unit.py).
+"""What scaling methods (bench/numerics/scaling_methods.py) scale with: loss scalers (none / static / dynamic) share
+one small protocol (`LossScaler`); per-tensor scaling is a cast policy (`PerTensorScale`, used by the precision's
+rounding sites).
 
 `LossScaler` follows torch.amp.GradScaler's semantics step for step, with GradScaler's own kernels
 (tests check it against GradScaler itself), but is our own because GradScaler cannot express a static
@@ -21,7 +21,6 @@ from bench.numerics.formats import ElementFormat
 from bench.numerics.readings import Readings
 
 LOSS_SCALING = ("none", "static", "dynamic")
-SCALING_METHODS = ("none", "static", "dynamic", "per_tensor", "unit", "umup", "rowwise", "rowwise_with_gw_hp", "block")
 AMAX_MODES = ("current", "delayed")
 
 

@@ -12,16 +12,12 @@ import torch
 
 from bench.errors import ConfigError
 from bench.numerics import hardware
-from bench.numerics.blocks import FP8_GRANULARITIES
 from bench.numerics.hardware import NativeSupport
-from bench.numerics.scaling import SCALING_METHODS
 
 MODES = ("mixed", "true")  # FP32 master weights (Lightning's 16-mixed), or the whole model cast (16-true)
 # format.elsewhere: what may run outside the GEMMs of a gemm_only format (torchao, Transformer Engine and DeepSeek-V3
 # train FP8 with BF16 autocast there)
 ELSEWHERE = ("fp32", "bf16")
-# Block formats carry their own scales (per_tensor adds nothing); unit scaling's Linear takes block operands too.
-BLOCK_SCALINGS = ("none", "static", "dynamic", "unit", "umup")
 
 
 @dataclass(frozen=True)
@@ -47,7 +43,7 @@ class FormatSpec:
     torch_dtype: torch.dtype | None = None  # where native: autocast's dtype (mixed), the model's (true)
     gradient_elements: tuple[str, ...] = ()  # format.gradients choices (null keeps the recipe's)
     stochastic_rounding: bool = False  # format.rounding=stochastic applies (to the gradients entering the backward)
-    tile_scalings: bool = False  # scaling=rowwise, rowwise_with_gw_hp and block apply (E4M3 per row or tile)
+    tile_scalings: bool = False  # the scaling methods with FP8 scales per row or tile apply (scaling_methods.py)
     native_path: str = "torch"  # where native: "torch" (autocast or the model cast; no per-tensor scales) or "torchao"
     gemm_only: bool = False  # only the GEMM operands are in the format: the rest is a choice (format.elsewhere)
 
@@ -59,12 +55,6 @@ class FormatSpec:
     def block(self) -> str | None:
         return self.recipe.block if self.recipe else None
 
-    def scalings(self) -> tuple[str, ...]:
-        """The scaling methods it combines with: block formats carry their own scales (loss and unit scaling still
-        apply; per-tensor would add nothing); rowwise and block scaling are FP8 recipes."""
-        if self.block:
-            return BLOCK_SCALINGS
-        return SCALING_METHODS if self.tile_scalings else tuple(s for s in SCALING_METHODS if s not in FP8_GRANULARITIES)
 
 
 FORMAT_SPECS: dict[str, FormatSpec] = {}

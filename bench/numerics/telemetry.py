@@ -48,6 +48,7 @@ class QuantTelemetry:
         self._run = {c: dict.fromkeys(_COUNTS, 0) for c in TENSOR_CLASSES}
         # per class, running bounds of per-tensor scaling's amax and scale: {"amax_min": ..., "amax_max": ..., ...}
         self.bounds: dict[str, dict[str, float]] = {c: {} for c in TENSOR_CLASSES}
+        self._step_scales: dict[str, list] = self._zeros()  # per class: [amax, scale] per scaled cast this step
         self._step_blocks: dict[str, list] = self._zeros()  # per class: (sums tensor, log2 factors) per operand
         # per class: the BLOCK_SUMS totals, log2-scale min and max, and each sampled step's median
         self.blocks: dict[str, dict] = {c: {} for c in TENSOR_CLASSES}
@@ -78,12 +79,24 @@ class QuantTelemetry:
         self._step_blocks[tensor_class].append((sums, torch.log2(blocked.factor[finite]).flatten()))
 
     def observe_scale(self, tensor_class: str, amax: torch.Tensor, scale: torch.Tensor) -> None:
+        """A scaled site's amax and scale (kept on the device; read with the step's counts)."""
         if not self.sampling:
             return
-        bounds = self.bounds[tensor_class]
-        for name, value in (("amax", float(amax)), ("scale", float(scale))):
-            bounds[f"{name}_min"] = min(value, bounds.get(f"{name}_min", value))
-            bounds[f"{name}_max"] = max(value, bounds.get(f"{name}_max", value))
+        self._step_scales[tensor_class].append(torch.stack([amax.detach().float(), scale.detach().float()]))
+
+    def _end_step_scales(self) -> None:
+        """Fold this step's amaxes and scales into the run's bounds: one read for all classes."""
+        classes = [c for c, rows in self._step_scales.items() if rows]
+        if not classes:
+            return
+        per_class = [torch.stack(self._step_scales[c]) for c in classes]
+        rows = torch.stack([torch.cat([t.min(0).values, t.max(0).values]) for t in per_class]).tolist()
+        for c, (amax_min, scale_min, amax_max, scale_max) in zip(classes, rows):
+            bounds = self.bounds[c]
+            for name, low, high in (("amax", amax_min, amax_max), ("scale", scale_min, scale_max)):
+                bounds[f"{name}_min"] = min(low, bounds.get(f"{name}_min", low))
+                bounds[f"{name}_max"] = max(high, bounds.get(f"{name}_max", high))
+        self._step_scales = self._zeros()
 
     def _end_step_blocks(self) -> None:
         """Fold this step's block sums into the run totals: one read for all classes."""
@@ -109,8 +122,9 @@ class QuantTelemetry:
 
     def end_step(self) -> dict[str, dict[str, float]]:
         """Fractions for this sampled step, per class with data; folds the counts into the run totals.
-        One read from the device for all classes."""
+        One read from the device per kind of statistic, for all classes."""
         self._end_step_blocks()
+        self._end_step_scales()
         classes = [c for c, rows in self._step.items() if rows]
         if not classes:
             return {}

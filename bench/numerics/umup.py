@@ -36,7 +36,6 @@ from unit_scaling.scale import scale_bwd, scale_fwd
 from bench.errors import ConfigError
 from bench.numerics.emulation import CastOp
 from bench.numerics.ops import Add, CausalAttention, Residual
-from bench.numerics.scaling import SCALING_METHODS
 from bench.numerics.unit import UnitAdd, UnitCausalAttention, UnitResidual
 
 
@@ -119,8 +118,7 @@ def _umup_module(module: nn.Module, hyper: UmupHyper, readout: bool) -> nn.Modul
         return None  # a container of other modules
     raise ConfigError(f"scaling=umup has no rule for {kind.__name__}: u-μP here covers "
                       f"{', '.join(c.__name__ for c in COVERED)} and modules made of them (a model built from "
-                      "bench/numerics/ops.py's ops, such as charlm); valid scalings for this model: "
-                      f"{', '.join(s for s in SCALING_METHODS if s != 'umup')}")
+                      "bench/numerics/ops.py's ops, such as charlm)")
 
 
 def _convert(parent: nn.Module, hyper: UmupHyper, after_stack: bool) -> bool:

@@ -42,8 +42,8 @@ from unit_scaling.constraints import apply_constraint
 from unit_scaling.core.functional import scale_elementwise, transformer_residual_scaling_rule
 from unit_scaling.scale import scale_bwd, scale_fwd
 
-from bench.numerics.ops import Add, CausalAttention, Residual
 from bench.numerics.emulation import CastOp
+from bench.numerics.ops import Add, CausalAttention, Residual
 
 RESIDUAL_CONSTRAINT = "gmean"  # ops with a residual add after them; unit-scaling leaves the rest unconstrained
 # (forward, backward) factors from the paper. ReLU on N(0, 1): output std sqrt(1/2 - 1/(2 pi)) = 0.584
@@ -412,6 +412,7 @@ def conversion_difference(reference: nn.Module, converted: nn.Module, forward) -
 
 
 LR_RULES = ("same", "relative")  # scaling.lr_rule: the model's lr as configured | relative_lr_multipliers
+ADAM_FAMILY = ("adam", "adamw")  # optimisers whose step size does not follow the gradient's scale (the relative rule's)
 
 
 def relative_lr_multipliers(before: dict[str, float], model: nn.Module) -> dict[nn.Parameter, float]:
@@ -445,7 +446,7 @@ def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: 
     parameter's `relative_lr_multipliers`.
     """
     if not preserve:
-        before = {name: _rms(p) for name, p in task.model.named_parameters()}
+        before = {name: _rms(p) for name, p in task.model.named_parameters()} if relative_lr else None
         unit_scale(task.model)
         task.cross_entropy = unit_cross_entropy
         result = {"preserve_function": False, "why": "fresh unit-variance init (model.pretrained=false or no checkpoint)",

@@ -24,17 +24,18 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
 from bench.errors import ConfigError
+from bench.numerics.scaling_methods import scaling_order
 from bench.numerics.specs import FORMAT_SPECS, settings_in_order
 from bench.numerics.telemetry import TENSOR_CLASSES
 from bench.reporting import archive
-from bench.reporting.recorded_predictions import DEFAULT_GPUS, predicted
 from bench.reporting.quality import targets
+from bench.reporting.recorded_predictions import DEFAULT_GPUS, predicted
 from bench.reporting.statistics import paired, t_interval, unit
 from bench.running.config import task_spec
 from bench.running.identity import comparison_ids, config_hash, semantic_config
 from bench.running.learning import learning_of, stalled_verdict
-from bench.running.speed import GPU, gpu
 from bench.running.record import (
     RECORD_KEYS,
     RecordError,
@@ -42,9 +43,9 @@ from bench.running.record import (
     logged_losses,
     read_record,
 )
+from bench.running.speed import GPU, gpu
 from bench.tasks.base import describe as generic_describe
 
-SCALING_ORDER = ["none", "static", "dynamic", "per_tensor", "unit", "umup", "rowwise", "rowwise_with_gw_hp", "block"]
 CELL_KEYS = ["experiment", "model", "task", "model_label", "setting", "scaling", "backend", "variant"]
 # Keys a cell's row already names (setting, scaling, model) or that never differ between its runs (seed).
 LABELLED = {"experiment_name", "seed", "format.name", "format.mode", "format.backend", "scaling.name", "model.name"}
@@ -282,6 +283,7 @@ def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None) -> pd.Dat
             "overflow_steps": _number(numerics.get("overflow_steps")),
             "final_loss_scale": _number(numerics.get("final_loss_scale")),
             "loss_scale_history": (numerics.get("loss_scale") or {}).get("history"),
+            "loss_scaling": numerics.get("loss_scaling"),
             "dir": r.get("_dir"), "losses": r.get("_losses") or [], "learning": learning_of(r),
             # a record made before records held their quality curve has none: no steps to target are read off it
             "curve": (metrics.get("curve") or {}).get("points") or [],
@@ -297,7 +299,7 @@ def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None) -> pd.Dat
     if frame.empty:
         return frame
     frame["setting"] = pd.Categorical(frame["setting"], settings_in_order(), ordered=True)  # the registry's order
-    frame["scaling"] = pd.Categorical(frame["scaling"], SCALING_ORDER, ordered=True)
+    frame["scaling"] = pd.Categorical(frame["scaling"], scaling_order(frame["scaling"]), ordered=True)
     frame["variant"] = variants(frame)
     frame["stalled"] = _stalled(frame)
     frame = frame.join(targets(frame))

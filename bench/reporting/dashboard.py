@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None, save: Callable = save_to_wandb) -> int:
     try:
         for name, obj in (("workspace", workspace(dashboard)), ("report", report(dashboard))):
             print(f"{name}: {save(obj)}")
-    except Exception as e:  # noqa: BLE001 - offline or refused: the specs are written, say why nothing was created
+    except Exception as e:  # offline or refused: the specs are written, say why nothing was created
         print(f"W&B could not be reached or refused ({type(e).__name__}: {e}); nothing created there")
     return 0
 

@@ -11,22 +11,23 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
-from bench.reporting.aggregate import SCALING_ORDER  # noqa: E402
-from bench.reporting.statistics import SIGNIFICANT  # noqa: E402
-from bench.reporting.tables import (  # noqa: E402
-    PARAMETRISATIONS,
+from bench.numerics.scaling import LOSS_SCALING
+from bench.numerics.scaling_methods import SCALING_METHODS, scaling_class, scaling_order
+from bench.reporting.statistics import SIGNIFICANT
+from bench.reporting.tables import (
     BlockRow,
     best_learning_rates,
     cell_unit,
     declared_table_of,
     fmt_difference,
+    parametrisation,
 )
 
-MARKERS = dict(zip(SCALING_ORDER, "os^Dv"))
+MARKERS = dict(zip(SCALING_METHODS, "os^Dv"))  # the first five methods, in the registry's order
 # The same records draw the same bytes (a committed figure is checked against its records): SVG element ids
 # from a fixed salt, and no creation date in either file.
 plt.rcParams["svg.hashsalt"] = "precision-bench"
@@ -89,7 +90,7 @@ def heatmap(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[
     labels = [f"{s}{' †' if b == 'emulated' else ''}" for s, b in
               dict.fromkeys(zip(part["setting"].astype(str), part["backend"]))]
     rows = list(dict.fromkeys(zip(part["setting"].astype(str), part["backend"])))
-    columns = [s for s in SCALING_ORDER if s in set(part["scaling"].astype(str))]
+    columns = scaling_order(part["scaling"].astype(str))
     grid = np.full((len(rows), len(columns)), np.nan)
     texts = np.full(grid.shape, "–", dtype=object)
     for _, c in part.iterrows():
@@ -135,7 +136,7 @@ def loss_scale_trajectories(runs: pd.DataFrame, title: str, directory: Path, nam
     fig, ax = plt.subplots(figsize=(7, 4))
     for _, r in runs.iterrows():
         history = r["loss_scale_history"]
-        if history and str(r["scaling"]) in ("static", "dynamic"):
+        if history and r["loss_scaling"] in LOSS_SCALING[1:]:  # a loss scale that is not 1
             steps = [h[0] for h in history] + [r["steps"]]  # hold the last scale to the end of the run
             scales = [h[1] for h in history] + [history[-1][1]]
             ax.step(steps, scales, where="post", lw=1, label=f"{r['setting']}/{r['scaling']}/s{r['seed']}")
@@ -189,8 +190,8 @@ def lr_transfer(cells: pd.DataFrame, directory: Path) -> list[Path]:
                     label=row["model_label"].split("(")[-1].split(",")[0])
             ax.scatter([row["best"]["lr"]], [row["best"]["value"]], marker="*", s=120, color=colour, zorder=3)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("learning rate" + (" (u-μP's global η)" if scaling == "umup" else ""))
-        ax.set_title(PARAMETRISATIONS.get(scaling, scaling), fontsize=9)
+        ax.set_xlabel(scaling_class(scaling).lr_meaning if scaling in SCALING_METHODS else "learning rate")
+        ax.set_title(parametrisation(scaling), fontsize=9)
     axes[0][0].set_ylabel(f"{cells['metric'].iloc[0]} (★ best per width)")
     values = cells["value"].dropna()
     if not values.empty:  # the region around the optima: diverging learning rates would squash it

@@ -55,13 +55,12 @@ def _configs(overrides: list[str]):
 def rows(overrides: list[str], gpus: list) -> list[dict]:
     """One row per cell and GPU."""
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
     from bench.reporting.aggregate import describe
     from bench.reporting.recorded_predictions import trace_key
     from bench.running.config import CONF_DIR
     from bench.running.trace import trace_cell
-
-    from omegaconf import OmegaConf
 
     traces: dict[str, object] = {}
 

@@ -27,9 +27,10 @@ import pandas as pd
 import yaml
 from omegaconf import OmegaConf
 
-from bench.numerics.telemetry import TENSOR_CLASSES
+from bench.numerics.scaling_methods import NO_SCALING, SCALING_METHODS, scaling_order
 from bench.numerics.specs import FORMAT_SPECS
-from bench.reporting.aggregate import EVALUATED_WITHOUT_AUTOCAST, RECIPE_OPTIONS, SCALING_ORDER, format_options
+from bench.numerics.telemetry import TENSOR_CLASSES
+from bench.reporting.aggregate import EVALUATED_WITHOUT_AUTOCAST, RECIPE_OPTIONS, format_options
 from bench.reporting.statistics import (
     CLIPPED,
     SIGNIFICANT,
@@ -45,6 +46,7 @@ from bench.running.config import CONF_DIR
 
 PUBLISHED = Path(__file__).parent / "reference" / "published.yaml"
 EMULATED = "†"
+FP32 = "32-true"  # the setting every difference is taken against
 DISTURBED = "‡"
 STALLED = "¶"
 EVALUATED_OUTSIDE = "°"
@@ -54,10 +56,12 @@ NOTES = {
                  "emulate the format); compiled, as published FP8 figures are; speed-up against the 32-true cell's "
                  "prediction. How far off it has been: results/bench/speed_model_validation.md.",
     "time_to_target": "steps to target: the first evaluation at which a seed's quality curve (its validation metric) "
-                      "reached the target: the 32-true run's final value on the same seed, or the preset's own "
-                      "(hydra.sweeper.quality_target); mean over the seeds that reached it [95% t interval] (how many "
-                      "reached it of how many had a curve and a target); predicted time to target: those steps at the "
-                      "predicted compiled step (bench/reporting/quality.py).",
+                      "reached the target: the 32-true run's final value on the same seed (the target column: their "
+                      "mean over seeds), or the preset's own (hydra.sweeper.quality_target); mean over the seeds that "
+                      "reached it [95% t interval, clipped at 0] (how many reached it of how many had a curve and a "
+                      "target); a run is counted at the evaluation that first reached it, so the evaluation interval "
+                      "bounds the resolution; predicted time to target: those steps at the predicted compiled step "
+                      "(bench/reporting/quality.py).",
     "emulated": f"{EMULATED} emulated in FP32: time, speed-up and measured peak measure the emulation on this device, "
                 "not the format (modelled memory counts the format's storage either way).",
     "disturbed": f"{DISTURBED} timing disturbed: other processes kept more cores busy than this run's threads left "
@@ -271,7 +275,7 @@ def time_to_target_table(cells: pd.DataFrame) -> pd.DataFrame:
 
 
 def scaling_grid(cells: pd.DataFrame) -> pd.DataFrame:
-    present = [s for s in SCALING_ORDER if s in set(cells["scaling"].astype(str))]
+    present = scaling_order(cells["scaling"].astype(str))
     rows = []
     for _, part in cells.groupby(["model_label", "variant", "setting", "backend"], observed=True, sort=True):
         row = {**_identity(part.iloc[0], cells), "setting": _setting_label(part.iloc[0]), "metric": part.iloc[0]["metric"]}
@@ -284,7 +288,7 @@ def scaling_grid(cells: pd.DataFrame) -> pd.DataFrame:
 
 def squad_table(cells: pd.DataFrame) -> pd.DataFrame:
     qa = cells[cells["metric"] == "f1"]
-    present = [s for s in SCALING_ORDER if s in set(qa["scaling"].astype(str))]
+    present = scaling_order(qa["scaling"].astype(str))
     rows = []
     for _, part in qa.groupby(["model_label", "variant", "setting", "backend"], observed=True, sort=True):
         row = {**_identity(part.iloc[0], qa), "setting": _setting_label(part.iloc[0])}
@@ -409,11 +413,11 @@ def is_cell(frame: pd.DataFrame, setting: str, scaling: str, rounding: str | Non
     return match if options is None else match & (frame["format_options"] == options)
 
 
-# The Unit Scaling paper's char-LM columns in its order, then this suite's FP8 ones: (setting, scaling, heading).
-CHARLM_COLUMNS = [("16-mixed", "none", "FP16 regular"), ("16-mixed", "static", "FP16 regular, static loss scale"),
-                  ("16-mixed", "unit", "FP16 unit"), ("32-true", "none", "FP32 regular"), ("32-true", "unit", "FP32 unit"),
-                  ("fp8-mixed", "dynamic", "FP8 regular, dynamic loss scale"),
-                  ("fp8-mixed", "per_tensor", "FP8 per-tensor"), ("fp8-mixed", "unit", "FP8 unit")]
+def layout(name: str) -> list[tuple[str, str, str]]:
+    """A paper's table layout (published.yaml `layouts`): its columns in its order, (setting, scaling, heading)."""
+    return [(c["setting"], c["scaling"], c["heading"]) for c in yaml.safe_load(PUBLISHED.read_text())["layouts"][name]]
+
+
 BPC_PER_NAT = 1 / math.log(2)
 BITS = Unit("bits per character", BPC_PER_NAT, 3, (0.0, math.inf))  # a loss in nats, shown in bits
 
@@ -432,14 +436,14 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
     lm = cells[cells["metric"] == "val_loss"]
     ok = runs[(runs["metric"] == "val_loss") & (runs["status"] == "ok") & runs["value"].notna()]
     paper = [r for r in published_rows() if r["task"] == "wikitext103_char"]
-    columns = [c for c in CHARLM_COLUMNS if ((lm["setting"].astype(str) == c[0]) & (lm["scaling"].astype(str) == c[1])).any()]
+    columns = [c for c in layout("unit_scaling_charlm") if is_cell(lm, c[0], c[1]).any()]
 
     rows = []
     for norm, in_norm in lm.groupby(lm["model_label"].map(_norm_of), sort=True):
         for (label, design), part in in_norm.groupby(["model_label", "design_id"], sort=False):
             here = ok[ok["design_id"] == design]
-            reference = here[is_cell(here, "32-true", "none")].drop_duplicates("seed").set_index("seed")["value"]
-            labelled = part[is_cell(part, "32-true", "none")]
+            reference = here[is_cell(here, FP32, NO_SCALING)].drop_duplicates("seed").set_index("seed")["value"]
+            labelled = part[is_cell(part, FP32, NO_SCALING)]
             variant = (labelled if not labelled.empty else part)["variant"].iloc[0]
             ours = {"norm": norm, "rows": f"ours: val BPC ({label}{f'; {variant}' if variant else ''})"}
             ours_delta = {"norm": norm, "rows": "ours: Δ vs FP32 regular"}
@@ -455,17 +459,17 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
                 runs_here = here[is_cell(here, setting, scaling)]
                 differences = [v - reference[s] for v, s in zip(runs_here["value"], runs_here["seed"])
                                if s in reference.index]
-                ours_delta[heading] = _paired_text(differences, BITS, baseline=(setting, scaling) == ("32-true", "none"))
+                ours_delta[heading] = _paired_text(differences, BITS, baseline=(setting, scaling) == (FP32, NO_SCALING))
             rows += [ours, ours_delta]
         published = {(r["setting"], r["scaling"]): r["value"] for r in paper if r["norm"] == norm}
-        base = published.get(("32-true", "none"))
+        base = published.get((FP32, NO_SCALING))
         theirs = {"norm": norm, "rows": "paper: test BPC (WikiText-103, 8 layers)"}
         theirs_delta = {"norm": norm, "rows": "paper: Δ vs FP32 regular"}
         for setting, scaling, heading in columns:
             value = published.get((setting, scaling))
             theirs[heading] = "–" if value is None else f"{value:.3f}"
             theirs_delta[heading] = "–" if value is None or base is None else (
-                "baseline" if (setting, scaling) == ("32-true", "none") else f"{value - base:+.3f}")
+                "baseline" if (setting, scaling) == (FP32, NO_SCALING) else f"{value - base:+.3f}")
         rows += [theirs, theirs_delta]
     return pd.DataFrame(rows)
 
@@ -512,7 +516,7 @@ def _row(setting) -> BlockRow:
     spec = FORMAT_SPECS[option.name]
     fmt = {key: overrides.get(f"format.{key}", option.get(key)) for key in RECIPE_OPTIONS}
     return BlockRow(spec.setting(overrides.get("format.mode", str(option.mode).lower())),
-                    overrides.get("scaling", "none"), overrides.get("format.rounding", "nearest"), setting["label"],
+                    overrides.get("scaling", NO_SCALING), overrides.get("format.rounding", "nearest"), setting["label"],
                     float(setting.get("bits") or "nan"), format_options(fmt))
 
 
@@ -522,7 +526,7 @@ def _differences_to_fp32(here: pd.DataFrame, mine: pd.DataFrame, scaling: str, m
     do nothing in FP32)."""
     fp32 = here[here["setting"].astype(str) == "32-true"]
     same = fp32[fp32["scaling"].astype(str) == scaling]
-    reference = (same if not same.empty else fp32[fp32["scaling"].astype(str) == "none"])
+    reference = (same if not same.empty else fp32[fp32["scaling"].astype(str) == NO_SCALING])
     reference = reference.drop_duplicates("seed").set_index("seed")["value"]
     return [v - reference[s] for v, s in zip(mine["value"], mine["seed"]) if s in reference.index]
 
@@ -554,7 +558,10 @@ def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame, block_rows: lis
     return pd.DataFrame(rows)
 
 
-PARAMETRISATIONS = {"none": "standard (SP)", "umup": "u-μP", "unit": "unit scaling"}
+def parametrisation(scaling: str) -> str:
+    """What the tables call the model a scaling method trains (its `parametrisation`; a method not declared in this
+    process by its name)."""
+    return SCALING_METHODS[scaling].parametrisation if scaling in SCALING_METHODS else scaling
 
 
 def _natural(text: str) -> list:
@@ -576,7 +583,8 @@ def best_learning_rates(cells: pd.DataFrame) -> pd.DataFrame:
         neighbours = [part.iloc[i] if 0 <= i < len(part) else None for i in (position - 1, position + 1)]
         rows.append({"scaling": scaling, "model_label": label, "lrs": list(part["lr"]), "best": part.loc[best],
                      "below": neighbours[0], "above": neighbours[1]})
-    rows.sort(key=lambda r: (SCALING_ORDER.index(str(r["scaling"])), _natural(r["model_label"])))
+    order = scaling_order(str(r["scaling"]) for r in rows)
+    rows.sort(key=lambda r: (order.index(str(r["scaling"])), _natural(r["model_label"])))
     return pd.DataFrame(rows)
 
 
@@ -598,7 +606,7 @@ def lr_transfer_table(cells: pd.DataFrame) -> pd.DataFrame:
         narrowest = best[best["scaling"] == r["scaling"]].iloc[0]["best"]["lr"]
         metric = r["best"]["metric"]
         rows.append({
-            "parametrisation": PARAMETRISATIONS.get(str(r["scaling"]), str(r["scaling"])), "model": r["model_label"],
+            "parametrisation": parametrisation(str(r["scaling"])), "model": r["model_label"],
             "learning rates swept": f"{min(r['lrs']):.3g} … {max(r['lrs']):.3g} ({len(r['lrs'])})",
             "best lr": f"{r['best']['lr']:.3g}", f"{metric} at best": _metric_text(r["best"]),
             "at the lr below": "–" if r["below"] is None else f"{_metric_text(r['below'])} (lr {r['below']['lr']:.3g})",
@@ -653,13 +661,11 @@ def _latex_cell(value) -> str:
 
 
 def to_latex(table: pd.DataFrame, caption: str) -> str:
-    """A booktabs table: \\toprule, header, \\midrule, rows, \\bottomrule, inside table and tabular."""
-    header = " & ".join(_latex_cell(c) for c in table.columns) + r" \\"
-    body = [" & ".join(_latex_cell(v) for v in row) + r" \\" for row in table.itertuples(index=False)]
-    return "\n".join([r"\begin{table}[ht]", r"\centering", r"\small",
-                      r"\begin{tabular}{" + "l" * len(table.columns) + "}", r"\toprule", header, r"\midrule",
-                      *body, r"\bottomrule", r"\end{tabular}", r"\caption{" + _latex_cell(caption) + "}",
-                      r"\end{table}", ""])
+    """A booktabs table (pandas' Styler: \\toprule, \\midrule, \\bottomrule), its caption above, every cell escaped."""
+    styled = table.style.hide(axis="index").format(_latex_cell).format_index(_latex_cell, axis=1)
+    styled = styled.set_table_styles([{"selector": "small", "props": ":;"}], overwrite=False)
+    return styled.to_latex(hrules=True, caption=_latex_cell(caption), position="ht", position_float="centering",
+                           column_format="l" * len(table.columns), environment="table")
 
 
 def to_markdown(table: pd.DataFrame, notes: list[str]) -> str:

@@ -127,7 +127,7 @@ class Checkpointer:
                 scaler.load_state_dict(state["scaler"])
                 loop, rng = state["loop"], state["rng"]
                 steps = int(loop["steps"])
-            except Exception as e:  # noqa: BLE001 - whatever makes a checkpoint unusable, the answer is the same
+            except Exception as e:  # whatever makes a checkpoint unusable, the answer is the same
                 _restore_snapshot(before, model, optimizer, scaler, schedule)
                 self._discard(path, e)
                 continue

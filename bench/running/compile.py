@@ -90,7 +90,7 @@ class CompiledStep:
             return self._eager(model, batch)
         try:
             loss = self._compiled(model, batch)
-        except Exception as e:  # noqa: BLE001 - under auto any compile failure means: run eagerly, say why
+        except Exception as e:  # under auto any compile failure means: run eagerly, say why
             self.fall_back(e)
             return self._eager(model, batch)
         graphs = _dynamo_graphs()

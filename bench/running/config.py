@@ -20,10 +20,9 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from bench.data import DATA_DIR
 from bench.errors import ConfigError, check_choice, suggestion  # bench.running.config.ConfigError: the same class
-from bench.numerics.precision import EVAL_PRECISIONS, PrecisionConfig
-from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING
-from bench.numerics.umup import UmupHyper
-from bench.numerics.unit import LR_RULES
+from bench.numerics.plan import PrecisionConfig
+from bench.numerics.precision import EVAL_PRECISIONS
+from bench.numerics.scaling_methods import build as build_scaling_method
 from bench.running.device import DEVICES, parallel_jobs
 from bench.running.identity import cell_path
 from bench.tasks.base import METRIC_UNITS, TaskSpec
@@ -66,7 +65,12 @@ class FormatConfig:
 
 @dataclass
 class ScalingConfig:
+    """A scaling method's knobs (bench/numerics/scaling_methods.py: `_target_` names its class). Every built-in
+    method's knobs are declared here, each used by the methods its comment names; a method of your own takes its
+    own under `options`."""
+
     name: str = MISSING
+    _target_: Optional[str] = None  # the method's class (how it runs, not part of a run's identity)
     loss_scaling: str = "none"  # none | static | dynamic
     init_scale: float = 1.0
     growth_factor: float = 2.0
@@ -84,6 +88,7 @@ class ScalingConfig:
     attn_softmax_mult: Optional[float] = None
     ffn_act_mult: Optional[float] = None
     output_mult: Optional[float] = None
+    options: Optional[Any] = None  # a user's scaling method's own knobs (free-form)
 
 
 @dataclass
@@ -282,10 +287,8 @@ def check(cfg: DictConfig) -> None:
                           " documented in conf/README.md")
     _check_model(cfg.model)
     cfg.format.mode = str(cfg.format.mode).lower()
+    build_scaling_method(cfg.scaling).check()  # the method's knobs (and its class, imported by _target_)
     PrecisionConfig.from_config(cfg)  # the format's choices and their combinations with the scaling method
-    check_choice(cfg.scaling.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")
-    check_choice(cfg.scaling.amax, AMAX_MODES, "scaling.amax")
-    check_choice(cfg.scaling.lr_rule, LR_RULES, "scaling.lr_rule")
     check_choice(cfg.device, DEVICES, "device")
     check_choice(cfg.train.eval_precision, EVAL_PRECISIONS, "train.eval_precision")
     check_choice(cfg.logger.name, LOGGERS, "logger")
@@ -302,15 +305,6 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"train.checkpoint_every={cfg.train.checkpoint_every} must be >= 1 (or null)")
     if cfg.train.max_steps is not None and cfg.train.max_steps < 1:
         raise ConfigError(f"train.max_steps={cfg.train.max_steps} must be >= 1 (or null for no cap)")
-    if not cfg.scaling.conversion_tolerance > 0:
-        raise ConfigError(f"scaling.conversion_tolerance={cfg.scaling.conversion_tolerance} must be > 0")
-    if cfg.scaling.name == "umup":
-        for key in (f.name for f in dataclasses.fields(UmupHyper)):
-            if not (isinstance(cfg.scaling[key], (int, float)) and 0 < cfg.scaling[key] < math.inf):
-                raise ConfigError(f"scaling.{key}={cfg.scaling[key]} must be a number > 0 under scaling=umup "
-                                  "(the paper's default: 1.0)")
-    if cfg.scaling.loss_scaling != "none" and cfg.scaling.init_scale <= 0:
-        raise ConfigError(f"scaling.init_scale={cfg.scaling.init_scale} must be > 0")
 
 
 def check_results_dir(path: Path | str) -> None:

@@ -276,7 +276,7 @@ class TimingConditions:
         for key, read in (("clock_mhz", torch.cuda.clock_rate), ("other_processes", torch.cuda.list_gpu_processes)):
             try:  # both need pynvml; without it the record says so
                 state[key] = read(self.device)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 state[key] = f"unavailable ({type(e).__name__})"
         return state
 

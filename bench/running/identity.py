@@ -26,6 +26,7 @@ from bench.data import DATA_DIR
 NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "device")
 NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
 NON_SEMANTIC_MODEL = ("task",)  # the model's declaration (bench/tasks/base.py TaskSpec): how to read it, not what runs
+NON_SEMANTIC_SCALING = ("_target_",)  # the class that runs the method its name (in the identity) names
 # Keys whose named default means what null means (and what runs made before the key existed did), per section.
 SPELLINGS_OF_NULL = {"train": {("compile", "auto"), ("eval_precision", "trained")}, "format": {("elsewhere", "fp32")}}
 
@@ -62,6 +63,8 @@ def semantic_config(config: dict) -> dict:
             semantic[section] = {k: v for k, v in semantic[section].items() if (k, v) not in spellings}
     if isinstance(semantic.get("model"), dict):
         semantic["model"] = {k: v for k, v in semantic["model"].items() if k not in NON_SEMANTIC_MODEL}
+    if isinstance(semantic.get("scaling"), dict):
+        semantic["scaling"] = {k: v for k, v in semantic["scaling"].items() if k not in NON_SEMANTIC_SCALING}
     return semantic
 
 

@@ -57,7 +57,7 @@ class _SafeLogger:
             return
         try:
             getattr(self.inner, method)(arg)
-        except Exception as e:  # noqa: BLE001 - a logger must never fail the run
+        except Exception as e:  # a logger must never fail the run
             log.warning("logger %s failed (%s); continuing with the local record only", type(self.inner).__name__, e)
             self.inner = None
 
@@ -73,6 +73,6 @@ def open_logger(cfg: DictConfig, run_dir: Path, config: dict, tags: list[str], i
         return NullLogger()
     try:
         return _SafeLogger(WandbLogger(cfg, run_dir, config, tags, identity))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         log.warning("W&B could not start (%s); continuing with the local record only", e)
         return NullLogger()

@@ -13,7 +13,8 @@ import shutil
 import sys
 import time
 import traceback
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -23,16 +24,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from bench.numerics.precision import Precision, PrecisionError
 from bench.numerics.scaling import LossScaler
-from bench.numerics.umup import UmupHyper, umup_task
-from bench.numerics.unit import ConversionError, unit_scale_task
+from bench.numerics.unit import ConversionError
 from bench.running import device as devices
 from bench.running.checkpoint import Checkpointer
 from bench.running.command_line import check_command_line
 from bench.running.config import CONF_DIR, ConfigError, check
 from bench.running.identity import run_id
 from bench.running.learning import learning_summary
-from bench.running.speed import predictions
-from bench.running.trace import StepTrace, trace_task
 from bench.running.logger import NullLogger, open_logger
 from bench.running.record import (
     IN_FLIGHT,
@@ -48,7 +46,9 @@ from bench.running.record import (
     storage_errors,
     write_json_atomic,
 )
-from bench.running.train import ADAM_FAMILY, build_optimizer, build_schedule, total_steps, train
+from bench.running.speed import predictions
+from bench.running.trace import StepTrace, trace_task
+from bench.running.train import build_optimizer, build_schedule, total_steps, train
 from bench.tasks import Task, build_task
 
 log = logging.getLogger(__name__)
@@ -77,16 +77,9 @@ def device_preflight(cfg: DictConfig) -> tuple[torch.device, Precision]:
 build_precision = Precision.from_config  # the cell's precision on a device
 
 
-def build_scaler(cfg: DictConfig) -> LossScaler:
-    s = cfg.scaling
-    return LossScaler(s.loss_scaling, s.init_scale, s.growth_factor, s.backoff_factor, s.growth_interval,
-                      loss_multiplier=cfg.train.loss_multiplier, max_grad_norm=cfg.model.optimizer.grad_clip,
-                      reads_every=cfg.train.log_every)
-
-
-def umup_hyper(scaling: DictConfig) -> UmupHyper:
-    """scaling=umup's multipliers (conf/scaling/umup.yaml sets the paper's defaults)."""
-    return UmupHyper(**{f.name: scaling[f.name] for f in fields(UmupHyper)})
+def build_scaler(cfg: DictConfig, precision: Precision) -> LossScaler:
+    """The cell's loss scaler, as its scaling method runs it."""
+    return precision.method.loss_scaler(cfg.train.loss_multiplier, cfg.model.optimizer.grad_clip, cfg.train.log_every)
 
 
 def seed_everything(seed: int) -> None:
@@ -115,33 +108,32 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     task = build_task(cfg.model, precision.device, cfg.seed)
-    conversion = None
-    if cfg.scaling.name == "unit":
-        conversion = unit_scale_task(task, preserve=cfg.model.get("pretrained", False),
-                                     tolerance=cfg.scaling.conversion_tolerance,
-                                     relative_lr=cfg.scaling.lr_rule == "relative"
-                                     and cfg.model.optimizer.name in ADAM_FAMILY)
-    elif cfg.scaling.name == "umup":
-        conversion = umup_task(task, umup_hyper(cfg.scaling))
+    method = precision.method
+    conversion = method.transform(task, cfg.model.get("pretrained", False), cfg.model.optimizer.name)
 
     def optimizer_over(model: torch.nn.Module) -> torch.optim.Optimizer:
         """The cell's optimiser, over `model` (the task's, or the traced copy of it: the same parameters by name)."""
         factors = task.lr_multipliers and {mine: task.lr_multipliers.get(theirs, 1.0) for mine, theirs in
                                            zip(model.parameters(), task.model.parameters())}
-        return build_optimizer(cfg.model.optimizer, model.parameters(), factors, umup=cfg.scaling.name == "umup")
+        return build_optimizer(cfg.model.optimizer, model.parameters(), factors, method.parameter_groups)
 
     started = time.perf_counter()
     trace = trace_task(task, optimizer_over)
     trace_s = time.perf_counter() - started
     precision.prepare(task.model)
-    if precision.fp8_modules is not None:  # how much of a training step torchao's filter actually put in FP8
-        converted = set(precision.fp8_modules["converted"])
-        total = trace.flops("forward") + trace.flops("backward")
-        share = sum(o.flops for o in trace.ops if o.module in converted and o.phase != "optimizer")
-        precision.fp8_modules["converted_flop_share"] = share / total if total else None
     optimizer = optimizer_over(task.model)
     schedule = build_schedule(cfg.model.optimizer, optimizer, total_steps(task, cfg.train))
-    return Cell(task, build_scaler(cfg), optimizer, schedule, conversion, trace, trace_s)
+    return Cell(task, build_scaler(cfg, precision), optimizer, schedule, conversion, trace, trace_s)
+
+
+def converted_flop_share(trace: StepTrace, conversion: dict | None) -> float | None:
+    """How much of a training step's GEMM work torchao's filter put in FP8 (the record's fp8_modules)."""
+    if not conversion or "converted" not in conversion:
+        return None
+    converted = set(conversion["converted"])
+    total = trace.flops("forward") + trace.flops("backward")
+    share = sum(o.flops for o in trace.ops if o.module in converted and o.phase != "optimizer")
+    return share / total if total else None
 
 
 def finished_record(cfg: DictConfig, config: dict | None = None) -> dict | None:
@@ -193,7 +185,8 @@ def run_cell(cfg: DictConfig) -> dict:
             return {"status": IN_FLIGHT, "skipped": True}
         if (done := finished_record(cfg, config)) is not None:  # finished while this process was starting
             return _skip_recorded(cfg, done)
-        return _train_cell(cfg, config, device, precision)
+        with precision.fp32_flags():  # torch's TF32 flags as the cell asks, while it runs; as they were after
+            return _train_cell(cfg, config, device, precision)
 
 
 def _skip_recorded(cfg: DictConfig, record: dict) -> dict:
@@ -212,13 +205,15 @@ def _record_device_failure(cfg: DictConfig, config: dict, error: DeviceError) ->
 
 
 def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: Precision) -> dict:
-    """run_cell's work once the cell is this process's to train."""
+    """run_cell's work once the cell is this process's to train: the record starts `failed` and says what the
+    cell got to (a failure keeps what was measured before it); an interruption writes none, so that the next launch
+    resumes from the checkpoint."""
     run_dir = Path(cfg.results_dir) / cfg.cell
     identity = run_id(config)
     memory = devices.PeakMemory(device)
     conditions = devices.TimingConditions(device)
     checkpointer = Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint)
-    scaler = build_scaler(cfg)  # replaced by the cell's; here so that a failed build still records its state
+    scaler = build_scaler(cfg, precision)  # replaced by the cell's; here so that a failed build records its state
     record = {"status": "failed", "reason": None, "run_id": identity, "config": config,
               "env": devices.describe(device) | {"precision": precision.describe()},
               "metrics": {}, "timing": {}, "memory": {"peak_bytes": None, "measures": memory.measures}, "numerics": {}}
@@ -226,17 +221,13 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
     try:
         memory.reset()
         cell = build_cell(cfg, precision)
-        record["env"]["precision"] = precision.describe()  # now with what prepare() did to the model
-        task, scaler, optimizer, schedule = cell.task, cell.scaler, cell.optimizer, cell.schedule
-        require_free_space(run_dir, checkpointer.bytes_needed(task.model, optimizer) + WRITE_MARGIN_BYTES,
+        scaler = cell.scaler
+        _record_cell(record, cell, precision)
+        require_free_space(run_dir, checkpointer.bytes_needed(cell.task.model, cell.optimizer) + WRITE_MARGIN_BYTES,
                            "this cell (its checkpoints, estimated from its model and optimiser, and "
                            f"{WRITE_MARGIN_BYTES // 2**20} MiB for its record and logs)")
-        if task.source is not None:
-            record["model_source"] = task.source
-        if cell.unit_conversion is not None:
-            record["numerics"]["unit_conversion"] = cell.unit_conversion
         with checkpointer:
-            resume = checkpointer.restore(task.model, optimizer, scaler, schedule)
+            resume = checkpointer.restore(cell.task.model, cell.optimizer, scaler, cell.schedule)
             record["resumed_from"], record["discarded_checkpoints"] = checkpointer.resumed_from, checkpointer.discarded
             if resume:
                 precision.telemetry.load_state(resume.pop("telemetry"))
@@ -245,50 +236,24 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
             # W&B groups by what ran (setting, native/emulated), not by what was asked (backend: auto)
             tags = [cfg.format.name, cfg.format.mode, precision.backend, cfg.scaling.name]  # as prepare() decided
             logger = open_logger(cfg, run_dir, config | {"precision": record["env"]["precision"]}, tags, identity)
-
-            progress = ProgressLine(run_dir / "run.log", total_steps(task, cfg.train))
-            env = record["env"]
-            progress.note(f"start on {env['hostname']} (pid {env['pid']}"
-                          + (f", SLURM job {env['slurm_job']}" if env["slurm_job"] else "") + "), "
-                          + (f"resuming at step {resume['steps']}" if resume else "from step 0"))
-
-            def log_row(row: dict) -> None:
-                metrics_log(row)
-                logger.log(row)
-                progress(row)
-
+            log_row = _row_sinks(cfg, run_dir, record["env"], resume, metrics_log, logger,
+                                 total_steps(cell.task, cfg.train))
             conditions.start()
-            outcome = train(task, precision, scaler, optimizer, schedule, cfg.train, device, log_row,
+            outcome = train(cell.task, precision, scaler, cell.optimizer, cell.schedule, cfg.train, device, log_row,
                             label=cfg.cell, checkpointer=checkpointer, resume=resume,
                             eval_every=cfg.model.task.get("eval_every"))
             timing_conditions = conditions.finish()
-            with precision.evaluating(task.model, cfg.train.eval_precision) as cast_inputs:
-                metrics = task.evaluate(task.model, cast_inputs)  # inside: pre-empted here, it resumes here
+            with precision.evaluating(cell.task.model, cfg.train.eval_precision) as cast_inputs:
+                metrics = cell.task.evaluate(cell.task.model, cast_inputs)  # inside: pre-empted here, resumes here
             metrics["evaluated_in"] = precision.evaluated_in(cfg.train.eval_precision)
-        record["memory"]["peak_bytes"] = memory.peak_bytes()
-        record["memory"]["step"] = outcome.step_memory
-        record["metrics"] = {**metrics, "final_train_loss": outcome.final_loss,
-                             "curve": quality_curve(cfg.model.task, outcome, metrics)}
-        if outcome.validations and not cfg.model.task.get("eval_every"):
-            record["metrics"]["per_epoch"] = outcome.validations
-        flops = cell.trace.flops("forward") + cell.trace.flops("backward")
-        record["timing"] = outcome.timing(flops, precision.native) | {
-            "conditions": timing_conditions, "trace_s": cell.trace_s,
-            "traced_on": cell.trace.traced_on + (f" ({cell.trace.note})" if cell.trace.note else "")}
-        record["predicted"] = predictions(cfg, cell.trace)  # each GPU profile's step time (bench/running/speed.py)
-        record["env"]["compile"] = outcome.compile
-        record["numerics"]["diverged_at_step"] = outcome.diverged_at_step
-        if outcome.diverged_at_step is None:
-            record["status"] = "ok"
-        else:
-            record["status"] = "diverged"
-            record["reason"] = f"non-finite loss ({outcome.final_loss}) at step {outcome.diverged_at_step}"
+        record["memory"] |= {"peak_bytes": memory.peak_bytes(), "step": outcome.step_memory}
+        _record_outcome(record, cfg, cell, outcome, metrics, timing_conditions, precision.native)
     except ConfigError:
         raise  # a setup problem found while building the cell (e.g. a checkpoint that does not fit): no record
     except StorageError:
         logger.finish(None)  # no record (the disk cannot take one): the next launch resumes from the last checkpoint
         raise
-    except Exception as e:  # noqa: BLE001 - recorded, then reported by the caller
+    except Exception as e:  # recorded, then reported by the caller
         if isinstance(e, ConversionError):
             record["numerics"]["unit_conversion"] = e.measured
         record["reason"] = f"{type(e).__name__}: {e}"
@@ -308,8 +273,57 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
     if record["status"] != "failed":  # a failed cell keeps its checkpoint: retry_failed=true resumes it
         checkpointer.remove()
     logger.finish(record)
-    log.info("%s: %s %s", cfg.cell, record["status"], record["reason"] or record["metrics"])
+    log.info("%s: %s %s", cfg.cell, record["status"], record["reason"] or {  # the curve is in the record
+        k: v for k, v in record["metrics"].items() if not isinstance(v, (list, dict))})
     return record
+
+
+def _record_cell(record: dict, cell: Cell, precision: Precision) -> None:
+    """What building the cell decided: the precision as prepare() applied it, the model's source, its conversion."""
+    record["env"]["precision"] = precision.describe()  # now with what prepare() did to the model
+    if (share := converted_flop_share(cell.trace, precision.conversion)) is not None:
+        record["env"]["precision"]["fp8_modules"]["converted_flop_share"] = share
+    if cell.task.source is not None:
+        record["model_source"] = cell.task.source
+    if cell.unit_conversion is not None:
+        record["numerics"]["unit_conversion"] = cell.unit_conversion
+
+
+def _row_sinks(cfg: DictConfig, run_dir: Path, env: dict, resume: dict | None, metrics_log: MetricsLog, logger,
+               total: int) -> Callable[[dict], None]:
+    """Where the loop's rows go: metrics.jsonl, the logger (W&B) and run.log's progress line."""
+    progress = ProgressLine(run_dir / "run.log", total)
+    progress.note(f"start on {env['hostname']} (pid {env['pid']}"
+                  + (f", SLURM job {env['slurm_job']}" if env["slurm_job"] else "") + "), "
+                  + (f"resuming at step {resume['steps']}" if resume else "from step 0"))
+
+    def log_row(row: dict) -> None:
+        metrics_log(row)
+        logger.log(row)
+        progress(row)
+
+    return log_row
+
+
+def _record_outcome(record: dict, cfg: DictConfig, cell: Cell, outcome, metrics: dict, timing_conditions: dict,
+                    native: bool) -> None:
+    """What training measured: the metrics and their curve, the timing and the predictions beside it, the status."""
+    record["metrics"] = {**metrics, "final_train_loss": outcome.final_loss,
+                         "curve": quality_curve(cfg.model.task, outcome, metrics)}
+    if outcome.validations and not cfg.model.task.get("eval_every"):
+        record["metrics"]["per_epoch"] = outcome.validations
+    flops = cell.trace.flops("forward") + cell.trace.flops("backward")
+    record["timing"] = outcome.timing(flops, native) | {
+        "conditions": timing_conditions, "trace_s": cell.trace_s,
+        "traced_on": cell.trace.traced_on + (f" ({cell.trace.note})" if cell.trace.note else "")}
+    record["predicted"] = predictions(cfg, cell.trace)  # each GPU profile's step time (bench/running/speed.py)
+    record["env"]["compile"] = outcome.compile
+    record["numerics"]["diverged_at_step"] = outcome.diverged_at_step
+    if outcome.diverged_at_step is None:
+        record["status"] = "ok"
+    else:
+        record["status"] = "diverged"
+        record["reason"] = f"non-finite loss ({outcome.final_loss}) at step {outcome.diverged_at_step}"
 
 
 def quality_curve(spec: DictConfig, outcome, final: dict) -> dict:

@@ -25,7 +25,6 @@ format on that GPU, there is no prediction: "no native path on <GPU>" and why.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,21 +153,6 @@ class NoNativePath:
         return f"no native path on {self.gpu}: {self.why}"
 
 
-@contextlib.contextmanager
-def _flags_kept():
-    """Precision sets torch's FP32 matmul flags as it decides (bench/numerics/precision.py); a prediction asks it on a
-    simulated device, and leaves them as they were."""
-    keep = [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"),
-            (torch.backends.cudnn.rnn, "fp32_precision"), (torch.backends.mkldnn.matmul, "fp32_precision"),
-            (torch.backends.mkldnn.conv, "fp32_precision")]
-    before = [getattr(obj, name) for obj, name in keep]
-    try:
-        yield
-    finally:
-        for (obj, name), value in zip(keep, before):
-            setattr(obj, name, value)
-
-
 def recipe_on(cfg, trace: StepTrace, target: GPU) -> Recipe | NoNativePath:
     """The path the runner would take for cell `cfg` on `target` (`_runner_path`), where the GPU's profile has the
     rates it needs."""
@@ -187,28 +171,29 @@ def _runner_path(cfg, trace: StepTrace, target: GPU) -> Recipe | NoNativePath:
     recipes, whether the model has a Linear it converts."""
     from omegaconf import OmegaConf
 
-    from bench.numerics.precision import Precision
+    from bench.numerics.plan import PrecisionConfig, plan
+    from bench.numerics.scaling_methods import build
 
     cfg = OmegaConf.merge(cfg, {"format": {"backend": "auto"}})
-    with _flags_kept(), hardware.simulated("cuda", (), target.compute_capability, torchao=True) as device:
+    with hardware.simulated("cuda", (), target.compute_capability, torchao=True) as device:
         try:
-            precision = Precision.from_config(cfg, device)
+            decided = plan(PrecisionConfig.from_config(cfg), build(cfg.scaling), device)
         except ConfigError as e:  # format.backend=native where the GPU has no native path
             return NoNativePath(target.name, str(e))
-    if not precision.native:
-        return NoNativePath(target.name, precision.why)
-    spec, setting = precision.spec, precision.setting
+    if not decided.native:
+        return NoNativePath(target.name, decided.why)
+    spec, setting = decided.spec, decided.setting
     if not spec.gemm_only and spec.torch_dtype is None:  # FP32, or TF32 where the flags say so
-        element = "tf32" if precision.flags["cuda_matmul"] == "tf32" else "fp32"
+        element = "tf32" if decided.flags["cuda_matmul"] == "tf32" else "fp32"
         return Recipe(setting, element, element, "fp32", "all")
     if not spec.gemm_only:  # 16-bit: autocast (mixed) or the whole model cast (true)
         element = DTYPE_ELEMENTS[spec.torch_dtype]
-        true = precision.mode == "true"
+        true = decided.mode == "true"
         return Recipe(setting, element, element, element if true else "fp32", "all", autocast=not true)
     mx = spec.block == "mx"
-    elsewhere = "bf16" if precision.elsewhere == "bf16" else "fp32"
+    elsewhere = "bf16" if decided.elsewhere == "bf16" else "fp32"
     recipe = Recipe(setting, "mxfp8" if mx else "fp8", elsewhere, "fp32", "mx" if mx else "fp8",
-                    casts="mxfp8" if mx else (precision.granularity or "tensorwise"), autocast=elsewhere == "bf16")
+                    casts="mxfp8" if mx else decided.torchao_recipe, autocast=elsewhere == "bf16")
     if not any(_converted(recipe, trace, name) for name in trace.linears):
         return NoNativePath(target.name, f"torchao converts no Linear of this model (a plain nn.Linear whose in and "
                                          f"out features are multiples of {MX_BLOCK if mx else 16}; a unit-scaled one "

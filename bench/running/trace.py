@@ -27,10 +27,9 @@ import time
 from dataclasses import dataclass, field
 from unittest import mock
 
-import yaml
-
 import torch
 import torch._dynamo  # noqa: F401 - torch.optim's first optimiser imports it (seconds): at import, not in a trace's time
+import yaml
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -345,6 +344,7 @@ def trace_cell(cfg, batch=None, full_length: bool = False) -> StepTrace:
     built on the meta device, where no data is read into the model and no value computed; on the CPU where the meta
     device cannot run its step. `batch`: a function (task, device) -> the batch to trace (default: the task's first
     training batch); `full_length`: a text model's batch at full length (bench.tasks.text.full_length_batch)."""
+    from bench.numerics.scaling_methods import build as build_scaling_method
     from bench.running.train import build_optimizer
     from bench.tasks import build_task
 
@@ -361,10 +361,14 @@ def trace_cell(cfg, batch=None, full_length: bool = False) -> StepTrace:
     def traced_on(device: torch.device) -> StepTrace:
         torch.manual_seed(cfg.seed)
         task = build_task(cfg.model, device, cfg.seed)
-        _transform(cfg, task)
+        method = build_scaling_method(cfg.scaling)
+        # the scaling method's model transform, as the runner applies it (its ops are what the GPU runs; a pretrained
+        # conversion's check compares real outputs, and its ops are those of a conversion from scratch)
+        method.transform(task, pretrained=False, optimizer=None)
+
         def optimizer(model):
             return build_optimizer(cfg.model.optimizer, model.parameters(), task.lr_multipliers,
-                                   umup=cfg.scaling.name == "umup")
+                                   method.parameter_groups)
 
         return trace_step(task, optimizer, batch=None if batch is None else batch(task, device))
 
@@ -376,19 +380,3 @@ def trace_cell(cfg, batch=None, full_length: bool = False) -> StepTrace:
     if offline:
         traced.note = "; ".join(filter(None, [offline, traced.note]))
     return traced
-
-
-def _transform(cfg, task) -> None:
-    """The scaling method's model transform, as the runner applies it: its ops are what the GPU runs. (A pretrained
-    conversion's check compares real outputs; its ops are those of a conversion from scratch.)"""
-    from dataclasses import fields
-
-    from bench.numerics.umup import UmupHyper, umup_task
-    from bench.numerics.unit import unit_cross_entropy, unit_scale
-
-    if cfg.scaling.name == "unit":  # (its relative learning rates read the weights: the optimiser's groups, not ops)
-        unit_scale(task.model)
-        task.cross_entropy = unit_cross_entropy
-    elif cfg.scaling.name == "umup":
-        umup_task(task, UmupHyper(**{f.name: cfg.scaling[f.name] for f in fields(UmupHyper)}))
-

@@ -18,25 +18,22 @@ from bench.numerics.memory import StepMemory
 from bench.numerics.precision import Precision
 from bench.numerics.readings import Readings
 from bench.numerics.scaling import LossScaler
-from bench.numerics.umup import umup_parameter_groups
 from bench.running.checkpoint import Checkpointer
 from bench.running.compile import CompiledStep
 from bench.running.device import StepTimer, end_step, synchronize
 from bench.tasks.base import Task
 
-ADAM_FAMILY = ("adam", "adamw")  # optimisers whose step size does not follow the gradient's scale
-
 
 def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None,
-                    umup: bool = False) -> torch.optim.Optimizer:
+                    parameter_groups: Callable[[list, float], list] | None = None) -> torch.optim.Optimizer:
     """torch's optimiser, fused where the device has the kernel (CPU and CUDA do): one kernel per step, and
     the only way to skip an overflowing step without reading found_inf on the host (GradScaler's route).
     decay_matrices_only: weight decay on parameters of two or more dimensions only (nanoGPT's groups).
     lr_multipliers: parameter -> factor k on cfg.lr, its weight decay divided by k (one group per factor; schedules
     scale every group alike): AdamW's decoupled decay shrinks a weight by lr * weight_decay per step, so the
     shrink per step stays what it was while Adam's step grows k-fold (bench/numerics/unit.py's relative rule).
-    umup: unit_scaling.optim's groups instead (bench/numerics/umup.py umup_parameter_groups): cfg.lr is u-μP's
-    global learning rate, scaled per parameter by type and depth, and the weight decay is independent of it."""
+    parameter_groups: the scaling method's groups instead (its `parameter_groups`; u-μP's: cfg.lr is its global
+    learning rate, scaled per parameter by type and depth, the weight decay independent of it)."""
     params = list(dict.fromkeys(params))  # a tied parameter once
     fused = bool(params) and params[0].device.type in _get_fused_kernels_supported_devices()
     groups = {}
@@ -46,8 +43,8 @@ def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None,
         groups.setdefault((decay, factor), []).append(p)
     groups = [{"params": members, "weight_decay": decay / factor, "lr": cfg.lr * factor}
               for (decay, factor), members in groups.items()]
-    if umup:
-        groups = umup_parameter_groups(groups, cfg.lr)
+    if parameter_groups is not None:
+        groups = parameter_groups(groups, cfg.lr)
     sgd, adam, adamw = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
     if params and params[0].device.type == "xla":
         # torch_xla's sync-free subclasses of the same optimisers skip a step on a found_inf flag on the device
@@ -152,26 +149,129 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
     the first step's memory (bench/numerics/memory.py); `make bench` turns it off to time the loop's per-step
     cost alone.
     """
-    model = task.model
-    params = [p for p in model.parameters() if p.requires_grad]
-    total = total_steps(task, cfg)
-    if resume and "per_epoch" in resume:  # a checkpoint written before the curve had its every-N-steps points
-        resume = {k: v for k, v in resume.items() if k != "per_epoch"} | {"validations": resume["per_epoch"]}
-    out = TrainOutcome(**resume) if resume else TrainOutcome()
-    step_loss = CompiledStep.for_task(cfg.get("compile"), device, task, precision)
-    timer = StepTimer(device)
-    out.step_time_method = timer.method
-    unread_steps: list[int] = []  # steps whose losses are still on the device, in losses_on_device
-    losses_on_device = Readings(cfg.log_every)
+    loop = TrainingLoop(task, precision, scaler, optimizer, schedule, cfg, device, log, checkpointer, resume,
+                        count_memory, eval_every if task.validate is not None else None)
+    return loop.run(label)
 
-    def settle() -> bool:
+
+class TrainingLoop:
+    """train()'s state and its parts: one step (with the compile fallback and the first step's memory count), the
+    reads of what the device holds (`settle`), validation, checkpoints."""
+
+    def __init__(self, task, precision, scaler, optimizer, schedule, cfg, device, log, checkpointer, resume,
+                 count_memory, eval_every):
+        self.task, self.model, self.precision, self.scaler = task, task.model, precision, scaler
+        self.optimizer, self.schedule, self.cfg, self.device, self.log = optimizer, schedule, cfg, device, log
+        self.checkpointer, self.count_memory, self.eval_every = checkpointer, count_memory, eval_every
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.total = total_steps(task, cfg)
+        if resume and "per_epoch" in resume:  # a checkpoint written before the curve had its every-N-steps points
+            resume = {k: v for k, v in resume.items() if k != "per_epoch"} | {"validations": resume["per_epoch"]}
+        self.out = TrainOutcome(**resume) if resume else TrainOutcome()
+        self.step_loss = CompiledStep.for_task(cfg.get("compile"), device, task, precision)
+        self.timer = StepTimer(device)
+        self.out.step_time_method = self.timer.method
+        self.unread_steps: list[int] = []  # steps whose losses are still on the device, in losses_on_device
+        self.losses_on_device = Readings(cfg.log_every)
+        self.segment_start = time.perf_counter()
+
+    def run(self, label: str) -> TrainOutcome:
+        out, cfg = self.out, self.cfg
+        self.model.train()
+        progress = tqdm(total=self.total, initial=out.steps, desc=label, unit="step", leave=False, mininterval=1.0,
+                        disable=None)  # a bar on terminals, none in logs
+        synchronize(self.device)
+        self.segment_start = time.perf_counter()
+        if self.eval_every and out.steps == 0 and not out.validations:
+            self.validate(0)  # the curve starts where training does (nanoGPT evaluates at iteration 0 too)
+        for epoch in range(out.epoch, cfg.epochs):
+            for index, batch in enumerate(self.task.train_batches(epoch)):
+                if index < out.position:
+                    continue  # replaying the epoch's batch stream up to where the checkpoint left it
+                if out.steps >= self.total:
+                    break
+                sampled = out.steps % cfg.log_every == 0
+                self.step(batch, sampled)
+                step, out.steps = out.steps, out.steps + 1
+                out.epoch, out.position = epoch, index + 1
+                progress.update()
+                if sampled:
+                    if self.settle():
+                        break
+                    self.log_step(step, epoch)
+                    progress.set_postfix(loss=f"{out.final_loss:.4f}", refresh=False)
+                if self.eval_every and out.steps % self.eval_every == 0 and out.steps < self.total:
+                    if self.settle():
+                        break
+                    self.validate(epoch)
+                if self.checkpointer:
+                    self.checkpointer.after_step(out.steps, self.save)
+            if self.settle():
+                break
+            if self.task.validate is not None and not self.eval_every and out.position > 0:
+                self.validate(epoch)
+            out.epoch, out.position = epoch + 1, 0
+            if out.steps >= self.total:
+                break
+        self.settle()
+        synchronize(self.device)
+        out.compile = self.step_loss.describe()
+        out.train_s += time.perf_counter() - self.segment_start
+        self.segment_start = time.perf_counter()  # counted: a final checkpoint adds no time
+        progress.close()
+        self.precision.telemetry.sampling = False
+        if self.checkpointer:
+            self.checkpointer.finish(self.save)
+        return out
+
+    def step(self, batch, sampled: bool) -> None:
+        """One training step, left on the device: forward, scaled backward, step or skip, the schedule."""
+        out, precision = self.out, self.precision
+        self.timer.start()
+        precision.telemetry.sampling = sampled
+        counting = StepMemory(self.model, precision) if self.count_memory and out.step_memory is None else None
+        with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
+            loss = self.step_loss(self.model, batch, eager=counting is not None)  # saved-tensor hooks count eagerly
+        if self.step_loss.compiled_now:
+            out.compile_steps.append(out.steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            self.scaler.scale_loss(loss).backward()
+        except Exception as e:  # only a backward that compiled on this very step falls back
+            if not self.step_loss.compiled_now:
+                raise
+            loss = self.eager_again(batch, e)
+        self.unread_steps.append(out.steps)
+        self.losses_on_device.push(loss)
+        precision.after_backward(self.model)
+        self.scaler.step(self.optimizer, self.params, check=sampled)
+        precision.after_step(self.model, self.optimizer)  # idempotent: a step the scaler skipped changed nothing
+        if self.schedule is not None:
+            self.schedule.step()
+        if counting:
+            out.step_memory = counting.finish(self.optimizer)
+        end_step(self.device)
+        self.timer.stop()
+        out.samples += self.task.batch_size
+
+    def eager_again(self, batch, error: Exception) -> torch.Tensor:
+        """The step's forward and backward again, eagerly, after its freshly compiled backward failed."""
+        self.step_loss.fall_back(error)  # raises under train.compile=true
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.precision.autocast():
+            loss = self.step_loss(self.model, batch)
+        self.scaler.scale_loss(loss).backward()
+        return loss
+
+    def settle(self) -> bool:
         """Read what the device holds since the last read; True when a loss was non-finite."""
-        scaler.sync()
-        out.step_s += timer.collect()
-        if not unread_steps:
+        out = self.out
+        self.scaler.sync()
+        out.step_s += self.timer.collect()
+        if not self.unread_steps:
             return out.diverged_at_step is not None
-        steps, losses = list(unread_steps), [row[0] for row in losses_on_device.read()]
-        unread_steps.clear()
+        steps, losses = list(self.unread_steps), [row[0] for row in self.losses_on_device.read()]
+        self.unread_steps.clear()
         for step, value in zip(steps, losses):
             out.final_loss = value
             if not math.isfinite(value):
@@ -179,97 +279,21 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
                 return True
         return False
 
-    def loop_state() -> dict:
-        return asdict(out) | {"train_s": out.train_s + time.perf_counter() - segment_start,
-                              "telemetry": precision.telemetry.state()}
+    def log_step(self, step: int, epoch: int) -> None:
+        out, scaler = self.out, self.scaler
+        self.log({"step": step, "epoch": epoch, "loss": out.final_loss, "loss_scale": scaler.scale,
+                  "stepped": not scaler.last_step_skipped, "skipped_steps": scaler.skipped_steps,
+                  "step_s": out.step_s[-1], "quantisation": self.precision.telemetry.end_step()})
 
-    def save() -> None:
-        settle()
-        checkpointer.save(model, optimizer, scaler, schedule, loop_state())
-
-    def validate(epoch: int) -> None:
+    def validate(self, epoch: int) -> None:
         """The task's validation metrics now, in the cell's evaluation precision: one point of the quality curve."""
-        with precision.evaluating(model, cfg.get("eval_precision", "trained")) as cast_inputs:
-            metrics = task.validate(model, cast_inputs)
-        out.validations.append({"step": out.steps, "epoch": epoch, **metrics})
-        log({"step": out.steps, "epoch": epoch, **metrics})
+        with self.precision.evaluating(self.model, self.cfg.get("eval_precision", "trained")) as cast_inputs:
+            metrics = self.task.validate(self.model, cast_inputs)
+        self.out.validations.append({"step": self.out.steps, "epoch": epoch, **metrics})
+        self.log({"step": self.out.steps, "epoch": epoch, **metrics})
 
-    every = eval_every if task.validate is not None else None
-
-    model.train()
-    progress = tqdm(total=total, initial=out.steps, desc=label, unit="step", leave=False, mininterval=1.0,
-                    disable=None)  # a bar on terminals, none in logs
-    synchronize(device)
-    segment_start = time.perf_counter()
-    if every and out.steps == 0 and not out.validations:
-        validate(0)  # the curve starts where training does (nanoGPT evaluates at iteration 0 too)
-    for epoch in range(out.epoch, cfg.epochs):
-        for index, batch in enumerate(task.train_batches(epoch)):
-            if index < out.position:
-                continue  # replaying the epoch's batch stream up to where the checkpoint left it
-            if out.steps >= total:
-                break
-            timer.start()
-            sampled = out.steps % cfg.log_every == 0
-            precision.telemetry.sampling = sampled
-            counting = StepMemory(model, precision) if count_memory and out.step_memory is None else None
-            with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
-                loss = step_loss(model, batch, eager=counting is not None)  # saved-tensor hooks count eagerly
-            if step_loss.compiled_now:
-                out.compile_steps.append(out.steps)
-            optimizer.zero_grad(set_to_none=True)
-            try:
-                scaler.scale_loss(loss).backward()
-            except Exception as e:  # noqa: BLE001 - only a backward that compiled on this very step falls back
-                if not step_loss.compiled_now:
-                    raise
-                step_loss.fall_back(e)  # raises under train.compile=true
-                optimizer.zero_grad(set_to_none=True)
-                with precision.autocast():
-                    loss = step_loss(model, batch)
-                scaler.scale_loss(loss).backward()
-            unread_steps.append(out.steps)
-            losses_on_device.push(loss)
-            precision.after_backward(model)
-            scaler.step(optimizer, params, check=sampled)
-            precision.after_step(model, optimizer)  # idempotent: a step the scaler skipped changed nothing
-            if schedule is not None:
-                schedule.step()
-            if counting:
-                out.step_memory = counting.finish(optimizer)
-            end_step(device)
-            timer.stop()
-            out.samples += task.batch_size
-            step, out.steps = out.steps, out.steps + 1
-            out.epoch, out.position = epoch, index + 1
-            progress.update()
-            if sampled:
-                if settle():
-                    break
-                log({"step": step, "epoch": epoch, "loss": out.final_loss, "loss_scale": scaler.scale,
-                     "stepped": not scaler.last_step_skipped, "skipped_steps": scaler.skipped_steps,
-                     "step_s": out.step_s[-1], "quantisation": precision.telemetry.end_step()})
-                progress.set_postfix(loss=f"{out.final_loss:.4f}", refresh=False)
-            if every and out.steps % every == 0 and out.steps < total:
-                if settle():
-                    break
-                validate(epoch)
-            if checkpointer:
-                checkpointer.after_step(out.steps, save)
-        if settle():
-            break
-        if task.validate is not None and not every and out.position > 0:
-            validate(epoch)
-        out.epoch, out.position = epoch + 1, 0
-        if out.steps >= total:
-            break
-    settle()
-    synchronize(device)
-    out.compile = step_loss.describe()
-    out.train_s += time.perf_counter() - segment_start
-    segment_start = time.perf_counter()  # counted: a final checkpoint adds no time
-    progress.close()
-    precision.telemetry.sampling = False
-    if checkpointer:
-        checkpointer.finish(save)
-    return out
+    def save(self) -> None:
+        self.settle()
+        state = asdict(self.out) | {"train_s": self.out.train_s + time.perf_counter() - self.segment_start,
+                                    "telemetry": self.precision.telemetry.state()}
+        self.checkpointer.save(self.model, self.optimizer, self.scaler, self.schedule, state)

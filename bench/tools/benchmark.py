@@ -70,8 +70,8 @@ from bench.numerics.blocks import (
 )
 from bench.numerics.formats import quantise
 from bench.numerics.memory import StepMemory
-from bench.running.compile import CompiledStep
 from bench.running import device as devices
+from bench.running.compile import CompiledStep
 from bench.running.config import CONF_DIR
 from bench.running.run import build_cell, preflight
 from bench.running.speed import shipped_gpus

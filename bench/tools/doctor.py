@@ -21,10 +21,11 @@ from hydra import compose, initialize_config_dir
 from tabulate import tabulate
 from torch import nn
 
-from bench.numerics import hardware, specs
-from bench.numerics.precision import Precision, set_fp32_precision
-from bench.running import device as devices
 from bench.data import hub
+from bench.numerics import hardware, specs
+from bench.numerics.plan import fp32_flags
+from bench.numerics.precision import Precision
+from bench.running import device as devices
 from bench.running.config import CONF_DIR
 from bench.tasks.charlm import text_cache
 from bench.tools.matrix import settings
@@ -32,37 +33,44 @@ from bench.tools.matrix import settings
 
 def fp32_is_ieee(device: torch.device) -> tuple[bool, str]:
     """A 512x512 matmul with TF32 off against float64: TF32 (10-bit mantissa inputs) would miss by ~1e-3."""
-    set_fp32_precision(tf32=False)
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(512, 512, generator=generator) for _ in range(2))
-    ours = (a.to(device) @ b.to(device)).cpu().double()
+    with fp32_flags(tf32=False):  # as a 32-true cell runs
+        ours = (a.to(device) @ b.to(device)).cpu().double()
     error = ((ours - a.double() @ b.double()).abs().max() / (a.double() @ b.double()).abs().max()).item()
     return error < 1e-5, f"max relative error vs float64 {error:.1e}"
 
 
 def one_step(fmt: str, mode: str, device: torch.device) -> tuple[bool, str]:
-    """Two training steps of a tiny MLP natively in (fmt, mode); the second is timed."""
+    """Two training steps of a tiny MLP natively in (fmt, mode), under the flags a cell runs under; the second is
+    timed."""
     per_tensor = (lambda tensor_class, spec: None) if fmt == "fp8" else None
     try:
         precision = Precision(fmt, mode, "native", None, False, device, per_tensor)
-        torch.manual_seed(0)
-        model = precision.prepare(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16)).to(device))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = torch.randn(32, 64, device=device), torch.randint(0, 16, (32,), device=device)
-        for _ in range(2):
-            start = time.perf_counter()
-            with precision.autocast():
-                loss = nn.functional.cross_entropy(model(precision.inputs(x)).float(), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            devices.synchronize(device)
-            elapsed = time.perf_counter() - start
+        with precision.fp32_flags():
+            loss, elapsed = _two_steps(precision, device)
         if not torch.isfinite(loss):
             return False, f"loss {loss.item()}"
         return True, f"{1e3 * elapsed:.2f} ms a step"
-    except Exception as e:  # noqa: BLE001 - the point is to report it
+    except Exception as e:  # the point is to report it
         return False, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def _two_steps(precision: Precision, device: torch.device) -> tuple[torch.Tensor, float]:
+    torch.manual_seed(0)
+    model = precision.prepare(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16)).to(device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 64, device=device), torch.randint(0, 16, (32,), device=device)
+    for _ in range(2):
+        start = time.perf_counter()
+        with precision.autocast():
+            loss = nn.functional.cross_entropy(model(precision.inputs(x)).float(), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        devices.synchronize(device)
+        elapsed = time.perf_counter() - start
+    return loss, elapsed
 
 
 def precision_rows(device: torch.device) -> tuple[list[list[str]], bool]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 
 from bench.numerics import hardware
-from bench.numerics.blocks import FP8_GRANULARITIES
-from bench.numerics.precision import Precision
+from bench.numerics.plan import PrecisionConfig, plan
+from bench.numerics.scaling_methods import combining_with, scaling_class
 from bench.numerics.specs import FORMAT_SPECS
 
 # name -> (device type, CPU flags, CUDA compute capability, torchao installed)
@@ -48,12 +48,11 @@ RECIPE_NOTES = [("mxfp8", "mxfp8-mixed with format.gradients=fp8_e4m3 format.sca
 
 def decide(profile: str, fmt: str, mode: str, scaling: str, **options) -> tuple[str, str]:
     """(native | emulated, why) for one cell under format.backend=auto on a simulated device; `options`: more
-    Precision arguments (gradients, scale_mode, rounding)."""
-    per_tensor = (lambda tensor_class, spec: None) if scaling == "per_tensor" else None
-    granularity = scaling if scaling in FP8_GRANULARITIES else None
+    PrecisionConfig fields (gradients, scale_mode, rounding)."""
     with simulated(profile) as device:
-        precision = Precision(fmt, mode, "auto", None, False, device, per_tensor, granularity=granularity, **options)
-    return precision.backend, precision.why
+        decided = plan(PrecisionConfig(fmt, mode, "auto", scaling=scaling, **options),
+                       scaling_class(scaling)(name=scaling), device)
+    return decided.backend, decided.why
 
 
 def _summary(decisions: dict[str, str]) -> str:
@@ -72,7 +71,8 @@ def markdown() -> str:
     header = "| device | " + " | ".join(FORMAT_SPECS[f].setting(m) for f, m in columns) + " |"
     lines = [header, "|" + "---|" * (len(columns) + 1)]
     for profile in PROFILES:
-        cells = [_summary({s: decide(profile, f, m, s)[0] for s in FORMAT_SPECS[f].scalings()}) for f, m in columns]
+        cells = [_summary({s: decide(profile, f, m, s)[0] for s in combining_with(FORMAT_SPECS[f])})
+                 for f, m in columns]
         lines.append(f"| {profile} | " + " | ".join(cells) + " |")
     for fmt, cell, options in RECIPE_NOTES:
         native = [p for p in PROFILES if decide(p, fmt, "mixed", "none", **options)[0] == "native"]

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 
 from bench.running.config import CONF_DIR
 
+
 def hub_assets() -> tuple[list[tuple[str, str]], list[str]]:
     """(transformers class, checkpoint) pairs and dataset ids that the model configs in conf/model/ can load from
     the hub: a checkpoint where the model declares `task.hub_model`, a dataset where `hub` is one of its data

@@ -209,7 +209,7 @@ def published_rows() -> list[Row]:
         rows.append(Row("validate", "R1 Raschka (A100, Lightning, eager)", "DistilBERT 6L×768, 12×512", "A100",
                         f"{setting} / 32-true", "eager", raschka["32-true"] / raschka[setting],
                         ratio(fp32, step([*distil, *SETTINGS[setting]], "A100", compiled=False)), "x"))
-    large = lambda batch: encoder("bert_tiny", 24, 1024, 16, 4096, batch, 384)  # noqa: E731
+    large = lambda batch: encoder("bert_tiny", 24, 1024, 16, 4096, batch, 384)
     for target, setting, batch, per_s in (("A100", "tf32", 32, 61.5), ("A100", "16-mixed", 32, 110.5),
                                           ("V100", "fp32", 8, 12.0), ("V100", "16-mixed", 16, 52.0)):
         rows.append(Row("fit" if target == "A100" else "validate",
@@ -224,7 +224,7 @@ def published_rows() -> list[Row]:
                     "V100", "16-mixed (batch 16) / 32-true (batch 8)", "compiled", 52 / 12,
                     ratio(step([*large(8), "format=fp32"], "V100", True),
                           step([*large(16), "format=fp16"], "V100", True), (8, 16)), "x"))
-    llama = lambda recipe: ["model=bert_tiny", *recipe]  # noqa: E731 - the format and scaling; the trace is Llama's
+    llama = lambda recipe: ["model=bert_tiny", *recipe]  # the format and scaling; the trace is Llama's
     bf16 = step(llama(["format=bf16"]), "H100", True, llama3_8b, shards=8)
     for name, overrides, published in (("fp8 tensorwise", ["format=fp8", "scaling=per_tensor"], 7689.5 / 6150),
                                        ("fp8 rowwise", ["format=fp8", "scaling=rowwise"], 1.101)):

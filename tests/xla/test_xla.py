@@ -11,13 +11,13 @@ import torch
 
 torch_xla = pytest.importorskip("torch_xla")
 
-import torch_xla.debug.metrics as met  # noqa: E402
+import torch_xla.debug.metrics as met
 
-from bench.numerics.precision import Precision  # noqa: E402
-from bench.running import device as devices  # noqa: E402
-from bench.running.run import build_cell, preflight, run_cell  # noqa: E402
-from bench.running.train import train  # noqa: E402
-from tests.conftest import interrupted_at_checkpoint_then_resumed  # noqa: E402
+from bench.numerics.precision import Precision
+from bench.running import device as devices
+from bench.running.run import build_cell, preflight, run_cell
+from bench.running.train import train
+from tests.conftest import interrupted_at_checkpoint_then_resumed
 
 pytestmark = pytest.mark.xla
 assert os.environ.get("PJRT_DEVICE") == "CPU", "make test-xla runs these on XLA's CPU device (PJRT_DEVICE=CPU)"

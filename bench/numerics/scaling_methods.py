@@ -1,0 +1,243 @@
+"""Scaling methods, each declared once: a class registered under its name(s), built from conf/scaling/<name>.yaml
+(its `_target_` names the class, its other keys are the method's knobs). Everything the rest of the suite does
+differently for a scaling method, it asks the method:
+
+- what it asks of the precision plan (bench/numerics/plan.py): a scale on every quantised tensor (`site_scale`:
+  per_tensor's amax scale), or FP8 operands scaled per row or tile (`tiles`), and the torchao recipe that runs it
+  natively (`torchao_recipe`);
+- its model transform (`transform`: unit scaling, u-μP) and its optimiser's parameter groups (`parameter_groups`:
+  u-μP's per-parameter learning rates);
+- its loss scaler (`loss_scaler`: none, static, dynamic, and MindSpore's two, which are yaml variants of the last
+  two);
+- the checks it makes (`check`, `combines_with`).
+
+The registry's order is the tables' order. A scaling method of your own is one subclass, registered with
+`@register("name")` in a module every process of a run imports (your model's module), and one yaml with its
+`_target_` (docs/extending.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Callable, ClassVar
+
+import torch
+
+from bench.errors import ConfigError, check_choice
+from bench.numerics.blocks import TileScaling
+from bench.numerics.formats import ElementFormat
+from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING, LossScaler, PerTensorScale
+from bench.numerics.umup import UmupHyper, umup_parameter_groups, umup_task
+from bench.numerics.unit import ADAM_FAMILY, LR_RULES, unit_scale_task
+
+SCALING_METHODS: dict[str, type["ScalingMethod"]] = {}  # name -> class, in declaration (the tables') order
+NO_SCALING = "none"  # the baseline: nothing scaled (the tables' reference column)
+
+
+def register(*names: str) -> Callable[[type], type]:
+    """Declare a scaling method: the class serves each of `names` (`scaling.name`)."""
+    def declare(cls: type) -> type:
+        for name in names:
+            if name in SCALING_METHODS and SCALING_METHODS[name] is not cls:
+                raise ValueError(f"scaling method {name!r} is already declared by {SCALING_METHODS[name].__qualname__}")
+            SCALING_METHODS[name] = cls
+        return cls
+    return declare
+
+
+def scaling_order(names) -> list[str]:
+    """`names` in the registry's order, any not declared in this process (a user's, not imported here) after them."""
+    names = set(names)
+    return [n for n in SCALING_METHODS if n in names] + sorted(names - set(SCALING_METHODS))
+
+
+class ScalingMethod:
+    """A scaling method with its knobs (conf/scaling/<name>.yaml). The base class scales nothing and runs the loss
+    scaler its `loss_scaling` knob names; subclasses override what they change."""
+
+    site_scales: ClassVar[bool] = False  # a scale on every quantised tensor: needs emulation on torch's native paths
+    tiles: ClassVar[TileScaling | None] = None  # FP8 operands scaled per row or tile (an FP8-only recipe)
+    torchao_recipe: ClassVar[str | None] = None  # torchao's float8 recipe that runs it natively, where one does
+    native_recipe: ClassVar[str | None] = None  # how the record describes that native recipe
+    title: ClassVar[str] = ""  # how messages name it ("" : scaling=<name>)
+    parametrisation: ClassVar[str] = "standard (SP)"  # what the tables call the model it trains (lr transfer)
+    lr_meaning: ClassVar[str] = "learning rate"  # what model.optimizer.lr means under it (the figures' axis)
+
+    def __init__(self, name: str, loss_scaling: str = "none", init_scale: float = 1.0, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, **knobs):
+        self.name, self.loss_scaling, self.init_scale = name, loss_scaling, init_scale
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.knobs = knobs  # the schema's other keys (bench/running/config.py ScalingConfig), each method's own
+
+    @classmethod
+    def combines_with(cls, spec) -> str | None:
+        """Why this method does not combine with format `spec` (bench/numerics/specs.py FormatSpec), or None."""
+        if spec.block and (cls.site_scales or cls.tiles):
+            return "block formats scale every block themselves (a scale per tensor, row or tile would add nothing)"
+        if cls.tiles and not spec.tile_scalings:
+            return "rowwise and block scaling are FP8 recipes (E4M3 with a scale per row or tile)"
+        return None
+
+    def check(self) -> None:
+        """Its knobs' values, before anything trains (ConfigError naming the valid choices)."""
+        check_choice(self.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")
+        if self.loss_scaling != LOSS_SCALING[0] and self.init_scale <= 0:
+            raise ConfigError(f"scaling.init_scale={self.init_scale} must be > 0")
+
+    def loss_scaler(self, loss_multiplier: float = 1.0, max_grad_norm: float | None = None,
+                    reads_every: int = 16) -> LossScaler:
+        return LossScaler(self.loss_scaling, self.init_scale, self.growth_factor, self.backoff_factor,
+                          self.growth_interval, loss_multiplier=loss_multiplier, max_grad_norm=max_grad_norm,
+                          reads_every=reads_every)
+
+    def site_scale(self, tensor_class: str, element: ElementFormat,
+                   observe: Callable[[torch.Tensor, torch.Tensor], None]) -> object | None:
+        """The scaler of one emulated rounding site (`tensor_class`: weights, activations or gradients, cast to
+        `element`): an object whose `scale_for(x)` gives the factor x is multiplied by before the cast and divided by
+        after (a tensor broadcastable to x), `observe(amax, scale)` the telemetry's; None: the site casts unscaled."""
+        return None
+
+    def transform(self, task, pretrained: bool, optimizer: str | None) -> dict | None:
+        """Change the task's model (and loss) in place before it trains; what the record says of it, or None.
+        `pretrained`: the model holds a checkpoint's weights; `optimizer`: model.optimizer.name, or None where the
+        model is only traced (bench/running/trace.py: its ops, no learning-rate rule)."""
+        return None
+
+    def parameter_groups(self, groups: list[dict], lr: float) -> list[dict]:
+        """The optimiser's parameter groups (each {"params", "lr", "weight_decay"}) as this method trains them."""
+        return groups
+
+
+@register("none", "static", "dynamic")
+class LossScaling(ScalingMethod):
+    """No scaling, or a loss scale (static: fixed; dynamic: GradScaler's), as `loss_scaling` says."""
+
+
+@register("per_tensor")
+class PerTensor(ScalingMethod):
+    """s = (max / amax) / 2^margin on every quantised tensor, amax current (torchao's tensorwise) or delayed
+    (Transformer Engine's history)."""
+
+    site_scales = True
+    title = "per-tensor scaling"
+    torchao_recipe = "tensorwise"
+    native_recipe = "torchao float8 tensorwise (per-tensor dynamic scaling)"
+
+    def check(self) -> None:
+        super().check()
+        check_choice(self.knobs.get("amax", "current"), AMAX_MODES, "scaling.amax")
+
+    def site_scale(self, tensor_class, element, observe):
+        k = self.knobs
+        return PerTensorScale(element, k.get("amax", "current"), k.get("history_len", 16), k.get("margin", 0),
+                              k.get("pow2", False), on_scale=observe)
+
+
+@register("unit")
+class UnitScaling(ScalingMethod):
+    """Unit scaling (Blake et al., ICML 2023): unit-variance init, scaled ops, no loss scale (bench/numerics/unit.py)."""
+
+    parametrisation = "unit scaling"
+
+    def check(self) -> None:
+        super().check()
+        check_choice(self.knobs.get("lr_rule", "same"), LR_RULES, "scaling.lr_rule")
+        if not self.knobs.get("conversion_tolerance", 1e-4) > 0:
+            raise ConfigError(f"scaling.conversion_tolerance={self.knobs['conversion_tolerance']} must be > 0")
+
+    def transform(self, task, pretrained, optimizer):
+        return unit_scale_task(task, preserve=pretrained, tolerance=self.knobs.get("conversion_tolerance", 1e-4),
+                               relative_lr=self.knobs.get("lr_rule", "same") == "relative" and optimizer in ADAM_FAMILY)
+
+
+@register("umup")
+class Umup(ScalingMethod):
+    """u-μP (Blake et al., ICLR 2025): unit scaling made width-transferable (bench/numerics/umup.py)."""
+
+    parametrisation = "u-μP"
+    lr_meaning = "learning rate (u-μP's global η)"
+
+    @property
+    def hyper(self) -> UmupHyper:
+        return UmupHyper(**{f.name: self.knobs[f.name] for f in fields(UmupHyper)})
+
+    def check(self) -> None:
+        super().check()
+        for key in (f.name for f in fields(UmupHyper)):
+            value = self.knobs.get(key)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ConfigError(f"scaling.{key}={value} must be a number > 0 under scaling=umup (the paper's "
+                                  "default: 1.0)")
+
+    def transform(self, task, pretrained, optimizer):
+        try:
+            return umup_task(task, self.hyper)
+        except ConfigError as e:
+            others = [n for n, cls in SCALING_METHODS.items() if cls is not Umup]
+            raise ConfigError(f"{e}; valid scalings for this model: {', '.join(others)}") from None
+
+    def parameter_groups(self, groups, lr):
+        return umup_parameter_groups(groups, lr)
+
+
+@register("rowwise")
+class Rowwise(ScalingMethod):
+    """torchao's rowwise FP8 recipe: one power-of-two scale per row along each GEMM's reduced dimension."""
+
+    tiles = TileScaling("row", rows=True)
+    torchao_recipe = "rowwise"
+    native_recipe = "torchao float8 rowwise (per-row dynamic power-of-two scaling)"
+
+
+@register("rowwise_with_gw_hp")
+class RowwiseWithGwHp(ScalingMethod):
+    """torchao's rowwise_with_gw_hp: rowwise, the weight one scale in the input-gradient GEMM, the weight-gradient
+    GEMM in high precision."""
+
+    tiles = TileScaling("row; the weight one scale in the input-gradient GEMM; the weight-gradient GEMM in high "
+                        "precision", rows=True, grad_weight_in_high_precision=True)
+    torchao_recipe = "rowwise_with_gw_hp"
+    native_recipe = "torchao float8 rowwise_with_gw_hp (rowwise; weight-gradient GEMM in high precision)"
+
+
+@register("block")
+class Block(ScalingMethod):
+    """Transformer Engine's Float8BlockScaling: 1 x 128 tiles for activations and gradients, 128 x 128 for weights
+    (emulated: Transformer Engine is not a dependency)."""
+
+    tiles = TileScaling("1x128 (activations, gradients), 128x128 (weights)", rows=False)
+
+
+def scaling_class(name: str) -> type[ScalingMethod]:
+    check_choice(name, tuple(SCALING_METHODS), "scaling")
+    return SCALING_METHODS[name]
+
+
+def build(node) -> ScalingMethod:
+    """The scaling method a config's `scaling` node declares: its `_target_` class (a record made before 0.3.0 has
+    none: the class registered under its name) with the node's other keys as knobs. A user's class is imported by
+    its `_target_`; one its module did not register is registered under the yaml's name."""
+    from hydra.utils import get_class
+
+    values = dict(node.items())
+    target, name = values.pop("_target_", None), values["name"]
+    if not target:
+        return scaling_class(name)(**values)
+    try:
+        cls = get_class(target)
+    except Exception as e:  # hydra wraps the import's own error; the message says which
+        raise ConfigError(f"scaling._target_={target} cannot be imported ({e}); a scaling method's module must be "
+                          "importable (on PYTHONPATH): docs/extending.md") from None
+    if not (isinstance(cls, type) and issubclass(cls, ScalingMethod)):
+        raise ConfigError(f"scaling._target_={target} is not a bench.numerics.scaling_methods.ScalingMethod")
+    if SCALING_METHODS.get(name, cls) is not cls:
+        raise ConfigError(f"scaling.name={name} is {SCALING_METHODS[name].__module__}."
+                          f"{SCALING_METHODS[name].__qualname__}'s, not {target}'s: give the method its own name")
+    register(name)(cls)
+    return cls(**values)
+
+
+def combining_with(spec) -> list[str]:
+    """The scaling methods that combine with format `spec`, in the registry's order."""
+    return [name for name, cls in SCALING_METHODS.items() if cls.combines_with(spec) is None]
