@@ -23,8 +23,8 @@ def test_steps_to_target_on_made_up_curves(points, target, higher, steps):
 
 
 def _frame(rows) -> pd.DataFrame:
-    return pd.DataFrame([{"experiment": "t", "baseline_id": "b", "higher_is_better": False, "status": "ok"} | r
-                         for r in rows])
+    return pd.DataFrame([{"experiment": "t", "baseline_id": "b", "design_id": "d", "scaling": "none",
+                          "higher_is_better": False, "status": "ok"} | r for r in rows])
 
 
 def test_the_default_target_is_the_final_value_of_the_32_true_run_of_the_same_seed():
@@ -42,6 +42,23 @@ def test_the_default_target_is_the_final_value_of_the_32_true_run_of_the_same_se
     assert found["reached"].tolist() == [True, True, True, False, None, None, None]
     assert found["steps_to_target"].tolist()[:3] == [200, 200, 100]
     assert np.isnan(found["steps_to_target"].tolist()[3:]).all()
+
+
+def test_without_a_32_true_run_of_its_scaling_method_a_run_takes_the_unscaled_one_s_target():
+    """block_formats runs FP32 unscaled only: its rowwise FP8 cells aim at the unscaled FP32 run's value; a cell whose
+    scaling method has its own FP32 run (unit scaling) aims at that one's, and another model's FP32 gives none."""
+    frame = _frame([
+        {"setting": "32-true", "seed": 0, "curve": [[0, 4.0], [200, 1.5]]},
+        {"setting": "32-true", "seed": 0, "curve": [[0, 4.0], [200, 1.9]], "scaling": "unit", "baseline_id": "u"},
+        {"setting": "fp8-mixed", "seed": 0, "curve": [[0, 4.0], [200, 1.6]], "scaling": "rowwise",
+         "baseline_id": "r"},
+        {"setting": "fp8-mixed", "seed": 0, "curve": [[0, 4.0], [200, 1.6]], "scaling": "unit", "baseline_id": "u"},
+        {"setting": "fp8-mixed", "seed": 0, "curve": [[0, 4.0], [200, 1.6]], "scaling": "rowwise",
+         "baseline_id": "r2", "design_id": "another model"},
+    ])
+    found = targets(frame)
+    assert found["target"].tolist()[:4] == [1.5, 1.9, 1.5, 1.9] and math.isnan(found["target"][4])
+    assert found["reached"].tolist() == [True, True, False, True, None]
 
 
 def test_a_preset_may_declare_its_own_target(monkeypatch):

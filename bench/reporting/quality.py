@@ -4,7 +4,9 @@ those steps would take on a GPU by the speed model's prediction (bench/running/s
 A run's quality curve is its task's validation metric at each evaluation (`metrics.curve`: after each epoch, or
 every `model.task.eval_every` steps from step 0, and at the end). The target of a run is, by default, the final
 value of that curve for the 32-true run of the same seed and otherwise the same configuration (the FP32 run reaches
-it at its own end, or earlier if its curve passed it on the way); a preset may declare its own
+it at its own end, or earlier if its curve passed it on the way), and where no 32-true run has the cell's scaling
+method (block_formats runs FP32 unscaled only) the unscaled 32-true run's: the quality FP32 reaches without the
+method, as MLPerf fixes one target for every submission; a preset may declare its own
 (`hydra.sweeper.quality_target`, in the metric's recorded units). The steps to target are those of the first
 evaluation at which the curve reaches the target (at or above it where higher is better, at or below it where
 lower is); a run whose curve never does has none, and says so: no number is made up for it.
@@ -18,6 +20,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
+from bench.numerics.scaling_methods import NO_SCALING
 from bench.running.config import CONF_DIR
 
 
@@ -41,17 +44,21 @@ def declared_target(experiment: str) -> float | None:
 
 def targets(frame: pd.DataFrame) -> pd.DataFrame:
     """Per run (the frame's rows): `target` (the preset's, or the final curve value of its seed's 32-true run of the
-    same configuration, `baseline_id`), `reached` (True, False where its curve never reaches the target, None where
-    there is no target or no curve to read) and `steps_to_target` (NaN unless reached)."""
+    same configuration, `baseline_id`, else of the same configuration unscaled, `design_id`), `reached` (True, False
+    where its curve never reaches the target, None where there is no target or no curve to read) and
+    `steps_to_target` (NaN unless reached)."""
     last = frame["curve"].map(lambda points: points[-1][1] if points else np.nan)
     fp32 = frame[(frame["setting"].astype(str) == "32-true") & (frame["status"] == "ok")]
-    reference = dict(zip(zip(fp32["baseline_id"], fp32["seed"]), last[fp32.index]))
+    same_scaling = dict(zip(zip(fp32["baseline_id"], fp32["seed"]), last[fp32.index]))
+    unscaled = fp32[fp32["scaling"].astype(str) == NO_SCALING]
+    unscaled = dict(zip(zip(unscaled["design_id"], unscaled["seed"]), last[unscaled.index]))
     rows = []
-    for experiment, baseline, seed, points, higher, status in zip(
-            frame["experiment"], frame["baseline_id"], frame["seed"], frame["curve"], frame["higher_is_better"],
-            frame["status"]):
+    for experiment, baseline, design, seed, points, higher, status in zip(
+            frame["experiment"], frame["baseline_id"], frame["design_id"], frame["seed"], frame["curve"],
+            frame["higher_is_better"], frame["status"]):
         target = declared_target(str(experiment))
-        target = reference.get((baseline, seed), np.nan) if target is None else target
+        if target is None:
+            target = same_scaling.get((baseline, seed), unscaled.get((design, seed), np.nan))
         if pd.isna(target) or status != "ok" or not points:
             rows.append((target, None, np.nan))
             continue

@@ -56,7 +56,8 @@ NOTES = {
                  "emulate the format); compiled, as published FP8 figures are; speed-up against the 32-true cell's "
                  "prediction. How far off it has been: results/bench/speed_model_validation.md.",
     "time_to_target": "steps to target: the first evaluation at which a seed's quality curve (its validation metric) "
-                      "reached the target: the 32-true run's final value on the same seed (the target column: their "
+                      "reached the target: the final value of the 32-true run of the same seed and configuration (of the "
+                      "unscaled one where no 32-true run has the cell's scaling method; the target column: their "
                       "mean over seeds), or the preset's own (hydra.sweeper.quality_target); mean over the seeds that "
                       "reached it [95% t interval, clipped at 0] (how many reached it of how many had a curve and a "
                       "target); a run is counted at the evaluation that first reached it, so the evaluation interval "
@@ -254,7 +255,8 @@ def time_to_target_table(cells: pd.DataFrame) -> pd.DataFrame:
         metric_unit = cell_unit(c)
         judged, reached = int(c["target_judged"]), int(c["target_reached"])
         if not judged:
-            steps = "no quality curve" if pd.isna(c["target"]) or c["ok"] else "–"
+            steps = ("no target (no 32-true run with a quality curve)" if pd.isna(c["target"]) else
+                     "no quality curve" if c["ok"] else "–")
         elif not reached:
             steps = f"not reached (0 of {judged})"
         else:
