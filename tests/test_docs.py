@@ -84,3 +84,33 @@ def test_one_version_named_by_the_package_the_changelog_and_the_citation():
     assert f"\n## {bench.__version__} (" in (ROOT / "CHANGELOG.md").read_text()
     assert "Apache License" in (ROOT / "LICENSE").read_text() and 'attr = "bench.__version__"' in \
         (ROOT / "pyproject.toml").read_text()
+
+
+def _markdown_rows(text: str) -> list[dict]:
+    """The rows of every pipe table in `text`, as {header: cell}."""
+    rows, header = [], None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif not set("".join(cells)) <= set(":- "):
+            rows.append(dict(zip(header, cells)))
+    return rows
+
+
+@pytest.mark.parametrize("doc, table, count", [("README.md", "precision", 5), ("docs/results.md", "precision", 5),
+                                               ("docs/results.md", "scaling_grid", 6)])
+def test_the_default_tables_the_docs_quote_are_the_committed_ones(doc, table, count):
+    """Every cell of the LeNet rows a doc quotes from results/tables/default/<table>.md is that table's, so a remake or
+    a changed column cannot leave the docs telling older figures."""
+    key = "scaling" if table == "precision" else "metric"
+    committed = {(r["setting"], r[key]): r
+                 for r in _markdown_rows((ROOT / "results" / "tables" / "default" / f"{table}.md").read_text())}
+    quoted = [r for r in _markdown_rows((ROOT / doc).read_text())
+              if r.get("model") == "lenet (digits)" and key in r and ("train time (s)" in r) == (table == "precision")]
+    assert len(quoted) == count
+    for row in quoted:
+        assert row == {k: committed[(row["setting"], row[key])][k] for k in row}, row["setting"]

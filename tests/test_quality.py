@@ -111,7 +111,8 @@ def test_bench_predict_tables_every_cell_on_every_gpu_it_names(capsys):
 
 @pytest.mark.parametrize("args, says", [(["gpu=H900"], "unknown GPU 'H900'; known: V100, A100, H100, H200, B200"),
                                         (["format=fp9"], "format=fp9 is not an option"),
-                                        (["model.optimizer.lrr=1"], "did you mean model.optimizer.lr?")])
+                                        (["model.optimizer.lrr=1"], "did you mean model.optimizer.lr?"),
+                                        (["--gpus", "H100"], "not key=value overrides")])
 def test_bench_predict_refuses_bad_input_with_exit_2(args, says, capsys):
     from bench.reporting.predict_cells import main as predict
 

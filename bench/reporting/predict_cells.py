@@ -36,12 +36,17 @@ def _configs(overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
 
     from bench.running.command_line import check_command_line
     from bench.running.config import CONF_DIR, check
 
     check_command_line(overrides)
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException as e:
+        raise ConfigError(f"{' '.join(overrides)}: not key=value overrides ({str(e).splitlines()[0]}); "
+                          "python -m bench.predict takes bench.run's overrides and gpu=<names>") from None
     cells = [cell for batch in BasicSweeper.split_arguments(parsed, None) for cell in batch] or [[]]
     composed = []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
