@@ -663,11 +663,13 @@ def _latex_cell(value) -> str:
 
 
 def to_latex(table: pd.DataFrame, caption: str) -> str:
-    """A booktabs table (pandas' Styler: \\toprule, \\midrule, \\bottomrule), its caption above, every cell escaped."""
+    """A booktabs table (pandas' Styler: \\toprule, \\midrule, \\bottomrule), every cell escaped, the caption below
+    the tabular as the committed tables have it (Styler would put it above)."""
     styled = table.style.hide(axis="index").format(_latex_cell).format_index(_latex_cell, axis=1)
     styled = styled.set_table_styles([{"selector": "small", "props": ":;"}], overwrite=False)
-    return styled.to_latex(hrules=True, caption=_latex_cell(caption), position="ht", position_float="centering",
+    text = styled.to_latex(hrules=True, position="ht", position_float="centering",
                            column_format="l" * len(table.columns), environment="table")
+    return text.replace("\\end{table}", "\\caption{" + _latex_cell(caption) + "}\n\\end{table}")
 
 
 def to_markdown(table: pd.DataFrame, notes: list[str]) -> str:
