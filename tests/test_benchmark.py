@@ -174,3 +174,26 @@ def test_benchmark_steps_and_repeats_can_be_set(tmp_path, monkeypatch):
     monkeypatch.setattr(benchmark, "emulation_rows", lambda steps, repeats: calls.update(emulation=(steps, repeats)) or [])
     assert benchmark.main(["--out", str(tmp_path), "--only", "emulation", "--steps", "12", "--repeats", "2"]) == 0
     assert calls["emulation"] == (12, 2)
+
+
+def test_the_harness_median_gets_an_interval_and_the_rounds_it_would_take_to_tell_0_95_from_0_97():
+    """Against statistics computed here: a tight spread needs few rounds and a wide one many (the standard error of a
+    median is sqrt(pi / 2) sigma / sqrt(n)); the bootstrap interval holds the median and is no wider than the rounds."""
+    import math
+    import statistics
+
+    import numpy as np
+
+    tight = [0.97 + 0.002 * ((i * 7) % 5 - 2) for i in range(15)]  # sigma ~0.003
+    wide = [0.97 + 0.03 * ((i * 7) % 5 - 2) for i in range(15)]  # sigma ~0.044
+    for ratios in (tight, wide):
+        low, high = benchmark.median_interval(ratios)
+        assert min(ratios) <= low <= statistics.median(ratios) <= high <= max(ratios)
+    # independently, by simulation: medians of that many rounds drawn with the same spread fall, 95% of them, in a
+    # window 0.02 wide
+    n = benchmark.rounds_to_resolve(wide)
+    draws = np.random.default_rng(0).normal(0.97, statistics.stdev(wide), size=(4000, n))
+    spread = np.subtract(*np.percentile(np.median(draws, axis=1), [97.5, 2.5]))
+    assert math.isclose(spread, 0.02, rel_tol=0.1), spread
+    assert benchmark.rounds_to_resolve(tight) <= 2 < 100 < benchmark.rounds_to_resolve(wide)
+    assert benchmark.median_interval(wide) == benchmark.median_interval(wide)  # seeded: the same rounds, the same
