@@ -22,7 +22,8 @@ def _env(hf_home: Path, offline: bool) -> dict:
     return env | {"HF_HOME": str(hf_home)} | ({"HF_HUB_OFFLINE": "1"} if offline else {})
 
 
-@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE=1", "hub unreachable"])
+@pytest.mark.parametrize("offline", [True, pytest.param(False, marks=pytest.mark.slow)],  # unreachable: make test-slow
+                         ids=["HF_HUB_OFFLINE=1", "hub unreachable"])
 def test_a_download_that_cannot_happen_is_a_config_error_naming_the_fixes(tmp_path, offline):
     out = _bench(tmp_path, "model=distilbert", "train.max_steps=1", env=_env(tmp_path / "empty-hf", offline))
     assert out.returncode == 2, out.stderr[-2000:]
@@ -31,7 +32,8 @@ def test_a_download_that_cannot_happen_is_a_config_error_naming_the_fixes(tmp_pa
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*"))  # no record, no empty dirs
 
 
-@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE=1", "hub unreachable"])
+@pytest.mark.parametrize("offline", [True, pytest.param(False, marks=pytest.mark.slow)],  # unreachable: make test-slow
+                         ids=["HF_HUB_OFFLINE=1", "hub unreachable"])
 def test_a_checkpoint_in_the_hub_cache_loads_without_network(tmp_path, make_checkpoint, offline):
     """The cache as `make prepare` leaves it: models--<org>--<name>/snapshots/<commit>/ and refs/main."""
     hf_home = tmp_path / "hf"

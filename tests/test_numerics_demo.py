@@ -15,6 +15,8 @@ import pytest
 
 from bench.running.run import run_cell
 
+pytestmark = pytest.mark.slow  # four cells of 600 steps: an end-to-end demonstration (make test-slow)
+
 STRESS = ["format=fp16", "format.backend=emulated", f"train.loss_multiplier={2.0**-17}", "train.max_steps=600"]
 
 

@@ -32,6 +32,7 @@ def records(root):
     return {str(p.parent.relative_to(root)): json.loads(p.read_text()) for p in Path(root).rglob("result.json")}
 
 
+@pytest.mark.slow  # end to end through submitit's local executor; the SLURM tests run the same plug-in on a cluster
 def test_submitit_local_runs_cells_as_subprocesses_and_a_rerun_skips_them(tmp_path):
     grid = ["-m", "hydra/launcher=submitit_local", "format=fp32,fp16", "scaling=none,static", "train.max_steps=3"]
     first = bench(tmp_path, *grid)
