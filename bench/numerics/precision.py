@@ -65,7 +65,7 @@ from bench.numerics.plan import (  # noqa: F401 - PrecisionConfig and PrecisionE
     fp32_flags,
     plan,
 )
-from bench.numerics.scaling_methods import ScalingMethod, build, scaling_class
+from bench.numerics.scaling_methods import PerTensor, ScalingMethod, build, scaling_class
 from bench.numerics.telemetry import QuantTelemetry
 
 # train.eval_precision: every evaluation (per-epoch validation and the final test) in the precision the cell trained
@@ -329,13 +329,9 @@ class Precision:
         }
 
 
-class _FactoryScaling(ScalingMethod):
-    """The pre-0.3.0 constructor's `per_tensor` factory as a scaling method (a site scaler per tensor class)."""
-
-    site_scales = True
-    title = "per-tensor scaling"
-    torchao_recipe = "tensorwise"
-    native_recipe = "torchao float8 tensorwise (per-tensor dynamic scaling)"
+class _FactoryScaling(PerTensor):
+    """The pre-0.3.0 constructor's `per_tensor` factory as a scaling method: per_tensor, its site scalers made by the
+    factory (one per tensor class)."""
 
     @classmethod
     def of(cls, factory) -> "_FactoryScaling":
