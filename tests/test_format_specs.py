@@ -17,7 +17,7 @@ from bench.running.config import ConfigError, check
 @pytest.fixture
 def e3m4(monkeypatch):
     """OCP-style FP8 E3M4 (IEEE-like: bias 3, inf and NaN), registered for the test only."""
-    element = formats._ieee("fp8_e3m4", 3, 4, None)
+    element = formats.ElementFormat.from_bits("fp8_e3m4", 3, 4)
     monkeypatch.setitem(formats.FORMATS, "fp8_e3m4", element)
     spec = FormatSpec("fp8e3m4", ("mixed",), Recipe("fp8_e3m4", "fp8_e3m4", False),
                       specs.hardware.emulated_everywhere("fp8e3m4 has no native path: a test format"),

@@ -154,3 +154,93 @@ def test_mx_element_formats_bit_exact_against_ml_dtypes_saturating(fmt):
     reference = np.clip(finite, -spec.max, spec.max).astype(MX_ELEMENT_DTYPES[fmt]).astype(np.float32)
     assert _same_bits(_ours(finite, fmt, overflow="saturate"), reference).all()
     assert np.isnan(_ours(np.array([np.nan], np.float32), fmt, overflow="saturate")).all()
+
+
+# --- a user's element format: docs/extending.md's worked one, AMD's FNUZ FP8, built with the public constructor ---
+
+PLUGIN = __import__("pathlib").Path(__file__).resolve().parent / "plugin"
+
+
+@pytest.fixture
+def amd_fp8(monkeypatch):
+    """tests/plugin/amd_fp8.py imported as the suite imports a plug-in; the registries restored afterwards."""
+    import importlib
+    import sys
+
+    from bench.numerics import specs
+
+    monkeypatch.setattr(specs, "FORMAT_SPECS", dict(specs.FORMAT_SPECS))
+    monkeypatch.setattr(sys, "path", [str(PLUGIN), *sys.path])
+    saved = dict(FORMATS)
+    sys.modules.pop("amd_fp8", None)
+    yield importlib.import_module("amd_fp8")
+    sys.modules.pop("amd_fp8", None)
+    FORMATS.clear()
+    FORMATS.update(saved)
+
+
+def _adversarial(dtype) -> np.ndarray:
+    """Every code of `dtype`, every midpoint between neighbouring finite codes (the ties), and one float32 ulp either
+    side of each; signed zeros, the smallest subnormal's half and quarter, past max, +-inf and NaN."""
+    codes = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+    finite = np.unique(codes[np.isfinite(codes)])
+    ties = (finite[:-1].astype(np.float64) + finite[1:]) / 2
+    points = np.concatenate([finite, ties.astype(np.float32)])
+    with np.errstate(over="ignore"):
+        around = np.concatenate([np.nextafter(points, np.float32(np.inf)), np.nextafter(points, np.float32(-np.inf))])
+        tiny = float(finite[finite > 0].min())
+        extra = np.array([0.0, -0.0, tiny / 2, -tiny / 2, tiny / 4, -tiny / 4, finite.max() * 2, -finite.max() * 2,
+                          np.inf, -np.inf, np.nan], dtype=np.float32)
+    return np.concatenate([points, around.astype(np.float32), extra])
+
+
+@pytest.mark.parametrize("element, dtype", [("fp8_e4m3fnuz", ml_dtypes.float8_e4m3fnuz),
+                                            ("fp8_e5m2fnuz", ml_dtypes.float8_e5m2fnuz)])
+def test_a_users_fnuz_format_rounds_bit_for_bit_as_ml_dtypes(amd_fp8, element, dtype):
+    """ml_dtypes' cast is RNE with overflow to NaN (the only NaN, 0x80) and no -0: the format's `nan` policy. Signed
+    zero included: -0 and negatives rounding to zero come out +0. 0 mismatches over every family."""
+    spec = FORMATS[element]
+    assert (spec.bias, spec.max, spec.has_inf, spec.negative_zero) == \
+        ((8, 240.0, False, False) if element == "fp8_e4m3fnuz" else (16, 57344.0, False, False))
+    x = _adversarial(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        reference = x.astype(dtype).astype(np.float32)
+    ours = _ours(x, element, overflow="nan")
+    mismatched = ~_same_bits(ours, reference)
+    assert mismatched.sum() == 0, list(zip(x[mismatched][:5], ours[mismatched][:5], reference[mismatched][:5]))
+    assert len(x) > 1500 and (np.signbit(ours) & (ours == 0)).sum() == 0  # the families ran; no -0 anywhere
+    # saturation (the training default) is ml_dtypes' cast of the value clipped to +-max; stochastic rounding never
+    # makes a -0 either
+    clipped = np.clip(x[~np.isnan(x)], -spec.max, spec.max)
+    np.testing.assert_array_equal(_ours(x[~np.isnan(x)], element).view(np.uint32),
+                                  clipped.astype(dtype).astype(np.float32).view(np.uint32))
+    from bench.numerics.formats import quantise_stochastic
+
+    small = -torch.rand(10_000) * spec.min_subnormal
+    assert not torch.signbit(quantise_stochastic(small, element)[small.abs() < spec.min_subnormal / 2 ** 30]).any()
+    assert not (torch.signbit(r := quantise_stochastic(small, element)) & (r == 0)).any()
+
+
+def test_element_formats_built_from_bits_are_the_shipped_ones():
+    """The public constructor derives each shipped format's range from its bias and NaN encoding: the values the
+    formats were written with by hand before it existed."""
+    written = {"fp32": (-126, 127, 3.4028234663852886e38, True, "inf"), "fp16": (-14, 15, 65504.0, True, "inf"),
+               "bf16": (-126, 127, 3.3895313892515355e38, True, "inf"), "fp8_e4m3": (-6, 8, 448.0, False, "saturate"),
+               "fp8_e5m2": (-14, 15, 57344.0, True, "inf"), "fp6_e2m3": (0, 2, 7.5, False, "saturate"),
+               "fp6_e3m2": (-2, 4, 28.0, False, "saturate"), "fp4_e2m1": (0, 2, 6.0, False, "saturate")}
+    for name, values in written.items():
+        f = FORMATS[name]
+        assert (f.emin, f.emax, f.max, f.has_inf, f.default_overflow) == values, name
+
+
+def test_the_element_constructor_refuses_what_no_format_is():
+    from bench.numerics.formats import ElementFormat
+
+    with pytest.raises(ValueError, match="valid: ieee, all_ones, negative_zero, none"):
+        ElementFormat.from_bits("x", 4, 3, nan="0x80")
+    with pytest.raises(ValueError, match="go together"):
+        ElementFormat.from_bits("x", 4, 3, nan="negative_zero")  # NaN on -0's code, yet -0 kept
+    from bench.numerics.formats import register_element
+
+    with pytest.raises(ValueError, match="already declared, differently"):
+        register_element(ElementFormat.from_bits("fp8_e4m3", 4, 3))  # the OCP one is not IEEE-like

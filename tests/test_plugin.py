@@ -84,3 +84,165 @@ def test_a_users_model_check_refuses_a_bad_key_before_training(tmp_path):
                  cwd=tmp_path)
     assert out.returncode == 2 and "model.arch.hidden=0 must be >= 1" in out.stderr
     assert not list(tmp_path.rglob("result.json"))
+
+
+# --- plug-ins that travel: docs/extending.md's commands, as written, then every mistake a newcomer made ---
+
+def _docs_block(heading: str) -> str:
+    """The first ```sh block after `heading` in docs/extending.md."""
+    text = (ROOT / "docs" / "extending.md").read_text()
+    after = text[text.index(heading):]
+    return after[after.index("```sh\n") + 6:after.index("```", after.index("```sh\n") + 6)]
+
+
+@pytest.fixture(scope="module")
+def travelled(tmp_path_factory):
+    """docs/extending.md's plug-in commands run as written, from a directory laid out as the repository's root (its
+    tests/ and .venv/ linked), then the sweep launched again; the tables' and records' folders it wrote."""
+    tmp = tmp_path_factory.mktemp("travel")
+    for name in ("tests", ".venv"):
+        (tmp / name).symlink_to(ROOT / name)
+    commands = _docs_block("# Plug-ins: declared once")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(ROOT)}
+    run = subprocess.run(["bash", "-ec", commands], cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
+    sweep = commands.split("\n.venv/bin/python -m bench.aggregate")[0]
+    again = subprocess.run(["bash", "-ec", sweep], cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    return tmp, run, again
+
+
+def test_the_docs_plugin_commands_train_table_and_compare_a_users_format_and_model(travelled):
+    tmp, run, again = travelled
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "sweep: 8 ok, 0 diverged, 0 failed (0 skipped" in run.stderr
+    assert "(8 skipped as already recorded)" in again.stderr  # resumption finds the plug-in's cells
+    records = [json.loads(p.read_text()) for p in (tmp / "results/local/plugins").rglob("result.json")]
+    fnuz = [r for r in records if r["config"]["format"]["name"] == "fp8fnuz"]
+    assert {r["config"]["model"]["name"] for r in fnuz} == {"lenet", "vit"} and len(fnuz) == 4
+    assert all(r["status"] == "ok" and r["env"]["precision"]["element_formats"] == ["fp8_e4m3fnuz", "fp8_e5m2fnuz"]
+               for r in fnuz)
+    assert all(r["env"]["plugins"]["modules"] == ["amd_fp8"] and r["env"]["plugins"]["format"] == "amd_fp8"
+               for r in fnuz)  # the record names its plug-ins
+    vit_unit = next(r for r in records if r["config"]["model"]["name"] == "vit" and r["config"]["scaling"]["name"]
+                    == "unit")
+    assert vit_unit["env"]["plugins"]["model"] == "vit_digits"
+    precision = (tmp / "results/local/plugins-tables/default/precision.md").read_text()
+    assert precision.count("fp8fnuz-mixed (bf16 elsewhere) †") == 4  # both models, both scalings: none dropped
+    cells = pd.read_csv(tmp / "results/local/plugins-tables/default/cells.csv")
+    assert len(cells) == 8 and cells["setting"].notna().all()
+    assert "fp8fnuz-mixed" in run.stdout and "8 cells paired" in run.stdout  # bench.compare found every cell
+
+
+def test_the_dashboard_imports_the_plugins_its_records_name(travelled):
+    tmp = travelled[0]
+    board = _bench("bench.reporting.dashboard", "default", "--results", str(tmp / "results/local/plugins"), "--tables",
+                   str(tmp / "results/local/plugins-tables"), "--out", str(tmp / "dash"), cwd=tmp)
+    assert board.returncode == 0, board.stderr[-2000:]
+
+
+def _without_plugins(module: str, *args, cwd: Path) -> subprocess.CompletedProcess:
+    """A command run where the plug-ins are not importable (only the suite on PYTHONPATH)."""
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_reporting_records_of_a_format_not_declared_here_exits_2_naming_it_and_its_module(travelled, tmp_path):
+    runs = travelled[0] / "results/local/plugins"
+    for module, args in (("bench.aggregate", [str(runs), "--out", str(tmp_path / "tables")]),
+                         ("bench.compare", [str(runs), "--against",
+                                            str(travelled[0] / "results/local/plugins-tables/default")]),
+                         ("bench.reporting.dashboard", ["default", "--results", str(runs), "--out",
+                                                        str(tmp_path / "dash")])):
+        out = _without_plugins(module, *args, cwd=tmp_path)
+        assert out.returncode == 2, (module, out.stderr[-1500:])
+        assert "format 'fp8fnuz' is not declared in this process; its record says module 'amd_fp8' declared it, " \
+               "which cannot be imported here (ModuleNotFoundError" in out.stderr, (module, out.stderr)
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_an_installed_plugin_is_found_through_its_entry_point(tmp_path):
+    """A package that declares amd_fp8 in the entry-point group: format=fp8fnuz works with no plugins: key."""
+    dist = tmp_path / "site" / "amd_fp8_plugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: amd-fp8-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[precision_bench.plugins]\namd_fp8 = amd_fp8\n")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(PLUGIN), str(ROOT)])}
+    out = subprocess.run([sys.executable, "-m", "bench.run", f"{SEARCHPATH}", "format=fp8fnuz", "train.max_steps=2",
+                          f"results_dir={tmp_path / 'runs'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads(next((tmp_path / "runs").rglob("result.json")).read_text())
+    assert record["env"]["plugins"]["modules"] == ["amd_fp8"] and record["status"] == "ok"
+
+
+def _refused(tmp_path: Path, *args: str, searchpath: str = SEARCHPATH) -> str:
+    """Run bench.run with `args`; assert exit 2 and that nothing was written under results_dir; its stderr."""
+    flags = [a for a in args if a.startswith("-")]
+    out = _bench("bench.run", *flags, searchpath, *[a for a in args if a not in flags],
+                 f"results_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert not (tmp_path / "runs").exists() and not list(tmp_path.rglob("multirun.yaml")), "something was written"
+    assert "Traceback" not in out.stderr
+    return out.stderr
+
+
+def test_a_plugins_format_without_its_plugin_and_a_plugin_that_cannot_be_imported(tmp_path):
+    assert "format='fp8fnuz' is not valid" in _refused(tmp_path, "format=fp8fnuz")
+    said = _refused(tmp_path, "plugins=[amd_fp9]", "format=fp8fnuz")
+    assert "plug-in module 'amd_fp9' (named by the plugins: config key) cannot be imported: ModuleNotFoundError" in said
+
+
+TYPOS = {  # a yaml of each kind with a misspelt key: (folder, file, text, the message's key and suggestion)
+    "model": ("model", "mlp_typo.yaml", "defaults: [/model_schema@_here_, _self_]\nname: mlp\n"
+              "task: {_target_: mlp_digits.mlp_task, metric: test_accuracy, data_sources: [digits]}\nbatchsize: 16\n",
+              "model/mlp_typo.yaml: unknown key model.batchsize (did you mean model.batch_size?)"),
+    "optimizer": ("model", "mlp_typo.yaml", "defaults: [/model_schema@_here_, _self_]\nname: mlp\n"
+                  "task: {_target_: mlp_digits.mlp_task, metric: test_accuracy, data_sources: [digits]}\n"
+                  "optimizer: {name: sgd, weight_decy: 0.1}\n",
+                  "unknown key model.optimizer.weight_decy (did you mean model.optimizer.weight_decay?)"),
+    "format": ("format", "typo.yaml", "name: fp8\nmode: mixed\nelsewere: bf16\n",
+               "format/typo.yaml: unknown key format.elsewere (did you mean format.elsewhere?)"),
+    "scaling": ("scaling", "typo.yaml", "name: none\nloss_scalng: dynamic\n",
+                "scaling/typo.yaml: unknown key scaling.loss_scalng (did you mean scaling.loss_scaling?)"),
+    "experiment": ("experiment", "typo.yaml", "# @package _global_\nexperiment_name: typo\ntrain: {max_step: 3}\n",
+                   "experiment/typo.yaml: unknown key train.max_step (did you mean train.max_steps?)"),
+}
+
+
+@pytest.mark.parametrize("kind", TYPOS)
+def test_a_typo_in_any_yaml_exits_2_with_the_valid_keys_and_a_did_you_mean(tmp_path, kind):
+    folder, name, text, message = TYPOS[kind]
+    (tmp_path / "conf" / folder).mkdir(parents=True)
+    (tmp_path / "conf" / folder / name).write_text(text)
+    searchpath = f"hydra.searchpath=[file://{PLUGIN / 'conf'},file://{tmp_path / 'conf'}]"
+    option = f"{folder}={name.removesuffix('.yaml')}"
+    said = _refused(tmp_path, option, searchpath=searchpath)
+    assert message in said and "valid keys there:" in said
+    if kind == "model":  # a sweep over the option, the misspelt yaml second: composed and refused before the first
+        assert message in _refused(tmp_path, "-m", f"model=mlp,{name.removesuffix('.yaml')}", searchpath=searchpath)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-m", "model=lenet", "scaling=none,umup"], "config error in cell [model=lenet scaling=umup"),
+    (["-m", "model=vit", "model.arch.attention=ops,inline", "scaling=unit"],
+     "scaling=unit has no rule for attention computed inside a module: blocks.0.attn (SelfAttention) calls "
+     "F.scaled_dot_product_attention; blocks.1.attn (SelfAttention) calls F.scaled_dot_product_attention. Compute it "
+     "with bench.numerics.ops.Attention (bidirectional) or CausalAttention"),
+    (["model=vit", "model.arch.attention=inline", "scaling=umup"], "scaling=umup has no rule for attention computed"),
+    (["-m", "model=vit", "model.arch.pool=mean,none"],
+     "outputs of shape (32, 16, 10), targets of shape (32,); the loss is cross-entropy over (batch, classes) logits"
+     " and (batch,) class indices, or (batch, classes, ...) and (batch, ...). The model is vit_digits.ViT"),
+])
+def test_every_cell_is_checked_before_the_first_trains_and_a_refused_command_writes_nothing(tmp_path, args, message):
+    """The cell that would be refused comes after one that would train: nothing trains, nothing is written."""
+    assert message in _refused(tmp_path, *args)
+
+
+def test_a_metric_outside_its_declared_unit_fails_the_run_naming_the_unit_that_fits(tmp_path):
+    out = _bench("bench.run", SEARCHPATH, "model=vit", "model.arch.percent=true", "train.max_steps=2",
+                 f"results_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    record = json.loads(next((tmp_path / "runs").rglob("result.json")).read_text())
+    assert out.returncode == 1 and record["status"] == "failed"
+    assert record["reason"].startswith("MetricOutOfRange: metric test_accuracy=") and \
+        "outside [0, 1], the range of its declared unit model.task.unit=fraction: declare unit: percent" in \
+        record["reason"]

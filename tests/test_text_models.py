@@ -1,6 +1,7 @@
 """DistilBERT/IMDb and BERT/SQuAD through the same runner, offline: tiny models, shipped fixtures and vocabulary."""
 
 import json
+import re
 from pathlib import Path
 
 import datasets
@@ -18,8 +19,8 @@ def _record(cfg, tmp_path):
 
 
 @pytest.mark.parametrize("model,fmt,scaling", [
-    ("distilbert_tiny", "fp8", "per_tensor"), ("distilbert_tiny", "bf16-true", "unit"),
-    ("distilbert_tiny", "fp16-true", "static"), ("bert_tiny", "fp16", "dynamic"), ("bert_tiny", "fp8", "unit"),
+    ("distilbert_tiny", "fp8", "per_tensor"), ("distilbert_tiny", "bf16-true", "dynamic"),
+    ("distilbert_tiny", "fp16-true", "static"), ("bert_tiny", "fp16", "dynamic"), ("bert_tiny", "fp8", "none"),
     ("bert_tiny", "tf32", "per_tensor"),
 ])
 def test_short_runs_write_complete_records(make_cfg, tmp_path, model, fmt, scaling):
@@ -33,8 +34,20 @@ def test_short_runs_write_complete_records(make_cfg, tmp_path, model, fmt, scali
         assert 0 <= metrics["exact_match"] <= 100 and 0 <= metrics["f1"] <= 100 and metrics["dev_examples"] == 40
     else:
         assert 0 <= metrics["test_accuracy"] <= 1 and metrics["per_epoch"][0]["val_accuracy"] is not None
-    if scaling == "unit":
-        assert record["numerics"]["unit_conversion"]["preserve_function"] is False
+
+
+@pytest.mark.parametrize("model, attention", [("distilbert_tiny", "distilbert.transformer.layer.0.attention "
+                                               "(DistilBertSelfAttention)"),
+                                              ("bert_tiny", "bert.encoder.layer.0.attention.self (BertSelfAttention)")])
+def test_unit_scaling_from_scratch_refuses_the_hub_models_own_attention(make_cfg, model, attention):
+    """Hugging Face computes attention inside its attention modules: from scratch, unit scaling would leave it
+    unscaled, so the cell is refused before it trains, naming the module and the op to use instead."""
+    from bench.running.config import ConfigError
+    from bench.running.run import preflight
+
+    with pytest.raises(ConfigError, match=r"scaling=unit has no rule for attention computed inside a module: "
+                                          + re.escape(attention) + r" calls F.scaled_dot_product_attention"):
+        preflight(make_cfg(f"model={model}", "scaling=unit", "device=cpu"))
 
 
 def test_tiny_distilbert_learns_the_fixture_sentiment(make_cfg, tmp_path):

@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.numerics.ops import Add, CausalAttention, Residual
+from bench.errors import ConfigError
+from bench.numerics.ops import Add, Attention, CausalAttention, Residual
 from bench.numerics.unit import (
     UnitAdd,
-    UnitCausalAttention,
+    UnitAttention,
     UnitConv2d,
     UnitEmbedding,
     UnitGELU,
@@ -197,7 +198,7 @@ def test_unit_scale_replaces_every_layer_with_unit_variance_weights():
 
 
 def test_unknown_parameterised_module_is_refused():
-    with pytest.raises(NotImplementedError, match="BatchNorm2d"):
+    with pytest.raises(ConfigError, match="BatchNorm2d"):
         unit_scale(nn.Sequential(nn.BatchNorm2d(3)))
 
 
@@ -219,8 +220,10 @@ TRANSFORMER_OPS = {
                                             lambda: [torch.randint(0, 65, (12, 64))], 0.1),
     "layer norm 128, no bias": (lambda: nn.LayerNorm(128, bias=False), lambda: UnitLayerNorm(128, bias=False),
                                 lambda: [torch.randn(12, 64, 128) + 0.5], 0.1),
-    "causal attention, 4 heads x 32, length 64": (CausalAttention, UnitCausalAttention,
+    "causal attention, 4 heads x 32, length 64": (CausalAttention, lambda *a: UnitAttention(*a, causal=True),
                                                   lambda: [torch.randn(12, 4, 64, 32) for _ in range(3)], 0.33),
+    "bidirectional attention, 4 heads x 32, length 64": (Attention, UnitAttention,
+                                                         lambda: [torch.randn(12, 4, 64, 32) for _ in range(3)], 0.33),
     "token + position embedding sum": (Add, UnitAdd, lambda: [torch.randn(12, 64, 128), torch.randn(64, 128)], 0.1),
 }
 
@@ -304,7 +307,7 @@ def test_unit_scaled_char_gpt_is_unit_scaled_end_to_end_and_the_plain_one_is_not
     unit = unit_scale(CharGPT(65, 64, 4, 4, 128, norm=norm))
     assert unit.wte.weight is unit.lm_head.weight  # nanoGPT's tie survives the conversion
     kinds = {type(m) for m in unit.modules()}
-    assert {UnitEmbedding, UnitLinear, UnitResidual, UnitCausalAttention, UnitAdd, UnitGELU} <= kinds
+    assert {UnitEmbedding, UnitLinear, UnitResidual, UnitAttention, UnitAdd, UnitGELU} <= kinds
     assert not kinds & {nn.Linear, nn.Embedding, nn.LayerNorm, nn.GELU, Residual, CausalAttention, Add}
     assert all(0.6 <= s <= 1.6 for s in block_stds(unit, unit_cross_entropy))
     torch.manual_seed(0)

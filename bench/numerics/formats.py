@@ -32,19 +32,67 @@ _ROUNDS_OVERFLOW_TO_INF = {"fp32", "tf32", "fp16", "bf16", "fp8_e5m2"}
 _NATIVE_CAST = {"fp16", "bf16", "fp8_e5m2"}  # torch's cast is RNE with IEEE overflow: the rounding itself
 
 
+NAN_ENCODINGS = ("ieee", "all_ones", "negative_zero", "none")
+
+
 @dataclass(frozen=True)
 class ElementFormat:
-    """A floating-point element format: 1 sign bit, `exp_bits`, `man_bits` explicit mantissa bits."""
+    """A floating-point element format: 1 sign bit, `exp_bits`, `man_bits` explicit mantissa bits, and what its codes
+    mean. Build one with `ElementFormat.from_bits` (docs/extending.md, "Bring your own format"), which derives the
+    range from the bias and the NaN encoding; the fields are what `quantise` reads.
+
+    name: how recipes and `quantise` name it (the key in FORMATS).
+    emin: the exponent of the smallest normal number (1 - bias); subnormals reach 2^(emin - man_bits).
+    emax: the exponent of the largest finite number.
+    max: the largest finite value.
+    has_inf: whether +-inf have codes (IEEE formats only).
+    default_overflow: `quantise`'s overflow policy when none is given: saturate, inf or nan.
+    torch_dtype: torch's storage dtype for it, where torch has one (native paths); None otherwise.
+    negative_zero: whether -0 has a code. False (E4M3FNUZ, E5M2FNUZ: the code 1.0000.000 is NaN instead) makes
+      every zero result +0, as a cast to the format does.
+    nan: which codes are NaN: `ieee` (exponent all ones, mantissa not zero; inf where it is zero), `all_ones` (only
+      S.1111.111, OCP E4M3: the top binade keeps every other code), `negative_zero` (only the -0 code, 0x80 for
+      8 bits: the FNUZ formats) or `none` (no NaN: the OCP MX element formats, whose block scale carries it).
+    """
 
     name: str
     exp_bits: int
     man_bits: int
-    emin: int  # exponent of the smallest normal number
-    emax: int  # exponent of the largest finite number
-    max: float  # largest finite value
+    emin: int
+    emax: int
+    max: float
     has_inf: bool
     default_overflow: str
-    torch_dtype: torch.dtype | None  # storage dtype where torch has one (for native paths)
+    torch_dtype: torch.dtype | None
+    negative_zero: bool = True
+    nan: str = "ieee"
+
+    @classmethod
+    def from_bits(cls, name: str, exp_bits: int, man_bits: int, *, bias: int | None = None, nan: str = "ieee",
+                  negative_zero: bool = True, default_overflow: str | None = None,
+                  torch_dtype: torch.dtype | None = None) -> ElementFormat:
+        """The format of 1 + exp_bits + man_bits bits with exponent `bias` (default 2^(exp_bits-1) - 1, IEEE's) and
+        the `nan` encoding (NAN_ENCODINGS); its range follows: IEEE keeps the top exponent code for inf and NaN,
+        `all_ones` only its top mantissa code, `negative_zero` and `none` no code at all. The default overflow is
+        IEEE's inf where the format has one, else saturation (what torchao and Transformer Engine do before a cast)."""
+        if nan not in NAN_ENCODINGS:
+            raise ValueError(f"nan={nan!r} is not an encoding; valid: {', '.join(NAN_ENCODINGS)}")
+        if (nan == "negative_zero") == negative_zero:
+            raise ValueError("nan='negative_zero' (NaN takes -0's code) and negative_zero=False go together")
+        if exp_bits < 1 or man_bits < 0 or 1 + exp_bits + man_bits > 32 or man_bits > 23:
+            raise ValueError(f"{name}: exp_bits={exp_bits}, man_bits={man_bits} must fit float32's 8 and 23")
+        bias = 2 ** (exp_bits - 1) - 1 if bias is None else bias
+        top_code = 2**exp_bits - 1  # the largest biased exponent
+        emax = top_code - bias - (nan == "ieee")
+        spare_codes = 2 if nan == "all_ones" else 1  # the top binade's largest mantissa is NaN there
+        largest = (2 - spare_codes * 2.0**-man_bits) * 2.0**emax
+        default_overflow = default_overflow or ("inf" if nan == "ieee" else "saturate")
+        return cls(name, exp_bits, man_bits, emin=1 - bias, emax=emax, max=largest, has_inf=nan == "ieee",
+                   default_overflow=default_overflow, torch_dtype=torch_dtype, negative_zero=negative_zero, nan=nan)
+
+    @property
+    def bias(self) -> int:
+        return 1 - self.emin
 
     @property
     def storage_bytes(self) -> float:
@@ -74,33 +122,30 @@ class ElementFormat:
         return [0.0, edges[1].item(), below[2].item(), (below[3] if max_is_odd else edges[3]).item()]
 
 
-def _ieee(name, exp_bits, man_bits, dtype) -> ElementFormat:
-    bias = 2 ** (exp_bits - 1) - 1
-    emax = bias
-    return ElementFormat(
-        name, exp_bits, man_bits, emin=1 - bias, emax=emax,
-        max=(2 - 2.0**-man_bits) * 2.0**emax, has_inf=True, default_overflow="inf", torch_dtype=dtype,
-    )
-
-
+_bits = ElementFormat.from_bits
 FORMATS: dict[str, ElementFormat] = {
-    "fp32": _ieee("fp32", 8, 23, torch.float32),
-    "tf32": _ieee("tf32", 8, 10, None),
-    "fp16": _ieee("fp16", 5, 10, torch.float16),
-    "bf16": _ieee("bf16", 8, 7, torch.bfloat16),
+    "fp32": _bits("fp32", 8, 23, torch_dtype=torch.float32),
+    "tf32": _bits("tf32", 8, 10),
+    "fp16": _bits("fp16", 5, 10, torch_dtype=torch.float16),
+    "bf16": _bits("bf16", 8, 7, torch_dtype=torch.bfloat16),
     # OCP E4M3 ("fn"): no inf, only S.1111.111 is NaN, so the top binade reaches 1.75 * 2^8 = 448.
     # Saturation is the default because torchao and Transformer Engine clamp before casting.
-    "fp8_e4m3": ElementFormat("fp8_e4m3", 4, 3, emin=-6, emax=8, max=448.0, has_inf=False,
-                              default_overflow="saturate", torch_dtype=torch.float8_e4m3fn),
-    "fp8_e5m2": _ieee("fp8_e5m2", 5, 2, torch.float8_e5m2),
+    "fp8_e4m3": _bits("fp8_e4m3", 4, 3, nan="all_ones", torch_dtype=torch.float8_e4m3fn),
+    "fp8_e5m2": _bits("fp8_e5m2", 5, 2, torch_dtype=torch.float8_e5m2),
     # OCP MX element formats: no inf, no NaN (the block scale carries NaN); every exponent code is finite.
-    "fp6_e2m3": ElementFormat("fp6_e2m3", 2, 3, emin=0, emax=2, max=7.5, has_inf=False, default_overflow="saturate",
-                              torch_dtype=None),
-    "fp6_e3m2": ElementFormat("fp6_e3m2", 3, 2, emin=-2, emax=4, max=28.0, has_inf=False,
-                              default_overflow="saturate", torch_dtype=None),
-    "fp4_e2m1": ElementFormat("fp4_e2m1", 2, 1, emin=0, emax=2, max=6.0, has_inf=False, default_overflow="saturate",
-                              torch_dtype=None),
+    "fp6_e2m3": _bits("fp6_e2m3", 2, 3, nan="none"),
+    "fp6_e3m2": _bits("fp6_e3m2", 3, 2, nan="none"),
+    "fp4_e2m1": _bits("fp4_e2m1", 2, 1, nan="none"),
 }
+
+
+def register_element(element: ElementFormat) -> ElementFormat:
+    """Declare an element format (a user's: docs/extending.md), by its name; registering the same one again is a
+    no-op (a module imported twice), another under a taken name an error."""
+    if FORMATS.get(element.name, element) != element:
+        raise ValueError(f"element format {element.name!r} is already declared, differently: {FORMATS[element.name]}")
+    FORMATS[element.name] = element
+    return element
 
 
 def get_format(fmt: str | ElementFormat) -> ElementFormat:
@@ -175,7 +220,13 @@ def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | No
             if spec.has_inf:  # an infinite input stays infinite; only finite overflow becomes NaN
                 overflowed &= x32.isfinite()
             r = torch.where(overflowed, math.nan, r)
-    return (_flush_subnormals(r, spec) if ftz else r).to(x.dtype)
+    return _finish(r, spec, ftz).to(x.dtype)
+
+
+def _finish(r: torch.Tensor, spec: ElementFormat, ftz: bool) -> torch.Tensor:
+    """The last steps every rounding shares: subnormals flushed (ftz), and -0 made +0 where the format has no -0."""
+    r = _flush_subnormals(r, spec) if ftz else r
+    return r if spec.negative_zero else torch.where(r == 0, 0.0, r)
 
 
 def _flush_subnormals(r: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
@@ -214,7 +265,7 @@ def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: to
     else:  # nan: finite overflow becomes NaN; an infinite input of a format with inf stays infinite
         rounded = torch.where(x32.isinf() & spec.has_inf, math.inf, torch.where(overflowed, math.nan, rounded))
     rounded = rounded.copysign(x32)
-    return (_flush_subnormals(rounded, spec) if ftz else rounded).to(x.dtype)
+    return _finish(rounded, spec, ftz).to(x.dtype)
 
 
 class _QuantiseSTE(torch.autograd.Function):
@@ -233,11 +284,13 @@ def quantise(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | None = N
              ftz: bool = False) -> torch.Tensor:
     """Round `x` to `fmt` (RNE) in x's dtype; in autograd the gradient passes straight through.
 
-    fmt: one of fp32, tf32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp6_e2m3, fp6_e3m2, fp4_e2m1.
+    fmt: a name in FORMATS (fp32, tf32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp6_e2m3, fp6_e3m2, fp4_e2m1, and any
+      registered with `register_element`) or an ElementFormat.
     overflow: 'saturate' (clamp to +-max), 'inf' (past the rounding boundary -> +-inf, also for
       e4m3, whose carrier can hold inf though the format cannot), 'nan' (-> NaN, as ml_dtypes'
       e4m3fn); None = the format's default (e4m3: saturate, others: inf).
     ftz: flush results below the smallest normal to signed zero (TPU bfloat16 semantics).
-    NaN stays NaN; +-inf stays +-inf (+-max under saturate; NaN under 'nan' for e4m3); -0 stays -0.
+    NaN stays NaN; +-inf stays +-inf (+-max under saturate; NaN under 'nan' for e4m3); -0 stays -0 where the
+      format has a -0 (ElementFormat.negative_zero), and every zero is +0 where it has none.
     """
     return _QuantiseSTE.apply(x, get_format(fmt), overflow, ftz)

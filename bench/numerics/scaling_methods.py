@@ -174,7 +174,7 @@ class Umup(ScalingMethod):
         try:
             return umup_task(task, self.hyper)
         except ConfigError as e:
-            others = [n for n, cls in SCALING_METHODS.items() if cls is not Umup]
+            others = [n for n, cls in SCALING_METHODS.items() if cls.transform is ScalingMethod.transform]
             raise ConfigError(f"{e}; valid scalings for this model: {', '.join(others)}") from None
 
     def parameter_groups(self, groups, lr):

@@ -5,6 +5,8 @@ formats in bench/numerics/formats.py's FORMATS) and one yaml, conf/format/<name>
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -12,6 +14,7 @@ import torch
 
 from bench.errors import ConfigError
 from bench.numerics import hardware
+from bench.numerics.formats import FORMATS
 from bench.numerics.hardware import NativeSupport
 
 MODES = ("mixed", "true")  # FP32 master weights (Lightning's 16-mixed), or the whole model cast (16-true)
@@ -22,23 +25,23 @@ ELSEWHERE = ("fp32", "bf16")
 
 @dataclass(frozen=True)
 class Recipe:
-    """Element formats an emulated matmul/conv rounds to."""
+    """Element formats an emulated matmul/conv rounds to (names in bench/numerics/formats.py's FORMATS)."""
 
     inputs: str  # activations and weights entering the op (forward)
     grads: str  # gradients entering the op's backward
-    sixteen_bit_kernel: bool  # output, bias and returned gradients are rounded to `inputs` too
+    sixteen_bit_kernel: bool  # output, bias and returned gradients are rounded to `inputs` too (a 16-bit GEMM's)
     block: str | None = None  # "mx" or "nvfp4": block-scaled GEMM operands (bench/numerics/blocks.py)
 
 
 @dataclass(frozen=True)
 class FormatSpec:
     """One training format: `format.name`, the modes it runs in, what an emulated op rounds to, what tables call it,
-    and which devices run it natively."""
+    and which devices run it natively. docs/extending.md ("Bring your own format") documents every field."""
 
-    name: str
-    modes: tuple[str, ...]
+    name: str  # format.name, and the yaml's name in conf/format/
+    modes: tuple[str, ...]  # among MODES: mixed (FP32 master weights), true (the whole model cast)
     recipe: Recipe | None  # None: nothing rounds (FP32)
-    native: Callable[[torch.device], NativeSupport]  # hardware.py's function for this format
+    native: Callable[[torch.device], NativeSupport]  # which devices run it natively, and whether that is fast
     setting_names: tuple[str, ...] = ()  # the tables' name per mode, as `modes`; () = `<name>-<mode>`
     torch_dtype: torch.dtype | None = None  # where native: autocast's dtype (mixed), the model's (true)
     gradient_elements: tuple[str, ...] = ()  # format.gradients choices (null keeps the recipe's)
@@ -46,6 +49,7 @@ class FormatSpec:
     tile_scalings: bool = False  # the scaling methods with FP8 scales per row or tile apply (scaling_methods.py)
     native_path: str = "torch"  # where native: "torch" (autocast or the model cast; no per-tensor scales) or "torchao"
     gemm_only: bool = False  # only the GEMM operands are in the format: the rest is a choice (format.elsewhere)
+    declared_in: str = ""  # the module that registered it (set by `register`): records name it, messages too
 
     def setting(self, mode: str) -> str:
         """Lightning-style name of the precision setting: 32-true, tf32, 16-mixed, bf16-true, fp8-mixed."""
@@ -61,8 +65,16 @@ FORMAT_SPECS: dict[str, FormatSpec] = {}
 
 
 def register(spec: FormatSpec) -> FormatSpec:
+    """Declare a training format (a user's in a plug-in module: docs/extending.md). Its recipe's element formats must
+    be registered first (bench.formats.register_element)."""
     if not set(spec.modes) <= set(MODES) or (spec.setting_names and len(spec.setting_names) != len(spec.modes)):
         raise ValueError(f"{spec.name}: modes must be among {MODES}, with one setting name each")
+    if spec.recipe and (unknown := [e for e in (spec.recipe.inputs, spec.recipe.grads, *spec.gradient_elements)
+                                    if e not in FORMATS]):
+        raise ValueError(f"format {spec.name}: element format {unknown[0]!r} is not registered (register it first with "
+                         f"bench.formats.register_element); registered: {', '.join(FORMATS)}")
+    if not spec.declared_in:
+        spec = dataclasses.replace(spec, declared_in=sys._getframe(1).f_globals.get("__name__", ""))
     FORMAT_SPECS[spec.name] = spec
     return spec
 

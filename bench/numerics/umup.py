@@ -35,8 +35,8 @@ from unit_scaling.scale import scale_bwd, scale_fwd
 
 from bench.errors import ConfigError
 from bench.numerics.emulation import CastOp
-from bench.numerics.ops import Add, CausalAttention, Residual
-from bench.numerics.unit import UnitAdd, UnitCausalAttention, UnitResidual
+from bench.numerics.ops import Add, Attention, CausalAttention, Residual
+from bench.numerics.unit import UnitAdd, UnitAttention, UnitResidual, refuse_unscaled_ops
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ class UmupResidual(UnitResidual):
         self.ratio = ratio
 
 
-COVERED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity, Residual, CausalAttention, Add)
+COVERED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity, Residual, Attention, CausalAttention,
+           Add)
 
 
 def _umup_module(module: nn.Module, hyper: UmupHyper, readout: bool) -> nn.Module | None:
@@ -108,8 +109,8 @@ def _umup_module(module: nn.Module, hyper: UmupHyper, readout: bool) -> nn.Modul
         return uu.GELU(mult=hyper.ffn_act_mult, approximate=module.approximate)
     if kind is nn.Dropout:
         return uu.Dropout(module.p)
-    if kind is CausalAttention:
-        return UnitCausalAttention(module.dropout, hyper.attn_softmax_mult)
+    if kind in (Attention, CausalAttention):
+        return UnitAttention(module.dropout, hyper.attn_softmax_mult, causal=module.causal)
     if kind is Add:
         return UnitAdd()
     if kind in (nn.Identity, Residual):
@@ -155,6 +156,7 @@ def umup_task(task, hyper: UmupHyper) -> dict:
     """u-μP `task.model` and its loss (the library's cross-entropy, softmax multiplier output_mult); what the record
     says of the conversion."""
     umup_scale(task.model, hyper)
+    refuse_unscaled_ops("umup", task)
     task.cross_entropy = functools.partial(U.cross_entropy, mult=hyper.output_mult)
     scales = sorted(lr_scale_func_adam(p) for p in task.model.parameters())
     return {"parametrisation": "u-μP", "hyper": asdict(hyper),

@@ -38,12 +38,14 @@ import torch
 import torch.nn.functional as F
 import unit_scaling.functional as U
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from unit_scaling.constraints import apply_constraint
 from unit_scaling.core.functional import scale_elementwise, transformer_residual_scaling_rule
 from unit_scaling.scale import scale_bwd, scale_fwd
 
+from bench.errors import ConfigError
 from bench.numerics.emulation import CastOp
-from bench.numerics.ops import Add, CausalAttention, Residual
+from bench.numerics.ops import Add, Attention, CausalAttention, Residual
 
 RESIDUAL_CONSTRAINT = "gmean"  # ops with a residual add after them; unit-scaling leaves the rest unconstrained
 # (forward, backward) factors from the paper. ReLU on N(0, 1): output std sqrt(1/2 - 1/(2 pi)) = 0.584
@@ -203,20 +205,20 @@ def residual_taus(count: int) -> list[float]:
     return [rule(i, count) ** 2 / (1 + rule(i, count) ** 2) for i in range(count)]
 
 
-class UnitCausalAttention(CausalAttention):
-    """unit_scaling's causal attention: softmax(q k^T * mult / d_head), by default the same softmax(q k^T /
-    sqrt(d_head)) (mult = sqrt(d_head); u-μP passes its own), its output and the q, k, v gradients divided by the
-    library's model of their std at initialisation (averaging over a causal window shrinks it to about
-    sqrt(log(length) / length))."""
+class UnitAttention(Attention):
+    """unit_scaling's attention, bidirectional or causal as the op it replaces: softmax(q k^T * mult / d_head), by
+    default the same softmax(q k^T / sqrt(d_head)) (mult = sqrt(d_head); u-μP passes its own), its output and the
+    q, k, v gradients divided by the library's model of their std at initialisation (averaging over a causal window
+    shrinks it to about sqrt(log(length) / length); over the whole sequence, to about sqrt(1 / length))."""
 
-    def __init__(self, dropout: float = 0.0, mult: float | None = None):
+    def __init__(self, dropout: float = 0.0, mult: float | None = None, causal: bool = False):
         super().__init__(dropout)
-        self.mult = mult
+        self.mult, self.causal = mult, causal
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, mask=None):
         mult = q.shape[-1] ** 0.5 if self.mult is None else self.mult
-        return U.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                              is_causal=True, mult=mult)
+        return U.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                              is_causal=self.causal, mult=mult)
 
 
 class UnitAdd(Add):
@@ -249,7 +251,7 @@ def _unit_module(module: nn.Module, preserve: bool, constraint: str | None) -> n
         return _carry_weights(new, module, _linear_scales(module.weight, constraint)[0]) if preserve else new
     if kind is nn.Conv2d:
         if module.padding_mode != "zeros" or isinstance(module.padding, str):
-            raise NotImplementedError("unit scaling supports Conv2d with numeric zero padding only")
+            raise ConfigError("scaling=unit supports Conv2d with numeric zero padding only")
         new = UnitConv2d(module.in_channels, module.out_channels, module.kernel_size, module.stride,
                          module.padding, module.dilation, module.groups, module.bias is not None,
                          device=module.weight.device, constraint=constraint)
@@ -270,15 +272,16 @@ def _unit_module(module: nn.Module, preserve: bool, constraint: str | None) -> n
             return UnitLayerNorm(module.normalized_shape, module.eps, module.elementwise_affine,
                                  module.bias is not None,
                                  device=None if module.weight is None else module.weight.device)
-        if kind is CausalAttention:
-            return UnitCausalAttention(module.dropout)
+        if kind in (Attention, CausalAttention):
+            return UnitAttention(module.dropout, causal=module.causal)
         if kind is Add:
             return UnitAdd()
-    if isinstance(module, PARAMETER_FREE + KEPT + (Residual, CausalAttention, Add)):
+    if isinstance(module, PARAMETER_FREE + KEPT + (Residual, Attention, Add)):
         return module
     if not any(True for _ in module.parameters(recurse=False)):
         return None
-    raise NotImplementedError(f"unit scaling has no rule for {kind.__name__}")
+    raise ConfigError(f"scaling=unit has no rule for {kind.__name__}: unit scaling here covers Linear, Conv2d, ReLU, "
+                      "GELU, MaxPool2d, Embedding, LayerNorm, bench/numerics/ops.py's ops and parameter-free modules")
 
 
 def unit_scale(model: nn.Module, preserve: bool = False) -> nn.Module:
@@ -321,6 +324,67 @@ def _convert(model: nn.Module, preserve: bool, constraint: str | None) -> None:
             _convert(child, preserve, RESIDUAL_CONSTRAINT if isinstance(child, nn.ModuleList) else constraint)
         elif replacement is not child:
             setattr(model, name, replacement)
+
+
+# Functions that compute attention, or build it by hand (scores, softmax, weighted sum): called by a module that no rule
+# replaced, they run unscaled. Matched by the function torch dispatches, however the model spells it (`a @ b`, ...).
+ATTENTION_FUNCTIONS = {F.scaled_dot_product_attention: "F.scaled_dot_product_attention", torch.softmax: "softmax",
+                       F.softmax: "softmax", torch.Tensor.softmax: "softmax", torch.matmul: "matmul",
+                       torch.Tensor.__matmul__: "matmul (@)", torch.bmm: "bmm", torch.einsum: "einsum",
+                       torch.baddbmm: "baddbmm"}
+SCALED_OP_MODULES = ("unit_scaling", "bench.numerics.unit", "bench.numerics.umup")  # where the scaled ops live
+
+
+class _UnscaledOps(TorchFunctionMode):
+    """Records each ATTENTION_FUNCTIONS call whose innermost running module is not a scaled op's."""
+
+    def __init__(self, stack: list):
+        super().__init__()
+        self.stack, self.found = stack, {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in ATTENTION_FUNCTIONS and self.stack and not type(self.stack[-1][1]).__module__.startswith(
+                SCALED_OP_MODULES):
+            name, module = self.stack[-1]
+            self.found.setdefault(name or "<model>", (type(module).__name__, ATTENTION_FUNCTIONS[func]))
+        return func(*args, **(kwargs or {}))
+
+
+def unscaled_ops(model: nn.Module, forward) -> dict[str, tuple[str, str]]:
+    """{module name: (its class, the op)} for every attention op a module of `model` computes itself, found by running
+    `forward(model)` once (no gradients; the global RNG as it was before)."""
+    stack: list = []
+
+    def enter(name):
+        return lambda module, _inputs: stack.append((name, module)) and None
+
+    def leave(*_):
+        stack.pop()  # a forward hook that returned a value would replace the module's output
+
+    handles = []
+    for name, module in model.named_modules():
+        handles += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave)]
+    mode = _UnscaledOps(stack)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), mode:
+            forward(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return mode.found
+
+
+def refuse_unscaled_ops(method: str, task) -> None:
+    """ConfigError naming each module of the converted `task.model` that computes attention itself (it would train
+    unscaled), and the op to build it from instead."""
+    with torch.random.fork_rng(devices=[]):  # the batch may be drawn from the global RNG: training's, untouched
+        batch = next(iter(task.train_batches(0)))
+        found = unscaled_ops(task.model, lambda model: task.forward(model, batch, lambda x: x))
+    if found:
+        where = "; ".join(f"{name} ({kind}) calls {op}" for name, (kind, op) in found.items())
+        raise ConfigError(f"scaling={method} has no rule for attention computed inside a module: {where}. Compute it "
+                          "with bench.numerics.ops.Attention (bidirectional) or CausalAttention, which scaling="
+                          f"{method} replaces by its scaled version; as written it would train unscaled")
 
 
 def unit_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -448,6 +512,7 @@ def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: 
     if not preserve:
         before = {name: _rms(p) for name, p in task.model.named_parameters()} if relative_lr else None
         unit_scale(task.model)
+        refuse_unscaled_ops("unit", task)
         task.cross_entropy = unit_cross_entropy
         result = {"preserve_function": False, "why": "fresh unit-variance init (model.pretrained=false or no checkpoint)",
                   "lr_rule": "relative" if relative_lr else "same"}

@@ -33,7 +33,7 @@ from bench.reporting import archive
 from bench.reporting.quality import targets
 from bench.reporting.recorded_predictions import DEFAULT_GPUS, predicted
 from bench.reporting.statistics import paired, t_interval, unit
-from bench.running.config import task_spec
+from bench.running.config import check_declared, task_spec
 from bench.running.identity import comparison_ids, config_hash, semantic_config
 from bench.running.learning import learning_of, stalled_verdict
 from bench.running.record import (
@@ -72,6 +72,7 @@ def load_directory(root: Path) -> tuple[list[dict], list[str]]:
         found, bad = archive.read(path)
         records += found
         problems += bad
+    check_declared(records)  # a record whose format, model or scaling method is not declared here: ConfigError
     return records, problems
 
 
@@ -163,6 +164,8 @@ def load_wandb(source: str, api=None) -> tuple[list[dict], list[str]]:
 
 
 def load_sources(sources: list[str], api=None) -> tuple[list[dict], list[str]]:
+    """The records of every source, and the problems found reading them; ConfigError for a record whose format, model
+    or scaling method no module here declares (bench.running.config.check_declared)."""
     records, problems = [], []
     for source in sources:
         if str(source).startswith("wandb://"):
@@ -175,6 +178,7 @@ def load_sources(sources: list[str], api=None) -> tuple[list[dict], list[str]]:
             found, bad = [], [f"{source}: not a directory, {archive.ARCHIVE} or wandb:// source"]
         records += found
         problems += bad
+    check_declared(records)  # a record whose format, model or scaling method is not declared here: ConfigError
     return records, problems
 
 

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.errors import ConfigError
 from bench.reporting import aggregate, archive, plots, tables
+from bench.running.config import check_declared
 
 ROOT = Path("results/tables")
 INDEX = "README.md"
@@ -47,6 +49,7 @@ def regenerate(folder: Path, plots_too: bool = True, gpus: tuple | None = None) 
     """Rewrite a committed folder's tables (and plots) from its records.jsonl.gz, predicting on `gpus` (default the
     tables' own); returns the Markdown per table and the problems met reading the records."""
     records, problems = archive.read(folder / archive.ARCHIVE)
+    check_declared(records)
     runs = aggregate.to_frame(records, gpus)
     if runs.empty:
         return {}, problems + [f"{folder / archive.ARCHIVE}: no valid records"]
@@ -135,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for folder in [] if args.index_only else folders(args.root):
         if (folder / archive.ARCHIVE).exists():
-            for problem in regenerate(folder, not args.no_plots)[1]:
+            try:
+                _, problems = regenerate(folder, not args.no_plots)
+            except ConfigError as e:
+                print(f"config error: {e}", file=sys.stderr)
+                return 2
+            for problem in problems:
                 print(f"skipped: {problem}", file=sys.stderr)
             print(f"regenerated {folder} from its {archive.ARCHIVE}")
         elif folder.name in TOOL_FOLDERS:

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Callable
 
 from bench.numerics.telemetry import TENSOR_CLASSES
-from bench.running.config import CONF_DIR, task_spec
+from bench.errors import ConfigError
+from bench.running.config import CONF_DIR, check_declared, task_spec
 
 TABLES = ("precision", "scaling_grid", "vs_published", "numerics")  # the aggregator's Markdown tables
 
@@ -107,13 +108,15 @@ def panels_for(metrics: list[str]) -> list[Panel]:
 
 def experiment_metrics(results: Path, experiment: str) -> list[str]:
     """The metrics the models of the experiment's local records report (empty when there are none here)."""
-    models = {}
+    records = []
     for path in (results / experiment).glob("**/result.json") if (results / experiment).is_dir() else []:
         try:
-            model = json.loads(path.read_text())["config"]["model"]
-            models[model["name"]] = model
+            record = json.loads(path.read_text())
+            records.append({"config": record["config"], "env": record["env"], "_dir": str(path.parent)})
         except (OSError, ValueError, KeyError, TypeError):
             continue
+    check_declared(records)  # each record's format, model and scaling method, declared here (ConfigError if not)
+    models = {r["config"]["model"]["name"]: r["config"]["model"] for r in records}
     return [m for _, model in sorted(models.items()) for m in reported_metrics(model)]
 
 
@@ -234,7 +237,12 @@ def main(argv: list[str] | None = None, save: Callable = save_to_wandb) -> int:
                              "default results/tables)")
     parser.add_argument("--out", type=Path, default=Path("results/local/dashboards"))
     args = parser.parse_args(argv)
-    dashboard = build(args.experiment, args.entity, args.project, args.results, args.tables or [Path("results/tables")])
+    try:
+        dashboard = build(args.experiment, args.entity, args.project, args.results,
+                          args.tables or [Path("results/tables")])
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     print(describe(dashboard))
     paths = write_specs(dashboard, args.out / args.experiment)
     print("specs written: " + ", ".join(map(str, paths)))

@@ -95,8 +95,78 @@ def check_command_line(args: list[str]) -> None:
         return
     searchpath = [a for a in args if a.startswith("hydra.searchpath=")]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=groups + searchpath)
+        try:
+            cfg = compose("config", overrides=groups + searchpath)
+        except Exception as e:  # a typo in one of the yamls: said as check_yaml_files says it
+            if (translated := composition_error(e)) is None:
+                raise
+            raise translated from None
     for key in keys:
         if not _has_key(cfg, key):
             raise ConfigError(f"unknown config key {key}{_near_key(cfg, key)}; every key is documented in "
                               "conf/README.md")
+
+
+def composition_error(error: Exception) -> ConfigError | None:
+    """Hydra's error composing a yaml the suite reads (a model, optimizer, format, scaling or experiment yaml, or an
+    override), as a ConfigError saying what the command line says of a typo: the file, the key, the valid keys and
+    the nearest one. None where the error is not of that kind."""
+    import dataclasses
+    import re
+
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
+    cause = error
+    while cause is not None and not isinstance(cause, (ConfigKeyError, ValidationError)):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or not getattr(cause, "full_key", None):
+        return None
+    where = re.match(r"In '([^']+)'", str(error))
+    source = f"{where.group(1)}.yaml" if where else "the command line"
+    prefix = cause.full_key.rsplit(".", 1)[0] + "." if "." in cause.full_key else ""
+    if isinstance(cause, ConfigKeyError):
+        schema = cause.object_type
+        known = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
+        return ConfigError(f"{source}: unknown key {cause.full_key}{suggestion(str(cause.key), known, prefix=prefix)};"
+                           f" valid keys there: {', '.join(known)} (every key is documented in conf/README.md)")
+    return ConfigError(f"{source}: {cause.full_key}: {str(cause.msg).splitlines()[0]}")
+
+
+def check_yaml_files(args: list[str]):
+    """Compose the config as the command asks, and once more for every option of a swept config group (each option's
+    yaml), so that a typo in any yaml is a ConfigError (exit 2) here, not Hydra's traceback later. Sweeps over keys
+    compose their first value; an experiment's own sweep params are composed by the sweeper (the same check).
+    Returns the config as the command asks (a sweep's: with the first value of each swept key), or None where Hydra
+    alone can compose it (a sweep function, a syntax error, another composition problem)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")])
+    except Exception:  # a syntax error: Hydra says where
+        return None
+    paths = _search_path(overrides)
+    base, per_option = [], []
+    for o in overrides:
+        values = _values(o)
+        if o.key_or_group.startswith("hydra"):
+            base.append(o.input_line) if o.key_or_group == "hydra.searchpath" else None
+        elif values is None:
+            return None  # a sweep function: Hydra's to expand
+        elif o.value_type.name == "ELEMENT":
+            base.append(o.input_line)
+        else:
+            prefix = "+" if o.is_add() else ""
+            base.append(f"{prefix}{o.key_or_group}={values[0]}")
+            if _options(o.key_or_group, paths) is not None:
+                per_option += [f"{prefix}{o.key_or_group}={v}" for v in values[1:]]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = []
+        for extra in [None, *per_option]:
+            try:
+                composed.append(compose("config", overrides=base + ([extra] if extra else [])))
+            except Exception as e:
+                if (translated := composition_error(e)) is not None:
+                    raise translated from None
+                return None  # another composition problem: Hydra reports it as it always has
+    return composed[0]

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from bench import plugins
 from bench.data import DATA_DIR
 from bench.errors import ConfigError, check_choice, suggestion  # bench.running.config.ConfigError: the same class
 from bench.numerics.plan import PrecisionConfig
@@ -248,6 +249,7 @@ class Config:
     cell: str = MISSING  # derived: where this cell's record goes under results_dir
     retry_failed: bool = False  # re-run cells whose record says failed or diverged (ok cells never re-run)
     fail_fast: bool = False  # re-raise a cell's exception (stops a sweep) instead of recording and going on
+    plugins: list = field(default_factory=list)  # modules declaring a user's formats, models, scaling methods
 
 
 def register_schema() -> None:
@@ -281,7 +283,9 @@ def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
 
 
 def check(cfg: DictConfig) -> None:
-    """Validate keys, choices and combinations; normalise `format.mode`. Raises ConfigError."""
+    """Import the plug-ins, then validate keys, choices and combinations; normalise `format.mode`. Raises
+    ConfigError."""
+    plugins.load(cfg.get("plugins") or (), named_by="the plugins: config key")
     if unknown := unknown_keys(cfg):
         raise ConfigError(f"unknown config key{'s' * (len(unknown) > 1)}: {', '.join(unknown)}; every key is"
                           " documented in conf/README.md")
@@ -366,3 +370,57 @@ def _shipped_task_spec(name: str) -> dict | None:
     if spec is None:
         return None
     return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(TaskSpec), spec))
+
+
+def declarations(cfg: DictConfig) -> dict:
+    """What the record says of where its cell's format, model and scaling method were declared (`env.plugins`): the
+    plug-in modules imported, and each one's declaring module, so that reading the record elsewhere can name the
+    module to install."""
+    from bench.numerics.specs import format_spec
+
+    return {"modules": plugins.imported(), "format": format_spec(cfg.format.name).declared_in,
+            "model": str(cfg.model.task._target_).rsplit(".", 1)[0],
+            "scaling": type(build_scaling_method(cfg.scaling)).__module__}
+
+
+def check_declared(records: list[dict]) -> None:
+    """Before records are read by name: import the plug-ins they name (`env.plugins.modules`) and the installed ones,
+    then ConfigError for the first record whose format, model or scaling method is not declared in this process,
+    naming it and the module its record says declared it. Reporting never drops such a record's rows silently."""
+    from bench.numerics.scaling_methods import SCALING_METHODS
+    from bench.numerics.specs import FORMAT_SPECS
+
+    why_not: dict[str, str] = {}
+    plugins.load()
+    named = [(r["env"].get("plugins") or {}) for r in records]
+    for module in dict.fromkeys(m for n in named for m in [*(n.get("modules") or []), n.get("format"), n.get("scaling")]
+                                if m and not m.startswith("bench.")):  # the plug-ins and the declaring modules
+        try:
+            plugins.load([module], named_by="the records")
+        except ConfigError as e:
+            why_not[module] = str(e).split(": ", 1)[1].split("; a plug-in", 1)[0]
+
+    def missing(kind: str, name: str, record: dict) -> ConfigError:
+        module = (record["env"].get("plugins") or {}).get(kind)
+        where = (f"its record says module {module!r} declared it" + (f", which cannot be imported here ({why_not[module]})"
+                 if module in why_not else ", which does not declare it here") if module else
+                 "its record (made before records named their plug-ins) does not say which module declared it")
+        return ConfigError(f"{record.get('_dir') or record.get('run_id', 'a record')}: {kind} {name!r} is not declared in "
+                           f"this process; {where}. Put that module on PYTHONPATH (or install it), or name it in "
+                           "plugins:, then run again; nothing was written")
+
+    for record in records:
+        config = record["config"]
+        fmt = (record["env"].get("precision") or {}).get("format") or config["format"]["name"]
+        if fmt not in FORMAT_SPECS:
+            raise missing("format", fmt, record)
+        scaling = config["scaling"]
+        if scaling["name"] not in SCALING_METHODS:
+            try:
+                build_scaling_method(OmegaConf.create(scaling))
+            except ConfigError:
+                raise missing("scaling", scaling["name"], record) from None
+        try:
+            task_spec(config["model"])
+        except ConfigError:
+            raise missing("model", config["model"]["name"], record) from None

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from bench.data import DATA_DIR
 
 # Config keys that do not change what a run computes: they never enter its identity.
-NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "device")
+NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "device", "plugins")
 NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
 NON_SEMANTIC_MODEL = ("task",)  # the model's declaration (bench/tasks/base.py TaskSpec): how to read it, not what runs
 NON_SEMANTIC_SCALING = ("_target_",)  # the class that runs the method its name (in the identity) names

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -24,11 +25,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from bench.numerics.precision import Precision, PrecisionError
 from bench.numerics.scaling import LossScaler
+from bench.numerics.scaling_methods import ScalingMethod
+from bench.numerics.scaling_methods import build as build_scaling_method
 from bench.numerics.unit import ConversionError
 from bench.running import device as devices
 from bench.running.checkpoint import Checkpointer
-from bench.running.command_line import check_command_line
-from bench.running.config import CONF_DIR, ConfigError, check
+from bench.running.command_line import check_command_line, check_yaml_files
+from bench.running.config import CONF_DIR, ConfigError, check, declarations
 from bench.running.identity import run_id
 from bench.running.learning import learning_summary
 from bench.running.logger import NullLogger, open_logger
@@ -50,6 +53,7 @@ from bench.running.speed import predictions
 from bench.running.trace import StepTrace, trace_task
 from bench.running.train import build_optimizer, build_schedule, total_steps, train
 from bench.tasks import Task, build_task
+from bench.tasks.base import check_metric_unit
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +63,47 @@ class DeviceError(ConfigError):
 
 
 def preflight(cfg: DictConfig, device_checks: bool = True) -> tuple[torch.device, Precision] | None:
-    """Every check that can fail before training: choices and combinations, then (unless `device_checks` is
-    off, as for cells that will run on other machines) what the device here supports."""
+    """Every check that can fail before training: choices and combinations, the scaling method's rules for the
+    model's layers, then (unless `device_checks` is off, as for cells that will run on other machines) what the
+    device here supports."""
     check(cfg)
+    check_model(cfg)
     return device_preflight(cfg) if device_checks else None
+
+
+_MODELS_CHECKED: set[str] = set()  # (model, scaling) configs whose throwaway build passed check_model
+
+
+def check_model(cfg: DictConfig) -> None:
+    """The cell's model built on the CPU and stepped once (forward and loss, no update), once per model and scaling
+    config, where a mistake could hide until training: under a scaling method that changes the model (unit scaling,
+    u-μP, a user's `transform`: a layer or op it has no rule for), and for a model of a user's (outputs that do not
+    fit the task's loss). It refuses the cell here (ConfigError), before any cell trains. The shipped models under
+    the other methods are not built (their first step is checked by every test run). A model that cannot be built
+    here (a checkpoint not cached) is left to its run, which records why."""
+    method = build_scaling_method(cfg.scaling)
+    transforms = type(method).transform is not ScalingMethod.transform
+    if not transforms and str(cfg.model.task._target_).startswith("bench."):
+        return
+    key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.scaling, resolve=True)],
+                     sort_keys=True, default=str)
+    if key in _MODELS_CHECKED:
+        return
+    with torch.random.fork_rng(devices=[]):
+        try:
+            task = build_task(cfg.model, torch.device("cpu"), cfg.seed)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the run itself builds it again, and records what failed
+            log.info("%s: not checked before training, the model could not be built here (%s)", cfg.cell, e)
+            return
+        try:
+            method.transform(task, cfg.model.get("pretrained", False), cfg.model.optimizer.name)
+        except ConversionError:
+            pass  # a pretrained conversion that changed the function: measured, so recorded by the run
+        with torch.no_grad():
+            task.compute_loss(*task.forward(task.model, next(iter(task.train_batches(0))), lambda x: x))
+    _MODELS_CHECKED.add(key)
 
 
 def device_preflight(cfg: DictConfig) -> tuple[torch.device, Precision]:
@@ -215,7 +256,7 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
     checkpointer = Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint)
     scaler = build_scaler(cfg, precision)  # replaced by the cell's; here so that a failed build records its state
     record = {"status": "failed", "reason": None, "run_id": identity, "config": config,
-              "env": devices.describe(device) | {"precision": precision.describe()},
+              "env": devices.describe(device) | {"precision": precision.describe(), "plugins": declarations(cfg)},
               "metrics": {}, "timing": {}, "memory": {"peak_bytes": None, "measures": memory.measures}, "numerics": {}}
     logger, metrics_log = NullLogger(), None
     try:
@@ -246,6 +287,7 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
             with precision.evaluating(cell.task.model, cfg.train.eval_precision) as cast_inputs:
                 metrics = cell.task.evaluate(cell.task.model, cast_inputs)  # inside: pre-empted here, resumes here
             metrics["evaluated_in"] = precision.evaluated_in(cfg.train.eval_precision)
+            check_metric_unit(cfg.model.task.metric, metrics.get(cfg.model.task.metric), cfg.model.task.unit)
         record["memory"] |= {"peak_bytes": memory.peak_bytes(), "step": outcome.step_memory}
         _record_outcome(record, cfg, cell, outcome, metrics, timing_conditions, precision.native)
     except ConfigError:
@@ -367,6 +409,11 @@ def main() -> None:
     """`python -m bench.run [overrides]`: the command line checked (exit 2 naming the valid choices), then Hydra."""
     try:
         check_command_line(sys.argv[1:])
+        cfg = check_yaml_files(sys.argv[1:])
+        if cfg is not None and not {"-m", "--multirun"} & set(sys.argv[1:]):
+            # one cell: every check before Hydra makes its directory (a sweep's are the sweeper's); on a SLURM node
+            # the device's verdict is the cell's record (run_cell), not an exit
+            preflight(cfg, device_checks=not os.environ.get("SLURM_JOB_ID"))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)

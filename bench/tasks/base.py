@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from omegaconf import MISSING
 from torch import nn
 
+from bench.errors import ConfigError
+
 
 @dataclass
 class Task:
@@ -29,7 +31,45 @@ class Task:
     lr_multipliers: dict | None = None  # parameter -> factor on the optimiser's lr (unit scaling's relative rule)
 
     def compute_loss(self, outputs, targets) -> torch.Tensor:
-        return self.loss(outputs, targets, self.cross_entropy)
+        try:
+            return self.loss(outputs, targets, self.cross_entropy)
+        except (RuntimeError, ValueError, IndexError) as e:
+            if any(isinstance(t, torch.Tensor) and t.is_meta for t in (outputs, targets)) and "shape" not in str(e) \
+                    and "size" not in str(e):
+                raise  # the meta device cannot run this loss (bench/running/trace.py falls back to the CPU)
+            raise OutputMismatch(
+                f"the model's forward returns outputs that do not fit the task's loss ({str(e).splitlines()[0]}): "
+                f"outputs {_shape(outputs)}, targets {_shape(targets)}; the loss is cross-entropy over (batch, classes)"
+                f" logits and (batch,) class indices, or (batch, classes, ...) and (batch, ...). The model is "
+                f"{type(self.model).__module__}.{type(self.model).__qualname__}: check its forward, and the task's "
+                "forward(model, batch, cast_inputs) -> (outputs, targets) (docs/extending.md)") from None
+
+
+class OutputMismatch(ConfigError):
+    """A model whose outputs do not fit its task's loss: found on the first step, before training (exit 2)."""
+
+
+def _shape(value) -> str:
+    return f"of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"of type {type(value).__name__}"
+
+
+# The range of each unit (METRIC_UNITS), where a metric's values must lie.
+UNIT_RANGES = {"fraction": (0.0, 1.0), "percent": (0.0, 100.0), "nats": (0.0, float("inf"))}
+
+
+class MetricOutOfRange(ValueError):
+    """A metric outside its declared unit's range: the run is recorded failed, saying which unit would fit."""
+
+
+def check_metric_unit(metric: str, value, unit: str) -> None:
+    """MetricOutOfRange for a metric outside its declared unit's range (a percentage declared a fraction would be
+    tabled 100 times too large)."""
+    low, high = UNIT_RANGES[unit]
+    if isinstance(value, (int, float)) and value == value and not low <= value <= high:
+        better = [u for u, (lo, hi) in UNIT_RANGES.items() if lo <= value <= hi and u != unit]
+        raise MetricOutOfRange(f"metric {metric}={value:g} is outside [{low:g}, {high:g}], the range of its declared unit "
+                          f"model.task.unit={unit}" + (f": declare unit: {better[0]} in the model's yaml, or return "
+                                                        "the metric in its unit" if better else ""))
 
 
 # A metric's unit: fraction (in [0, 1], shown as a percentage), percent (in [0, 100]), nats (a cross-entropy, >= 0).

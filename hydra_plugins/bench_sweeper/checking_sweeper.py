@@ -30,6 +30,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import OmegaConf, open_dict
 
 from bench.errors import suggestion
+from bench.running.command_line import composition_error
 from bench.running.config import ConfigError, check_results_dir
 from bench.running.identity import cell_path, run_id
 from bench.running.learning import judge
@@ -136,26 +137,29 @@ class CheckingSweeper(BasicSweeper):
     def _compose(self, overrides: Sequence[str]):
         """A cell's config as its job will see it: its path resolved from its own choices and overrides, then
         without Hydra's own node (which resolves only in the job)."""
-        cfg = self.hydra_context.config_loader.load_sweep_config(master_config=self.config,
-                                                                 sweep_overrides=list(overrides))
+        try:
+            cfg = self.hydra_context.config_loader.load_sweep_config(master_config=self.config,
+                                                                     sweep_overrides=list(overrides))
+        except Exception as e:  # a typo in a yaml this cell composes: as the command line's (exit 2)
+            if (translated := composition_error(e)) is None:
+                raise
+            raise translated from None
         with open_dict(cfg):
             if OmegaConf.is_interpolation(cfg, "cell"):  # as config.yaml derives it, unless overridden
                 cfg.cell = cell_path(cfg, dict(cfg.hydra.runtime.choices), list(cfg.hydra.overrides.task))
             del cfg["hydra"]
         return cfg
 
-    def get_job_batch(self) -> Sequence[Sequence[str]]:
-        """Compose each cell once: run the runner's own checks, and drop cells already recorded.
-
-        The whole batch is checked before it is returned, so a bad cell anywhere stops the sweep before any
-        cell trains (exit 2).
-        """
+    def _check_batch(self, cells: Sequence[Sequence[str]], places: dict) -> list[Sequence[str]]:
+        """Compose each cell once: run the runner's own checks (`preflight`: every check that can refuse a cell, the
+        scaling method's rules for the model's layers included), and drop cells already recorded. A bad cell exits 2.
+        `places`: each cell's place so far, shared by every batch (two configurations at one place are refused)."""
         from bench.running.run import finished_record, preflight  # the runner's own checks, nothing re-implemented
 
-        batch, places = [], {}
-        for overrides in super().get_job_batch():
-            cfg = self._compose(overrides)
+        batch = []
+        for overrides in cells:
             try:
+                cfg = self._compose(overrides)
                 preflight(cfg, device_checks=self._cells_run_here)
                 identity = run_id(OmegaConf.to_container(cfg, resolve=True))
                 if places.setdefault(cfg.cell, (identity, overrides))[0] != identity:
@@ -180,8 +184,26 @@ class CheckingSweeper(BasicSweeper):
                          "" if done["status"] == "ok" else f" ({RETRY_HINT})")
         return batch
 
-    def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
-        """Nothing left to do: get_job_batch composed and checked every cell of the batch."""
+    def _launch_checked(self, arguments: list[str]) -> list:
+        """Hydra's basic sweep, with every cell of every batch checked first: a refused command writes nothing
+        (Hydra's own sweep writes multirun.yaml, and so the results directory, before it composes a cell)."""
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        params = [*self._parse_config(), *arguments]
+        overrides = OverridesParser.create(config_loader=self.hydra_context.config_loader).parse_overrides(params)
+        places: dict = {}
+        batches = [self._check_batch(cells, places) for cells in self.split_arguments(overrides, self.max_batch_size)]
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        returns, first = [], 0
+        for batch in batches:
+            results = self.launcher.launch(batch, initial_job_idx=first)
+            for result in results:
+                _ = result.return_value  # raises where a job failed, as Hydra's sweep does
+            first += len(batch)
+            returns.append(results)
+        return returns
 
     def sweep(self, arguments: list[str]) -> Any:
         try:  # Hydra's basic sweeper creates the sweep directory before it composes any cell
@@ -197,7 +219,7 @@ class CheckingSweeper(BasicSweeper):
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(2)
-        returns = super().sweep(arguments)
+        returns = self._launch_checked(arguments)
         launched = [job.return_value for batch in returns for job in batch]
         total = Counter(r["status"] for r in launched) + self.already
         busy = total.pop(IN_FLIGHT, 0)

@@ -1,6 +1,7 @@
 """A model and a format defined outside bench/, as a user would: a two-layer MLP on the bundled digits, and FP8 E3M4
-(`format.name=fp8e3m4`), registered when the suite imports this module (the config check does, to find the
-model's functions). With this directory on PYTHONPATH and `hydra.searchpath=[file://tests/plugin/conf]`,
+(`format.name=fp8e3m4`), registered when the suite imports this module: the config check does, to find the model's
+functions, so E3M4 is known wherever `model=mlp` runs; a format for every model goes in a plug-in module named in
+`plugins:` instead (tests/plugin/amd_fp8.py). With this directory on PYTHONPATH and `hydra.searchpath=[file://tests/plugin/conf]`,
 `model=mlp` runs through the whole suite (tests/test_plugin.py). docs/extending.md walks through it."""
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ from omegaconf import DictConfig
 from torch import nn
 
 from bench.errors import ConfigError
-from bench.numerics import formats, hardware, specs
+from bench.formats import ElementFormat, FormatSpec, Recipe, emulated_everywhere, register_element, register_format
 from bench.tasks.base import Task
 from bench.tasks.lenet import load_digits
 
-formats.FORMATS.setdefault("fp8_e3m4", formats._ieee("fp8_e3m4", 3, 4, None))  # 1 sign, 3 exponent, 4 mantissa bits
-specs.register(specs.FormatSpec("fp8e3m4", ("mixed",), specs.Recipe("fp8_e3m4", "fp8_e3m4", False),
-                                hardware.emulated_everywhere("fp8e3m4 has no native path: a user's format")))
+register_element(ElementFormat.from_bits("fp8_e3m4", 3, 4))  # 1 sign, 3 exponent, 4 mantissa bits, IEEE-like
+register_format(FormatSpec("fp8e3m4", ("mixed",), Recipe("fp8_e3m4", "fp8_e3m4", False),
+                           emulated_everywhere("fp8e3m4 has no native path: a user's format")))
 
 
 def check(model: DictConfig) -> None:
