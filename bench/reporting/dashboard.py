@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from bench.numerics.telemetry import TENSOR_CLASSES
 from bench.errors import ConfigError
+from bench.numerics.telemetry import TENSOR_CLASSES
 from bench.running.config import CONF_DIR, check_declared, task_spec
 
 TABLES = ("precision", "scaling_grid", "vs_published", "numerics")  # the aggregator's Markdown tables
