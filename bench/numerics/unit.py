@@ -356,10 +356,12 @@ def unscaled_ops(model: nn.Module, forward) -> dict[str, tuple[str, str]]:
     stack: list = []
 
     def enter(name):
-        return lambda module, _inputs: stack.append((name, module)) and None
+        def push(module, _inputs):
+            stack.append((name, module))
+        return push
 
     def leave(*_):
-        stack.pop()  # a forward hook that returned a value would replace the module's output
+        stack.pop()  # returns nothing: a forward hook's value would replace the module's output
 
     handles = []
     for name, module in model.named_modules():
