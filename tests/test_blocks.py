@@ -379,7 +379,7 @@ def test_block_format_cells_train_and_say_what_they_did(make_cfg, tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     (["format=mxfp8", "scaling=per_tensor"], "valid for mxfp8: none, static, dynamic, unit, umup$"),
     (["format=fp8", "format.scale_mode=ceil"], "applies to the block formats only"),
-    (["format=bf16", "format.rounding=stochastic"], "applies to fp8, mxfp8, mxfp6, mxfp4, nvfp4, not to format=bf16; valid there: nearest"),
+    (["format=bf16", "format.rounding=stochastic"], "applies to fp8, mxfp8, mxfp6, mxfp4, nvfp4, nvfp4_recipe, not to format=bf16; valid there: nearest"),
     (["format=fp8", "format.gradients=fp8_e4m3"], "does not go with format=fp8; valid: null .*fp8_e4m3, fp8_e5m2 for mxfp8"),
     (["format=mxfp8", "format.gradients=fp6_e3m2"], "fp6_e2m3, fp6_e3m2 for mxfp6"),
     (["format=mxfp4", "format.scale_mode=round"], "valid: floor, ceil, even, rceil"),
@@ -399,7 +399,7 @@ def test_the_registry_names_the_block_formats_the_yamls_offer():
     from bench.numerics.specs import block_formats
     from tests.conftest import CONF
 
-    assert block_formats() == ["mxfp8", "mxfp6", "mxfp4", "nvfp4"]
+    assert block_formats() == ["mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4_recipe"]
     assert set(block_formats()) <= {p.stem for p in (CONF / "format").glob("*.yaml")}
 
 

@@ -21,7 +21,7 @@ def expected(profile: str, fmt: str, scaling: str, torchaos_mx_recipe: bool = Fa
     kind, flags, capability, torchao = PROFILES[profile]
     if fmt == "fp32":
         return "native", "FP32 is native everywhere"
-    if fmt in ("mxfp6", "mxfp4", "nvfp4"):
+    if fmt in ("mxfp6", "mxfp4", "nvfp4", "nvfp4_recipe"):
         return "emulated", "emulated on every device"
     if fmt == "mxfp8":  # torchao's MXFP8Linear on >= 10.0, for its recipe (E4M3 gradients, rceil or floor) only
         if kind != "cuda" or capability < (10, 0):

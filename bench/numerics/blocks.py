@@ -244,3 +244,72 @@ def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:
     per_tile = lambda t: t.squeeze(3).squeeze(1)
     return Blocked(values.reshape(padded.shape)[:rows, :cols], elements.reshape(padded.shape)[:rows, :cols],
                    per_tile(scale), per_tile(amax), per_tile(1 / scale))
+
+
+# NVIDIA's NVFP4 training recipe (arXiv 2509.25149; Transformer Engine's NVFP4BlockScaling): its weights in 16 x 16
+# tiles, and a 16-point random Hadamard transform (RHT) on both operands of the weight-gradient GEMM.
+NVFP4_TILE = 16
+RHT_SIZE = 16
+# Transformer Engine's random signs (tensor/nvfp4_tensor.py, get_wgrad_sign_vector): one vector, fixed, shared by
+# every layer for the whole of training. format.rht_seed=null takes it; an integer draws another.
+TE_RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+def hadamard(n: int = RHT_SIZE) -> torch.Tensor:
+    """Sylvester's n x n Hadamard matrix over sqrt(n) (n a power of two): orthonormal and symmetric."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power of two, not {n}")
+    matrix = torch.ones(1, 1, dtype=torch.float64)
+    while matrix.shape[0] < n:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
+    return matrix / n**0.5
+
+
+def rht_signs(seed: int | None) -> torch.Tensor:
+    """The transform's random +-1 diagonal: Transformer Engine's fixed vector (seed None), or one drawn from `seed`."""
+    if seed is None:
+        return torch.tensor(TE_RHT_SIGNS, dtype=torch.float64)
+    draw = torch.randint(0, 2, (RHT_SIZE,), generator=torch.Generator().manual_seed(int(seed)))
+    return (1 - 2 * draw).double()
+
+
+def rht_matrix(seed: int | None = None) -> torch.Tensor:
+    """diag(s) H / 4, the 16 x 16 random Hadamard transform as Transformer Engine builds it (float64): a row of 16
+    values x becomes x diag(s) H / 4. Orthogonal, so applied to both operands of a product along the dimension the
+    product reduces it cancels: (x R)(y R)^T = x y^T."""
+    return torch.diag(rht_signs(seed)) @ hadamard(RHT_SIZE)
+
+
+def random_hadamard_transform(x: torch.Tensor, matrix: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """x transformed by `matrix` in groups of 16 along `dim`, zero-padded there to a multiple of 16 (zeros add
+    nothing to a product over `dim`, so both operands padded alike keep it exact), in FP32: each group's products
+    by +-1/4 are exact, their sum rounds as an FP32 GEMM accumulates (Transformer Engine's BF16 transform accumulates
+    in FP32 too)."""
+    moved = x.float().movedim(dim, 0)
+    length = moved.shape[0]
+    flat = torch.nn.functional.pad(moved.reshape(length, -1), (0, 0, 0, -length % RHT_SIZE))
+    grouped = matrix.to(device=x.device, dtype=torch.float32).t() @ flat.reshape(-1, RHT_SIZE, flat.shape[1])
+    return grouped.reshape(-1, *moved.shape[1:]).movedim(0, dim)
+
+
+def nvfp4_tile_quantise(w: torch.Tensor, tensor_scale: torch.Tensor, rounding: str = "nearest",
+                        generator: torch.Generator | None = None) -> Blocked:
+    """A 2-D weight in NVFP4 with one E4M3 scale per 16 x 16 tile (NVIDIA's recipe: the forward GEMM, which reduces
+    along the columns, and the input-gradient GEMM, along the rows, then read the same quantised weight). Each tile as
+    nvfp4_quantise makes a block: E4M3(clamp(tile amax / 6 / t, 2^-6, 448)) under the FP32 tensor scale t, elements
+    x * ((1 / t) / s) rounded to E2M1. Edge tiles are shorter (their amax over the elements they have); `scale` and
+    `amax` are (ceil(rows / 16), ceil(cols / 16))."""
+    rows, cols = w.shape
+    tile = NVFP4_TILE
+    padded = torch.nn.functional.pad(w.float(), (0, -cols % tile, 0, -rows % tile))
+    squares = padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // tile, tile)
+    amax = squares.abs().amax((1, 3), keepdim=True)
+    tensor_scale = tensor_scale.float()
+    stored = quantise_value((amax / NVFP4_ELEMENT_MAX / tensor_scale).clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX),
+                            "fp8_e4m3")
+    scale = stored * tensor_scale
+    elements = _round_elements((squares * ((1.0 / tensor_scale) / stored)).clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX),
+                               "fp4_e2m1", rounding, generator)
+    per_tile = lambda t: t.squeeze(3).squeeze(1)
+    return Blocked((elements * scale).reshape(padded.shape)[:rows, :cols], elements.reshape(padded.shape)[:rows, :cols],
+                   per_tile(stored), per_tile(amax), per_tile(scale))

@@ -15,6 +15,8 @@ from bench.numerics.blocks import (
     mx_quantise,
     nvfp4_quantise,
     nvfp4_tensor_scale,
+    nvfp4_tile_quantise,
+    random_hadamard_transform,
     rowwise_quantise,
     tile2d_quantise,
     tile_quantise,
@@ -158,18 +160,30 @@ EMULATED_MODULES = {nn.Linear: EmulatedLinear, nn.Conv2d: EmulatedConv2d}
 @dataclass(frozen=True)
 class BlockOperands:
     """How a block-format GEMM operand is made: recipe, scale mode, rounding of the gradient operands; each one
-    made on a telemetry-sampled step is described to `telemetry` (block statistics per tensor class)."""
+    made on a telemetry-sampled step is described to `telemetry` (block statistics per tensor class).
+
+    NVIDIA's NVFP4 recipe adds (bench/numerics/blocks.py; each None/False leaves the operand as plain NVFP4 makes it):
+    `weight_tiles`, the weight in 16 x 16 tiles, quantised once for the forward and the input-gradient GEMMs;
+    `rht`, the 16 x 16 random Hadamard transform applied to both operands of the weight-gradient GEMM along the
+    tokens before they are blocked (their tensor scales from the transformed amax, as Transformer Engine takes it),
+    its output rounded to `rht_output` (bf16: Transformer Engine's transform reads and writes BF16)."""
 
     recipe: Recipe
     scale_mode: str
     rounding: str
     telemetry: QuantTelemetry | None = field(default=None, compare=False)
+    weight_tiles: bool = False
+    rht: torch.Tensor | None = field(default=None, compare=False)
+    rht_output: str = "fp32"
 
     def _blocked(self, t: torch.Tensor, tensor_class: str, element: str, dim: int, rounding: str) -> torch.Tensor:
         if self.recipe.block == "nvfp4":  # dynamic two-level scaling: this tensor's amax sets its FP32 scale
             blocked = nvfp4_quantise(t, nvfp4_tensor_scale(t), dim, rounding)
         else:
             blocked = mx_quantise(t, element, self.scale_mode, dim, rounding=rounding)
+        return self._observed(t, tensor_class, element, blocked)
+
+    def _observed(self, t: torch.Tensor, tensor_class: str, element: str, blocked) -> torch.Tensor:
         if self.telemetry is not None:
             self.telemetry.observe_blocks(tensor_class, t, blocked, FORMATS[element])
         return blocked.values
@@ -180,8 +194,21 @@ class BlockOperands:
     def weight(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self._blocked(t, "weights", self.recipe.inputs, dim, "nearest")
 
+    def tiled_weight(self, t: torch.Tensor) -> torch.Tensor:
+        """The weight in 16 x 16 NVFP4 tiles under its tensor scale, rounded to nearest: both GEMMs' operand."""
+        return self._observed(t, "weights", self.recipe.inputs, nvfp4_tile_quantise(t, nvfp4_tensor_scale(t)))
+
     def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self._blocked(t, "gradients", self.recipe.grads, dim, self.rounding)
+
+    def weight_gradient_operands(self, grad: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight-gradient GEMM's operands (tokens, out) and (tokens, in), blocked along the tokens: transformed
+        first where the recipe has the RHT (both alike, zero-padded to whole groups of 16 tokens: exact)."""
+        if self.rht is not None:
+            grad, x = (random_hadamard_transform(t, self.rht, 0) for t in (grad, x))
+            if self.rht_output != "fp32":
+                grad, x = (quantise_value(t, self.rht_output) for t in (grad, x))
+        return self.gradient(grad, 0), self.forward(x, 0)
 
 
 @dataclass(frozen=True)
@@ -198,6 +225,7 @@ class FP8TileOperands:
     tiles: TileScaling
     rounding: str = "nearest"  # of the gradient operands
     telemetry: QuantTelemetry | None = field(default=None, compare=False)
+    weight_tiles = False  # the weight is blocked for each GEMM apart (its 128 x 128 tiles are the same bits anyway)
 
     def _observed(self, t: torch.Tensor, tensor_class: str, blocked) -> torch.Tensor:
         if self.telemetry is not None:
@@ -232,16 +260,25 @@ class FP8TileOperands:
             return t
         return self._observed(t, "gradients", self._runs(t, dim, self.rounding))
 
+    def weight_gradient_operands(self, grad: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gradient(grad, 0), self.forward(x, 0)
+
 
 class _BlockLinear(torch.autograd.Function):
-    """y = x W^T + b with every GEMM operand blocked along that GEMM's reduction dimension."""
+    """y = x W^T + b with every GEMM operand blocked along that GEMM's reduction dimension: in torchao's NVFP4
+    tracker's layouts, 1 x 16 for the activations and the output gradient, 16 x 1 (along the tokens) for both
+    operands of the weight-gradient GEMM, and the weight in 1 x 16 blocks per GEMM or in 16 x 16 tiles once."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, operands: BlockOperands):
         ctx.save_for_backward(x, weight)
         ctx.operands, ctx.has_bias = operands, bias is not None
         # as torchao computes it: a 2-D matmul, then the bias (a fused addmm can differ in the last bit)
-        y = (operands.forward(x, -1).reshape(-1, x.shape[-1]) @ operands.weight(weight, -1).t()).reshape(*x.shape[:-1], -1)
+        if operands.weight_tiles:  # one quantised weight serves the input-gradient GEMM too
+            ctx.tiled_weight = blocked_weight = operands.tiled_weight(weight)
+        else:
+            blocked_weight = operands.weight(weight, -1)
+        y = (operands.forward(x, -1).reshape(-1, x.shape[-1]) @ blocked_weight.t()).reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 
     @staticmethod
@@ -250,6 +287,8 @@ class _BlockLinear(torch.autograd.Function):
         operands = ctx.operands
         grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
         # grad_input = grad @ W reduces over out_features; grad_weight = grad^T @ x reduces over the tokens
-        grad_x = (operands.gradient(grad_2d, -1) @ operands.weight(weight, 0)).reshape(x.shape)
-        grad_weight = operands.gradient(grad_2d, 0).t() @ operands.forward(x_2d, 0)
+        blocked_weight = ctx.tiled_weight if operands.weight_tiles else operands.weight(weight, 0)
+        grad_x = (operands.gradient(grad_2d, -1) @ blocked_weight).reshape(x.shape)
+        grad_operand, x_operand = operands.weight_gradient_operands(grad_2d, x_2d)
+        grad_weight = grad_operand.t() @ x_operand
         return grad_x, grad_weight, grad_2d.sum(0) if ctx.has_bias else None, None

@@ -252,8 +252,12 @@ def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: to
     x32 = x.to(torch.float32)
     top_spacing = 2.0 ** (spec.emax - spec.man_bits)
     magnitude = x32.abs().clamp(max=spec.max + top_spacing)
-    exponent = (torch.frexp(magnitude)[1] - 1).clamp(min=spec.emin, max=spec.emax)  # floor(log2 |x|) in range
-    spacing = torch.ldexp(torch.ones_like(magnitude), exponent - spec.man_bits)
+    # floor(log2 |x|) in range, from float32's exponent field (an FP32 subnormal reads -127: below every emin)
+    exponent = ((magnitude.view(torch.int32) >> 23) - 127).clamp(min=spec.emin, max=spec.emax)
+    if spec.emin - spec.man_bits >= -126:  # every spacing a normal float32: written as its exponent field
+        spacing = ((exponent - spec.man_bits + 127) << 23).view(torch.float32)
+    else:
+        spacing = torch.ldexp(torch.ones_like(magnitude), exponent - spec.man_bits)
     below = torch.floor(magnitude / spacing) * spacing  # exact: spacing is a power of two
     draw = torch.rand(magnitude.shape, generator=generator, device=x.device)
     rounded = below + spacing * (draw < (magnitude - below) / spacing)

@@ -14,6 +14,8 @@ kernels cannot compute what the cell asks: the first that applies makes `format.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import re
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -35,6 +37,8 @@ from bench.numerics.specs import (
 )
 
 BACKENDS = ("auto", "native", "emulated")
+WEIGHT_BLOCKS = ("1x16", "16x16")  # NVFP4's weight: 1 x 16 blocks per GEMM, or 16 x 16 tiles serving both
+LAYER_COUNT = re.compile(r"(first|last):(\d+)$")  # format.keep_high_precision's first:<n> / last:<n>
 
 
 class PrecisionError(ConfigError):
@@ -88,6 +92,11 @@ class PrecisionConfig:
     gradients: str | None = None
     scaling: str | None = None
     elsewhere: str | None = None  # outside the converted GEMMs: None/"fp32" (FP32) or "bf16" (autocast)
+    rht: bool = False  # NVIDIA's NVFP4 recipe: the weight-gradient GEMM's operands Hadamard-transformed
+    rht_seed: int | None = None  # its signs: None = Transformer Engine's fixed vector
+    weight_blocks: str = "1x16"
+    pad_weights: bool = False
+    keep_high_precision: tuple[str, ...] = ()  # Linear layers left out of the format (`kept_layers`)
 
     def __post_init__(self):
         check_choice(self.format, tuple(FORMAT_SPECS), "format", PrecisionError)
@@ -120,10 +129,34 @@ class PrecisionConfig:
                 raise PrecisionError(f"format.elsewhere={self.elsewhere} applies to the formats of the GEMM operands "
                                      f"only ({', '.join(n for n, s in FORMAT_SPECS.items() if s.gemm_only)}), not to "
                                      f"format={self.format}; valid there: null or fp32")
+        self._check_recipe_switches()
         if self.gradients is not None and self.gradients not in spec.gradient_elements:
             valid = {name: ", ".join(s.gradient_elements) for name, s in FORMAT_SPECS.items() if s.gradient_elements}
             raise PrecisionError(f"format.gradients={self.gradients} does not go with format={self.format}; valid: "
                                  "null (the format's recipe), or " + "; ".join(f"{e} for {f}" for f, e in valid.items()))
+
+    def _check_recipe_switches(self) -> None:
+        """NVIDIA's NVFP4 switches need 16-element blocks; keep_high_precision a format of the GEMM operands."""
+        spec = self.spec
+        check_choice(self.weight_blocks, WEIGHT_BLOCKS, "format.weight_blocks", PrecisionError)
+        sixteen = [n for n, s in FORMAT_SPECS.items() if s.block == "nvfp4"]
+        for key, value, default in (("rht", self.rht, False), ("weight_blocks", self.weight_blocks, "1x16"),
+                                    ("pad_weights", self.pad_weights, False)):
+            if value != default and spec.block != "nvfp4":
+                raise PrecisionError(f"format.{key}={value} needs a format in blocks of 16 ({', '.join(sixteen)}), "
+                                     f"not format={self.format}; valid there: format.{key}={default}")
+        if self.rht_seed is not None and not self.rht:
+            raise PrecisionError(f"format.rht_seed={self.rht_seed} draws the signs of a transform that is off; "
+                                 "valid: format.rht=true with it, or format.rht_seed=null")
+        for pattern in self.keep_high_precision:
+            if not spec.gemm_only:
+                raise PrecisionError(f"format.keep_high_precision applies to the formats of the GEMM operands only "
+                                     f"({', '.join(n for n, s in FORMAT_SPECS.items() if s.gemm_only)}), not to "
+                                     f"format={self.format}; valid there: null")
+            count = LAYER_COUNT.match(pattern)
+            if pattern.startswith(("first:", "last:")) and (count is None or int(count[2]) < 1):
+                raise PrecisionError(f"format.keep_high_precision: {pattern!r} is not valid; valid: first:<n> or "
+                                     "last:<n> with n >= 1, or a glob over module names such as '*.lm_head'")
 
     @property
     def spec(self) -> FormatSpec:
@@ -134,7 +167,9 @@ class PrecisionConfig:
         """From a composed config: its `format` node and `scaling.name`."""
         f = cfg.format
         return cls(f.name, str(f.mode).lower(), f.backend, f.overflow, f.ftz, f.scale_mode, f.rounding, f.gradients,
-                   cfg.scaling.name, f.get("elsewhere"))
+                   cfg.scaling.name, f.get("elsewhere"), bool(f.get("rht", False)), f.get("rht_seed"),
+                   f.get("weight_blocks", "1x16"), bool(f.get("pad_weights", False)),
+                   tuple(f.get("keep_high_precision") or ()))
 
 
 @dataclass(frozen=True)
@@ -288,6 +323,28 @@ def plan(config: PrecisionConfig, method: ScalingMethod, device: torch.device) -
                      "title": method.title or f"scaling={method.name}", "differs": ", ".join(_torchao_mx_differs(made))}
             return _emulated(made, rule.refusal.format(**words), rule.reason.format(**words))
     return replace(made, native_recipe=_native_recipe(made, method))
+
+
+def kept_layers(linears: list[str], patterns: tuple[str, ...]) -> list[str]:
+    """The Linear layers (`linears`: their module names, in module order) that format.keep_high_precision keeps out
+    of the format: `first:<n>`, `last:<n>`, or every name a glob matches. A pattern that keeps nothing is a
+    mistake (a typo, a layer renamed): PrecisionError naming the layers there are."""
+    kept: set[str] = set()
+    for pattern in patterns:
+        count = LAYER_COUNT.match(pattern)
+        if count:
+            n = int(count[2])
+            if n > len(linears):
+                raise PrecisionError(f"format.keep_high_precision: {pattern} asks for {n} Linear layers; the model "
+                                     f"has {len(linears)}")
+            chosen = linears[:n] if count[1] == "first" else linears[-n:]
+        else:
+            chosen = fnmatch.filter(linears, pattern)
+        if not chosen:
+            raise PrecisionError(f"format.keep_high_precision: {pattern!r} matches no Linear layer; valid: first:<n>, "
+                                 f"last:<n>, or a glob over these: {', '.join(linears)}")
+        kept.update(chosen)
+    return [name for name in linears if name in kept]
 
 
 def _torchao_float8_spec(spec: FormatSpec) -> bool:

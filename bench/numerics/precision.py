@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from bench.numerics.blocks import RHT_SIZE, rht_matrix, rht_signs
 from bench.numerics.emulation import (
     EMULATED_MODULES,
     BlockOperands,
@@ -63,6 +64,7 @@ from bench.numerics.plan import (  # noqa: F401 - PrecisionConfig and PrecisionE
     PrecisionPlan,
     for_model,
     fp32_flags,
+    kept_layers,
     plan,
 )
 from bench.numerics.scaling_methods import PerTensor, ScalingMethod, build, scaling_class
@@ -143,7 +145,10 @@ class Precision:
         if decided.tiles is not None:
             self.block = FP8TileOperands(decided.tiles, c.rounding, self.telemetry)
         elif decided.recipe is not None and decided.recipe.block:
-            self.block = BlockOperands(decided.recipe, c.scale_mode, c.rounding, self.telemetry)
+            self.block = BlockOperands(decided.recipe, c.scale_mode, c.rounding, self.telemetry,
+                                       weight_tiles=c.weight_blocks == "16x16",
+                                       rht=rht_matrix(c.rht_seed) if c.rht else None,
+                                       rht_output="bf16" if decided.elsewhere == "bf16" else "fp32")
         else:
             self.block = None
         # While bench.numerics.memory counts a step, it listens here: (input, output, tensor class, format) of every
@@ -182,45 +187,74 @@ class Precision:
         if self.site_listener is not None:
             self.site_listener(x, rounded, tensor_class, fmt)
 
+    def _kept(self, model: nn.Module) -> list[str]:
+        """The Linear layers format.keep_high_precision keeps out of the format (PrecisionError where a pattern keeps
+        none, or where nothing would be left in the format); every other Linear checked against 16 x 16 tiles."""
+        c = self.plan.config
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        kept = kept_layers(linears, c.keep_high_precision)
+        if c.keep_high_precision and len(kept) == len(linears):
+            raise PrecisionError(f"format.keep_high_precision={list(c.keep_high_precision)} keeps every Linear layer "
+                                 f"({len(linears)}) out of {self.format}: nothing would be in the format; keep fewer")
+        if c.weight_blocks == "16x16" and not c.pad_weights:
+            for name, module in model.named_modules():
+                if isinstance(module, nn.Linear) and name not in kept and \
+                        (module.in_features % 16 or module.out_features % 16):
+                    raise PrecisionError(
+                        f"format.weight_blocks=16x16: {name} is {module.out_features} x {module.in_features}, not whole "
+                        f"16 x 16 tiles (Transformer Engine refuses it too); valid: format.pad_weights=true (shorter "
+                        f"edge tiles, as zero padding), format.weight_blocks=1x16, or keep it out of the format "
+                        f"(format.keep_high_precision=[{name}])")
+        return kept
+
     def prepare(self, model: nn.Module) -> nn.Module:
         """Make `model` compute in this precision (in place) and return it; `conversion` says what was done."""
         if self.plan.spec.recipe is None:
             return model
+        kept = self._kept(model) if self.plan.spec.gemm_only else []
         if self.plan.spec.native_path == "torchao":
             self.plan = for_model(self.plan, torchao_mx_converts if self.plan.spec.block else torchao_converts, model)
         if self.native:
             if self.plan.spec.native_path == "torchao":
-                return self._convert_with_torchao(model)
+                return self._convert_with_torchao(model, kept)
             return model.to(self.dtype) if self.mode == "true" else model
         if self.block is not None:
-            for module in model.modules():
+            for name, module in model.named_modules():
+                if name in kept:
+                    continue
                 if type(module) is nn.Linear:
                     module.__class__ = EmulatedLinear  # re-class in place: parameters and state-dict keys are untouched
                 if isinstance(module, CastOp) and isinstance(module, nn.Linear):  # unit scaling's Linear too
                     module.operands = self.block  # CastOp.linear then runs its GEMMs on block-scaled operands
             self.conversion = {"kept_in_high_precision": [
                 n for n, m in model.named_modules()
-                if isinstance(m, (nn.Linear, nn.Conv2d)) and getattr(m, "operands", None) is None]}
+                if isinstance(m, (nn.Linear, nn.Conv2d)) and getattr(m, "operands", None) is None],
+                "kept_by_request": kept}
             return model
-        for module in model.modules():
+        for name, module in model.named_modules():
+            if name in kept:
+                continue
             emulated = EMULATED_MODULES.get(type(module))
             if emulated is not None:
                 module.__class__ = emulated  # re-class in place: parameters and state-dict keys are untouched
             if isinstance(module, CastOp):
                 module.casts = OpCasts(self.recipe, self._site)
+        if kept:
+            self.conversion = {"kept_by_request": kept}
         if self.mode == "true":
             self._round_tensors(model.parameters())
         return model
 
-    def _convert_with_torchao(self, model: nn.Module) -> nn.Module:
-        """Native FP8 and MXFP8: torchao converts the Linear layers its kernels take; `conversion` lists them and the
-        layers left in high precision."""
-        converts = torchao_mx_converts if self.plan.spec.block else torchao_converts
+    def _convert_with_torchao(self, model: nn.Module, kept: list[str]) -> nn.Module:
+        """Native FP8 and MXFP8: torchao converts the Linear layers its kernels take, but those `kept` (by
+        format.keep_high_precision); `conversion` lists them and the layers left in high precision."""
+        takes = torchao_mx_converts if self.plan.spec.block else torchao_converts
+        converts = lambda module, name="": takes(module) and name not in kept
         if self.plan.spec.block:
             from torchao.prototype.mx_formats.config import ScaleCalculationMode
 
             linear, kernel = padded_mxfp8_linear(), torchao_mx_kernel()
-            for module in [m for m in model.modules() if converts(m)]:
+            for module in [m for n, m in model.named_modules() if converts(m, n)]:
                 module.__class__ = linear  # re-class in place: parameters and state-dict keys are untouched
                 module.kernel_preference, module.wgrad_with_hp = kernel, False
                 module.scale_calculation_mode = ScaleCalculationMode(self.block.scale_mode)
@@ -235,6 +269,7 @@ class Precision:
         self.conversion = {
             "converted": [n for n, _ in converted],
             "kept_in_high_precision": [n for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)],
+            "kept_by_request": kept,
         }
         return model
 
@@ -319,14 +354,27 @@ class Precision:
             "rounding_of_gradients": c.rounding,
             "fp32_precision_flags": p.flags,
             "native_recipe": p.native_recipe,
+            "keep_high_precision": {  # format.keep_high_precision: asked, the layers it kept, what they compute in
+                "asked": list(c.keep_high_precision), "layers": (self.conversion or {}).get("kept_by_request", []),
+                "computes_in": p.elsewhere} if c.keep_high_precision else None,
             "fp8_modules": self.conversion if p.native and p.spec.native_path == "torchao" else None,
             "block": None if self.block is None or p.native else {  # native: torchao scales, fp8_modules says
                 "kind": p.scaling, "tile": tiles.tile, "scale": "the power of two at or below 448 / amax",
                 "rounding_of_gradients": self.block.rounding, "kept_in_high_precision": kept} if tiles else {
                 "kind": p.recipe.block, "block_size": 16 if p.recipe.block == "nvfp4" else 32,
                 "scale_mode": self.block.scale_mode if p.recipe.block == "mx" else "E4M3 block x FP32 tensor amax",
-                "rounding_of_gradients": self.block.rounding, "kept_in_high_precision": kept},
+                "rounding_of_gradients": self.block.rounding, "kept_in_high_precision": kept,
+                **(self._nvfp4_recipe() if p.recipe.block == "nvfp4" else {})},
         }
+
+
+    def _nvfp4_recipe(self) -> dict:
+        """NVIDIA's NVFP4 switches as this cell set them (the record's env.precision.block)."""
+        c = self.plan.config
+        return {"weight_blocks": c.weight_blocks, "pad_weights": c.pad_weights,
+                "rht": {"size": RHT_SIZE, "seed": c.rht_seed, "signs": rht_signs(c.rht_seed).int().tolist(),
+                        "signs_from": "Transformer Engine's fixed vector" if c.rht_seed is None else "the seed",
+                        "output": self.block.rht_output} if c.rht else None}
 
 
 class _FactoryScaling(PerTensor):

@@ -122,8 +122,10 @@ register(FormatSpec("mxfp6", ("mixed",), Recipe("fp6_e2m3", "fp6_e3m2", False, "
                     gradient_elements=("fp6_e2m3", "fp6_e3m2"), stochastic_rounding=True, gemm_only=True))
 register(FormatSpec("mxfp4", ("mixed",), Recipe("fp4_e2m1", "fp4_e2m1", False, "mx"),
                     hardware.emulated_everywhere("mxfp4 is " + _NO_MX_TRAINING.format("mxfp4")), stochastic_rounding=True, gemm_only=True))
-register(FormatSpec("nvfp4", ("mixed",), Recipe("fp4_e2m1", "fp4_e2m1", False, "nvfp4"),
-                    hardware.emulated_everywhere("nvfp4 is emulated on every device: torchao's NVFP4 training is a "
-                                                 "recipe of its own (random Hadamard transform, BF16 operands, "
-                                                 "dimensions multiples of 128), not this one"),
-                    stochastic_rounding=True, gemm_only=True))
+_NVFP4 = register(FormatSpec("nvfp4", ("mixed",), Recipe("fp4_e2m1", "fp4_e2m1", False, "nvfp4"),
+                             hardware.emulated_everywhere(
+                                 "nvfp4 is emulated on every device: native NVFP4 training (Transformer Engine's "
+                                 "NVFP4BlockScaling, torchao's prototype) is not wired in"),
+                             stochastic_rounding=True, gemm_only=True))
+# NVIDIA's whole recipe as a preset: the same element formats; conf/format/nvfp4_recipe.yaml turns every switch on
+register(dataclasses.replace(_NVFP4, name="nvfp4_recipe", declared_in=""))

@@ -189,13 +189,18 @@ def _number(value):
 
 
 # Format options that make another recipe of a block format, and their defaults (the format's own recipe).
-RECIPE_OPTIONS = {"gradients": None, "scale_mode": "floor", "elsewhere": "fp32"}
+RECIPE_OPTIONS = {"gradients": None, "scale_mode": "floor", "elsewhere": "fp32", "rht": False, "rht_seed": None,
+                  "weight_blocks": "1x16", "pad_weights": False, "keep_high_precision": None}
 
 
 def format_options(fmt: dict) -> str:
     """The recipe options a run's format departs from its defaults in, as "key=value, ..." ("" for none)."""
-    return ", ".join(f"{k}={fmt.get(k)}" for k, default in RECIPE_OPTIONS.items()
+    return ", ".join(f"{k}={_option_text(fmt.get(k))}" for k, default in RECIPE_OPTIONS.items()
                      if fmt.get(k) is not None and fmt.get(k) != default)
+
+
+def _option_text(value) -> str:
+    return "[" + ",".join(map(str, value)) + "]" if isinstance(value, (list, tuple)) else str(value)
 
 
 # A record made before evaluation ran in the trained precision (`metrics.evaluated_in`, 0.3.0) by a cell that trained

@@ -516,9 +516,12 @@ def _row(setting) -> BlockRow:
     overrides = dict(item.split("=", 1) for item in str(setting["overrides"]).split())
     option = OmegaConf.load(CONF_DIR / "format" / f"{overrides['format']}.yaml")
     spec = FORMAT_SPECS[option.name]
-    fmt = {key: overrides.get(f"format.{key}", option.get(key)) for key in RECIPE_OPTIONS}
+    defaults = OmegaConf.to_container(option)
+    fmt = {key: yaml.safe_load(overrides[f"format.{key}"]) if f"format.{key}" in overrides else defaults.get(key)
+           for key in RECIPE_OPTIONS}  # an override's value as Hydra reads it: [last:3] a list, null None
     return BlockRow(spec.setting(overrides.get("format.mode", str(option.mode).lower())),
-                    overrides.get("scaling", NO_SCALING), overrides.get("format.rounding", "nearest"), setting["label"],
+                    overrides.get("scaling", NO_SCALING), overrides.get("format.rounding", defaults.get("rounding", "nearest")),
+                    setting["label"],
                     float(setting.get("bits") or "nan"), format_options(fmt))
 
 
@@ -636,6 +639,26 @@ def labelled_rows_table(runs: pd.DataFrame, cells: pd.DataFrame, labelled: list[
     return pd.DataFrame(rows)
 
 
+def ablation_table(runs: pd.DataFrame, cells: pd.DataFrame, labelled: list[BlockRow]) -> pd.DataFrame:
+    """An ablation: the cells a preset labels, in its order, each beside the first (its baseline: BF16 in the NVFP4
+    recipe's): the metric (mean ± std over seeds), the runs that finished, and the paired difference to the
+    baseline, seed by seed, with a 95% t interval."""
+    ok = runs[(runs["status"] == "ok") & runs["value"].notna()]
+    rows = []
+    for (label, design), part in cells.groupby(["model_label", "design_id"], sort=False):
+        here = ok[ok["design_id"] == design]
+        baseline = here[labelled[0].selects(here)].drop_duplicates("seed").set_index("seed")["value"]
+        for row in labelled:
+            for _, c in part[row.selects(part)].iterrows():
+                mine = here[row.selects(here)]
+                differences = [v - baseline[s] for v, s in zip(mine["value"], mine["seed"]) if s in baseline.index]
+                rows.append({"model": label, "cell": row.label, "setting": _setting_label(c),
+                             "options": c["format_options"] or "–", "runs ok": f"{int(c['ok'])}/{int(c['runs'])}",
+                             "mean ± std": _metric_text(c),
+                             f"Δ vs {labelled[0].label}": _paired_text(differences, cell_unit(c), row == labelled[0])})
+    return pd.DataFrame(rows)
+
+
 def _paired_text(differences: list[float], metric_unit: Unit, baseline: bool) -> str:
     """A table's paired difference (bench.reporting.statistics), or `baseline` for the reference cell itself."""
     return "baseline" if baseline else format_paired(paired(differences, metric_unit), metric_unit)
@@ -649,6 +672,7 @@ DECLARED_TABLES = {
     "block_formats": block_formats_table,
     "lr_transfer": lambda runs, cells, rows: lr_transfer_table(cells),
     "labelled_rows": labelled_rows_table,
+    "ablation": ablation_table,
 }
 
 
@@ -689,6 +713,8 @@ CAPTIONS = {
                    "rates either side (the u-μP paper's learning-rate transfer, as a table)",
     "labelled_rows": "The cells the preset names, and each one's paired difference to the 32-true cell of its own "
                      "learning rate and scaling method (SP's FP32 for per-tensor scaling)",
+    "ablation": "An ablation: each cell the preset names beside its first (the baseline), the paired difference seed "
+                "by seed with a 95% t interval",
     "time_to_target": "Steps to the quality target per cell, and the time they take on a GPU by the speed model's "
                       "prediction",
     "unit_scaling_charlm": "Validation bits per character in the Unit Scaling paper's char-LM layout, beside the "

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -62,6 +62,14 @@ class FormatConfig:
     rounding: str = "nearest"  # fp8 and block formats: nearest | stochastic (the gradients entering the backward GEMMs)
     gradients: Optional[str] = None  # mxfp8, mxfp6: the gradient operands' element format; None = the recipe's
     elsewhere: Optional[str] = None  # fp8 and block formats, outside the converted GEMMs: null/fp32 (as before) | bf16
+    # NVIDIA's NVFP4 recipe (nvfp4, nvfp4_recipe: bench/numerics/blocks.py), each a switch; format=nvfp4_recipe all on
+    rht: bool = False  # 16 x 16 random Hadamard transform of both weight-gradient GEMM operands along the tokens
+    rht_seed: Optional[int] = None  # its random signs: null = Transformer Engine's fixed vector | an integer draws them
+    weight_blocks: str = "1x16"  # 1x16 (per GEMM) | 16x16 (tiles, one quantised weight for forward and backward)
+    pad_weights: bool = False  # 16x16 on a Linear whose dims are not multiples of 16: shorter edge tiles (else refused)
+    # fp8 and block formats: Linear layers kept out of the format, computing as `elsewhere` does (BF16 or FP32):
+    # module-name globs (`*.lm_head`), `first:<n>` or `last:<n>` (the first or last n Linear layers in module order)
+    keep_high_precision: Optional[List[str]] = None
 
 
 @dataclass

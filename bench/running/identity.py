@@ -28,7 +28,10 @@ NON_SEMANTIC_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoint")
 NON_SEMANTIC_MODEL = ("task",)  # the model's declaration (bench/tasks/base.py TaskSpec): how to read it, not what runs
 NON_SEMANTIC_SCALING = ("_target_",)  # the class that runs the method its name (in the identity) names
 # Keys whose named default means what null means (and what runs made before the key existed did), per section.
-SPELLINGS_OF_NULL = {"train": {("compile", "auto"), ("eval_precision", "trained")}, "format": {("elsewhere", "fp32")}}
+# Tuples, not sets: a value may be a list (format.keep_high_precision), which `in` then compares without hashing.
+SPELLINGS_OF_NULL = {"train": (("compile", "auto"), ("eval_precision", "trained")),
+                     "format": (("elsewhere", "fp32"), ("rht", False), ("weight_blocks", "1x16"),
+                                ("pad_weights", False), ("keep_high_precision", []))}
 
 
 def _identity_form(value):
@@ -82,7 +85,10 @@ PATH_KEYS = ("experiment_name", "seed", "format.name", "format.mode")
 # Keys spelt among a cell's overrides whenever set (not null nor a spelling of it), from a yaml default too: a
 # default that changed what runs (fp8 and the block formats went from FP32 to BF16 elsewhere in 0.2.0) must not
 # put its new runs where the records of the old default are.
-ALWAYS_IN_PATH = ("format.elsewhere",)
+# So are NVIDIA's NVFP4 switches: format=nvfp4_recipe turns them on in its yaml, and `format.rht=false` (a spelling of
+# null, so absent from the path as an override) must not put "the recipe less RHT" where the whole recipe's runs are.
+ALWAYS_IN_PATH = ("format.elsewhere", "format.rht", "format.rht_seed", "format.weight_blocks", "format.pad_weights",
+                  "format.keep_high_precision")
 OVERRIDES_MAX = 120  # characters of `key=value,...` before a path's overrides are shortened to keys and a hash
 
 
@@ -120,7 +126,7 @@ def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[
     for key in ALWAYS_IN_PATH:
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None and not _spells_null(key, value):
-            overridden[key] = value
+            overridden[key] = OmegaConf.to_container(value, resolve=True) if isinstance(value, ListConfig) else value
     path = (f"{cfg.experiment_name}/{choices.get('model', cfg.model.name)}/{cfg.format.name}-{str(cfg.format.mode).lower()}"
             f"/{choices.get('scaling', cfg.scaling.name)}/seed{cfg.seed}")
     if not overridden:

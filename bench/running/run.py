@@ -77,15 +77,19 @@ _MODELS_CHECKED: set[str] = set()  # (model, scaling) configs whose throwaway bu
 def check_model(cfg: DictConfig) -> None:
     """The cell's model built on the CPU and stepped once (forward and loss, no update), once per model and scaling
     config, where a mistake could hide until training: under a scaling method that changes the model (unit scaling,
-    u-μP, a user's `transform`: a layer or op it has no rule for), and for a model of a user's (outputs that do not
-    fit the task's loss). It refuses the cell here (ConfigError), before any cell trains. The shipped models under
+    u-μP, a user's `transform`: a layer or op it has no rule for), for a model of a user's (outputs that do not
+    fit the task's loss), and for a format that names layers (format.keep_high_precision) or needs whole 16 x 16
+    weight tiles: the precision is applied to the built model. It refuses the cell here (ConfigError), before any cell trains. The shipped models under
     the other methods are not built (their first step is checked by every test run). A model that cannot be built
     here (a checkpoint not cached) is left to its run, which records why."""
     method = build_scaling_method(cfg.scaling)
     transforms = type(method).transform is not ScalingMethod.transform
-    if not transforms and str(cfg.model.task._target_).startswith("bench."):
+    # layers named by format.keep_high_precision, 16 x 16 weight tiles: only the model's Linears can tell
+    by_layer = bool(cfg.format.get("keep_high_precision")) or cfg.format.get("weight_blocks", "1x16") != "1x16"
+    if not transforms and not by_layer and str(cfg.model.task._target_).startswith("bench."):
         return
-    key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.scaling, resolve=True)],
+    key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.scaling, resolve=True),
+                      OmegaConf.to_container(cfg.format, resolve=True) if by_layer else None],
                      sort_keys=True, default=str)
     if key in _MODELS_CHECKED:
         return
@@ -103,6 +107,8 @@ def check_model(cfg: DictConfig) -> None:
             pass  # a pretrained conversion that changed the function: measured, so recorded by the run
         with torch.no_grad():
             task.compute_loss(*task.forward(task.model, next(iter(task.train_batches(0))), lambda x: x))
+        if by_layer:
+            Precision.from_config(cfg, torch.device("cpu")).prepare(task.model)  # PrecisionError names the layer
     _MODELS_CHECKED.add(key)
 
 
@@ -175,6 +181,14 @@ def converted_flop_share(trace: StepTrace, conversion: dict | None) -> float | N
     total = trace.flops("forward") + trace.flops("backward")
     share = sum(o.flops for o in trace.ops if o.module in converted and o.phase != "optimizer")
     return share / total if total else None
+
+
+def kept_flop_share(trace: StepTrace, kept: list[str]) -> float | None:
+    """The share of a training step's Linear GEMM FLOPs (forward and backward) in the layers format.keep_high_precision
+    kept out of the format."""
+    linear = [o for o in trace.ops if o.module in trace.linears and o.phase != "optimizer"]
+    total = sum(o.flops for o in linear)
+    return sum(o.flops for o in linear if o.module in kept) / total if total else None
 
 
 def finished_record(cfg: DictConfig, config: dict | None = None) -> dict | None:
@@ -325,6 +339,8 @@ def _record_cell(record: dict, cell: Cell, precision: Precision) -> None:
     record["env"]["precision"] = precision.describe()  # now with what prepare() did to the model
     if (share := converted_flop_share(cell.trace, precision.conversion)) is not None:
         record["env"]["precision"]["fp8_modules"]["converted_flop_share"] = share
+    if kept := (precision.conversion or {}).get("kept_by_request"):
+        record["env"]["precision"]["keep_high_precision"]["gemm_flop_share"] = kept_flop_share(cell.trace, kept)
     if cell.task.source is not None:
         record["model_source"] = cell.task.source
     if cell.unit_conversion is not None:
