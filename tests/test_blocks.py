@@ -45,7 +45,8 @@ def test_every_block_format_matches_its_reference_except_the_named_departures(ro
     """0 differing scale bytes and 0 differing dequantised values against torchao (every MX element format and scale
     mode, NVFP4 one- and two-level, rowwise FP8), ml_dtypes (element casts), and between edge, transposed and plain
     inputs, on every input family; what differs is confined to the named departures, each where it belongs."""
-    assert len(table) == 5 * (4 + 3) + 2 + 2  # MX, its edge/transposed/ml_dtypes rows; NVFP4 x 2; rowwise FP8 x 2
+    assert len(table) == 5 * (4 + 3) + 2 + 2 + 2  # MX, its edge/transposed/ml_dtypes rows; NVFP4 x 2; rowwise FP8 x 2;
+    # NVIDIA's recipe: 16 x 16 tiles against their definition, the RHT'd weight-gradient operand against scipy + torchao
     assert set(rows["family"]) >= {"random", "zero", "scale boundaries", "element ties", "subnormal",
                                    "mixed extremes", "bf16 inputs"}
     assert table["values"].min() >= 1024
@@ -59,7 +60,11 @@ def test_every_block_format_matches_its_reference_except_the_named_departures(ro
     assert set(rceil["format"]) == {f"MX {element}" for element in MX_ELEMENTS}
     assert set(where["e2m1_nan_code"]["format"]) == {"NVFP4"}
     floor = where["tensor_scale_floor"]
-    assert set(floor["scale mode"]) == {"E4M3 block x FP32 tensor"} and set(floor["family"]) == {"zero", "subnormal"}
+    assert set(floor["scale mode"]) == {"E4M3 block x FP32 tensor", "E4M3 block x FP32 tensor, along the tokens"}
+    assert set(floor["family"]) == {"zero", "subnormal"}
+    rht = where["rht_fp32_arithmetic"]
+    assert set(rht["format"]) == {"NVFP4 + RHT (weight-gradient operands)"} and set(rht["family"]) <= {"subnormal", "mixed extremes"}
+    assert table[table["format"] == "NVFP4 16x16 weight tiles"][list(DEPARTURES)].sum().sum() == 0
     assert (rows[rows["family"] == "random"][list(DEPARTURES)] == 0).all().all()  # random inputs never reach them
 
 
