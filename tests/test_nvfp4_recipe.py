@@ -293,7 +293,9 @@ def test_switches_that_do_not_apply_are_refused_naming_the_valid_choices(make_cf
                                                              "last:<n>, or a glob over these: 7, 9, 11"),
 ])
 def test_mistakes_only_the_model_shows_exit_2_before_training_writing_nothing(tmp_path, overrides, message):
-    done = subprocess.run([sys.executable, "-m", "bench.run", "model=lenet", f"results_dir={tmp_path}", *overrides],
+    """A sweep (two seeds): refused by its preflight, which builds the model where the format names layers."""
+    done = subprocess.run([sys.executable, "-m", "bench.run", "-m", "model=lenet", "seed=0,1", f"results_dir={tmp_path}",
+                           *overrides],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr

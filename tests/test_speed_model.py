@@ -189,3 +189,39 @@ def test_the_committed_validation_names_the_constants_the_model_uses():
         shown = f"{value * 1e6:.3g} µs" if field.name.endswith("_s") else f"{value:.3g}"
         assert f"| {field.name} | {shown} |" in text
     assert not math.isnan(speed.CONSTANTS.gemm_efficiency)
+
+
+def test_nvfp4_casts_count_one_weight_cast_for_16x16_tiles_and_the_rhts_extra_passes():
+    """One 4096 x 4096 Linear on 4096 tokens, eager, as Transformer Engine quantises NVFP4 (low = 0.5 + 1/16 bytes):
+    per operand an amax pass; the FP32 master weight one cast per layout (1 x 16: 2 x (4 + low) n) or one writing
+    both (16 x 16 tiles: (4 + 2 low) n); the BF16 input and output gradient one cast writing both layouts, or with
+    the RHT a row-wise cast plus the transformed copy's own amax and cast (2 + low, 2, 2 + low per n)."""
+    traced = _linear_trace()
+    n, low = 4096 * 4096, 0.5 + 1 / 16
+    plain = Recipe("nvfp4-mixed", "nvfp4", "bf16", "fp32", "nvfp4", casts="nvfp4", autocast=True)
+    weight_amax, activation_amax = 4 * n, 2 * n
+    one_operand = activation_amax + (2 + 2 * low) * n
+    assert sum(speed._cast_traffic(plain, traced, fused=False)) == pytest.approx(
+        weight_amax + 2 * (4 + low) * n + 2 * one_operand)
+    tiles = dataclasses.replace(plain, weight_tiles=True)
+    assert sum(speed._cast_traffic(plain, traced, False)) - sum(speed._cast_traffic(tiles, traced, False)) == \
+        pytest.approx((4 + low) * n - low * n)  # one cast of the weight fewer, one more layout written
+    rht = dataclasses.replace(plain, rht=True)
+    with_rht = activation_amax + (2 + low) * n + 2 * n + (2 + low) * n
+    assert sum(speed._cast_traffic(rht, traced, False)) - sum(speed._cast_traffic(plain, traced, False)) == \
+        pytest.approx(2 * (with_rht - one_operand))
+    kept = dataclasses.replace(plain, kept=tuple(traced.linears))
+    assert speed._cast_traffic(kept, traced, False) == [4096 * 4096 * (4 + 2), 4096 * 4096 * (4 + 2)]  # autocast's
+
+
+def test_nvfp4_is_predicted_on_fp4_gpus_as_transformer_engine_runs_it_and_says_so(make_cfg, text_file):
+    from bench.running.trace import trace_cell
+
+    cfg = make_cfg("model=charlm", "format=nvfp4_recipe", "model.data.source=local", f"model.data.path={text_file}",
+                   "model.data.sha256=null")
+    traced = trace_cell(cfg)
+    found = recipe_on(cfg, traced, gpu("B200"))
+    assert isinstance(found, Recipe) and found.rht and found.weight_tiles and "Transformer Engine" in found.note
+    assert found.kept == ("h.3.mlp.c_fc", "h.3.mlp.c_proj", "lm_head")
+    assert "compute capability >= 10.0" in str(recipe_on(cfg, traced, gpu("H100")))
+    assert speed.predictions(cfg, traced, [gpu("B200")])["B200"]["note"] == speed.NVFP4_NOTE

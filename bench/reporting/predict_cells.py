@@ -109,7 +109,7 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
             out.append(row | {"setting": recipe.setting, "compiled step": f"{compiled.step_s * 1e3:.3g} ms",
                               "eager step": f"{eager.step_s * 1e3:.3g} ms", **speedups,
                               "memory (MiB)": f"{step_memory(trace, recipe)['total'] / 2**20:.4g}",
-                              "note": trace.note or ""})
+                              "note": "; ".join(n for n in (trace.note, recipe.note) if n)})
     return out
 
 

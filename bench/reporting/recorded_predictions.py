@@ -69,7 +69,8 @@ def _computed(config: dict, target: GPU) -> dict:
         return {"no_prediction": f"its step could not be traced here ({type(e).__name__}: {str(e).splitlines()[0][:120]})"}
     recipe = recipe_on(cfg, trace, target)
     result = {"no_native_path": recipe.why} if isinstance(recipe, NoNativePath) else {
-        mode: predict(trace, recipe, target, mode == "compiled").as_dict() for mode in ("compiled", "eager")}
+        mode: predict(trace, recipe, target, mode == "compiled").as_dict() for mode in ("compiled", "eager")} | (
+        {"note": recipe.note} if recipe.note else {})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))

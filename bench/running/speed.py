@@ -138,8 +138,12 @@ class Recipe:
     elsewhere: str  # element type of every other op's tensors (and of unconverted GEMMs)
     stored: str  # element type of parameters, gradients and optimiser state
     converts: str  # which Linears take `linear`: all | fp8 (dims multiples of 16) | mx (of 32)
-    casts: str | None = None  # the FP8/MX recipe whose amaxes and casts are added: tensorwise | rowwise | ...
+    casts: str | None = None  # the FP8/MX recipe whose amaxes and casts are added: tensorwise | rowwise | ... | nvfp4
     autocast: bool = False  # autocast casts each Linear's FP32 weight to `elsewhere` once a step
+    kept: tuple[str, ...] = ()  # Linears format.keep_high_precision keeps out of the format
+    rht: bool = False  # nvfp4: the weight-gradient operands' random Hadamard transform (its amax and cast passes)
+    weight_tiles: bool = False  # nvfp4: 16 x 16 weight tiles, one cast serving both GEMMs
+    note: str = ""  # how the path is taken, where the runner itself does not take it
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ def _runner_path(cfg, trace: StepTrace, target: GPU) -> Recipe | NoNativePath:
     recipes, whether the model has a Linear it converts."""
     from omegaconf import OmegaConf
 
-    from bench.numerics.plan import PrecisionConfig, plan
+    from bench.numerics.plan import PrecisionConfig, kept_layers, plan
     from bench.numerics.scaling_methods import build
 
     cfg = OmegaConf.merge(cfg, {"format": {"backend": "auto"}})
@@ -180,6 +184,9 @@ def _runner_path(cfg, trace: StepTrace, target: GPU) -> Recipe | NoNativePath:
             decided = plan(PrecisionConfig.from_config(cfg), build(cfg.scaling), device)
         except ConfigError as e:  # format.backend=native where the GPU has no native path
             return NoNativePath(target.name, str(e))
+    kept = tuple(kept_layers(list(trace.linears), decided.config.keep_high_precision)) if decided.spec.gemm_only else ()
+    if not decided.native and decided.spec.block == "nvfp4":
+        return _nvfp4_path(decided, target, kept)
     if not decided.native:
         return NoNativePath(target.name, decided.why)
     spec, setting = decided.spec, decided.setting
@@ -193,7 +200,7 @@ def _runner_path(cfg, trace: StepTrace, target: GPU) -> Recipe | NoNativePath:
     mx = spec.block == "mx"
     elsewhere = "bf16" if decided.elsewhere == "bf16" else "fp32"
     recipe = Recipe(setting, "mxfp8" if mx else "fp8", elsewhere, "fp32", "mx" if mx else "fp8",
-                    casts="mxfp8" if mx else decided.torchao_recipe, autocast=elsewhere == "bf16")
+                    casts="mxfp8" if mx else decided.torchao_recipe, autocast=elsewhere == "bf16", kept=kept)
     if not any(_converted(recipe, trace, name) for name in trace.linears):
         return NoNativePath(target.name, f"torchao converts no Linear of this model (a plain nn.Linear whose in and "
                                          f"out features are multiples of {MX_BLOCK if mx else 16}; a unit-scaled one "
@@ -201,9 +208,26 @@ def _runner_path(cfg, trace: StepTrace, target: GPU) -> Recipe | NoNativePath:
     return recipe
 
 
+NVFP4_NOTE = ("predicted as Transformer Engine's NVFP4BlockScaling would run it (BF16 elsewhere); the runner "
+              "emulates NVFP4 on every device, so no measurement can check this prediction yet")
+
+
+def _nvfp4_path(decided, target: GPU, kept: tuple[str, ...]) -> Recipe | NoNativePath:
+    """NVFP4 and NVIDIA's recipe on a GPU with FP4 tensor cores (compute capability >= 10.0), as Transformer Engine's
+    NVFP4BlockScaling runs it: every Linear whose dims are multiples of 16 in NVFP4 (but those kept), BF16 elsewhere.
+    The runner has no such path (it emulates): the prediction says so (`note`)."""
+    if target.compute_capability < (10, 0):
+        return NoNativePath(target.name, f"NVFP4 GEMMs need compute capability >= 10.0 (this GPU: "
+                                         f"{'.'.join(map(str, target.compute_capability))}); {decided.why}")
+    c = decided.config
+    return Recipe(decided.setting, "nvfp4", "bf16", "fp32", "nvfp4", casts="nvfp4", autocast=True, kept=kept,
+                  rht=c.rht, weight_tiles=c.weight_blocks == "16x16", note=NVFP4_NOTE)
+
+
 def _converted(recipe: Recipe, trace: StepTrace, module: str) -> bool:
-    """Whether the recipe runs this Linear's GEMMs in its format (torchao's filters, bench/numerics/native.py)."""
-    if module not in trace.linears or trace.module_types.get(module) != "Linear":
+    """Whether the recipe runs this Linear's GEMMs in its format (torchao's filters, bench/numerics/native.py;
+    Transformer Engine's for NVFP4: dims multiples of 16), unless format.keep_high_precision keeps it out."""
+    if module not in trace.linears or trace.module_types.get(module) != "Linear" or module in recipe.kept:
         return False
     if recipe.converts == "all":
         return True
@@ -291,9 +315,25 @@ def _cast_traffic(recipe: Recipe, trace: StepTrace, fused: bool) -> list[float]:
                     if role == "weight" else [(read + low + high) * elements, (high + low) * elements]
             elif recipe.casts == "rowwise_with_gw_hp":  # the weight-gradient GEMM's operands stay high precision
                 kernels += [(high + low) * elements] * 2 if role == "weight" else [(read + low) * elements]
+            elif recipe.casts == "nvfp4":  # Transformer Engine: an amax pass, then the casts (see _nvfp4_casts)
+                kernels += _nvfp4_casts(recipe, role, elements, read, high, low)
             else:  # mxfp8: each layout its own blocked cast
                 kernels += [((high if role == "weight" else read) + low) * elements, (high + low) * elements]
     return kernels
+
+
+def _nvfp4_casts(recipe: Recipe, role: str, elements: int, read: float, high: float, low: float) -> list[float]:
+    """The bytes of each kernel NVFP4 adds for one operand, as Transformer Engine quantises it: an amax pass, then
+    - the weight: 1 x 16 blocks, one cast per layout (rows for the forward GEMM, columns for the input gradient's);
+      16 x 16 tiles, one cast writing both layouts (the tiles are the same either way: quantised once);
+    - an activation or output gradient: one cast writing both layouts; with the RHT, the column-wise copy (the
+      weight-gradient GEMM's) is transformed first, its own amax pass and its own cast reading the tensor again."""
+    if role == "weight":
+        return [read * elements] + ([(high + 2 * low) * elements] if recipe.weight_tiles else
+                                    [(high + low) * elements] * 2)
+    if recipe.rht:
+        return [read * elements, (high + low) * elements, high * elements, (high + low) * elements]
+    return [read * elements, (high + 2 * low) * elements]
 
 
 def predict(trace: StepTrace, recipe: Recipe, target: GPU, compiled: bool,
@@ -327,7 +367,9 @@ def predict(trace: StepTrace, recipe: Recipe, target: GPU, compiled: bool,
             operands = sorted(op.reads, reverse=True)[:2]
             moved = ELEMENT_BYTES[element] * sum(operands) + elsewhere * (sum(op.reads) - sum(operands)
                                                                            + sum(op.writes))
-            subclass = constants.float8_linear_s / 3 if (op.module in fp8 and not compiled) else 0.0
+            # torchao's Float8Linear dispatches its tensor subclass in eager mode (Transformer Engine's NVFP4: unmodelled)
+            subclass = constants.float8_linear_s / 3 if (op.module in fp8 and not compiled
+                                                         and recipe.casts != "nvfp4") else 0.0
             run("gemm", costs.kernel(op.flops, moved, element), host + subclass, op.kernels)
         elif op.kind == "attention":
             moved = elsewhere * (sum(op.reads) + sum(op.writes))
@@ -389,7 +431,7 @@ def predictions(cfg, trace: StepTrace, gpus: list[GPU] | None = None,
             out[target.name] = {"no_native_path": recipe.why}
             continue
         out[target.name] = {mode: predict(trace, recipe, target, mode == "compiled", constants).as_dict()
-                            for mode in ("compiled", "eager")}
+                            for mode in ("compiled", "eager")} | ({"note": recipe.note} if recipe.note else {})
     return out
 
 

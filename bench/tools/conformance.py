@@ -29,12 +29,12 @@ import torch
 from bench.numerics.blocks import (
     MX_ELEMENTS,
     SCALE_MODES,
+    TE_RHT_SIGNS,
     mx_quantise,
     nvfp4_quantise,
     nvfp4_tensor_scale,
     nvfp4_tile_quantise,
     random_hadamard_transform,
-    TE_RHT_SIGNS,
     rht_matrix,
     rowwise_quantise,
     te_pow2_scale,
