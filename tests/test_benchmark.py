@@ -171,9 +171,19 @@ def test_native_formats_can_be_chosen_and_an_unknown_one_is_named(tmp_path, monk
 def test_benchmark_steps_and_repeats_can_be_set(tmp_path, monkeypatch):
     calls = {}
     monkeypatch.setattr(benchmark, "quantise_rows", lambda: calls.setdefault("quantise", []) or [])
-    monkeypatch.setattr(benchmark, "emulation_rows", lambda steps, repeats: calls.update(emulation=(steps, repeats)) or [])
+    monkeypatch.setattr(benchmark, "emulation_rows",
+                        lambda steps, repeats, only: calls.update(emulation=(steps, repeats, only)) or [])
     assert benchmark.main(["--out", str(tmp_path), "--only", "emulation", "--steps", "12", "--repeats", "2"]) == 0
-    assert calls["emulation"] == (12, 2)
+    assert calls["emulation"] == (12, 2, None)
+    assert benchmark.main(["--out", str(tmp_path), "--only", "emulation", "--emulated", "nvfp4_recipe,fp8"]) == 0
+    assert calls["emulation"][2] == ["nvfp4_recipe", "fp8"]
+    with pytest.raises(SystemExit) as exit_:
+        benchmark.main(["--out", str(tmp_path), "--only", "emulation", "--emulated", "nvfp5"])
+    assert exit_.value.code == 2
+
+
+def test_the_nvfp4_recipe_row_runs_on_bert_tiny_only_with_its_target():
+    assert benchmark.EMULATION_TARGETS["nvfp4_recipe"] == "<= 3" and benchmark.EMULATED_ON["nvfp4_recipe"] == ("bert_tiny",)
 
 
 def test_the_harness_median_gets_an_interval_and_the_rounds_it_would_take_to_tell_0_95_from_0_97():

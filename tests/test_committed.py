@@ -159,3 +159,38 @@ def test_a_device_subfolder_is_remade_into_itself_not_over_the_cpu_folder(two_ru
     dry = subprocess.run(command.split()[:2] + ["-n", *command.split()[2:]], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)
     assert "--experiment smoke --out results/tables/h100 --keep-records" in dry.stdout, dry.stdout + dry.stderr
+
+
+def test_the_nvfp4_ablation_pairs_each_cell_with_bf16_seed_by_seed_as_its_records_say(tmp_path):
+    """The ablation remade from the committed records (as the committed one), its differences against ones computed
+    here from the records alone: each cell picked by its format node (not by the table's selectors), its validation
+    loss minus BF16's of the same seed, averaged."""
+    import pandas as pd
+
+    folder = tmp_path / "nvfp4_recipe"
+    folder.mkdir()
+    shutil.copy(TABLES / "nvfp4_recipe" / archive.ARCHIVE, folder / archive.ARCHIVE)
+    committed.regenerate(folder, plots_too=False)
+    assert filecmp.cmp(folder / "ablation.csv", TABLES / "nvfp4_recipe" / "ablation.csv", shallow=False)
+    records, problems = archive.read(folder / archive.ARCHIVE)
+    assert not problems and len(records) == 33
+
+    def losses(name, rounding="nearest", **switches):
+        chosen = {}
+        for r in records:
+            f = r["config"]["format"]
+            wanted = {"rht": False, "weight_blocks": "1x16", "keep_high_precision": None} | switches
+            if f["name"] == name and f["rounding"] == rounding and all(f.get(k) == v for k, v in wanted.items()):
+                chosen[r["config"]["seed"]] = r["metrics"]["val_loss"]
+        return chosen
+
+    bf16 = losses("bf16")
+    table = pd.read_csv(folder / "ablation.csv").set_index("cell")
+    for cell, mine in (("NVFP4 plain", losses("nvfp4")),
+                       ("plain + stochastic gradients", losses("nvfp4", "stochastic")),
+                       ("full recipe", losses("nvfp4_recipe", "stochastic", rht=True, weight_blocks="16x16",
+                                              keep_high_precision=["last:3"]))):
+        assert sorted(mine) == sorted(bf16) == [0, 1, 2], cell
+        difference = sum(mine[s] - bf16[s] for s in bf16) / 3
+        assert table.loc[cell, "Δ vs BF16"].startswith(f"{difference:+.3f} ["), (cell, difference)
+    assert table.loc["BF16", "Δ vs BF16"] == "baseline"

@@ -33,7 +33,7 @@ def _run(module: str, *args, cwd: Path, env: dict | None = None) -> subprocess.C
      "model.data.files: no such file (train: /nonexistent/train.jsonl)"),
     (["-m", "hydra.sweeper.table=block_format", "format=fp32"],  # a preset's table name, misspelt: no table at all
      "hydra.sweeper.table='block_format' is not a table; valid: unit_scaling_charlm, block_formats, lr_transfer, "
-     "labelled_rows (did you mean block_formats?)"),
+     "labelled_rows, ablation (did you mean block_formats?)"),
 ])
 def test_a_mistake_exits_2_naming_the_choices_and_writes_nothing(tmp_path, args, says):
     out = _run("bench.run", *args, f"results_dir={tmp_path / 'runs'}", cwd=tmp_path)

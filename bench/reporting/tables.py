@@ -653,7 +653,8 @@ def ablation_table(runs: pd.DataFrame, cells: pd.DataFrame, labelled: list[Block
                 mine = here[row.selects(here)]
                 differences = [v - baseline[s] for v, s in zip(mine["value"], mine["seed"]) if s in baseline.index]
                 rows.append({"model": label, "cell": row.label, "setting": _setting_label(c),
-                             "options": c["format_options"] or "–", "runs ok": f"{int(c['ok'])}/{int(c['runs'])}",
+                             "options": c["format_options"] or "–", "gradients rounded": row.rounding,
+                             "runs ok": f"{int(c['ok'])}/{int(c['runs'])}",
                              "mean ± std": _metric_text(c),
                              f"Δ vs {labelled[0].label}": _paired_text(differences, cell_unit(c), row == labelled[0])})
     return pd.DataFrame(rows)

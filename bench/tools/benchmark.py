@@ -16,8 +16,9 @@ things compared, in one process:
   (torch.cuda.set_sync_debug_mode), ordinary steps only but for step 0 (a log step) and the end, apart from those
   made inside the transformers model (.in_model), which a bare loop makes too. Target: ~0.
 - emulation_ratio.<model>.<format>: step time of an emulated format / fp32, same loop and model; the formats
-  include FP8 rowwise/block scaling and the block formats (bench/numerics/blocks.py). Targets on CPU: <= 1.5 for fp8,
-  <= 2.5 for mxfp8. telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off
+  include FP8 rowwise/block scaling, the block formats (bench/numerics/blocks.py) and NVIDIA's whole NVFP4 recipe
+  (format=nvfp4_recipe, BERT-tiny only). Targets on CPU: <= 1.5 for fp8, <= 2.5 for mxfp8, <= 3 for nvfp4_recipe
+  (`--emulated nvfp4_recipe,...` measures only those settings). telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off
   (target <= 1.5).
 - compile_speedup.<model>.<format>: step time of our loop eager / compiled (train.compile=true, inductor), for
   fp32, bf16 and emulated fp8, the medians of 3 alternating runs (steps that compiled left out, as records do);
@@ -292,14 +293,21 @@ EMULATED = {"tf32": ["format=tf32"], "fp16": ["format=fp16"], "bf16": ["format=b
             "mxfp8+torchao_recipe": ["format=mxfp8", "format.gradients=fp8_e4m3", "format.scale_mode=rceil",
                                      "format.backend=emulated"],
             "mxfp6": ["format=mxfp6"], "mxfp4": ["format=mxfp4"], "nvfp4": ["format=nvfp4"],
-            "nvfp4+stochastic": ["format=nvfp4", "format.rounding=stochastic"]}
-EMULATION_TARGETS = {"fp8": "<= 1.5", "mxfp8": "<= 2.5"}  # on CPU
+            "nvfp4+stochastic": ["format=nvfp4", "format.rounding=stochastic"],
+            "nvfp4_recipe": ["format=nvfp4_recipe"]}
+# NVIDIA's whole NVFP4 recipe keeps the last 3 Linear layers in BF16: LeNet has only 3, so it runs on BERT-tiny only
+EMULATED_ON = {"nvfp4_recipe": ("bert_tiny",)}
+EMULATION_TARGETS = {"fp8": "<= 1.5", "mxfp8": "<= 2.5", "nvfp4_recipe": "<= 3"}  # on CPU
 
 
-def emulation_rows(steps: int, repeats: int) -> list[dict]:
+def emulation_rows(steps: int, repeats: int, only: list[str] | None = None) -> list[dict]:
+    """Per model, each emulated setting's step time over FP32's (alternating rounds); `only`: those settings."""
     rows = []
     for model, model_args in MODELS.items():
-        variants = {"fp32": ["format=fp32"], **EMULATED, "fp8+telemetry": ["format=fp8"]}
+        emulated = {name: args for name, args in EMULATED.items()
+                    if model in EMULATED_ON.get(name, (model,)) and (only is None or name in only)}
+        telemetry = {"fp8+telemetry": ["format=fp8"]} if "fp8" in emulated else {}  # measured beside fp8's row
+        variants = {"fp32": ["format=fp32"], **emulated, **telemetry}
         loops, device = {}, None
         for name, args in variants.items():
             log_every = 1 if name == "fp8+telemetry" else NO_TELEMETRY
@@ -308,10 +316,11 @@ def emulation_rows(steps: int, repeats: int) -> list[dict]:
             loops[name] = our_loop(cfg, precision, cell, data)
             device = precision.device
         t = alternate(loops, device, repeats)
-        for name in (*EMULATED, "fp8+telemetry"):
+        for name in (*emulated, *telemetry):
             target = EMULATION_TARGETS.get(name) if device.type == "cpu" else None
             rows.append(row(f"emulation_ratio.{model}.{name}", t[name] / t["fp32"], "x fp32 step time", target))
-        rows.append(row(f"telemetry_ratio.{model}.fp8", t["fp8+telemetry"] / t["fp8"], "x fp8 step time", "<= 1.5"))
+        if telemetry:
+            rows.append(row(f"telemetry_ratio.{model}.fp8", t["fp8+telemetry"] / t["fp8"], "x fp8 step time", "<= 1.5"))
     return rows
 
 
@@ -502,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="alternating rounds per figure (default 7)")
     parser.add_argument("--native-formats", default=",".join(NATIVE_FORMATS),
                         help=f"comma-separated formats of the native rows (default all: {','.join(NATIVE_FORMATS)})")
+    parser.add_argument("--emulated", help=f"comma-separated settings of the emulation rows (default all: "
+                                           f"{','.join(EMULATED)})")
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections to measure (default all: {','.join(SECTIONS)}; "
                              f"{' and '.join(CUDA_ONLY)} on CUDA only)")
@@ -516,7 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     steps, repeats = (5, 1) if args.quick else (100, 7)
     steps, repeats = args.steps or steps, args.repeats or repeats
     device = devices.select_device("auto")
-    measure = {"harness": lambda: harness_rows(steps, repeats), "emulation": lambda: emulation_rows(steps, repeats),
+    emulated = args.emulated.split(",") if args.emulated else None
+    if unknown := [name for name in emulated or [] if name not in EMULATED]:
+        parser.error(f"unknown emulated setting(s) {', '.join(unknown)}; valid: {', '.join(EMULATED)}")
+    measure = {"harness": lambda: harness_rows(steps, repeats),
+               "emulation": lambda: emulation_rows(steps, repeats, emulated),
                "compile": lambda: compile_rows(steps, min(repeats, 3)),
                "peers": lambda: peer_rows(steps, repeats), "accounting": lambda: accounting_rows(repeats),
                "host_syncs": lambda: host_sync_rows(steps),
