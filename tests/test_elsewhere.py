@@ -64,7 +64,7 @@ def test_elsewhere_fp32_is_the_run_it_always_was_and_bf16_the_recipes_default(ma
 
 @pytest.mark.parametrize("overrides, message", [
     (["format=bf16", "format.elsewhere=bf16"], "format.elsewhere=bf16 applies to the formats of the GEMM operands only "
-                                                "(fp8, mxfp8, mxfp6, mxfp4, nvfp4), not to format=bf16"),
+                                                "(fp8, mxfp8, mxfp6, mxfp4, nvfp4, nvfp4_recipe), not to format=bf16"),
     (["format=fp8", "format.elsewhere=fp16"], "format.elsewhere='fp16' is not valid; valid: fp32, bf16"),
 ])
 def test_elsewhere_is_refused_where_it_means_nothing(make_cfg, overrides, message):

@@ -289,8 +289,9 @@ def test_switches_that_do_not_apply_are_refused_naming_the_valid_choices(make_cf
 @pytest.mark.parametrize("overrides,message", [
     (["format=nvfp4", "format.weight_blocks=16x16"],
      r"format.weight_blocks=16x16: 7 is 120 x 400, not whole 16 x 16 tiles .*valid: format.pad_weights=true"),
-    (["format=nvfp4", "format.keep_high_precision=[conv*]"], "'conv\\*' matches no Linear layer; valid: first:<n>, "
-                                                             "last:<n>, or a glob over these: 7, 9, 11"),
+    pytest.param(["format=nvfp4", "format.keep_high_precision=[conv*]"],
+                 "'conv\\*' matches no Linear layer; valid: first:<n>, last:<n>, or a glob over these: 7, 9, 11",
+                 marks=pytest.mark.slow),  # the same preflight path as above; kept_layers' message is tested fast
 ])
 def test_mistakes_only_the_model_shows_exit_2_before_training_writing_nothing(tmp_path, overrides, message):
     """A sweep (two seeds): refused by its preflight, which builds the model where the format names layers."""

@@ -138,7 +138,7 @@ def test_stochastic_fp8_rounds_only_the_gradients_entering_the_backward_and_is_u
     assert not torch.equal(grads[0], xi.grad) and not torch.equal(grads[0], grads[1])
     assert (grads.mean(0) - exact_grad_x).abs().mean() < (xi.grad - exact_grad_x).abs().mean() / 4
     assert stochastic.describe()["rounding_of_gradients"] == "stochastic"
-    with pytest.raises(PrecisionError, match="format.rounding applies to fp8, mxfp8, mxfp6, mxfp4, nvfp4, not to format=fp16"):
+    with pytest.raises(PrecisionError, match="format.rounding applies to fp8, mxfp8, mxfp6, mxfp4, nvfp4, nvfp4_recipe, not to format=fp16"):
         Precision("fp16", "mixed", "emulated", None, False, CPU, rounding="stochastic")
 
 
