@@ -90,6 +90,7 @@ def test_a_damaged_archive_line_is_named_and_the_rest_kept(two_runs, tmp_path):
     assert archive.read(path)[1][0].startswith(f"{path}: unreadable archive")
 
 
+@pytest.mark.slow  # ~13 s; the committed folders' own regeneration tests run by default
 def test_keep_records_makes_a_folder_that_regenerates_itself_and_is_indexed(two_runs, tmp_path):
     out = tmp_path / "tables"
     made = subprocess.run([sys.executable, "-m", "bench.aggregate", str(two_runs), "--out", str(out),

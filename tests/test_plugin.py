@@ -33,6 +33,7 @@ def swept(tmp_path_factory):
     return tmp, first, again
 
 
+@pytest.mark.slow  # ~30 s with its sweep; test_the_docs_plugin_commands_... sweeps, resumes and reports by default
 def test_a_users_model_sweeps_and_resumes_without_editing_bench(swept):
     tmp, first, again = swept
     assert first.returncode == 0, first.stderr[-2000:]
@@ -58,6 +59,7 @@ def test_a_users_model_sweeps_and_resumes_without_editing_bench(swept):
     assert fp8["channel_scale"]["weights"]["scale_max"] > 1 and "scale_max" not in fp8["channel_scale"]["gradients"]
 
 
+@pytest.mark.slow  # ~30 s with its sweep; test_the_docs_plugin_commands_... sweeps, resumes and reports by default
 def test_a_users_model_gets_tables_plots_and_a_dashboard(swept):
     tmp = swept[0]
     tables = _bench("bench.aggregate", str(tmp / "runs"), "--out", str(tmp / "tables"), cwd=tmp)
