@@ -175,6 +175,15 @@ def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, di
     rounded by `rounding` (NVIDIA's NVFP4 training recipe rounds gradients stochastically)."""
     blocks, length = _blocks(x, dim, NVFP4_BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
+    elements, stored, scale = _nvfp4_scaled(blocks, amax, tensor_scale, rounding, generator)
+    return _blocked(elements * scale, elements, length, dim, stored, amax, scale)
+
+
+def _nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_scale: torch.Tensor | None, rounding: str,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4's step for blocks (1 x 16, or 16 x 16 tiles) with their `amax`: the stored E4M3 scale
+    E4M3(clamp(amax / 6 [/ t], 2^-6, 448)), the elements x * ((1 / t) / s) rounded to E2M1, and the factor s [* t]
+    that dequantises them."""
     block_scale = amax / NVFP4_ELEMENT_MAX
     if tensor_scale is None:
         stored = quantise_value(block_scale.clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX), "fp8_e4m3")
@@ -186,7 +195,7 @@ def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, di
         scaled = blocks * ((1.0 / tensor_scale) / stored)
         scale = stored * tensor_scale
     elements = _round_elements(scaled.clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX), "fp4_e2m1", rounding, generator)
-    return _blocked(elements * scale, elements, length, dim, stored, amax, scale)
+    return elements, stored, scale
 
 
 def torchao_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -232,18 +241,31 @@ def tile_quantise(x: torch.Tensor, dim: int = -1, tile: int = FP8_TILE, rounding
     return _fp8_runs(x, dim, tile, te_pow2_scale, rounding, generator)
 
 
+def _square_tiles(w: torch.Tensor, tile: int) -> torch.Tensor:
+    """A 2-D `w` (as FP32) zero-padded to whole `tile` x `tile` squares, viewed as (row tiles, tile, column tiles,
+    tile): a tile's amax is over dims (1, 3). Zeros never change an amax."""
+    rows, cols = w.shape
+    padded = torch.nn.functional.pad(w.float(), (0, -cols % tile, 0, -rows % tile))
+    return padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // tile, tile)
+
+
+def _tiled(w: torch.Tensor, values: torch.Tensor, elements: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+           factor: torch.Tensor) -> Blocked:
+    """A Blocked from `_square_tiles`' layout: values and elements back in w's shape, the per-tile tensors
+    (ceil(rows / tile), ceil(cols / tile))."""
+    whole = lambda t: t.reshape(t.shape[0] * t.shape[1], -1)[:w.shape[0], :w.shape[1]]
+    per_tile = lambda t: t.squeeze(3).squeeze(1)
+    return Blocked(whole(values), whole(elements), per_tile(scale), per_tile(amax), per_tile(factor))
+
+
 def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:
     """A 2-D weight in E4M3 with one Transformer Engine power-of-two scale per `tile` x `tile` square (edge tiles
     shorter); `scale` is (ceil(rows / tile), ceil(cols / tile))."""
-    rows, cols = w.shape
-    padded = torch.nn.functional.pad(w.float(), (0, -cols % tile, 0, -rows % tile))
-    squares = padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // tile, tile)
+    squares = _square_tiles(w, tile)
     amax = squares.abs().amax((1, 3), keepdim=True)
     scale = te_pow2_scale(amax)
     elements, values = _fp8_scaled(squares, scale)
-    per_tile = lambda t: t.squeeze(3).squeeze(1)
-    return Blocked(values.reshape(padded.shape)[:rows, :cols], elements.reshape(padded.shape)[:rows, :cols],
-                   per_tile(scale), per_tile(amax), per_tile(1 / scale))
+    return _tiled(w, values, elements, scale, amax, 1 / scale)
 
 
 # NVIDIA's NVFP4 training recipe (arXiv 2509.25149; Transformer Engine's NVFP4BlockScaling): its weights in 16 x 16
@@ -299,17 +321,7 @@ def nvfp4_tile_quantise(w: torch.Tensor, tensor_scale: torch.Tensor, rounding: s
     nvfp4_quantise makes a block: E4M3(clamp(tile amax / 6 / t, 2^-6, 448)) under the FP32 tensor scale t, elements
     x * ((1 / t) / s) rounded to E2M1. Edge tiles are shorter (their amax over the elements they have); `scale` and
     `amax` are (ceil(rows / 16), ceil(cols / 16))."""
-    rows, cols = w.shape
-    tile = NVFP4_TILE
-    padded = torch.nn.functional.pad(w.float(), (0, -cols % tile, 0, -rows % tile))
-    squares = padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // tile, tile)
+    squares = _square_tiles(w, NVFP4_TILE)
     amax = squares.abs().amax((1, 3), keepdim=True)
-    tensor_scale = tensor_scale.float()
-    stored = quantise_value((amax / NVFP4_ELEMENT_MAX / tensor_scale).clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX),
-                            "fp8_e4m3")
-    scale = stored * tensor_scale
-    elements = _round_elements((squares * ((1.0 / tensor_scale) / stored)).clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX),
-                               "fp4_e2m1", rounding, generator)
-    per_tile = lambda t: t.squeeze(3).squeeze(1)
-    return Blocked((elements * scale).reshape(padded.shape)[:rows, :cols], elements.reshape(padded.shape)[:rows, :cols],
-                   per_tile(stored), per_tile(amax), per_tile(scale))
+    elements, stored, scale = _nvfp4_scaled(squares, amax, tensor_scale, rounding, generator)
+    return _tiled(w, elements * scale, elements, stored, amax, scale)

@@ -162,6 +162,12 @@ class PrecisionConfig:
     def spec(self) -> FormatSpec:
         return FORMAT_SPECS[self.format]
 
+    @property
+    def by_layer(self) -> bool:
+        """Whether a choice depends on the model's Linear layers (layers named to keep, whole 16 x 16 weight tiles):
+        only Precision.prepare on the built model can refuse it, so the preflight builds one."""
+        return bool(self.keep_high_precision) or self.weight_blocks == "16x16"
+
     @classmethod
     def from_config(cls, cfg) -> PrecisionConfig:
         """From a composed config: its `format` node and `scaling.name`."""

@@ -191,15 +191,14 @@ class Precision:
         """The Linear layers format.keep_high_precision keeps out of the format (PrecisionError where a pattern keeps
         none, or where nothing would be left in the format); every other Linear checked against 16 x 16 tiles."""
         c = self.plan.config
-        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        kept = kept_layers(linears, c.keep_high_precision)
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        kept = kept_layers(list(linears), c.keep_high_precision)
         if c.keep_high_precision and len(kept) == len(linears):
             raise PrecisionError(f"format.keep_high_precision={list(c.keep_high_precision)} keeps every Linear layer "
                                  f"({len(linears)}) out of {self.format}: nothing would be in the format; keep fewer")
         if c.weight_blocks == "16x16" and not c.pad_weights:
-            for name, module in model.named_modules():
-                if isinstance(module, nn.Linear) and name not in kept and \
-                        (module.in_features % 16 or module.out_features % 16):
+            for name, module in linears.items():
+                if name not in kept and (module.in_features % 16 or module.out_features % 16):
                     raise PrecisionError(
                         f"format.weight_blocks=16x16: {name} is {module.out_features} x {module.in_features}, not whole "
                         f"16 x 16 tiles (Transformer Engine refuses it too); valid: format.pad_weights=true (shorter "
@@ -366,7 +365,6 @@ class Precision:
                 "rounding_of_gradients": self.block.rounding, "kept_in_high_precision": kept,
                 **(self._nvfp4_recipe() if p.recipe.block == "nvfp4" else {})},
         }
-
 
     def _nvfp4_recipe(self) -> dict:
         """NVIDIA's NVFP4 switches as this cell set them (the record's env.precision.block)."""

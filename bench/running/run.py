@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from bench.numerics.plan import PrecisionConfig
 from bench.numerics.precision import Precision, PrecisionError
 from bench.numerics.scaling import LossScaler
 from bench.numerics.scaling_methods import ScalingMethod
@@ -79,13 +80,12 @@ def check_model(cfg: DictConfig) -> None:
     config, where a mistake could hide until training: under a scaling method that changes the model (unit scaling,
     u-μP, a user's `transform`: a layer or op it has no rule for), for a model of a user's (outputs that do not
     fit the task's loss), and for a format that names layers (format.keep_high_precision) or needs whole 16 x 16
-    weight tiles: the precision is applied to the built model. It refuses the cell here (ConfigError), before any cell trains. The shipped models under
-    the other methods are not built (their first step is checked by every test run). A model that cannot be built
-    here (a checkpoint not cached) is left to its run, which records why."""
+    weight tiles (the precision is then applied to the built model). It refuses the cell here (ConfigError), before
+    any cell trains. The shipped models under the other methods are not built (their first step is checked by every
+    test run). A model that cannot be built here (a checkpoint not cached) is left to its run, which records why."""
     method = build_scaling_method(cfg.scaling)
     transforms = type(method).transform is not ScalingMethod.transform
-    # layers named by format.keep_high_precision, 16 x 16 weight tiles: only the model's Linears can tell
-    by_layer = bool(cfg.format.get("keep_high_precision")) or cfg.format.get("weight_blocks", "1x16") != "1x16"
+    by_layer = PrecisionConfig.from_config(cfg).by_layer
     if not transforms and not by_layer and str(cfg.model.task._target_).startswith("bench."):
         return
     key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.scaling, resolve=True),
