@@ -12,8 +12,9 @@ from bench.numerics.scaling import LossScaler
 from bench.running.config import ConfigError, check
 from bench.running.record import read_record
 from bench.running.run import run_cell
-from bench.running.train import build_optimizer, build_schedule
+from bench.running.train import build_schedule
 from bench.tasks.charlm import CharGPT, encode, load_text, validation_windows
+from bench.tasks.optimizer import build_optimizer
 from tests.conftest import char_data as _data
 
 

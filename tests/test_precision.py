@@ -51,8 +51,9 @@ def test_fp32_has_tf32_off_and_tf32_has_it_on_while_the_cell_runs_and_not_after(
 def test_the_device_matrix_doctor_predictions_and_the_preflight_leave_torchs_flags_as_they_found_them(make_cfg):
     """What decides many cells without training one: each plans on (simulated) devices, none sets a flag."""
     from bench.running.run import preflight
-    from bench.running.speed import gpu, recipe_on
-    from bench.running.trace import trace_cell
+    from bench.speed.model import recipe_on
+    from bench.speed.profiles import gpu
+    from bench.speed.trace import trace_cell
     from bench.tools import doctor, matrix
 
     original = torch.backends.cuda.matmul.fp32_precision

@@ -36,7 +36,7 @@ def test_every_cell_writes_a_complete_record(make_cfg, tmp_path, fmt, mode, scal
     assert metrics["evaluated_in"] == env["precision"]["label"]  # evaluated as it trained (train.eval_precision)
     assert record["timing"]["steps"] == 4 and record["timing"]["train_s"] > 0
     assert record["timing"]["trace_s"] > 0 and record["timing"]["traced_on"] == "meta"
-    h100 = record["predicted"]["H100"]  # the speed model on the step this cell traced (bench/running/speed.py)
+    h100 = record["predicted"]["H100"]  # the speed model on the step this cell traced (bench/speed/model.py)
     assert set(record["predicted"]) == {"V100", "A100", "H100", "H200", "B200"}
     assert h100["compiled"]["step_s"] > 0 and h100["eager"]["step_s"] >= h100["compiled"]["step_s"] \
         if "compiled" in h100 else h100["no_native_path"]
@@ -221,7 +221,7 @@ def test_records_get_the_permissions_the_umask_gives_new_files(tmp_path, umask, 
 
 def test_flops_per_linear_are_its_three_gemms_counted_by_hand(make_cfg):
     """DistilBERT's q_lin, k_lin, v_lin and out_lin are 64 x 64 Linears on the same tokens: the traced step
-    (bench/running/trace.py) charges each 2·tokens·64·64 FLOPs forward and as much for each gradient GEMM, to that
+    (bench/speed/trace.py) charges each 2·tokens·64·64 FLOPs forward and as much for each gradient GEMM, to that
     module alone (FlopCounterMode's backward attribution once gave v_lin the q_lin and k_lin gradients)."""
     from bench.running.run import build_cell, preflight
 

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from bench.numerics.formats import FORMATS
 from bench.numerics.scaling import LossScaler, PerTensorScale
-from bench.running.train import build_optimizer
+from bench.tasks.optimizer import build_optimizer
 
 INF, NAN = math.inf, math.nan
 # A scripted sequence of gradients: clean runs long enough to grow, inf and NaN in between.
@@ -36,7 +36,7 @@ def _optimizers(name):
 
 
 # Clean runs long enough to grow, inf and NaN in between; the second starts with a skipped step (torch's fused
-# SGD left its momentum buffer uninitialised there: bench.running.train.build_optimizer works around it).
+# SGD left its momentum buffer uninitialised there: bench.tasks.optimizer.build_optimizer works around it).
 SCRIPTS = {"grows": SCRIPT, "first_step_skipped": [INF, 1.0, 2.0, NAN, 1.0, 1.0, 1.0, 1.0]}
 
 

@@ -15,9 +15,9 @@ from torch import nn
 from bench.errors import ConfigError
 from bench.numerics.umup import UmupHyper, UmupLinear, UmupReadout, umup_parameter_groups, umup_scale
 from bench.running.run import run_cell
-from bench.running.train import build_optimizer
 from bench.tasks.charlm import CharGPT
 from bench.tasks.lenet import LeNet5
+from bench.tasks.optimizer import build_optimizer
 
 
 @pytest.mark.parametrize("ours, library", [(UmupLinear, uu.Linear), (UmupReadout, uu.LinearReadout)])

@@ -322,8 +322,8 @@ def test_relative_lr_rule_gives_every_tensor_the_regular_models_relative_adam_st
     from omegaconf import OmegaConf
 
     from bench.numerics.unit import relative_lr_multipliers
-    from bench.running.train import build_optimizer
     from bench.tasks.charlm import CharGPT
+    from bench.tasks.optimizer import build_optimizer
 
     cfg = OmegaConf.create({"name": "adamw", "lr": 1e-3, "beta2": 0.99, "weight_decay": 0.1, "decay_matrices_only": True})
     x, y = torch.randint(0, 65, (4, 16)), torch.randint(0, 65, (4, 16))

@@ -101,7 +101,7 @@ class ScalingMethod:
     def transform(self, task, pretrained: bool, optimizer: str | None) -> dict | None:
         """Change the task's model (and loss) in place before it trains; what the record says of it, or None.
         `pretrained`: the model holds a checkpoint's weights; `optimizer`: model.optimizer.name, or None where the
-        model is only traced (bench/running/trace.py: its ops, no learning-rate rule)."""
+        model is only traced (bench/speed/trace.py: its ops, no learning-rate rule)."""
         return None
 
     def parameter_groups(self, groups: list[dict], lr: float) -> list[dict]:

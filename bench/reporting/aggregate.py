@@ -43,7 +43,7 @@ from bench.running.record import (
     logged_losses,
     read_record,
 )
-from bench.running.speed import GPU, gpu
+from bench.speed.profiles import GPU, gpu
 from bench.tasks.base import describe as generic_describe
 
 CELL_KEYS = ["experiment", "model", "task", "model_label", "setting", "scaling", "backend", "variant"]

@@ -5,8 +5,8 @@
 
 The overrides are `python -m bench.run`'s, comma lists swept as `-m` sweeps them; `gpu=` names shipped profiles
 (bench/data/gpus/: V100, A100, H100, H200, B200; default all) or a profile's yaml path. Each cell's training step is
-traced on the meta device (bench/running/trace.py: no data trained on, no weights loaded) and predicted on every
-GPU (bench/running/speed.py): compiled and eager step time, the speed-up over the same model's FP32 and bf16-mixed
+traced on the meta device (bench/speed/trace.py: no data trained on, no weights loaded) and predicted on every
+GPU (bench/speed/model.py): compiled and eager step time, the speed-up over the same model's FP32 and bf16-mixed
 (compiled), and the step's memory as the trace accounts for it. Every figure is a prediction; how far off the
 model has been is in results/bench/speed_model_validation.md. Bad input exits 2 naming the valid choices.
 """
@@ -19,7 +19,8 @@ from tabulate import tabulate
 
 from bench.errors import ConfigError
 from bench.numerics.specs import format_spec
-from bench.running.speed import NoNativePath, gpu, predict, recipe_on, shipped_gpus, step_memory
+from bench.speed.model import NoNativePath, predict, recipe_on, step_memory
+from bench.speed.profiles import gpu, shipped_gpus
 
 
 def _split_gpus(argv: list[str]) -> tuple[list[str], list]:
@@ -65,7 +66,7 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
     from bench.reporting.aggregate import describe
     from bench.reporting.recorded_predictions import trace_key
     from bench.running.config import CONF_DIR
-    from bench.running.trace import trace_cell
+    from bench.speed.trace import trace_cell
 
     traces: dict[str, object] = {}
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(tabulate([[r[c] for c in COLUMNS] for r in table], headers=COLUMNS, tablefmt="github"))
-    print("\npredicted, not measured: the speed model (bench/running/speed.py) on each cell's traced step; speed-ups "
+    print("\npredicted, not measured: the speed model (bench/speed/model.py) on each cell's traced step; speed-ups "
           "compiled against compiled; memory as the trace accounts for a step (parameters, gradients, optimiser "
           "state, saved activations and weight copies). How far off it has been: "
           "results/bench/speed_model_validation.md")

@@ -1,5 +1,5 @@
 """Time to quality, as MLPerf Training measures it: how many steps a run takes to reach a quality target, and what
-those steps would take on a GPU by the speed model's prediction (bench/running/speed.py).
+those steps would take on a GPU by the speed model's prediction (bench/speed/model.py).
 
 A run's quality curve is its task's validation metric at each evaluation (`metrics.curve`: after each epoch, or
 every `model.task.eval_every` steps from step 0, and at the end). The target of a run is, by default, the final

@@ -1,6 +1,6 @@
-"""The speed model's predictions for recorded cells (bench/running/speed.py): a record's own (`predicted`, which the
+"""The speed model's predictions for recorded cells (bench/speed/model.py): a record's own (`predicted`, which the
 runner writes from the step it traced), or, for a record made before records held them or for a GPU profile it does
-not name, computed from its configuration (bench/running/trace.py `trace_cell`: the step traced on the meta device,
+not name, computed from its configuration (bench/speed/trace.py `trace_cell`: the step traced on the meta device,
 nothing retrained) and cached, in this process and on disk (~/.cache/precision-bench/predictions/), keyed by what the
 prediction reads: the configuration's structure (not its seed, learning rate or format), the profile and the model's
 constants."""
@@ -16,7 +16,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from bench.running.identity import semantic_config
-from bench.running.speed import CONSTANTS, GPU, NoNativePath, predict, recipe_on, shipped_gpus
+from bench.speed.model import CONSTANTS, NoNativePath, predict, recipe_on
+from bench.speed.profiles import GPU, shipped_gpus
 
 DEFAULT_GPUS = ("H100",)  # the tables' predicted columns, unless `--predict-for` names others
 # Optimiser keys that change no op of a step (its values), left out of what a trace is cached by.
@@ -39,7 +40,7 @@ _TRACES: dict = {}  # trace_key (as JSON) -> its traced step, for this process
 
 
 def _trace(config: dict):
-    from bench.running.trace import trace_cell
+    from bench.speed.trace import trace_cell
 
     key = json.dumps(trace_key(config), sort_keys=True, default=str)
     if key not in _TRACES:
@@ -48,10 +49,12 @@ def _trace(config: dict):
 
 
 def _model_code() -> str:
-    """The speed model's own code (bench/running/speed.py and trace.py): a cached prediction is one of this code."""
-    from bench.running import speed, trace
+    """The speed model's own code (bench/speed/: the tracer, the profiles' loader, the GEMM and step models): a
+    cached prediction is one of this code."""
+    from bench.speed import gemm, model, profiles, trace
 
-    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (speed, trace))).hexdigest()[:16]
+    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes()
+                                   for m in (gemm, model, profiles, trace))).hexdigest()[:16]
 
 
 def _computed(config: dict, target: GPU) -> dict:

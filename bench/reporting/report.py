@@ -18,7 +18,7 @@ from pathlib import Path
 from bench.errors import ConfigError
 from bench.reporting import aggregate, archive, committed
 from bench.reporting.recorded_predictions import DEFAULT_GPUS
-from bench.running.speed import gpu, shipped_gpus
+from bench.speed.profiles import gpu, shipped_gpus
 
 
 def main(argv: list[str] | None = None, api=None) -> int:

@@ -52,7 +52,7 @@ STALLED = "¶"
 EVALUATED_OUTSIDE = "°"
 NOTES = {
     "predicted": "predicted step, speed-up and time to target: predicted, not measured: the speed model's step "
-                 "time on that GPU (bench/running/speed.py), from this cell's own traced step, on the path the runner would take there (no native path: it would "
+                 "time on that GPU (bench/speed/model.py), from this cell's own traced step, on the path the runner would take there (no native path: it would "
                  "emulate the format); compiled, as published FP8 figures are; speed-up against the 32-true cell's "
                  "prediction. How far off it has been: results/bench/speed_model_validation.md.",
     "time_to_target": "steps to target: the first evaluation at which a seed's quality curve (its validation metric) "

@@ -50,11 +50,12 @@ from bench.running.record import (
     storage_errors,
     write_json_atomic,
 )
-from bench.running.speed import predictions
-from bench.running.trace import StepTrace, trace_task
-from bench.running.train import build_optimizer, build_schedule, total_steps, train
+from bench.running.train import build_schedule, total_steps, train
+from bench.speed.model import predictions
+from bench.speed.trace import StepTrace, trace_task
 from bench.tasks import Task, build_task
 from bench.tasks.base import check_metric_unit
+from bench.tasks.optimizer import build_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class Cell:
     optimizer: torch.optim.Optimizer
     schedule: object
     unit_conversion: dict | None
-    trace: StepTrace  # one training step, op by op (bench/running/trace.py): its FLOPs, the speed model's input
+    trace: StepTrace  # one training step, op by op (bench/speed/trace.py): its FLOPs, the speed model's input
     trace_s: float  # what tracing it cost
 
 
@@ -374,7 +375,7 @@ def _record_outcome(record: dict, cfg: DictConfig, cell: Cell, outcome, metrics:
     record["timing"] = outcome.timing(flops, native) | {
         "conditions": timing_conditions, "trace_s": cell.trace_s,
         "traced_on": cell.trace.traced_on + (f" ({cell.trace.note})" if cell.trace.note else "")}
-    record["predicted"] = predictions(cfg, cell.trace)  # each GPU profile's step time (bench/running/speed.py)
+    record["predicted"] = predictions(cfg, cell.trace)  # each GPU profile's step time (bench/speed/model.py)
     record["env"]["compile"] = outcome.compile
     record["numerics"]["diverged_at_step"] = outcome.diverged_at_step
     if outcome.diverged_at_step is None:

@@ -11,7 +11,6 @@ from typing import Callable
 
 import torch
 from omegaconf import DictConfig
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from tqdm import tqdm
 
 from bench.numerics.memory import StepMemory
@@ -22,47 +21,6 @@ from bench.running.checkpoint import Checkpointer
 from bench.running.compile import CompiledStep
 from bench.running.device import StepTimer, end_step, synchronize
 from bench.tasks.base import Task
-
-
-def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None,
-                    parameter_groups: Callable[[list, float], list] | None = None) -> torch.optim.Optimizer:
-    """torch's optimiser, fused where the device has the kernel (CPU and CUDA do): one kernel per step, and
-    the only way to skip an overflowing step without reading found_inf on the host (GradScaler's route).
-    decay_matrices_only: weight decay on parameters of two or more dimensions only (nanoGPT's groups).
-    lr_multipliers: parameter -> factor k on cfg.lr, its weight decay divided by k (one group per factor; schedules
-    scale every group alike): AdamW's decoupled decay shrinks a weight by lr * weight_decay per step, so the
-    shrink per step stays what it was while Adam's step grows k-fold (bench/numerics/unit.py's relative rule).
-    parameter_groups: the scaling method's groups instead (its `parameter_groups`; u-μP's: cfg.lr is its global
-    learning rate, scaled per parameter by type and depth, the weight decay independent of it)."""
-    params = list(dict.fromkeys(params))  # a tied parameter once
-    fused = bool(params) and params[0].device.type in _get_fused_kernels_supported_devices()
-    groups = {}
-    for p in params:
-        decay = cfg.weight_decay if p.dim() >= 2 or not cfg.decay_matrices_only else 0.0
-        factor = 1.0 if lr_multipliers is None else lr_multipliers.get(p, 1.0)
-        groups.setdefault((decay, factor), []).append(p)
-    groups = [{"params": members, "weight_decay": decay / factor, "lr": cfg.lr * factor}
-              for (decay, factor), members in groups.items()]
-    if parameter_groups is not None:
-        groups = parameter_groups(groups, cfg.lr)
-    sgd, adam, adamw = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
-    if params and params[0].device.type == "xla":
-        # torch_xla's sync-free subclasses of the same optimisers skip a step on a found_inf flag on the device
-        # (step(found_inf=...)), where torch's would need it read on the host at every step
-        from torch_xla.amp import syncfree
-
-        sgd, adam, adamw = syncfree.SGD, syncfree.Adam, syncfree.AdamW
-    kernel = {"fused": True} if fused else {}  # (the sync-free optimisers take no `fused`)
-    if cfg.name == "sgd":
-        optimizer = sgd(groups, lr=cfg.lr, momentum=cfg.momentum, **kernel)
-        if fused and cfg.momentum:
-            # torch's fused SGD makes its momentum buffers with empty_like on the first step and fills them in
-            # the kernel, which a found_inf skip leaves out: the next step reads garbage. Zeros are the same
-            # first step bit for bit (buf = momentum * 0 + grad, no dampening) and survive a skip.
-            for p in params:
-                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return optimizer
-    return (adam if cfg.name == "adam" else adamw)(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), **kernel)
 
 
 def build_schedule(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int):

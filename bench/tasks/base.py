@@ -36,7 +36,7 @@ class Task:
         except (RuntimeError, ValueError, IndexError) as e:
             if any(isinstance(t, torch.Tensor) and t.is_meta for t in (outputs, targets)) and "shape" not in str(e) \
                     and "size" not in str(e):
-                raise  # the meta device cannot run this loss (bench/running/trace.py falls back to the CPU)
+                raise  # the meta device cannot run this loss (bench/speed/trace.py falls back to the CPU)
             raise OutputMismatch(
                 f"the model's forward returns outputs that do not fit the task's loss ({str(e).splitlines()[0]}): "
                 f"outputs {_shape(outputs)}, targets {_shape(targets)}; the loss is cross-entropy over (batch, classes)"

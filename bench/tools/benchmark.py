@@ -34,7 +34,7 @@ things compared, in one process:
 - accounting_share.lenet.<format>: what a run's one-off accounting costs (the memory breakdown of its first
   step, bench/numerics/memory.py) as a share of a default LeNet cell's training time (its steps x a plain step's
   median time). Target <= 0.05.
-- trace_share.lenet.<format>: what tracing its step costs a cell (bench/running/trace.py, the speed model's input and
+- trace_share.lenet.<format>: what tracing its step costs a cell (bench/speed/trace.py, the speed model's input and
   its FLOPs) as the same share. Target <= 0.02.
 - aggregate_s.10k: reading, summarising and tabulating 10,000 synthetic records. Target <= 5 s.
 - quantise_ns.<format>: nanoseconds per value of bench.numerics.formats.quantise on 2^20 float32 values, and of the block
@@ -78,9 +78,10 @@ from bench.running import device as devices
 from bench.running.compile import CompiledStep
 from bench.running.config import CONF_DIR
 from bench.running.run import build_cell, preflight
-from bench.running.speed import shipped_gpus
-from bench.running.trace import trace_task
-from bench.running.train import build_optimizer, total_steps, train
+from bench.running.train import total_steps, train
+from bench.speed.profiles import shipped_gpus
+from bench.speed.trace import trace_task
+from bench.tasks.optimizer import build_optimizer
 from bench.tasks.text import full_length_batch
 
 NO_TELEMETRY = 10**9  # train.log_every that never samples within a measurement
@@ -431,7 +432,7 @@ def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: 
 
 
 def speed_model_rows() -> list[dict]:
-    """The speed model (bench/running/speed.py) against every GPU step measured here and the published ratios
+    """The speed model (bench/speed/model.py) against every GPU step measured here and the published ratios
     (bench/tools/speed_validation.py's rows, its constants as they are): predicted, measured, error."""
     from bench.tools import speed_validation
 

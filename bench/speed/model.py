@@ -1,0 +1,465 @@
+"""The speed model: a training step's time on a GPU, predicted from the cell's own traced step (bench/speed/trace.py),
+compiled and eager. A prediction says it is one, and results/bench/speed_model_validation.md how far off it has been
+out of sample.
+
+Each op of the trace is priced by its kind:
+- a matrix product by its shape, operand type and kernel (bench/speed/gemm.py: tiles, waves over the SMs, split-K,
+  the type's large-GEMM efficiency from the GPU profile, the kernel's factor: FP8 without fast accumulation, the
+  row-scaled FP8 kernel); a convolution at the type's large-GEMM rate;
+- attention (SDPA, fused) at the profile's attention efficiency;
+- memory-bound ops at MEMORY_EFFICIENCY of the bandwidth, no kernel shorter than KERNEL_FLOOR_S.
+What the cell's setting changes, on the path the runner would take on that GPU (`Recipe`, decided by the runner's
+own rules on a simulated device of the GPU's compute capability): the GEMM operands' type and kernel (a converted
+Linear's FP8 or MXFP8, the rest in the autocast dtype or FP32), the bytes of every other op (BF16/FP16 outside the
+GEMMs, or FP32), the optimiser's (FP32 master weights, or a whole-model 16-bit cast), and what the recipe adds:
+autocast's weight casts, and an FP8 or MX recipe's amaxes and casts, counted as torchao's float8 roofline
+(benchmarks/float8/float8_roofline.py) counts them, kernel by kernel.
+
+- compiled: the memory-bound ops between two GEMMs (or attention ops) of the forward or the backward pass run as
+  one fused kernel, as inductor fuses them: it reads the tensors made outside it and writes the ones used outside
+  it; and every kernel costs COMPILED_LAUNCH_S on the host.
+- eager: every op its own kernel, each costing DISPATCH_S on the host (a PyTorch dispatch and launch), and each
+  FP8 Linear's tensor-subclass dispatch FLOAT8_LINEAR_S more (torchao's Float8Linear in eager mode).
+
+The step is the sum of the GPU's time and the host's. GPU profiles are data (bench/speed/profiles.py). Where the
+runner would emulate the format on that GPU, there is no prediction: "no native path on <GPU>" and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from bench.data import DATA_DIR
+from bench.errors import ConfigError
+from bench.numerics import hardware
+from bench.numerics.blocks import MX_BLOCK
+from bench.speed.gemm import PEAK, RATE, GemmKernel, gemm_time, rate
+from bench.speed.profiles import GPU, shipped_gpus
+from bench.speed.trace import StepTrace
+
+
+@dataclass(frozen=True)
+class Constants:
+    """What the model assumes beyond the datasheets, each with where it comes from (docs/performance.md)."""
+
+    gemm_efficiency: float  # of the FP32 (CUDA-core) peak an FP32 GEMM or attention kernel reaches
+    memory_efficiency: float  # of the bandwidth a memory-bound kernel reaches
+    kernel_floor_s: float  # the shortest a kernel takes on the GPU
+    gemm_latency_s: float  # a GEMM kernel's time beyond its waves: launch, pipeline fill, epilogue
+    fp8_no_fast_accum: float  # an FP8 GEMM promoting its partial sums to FP32 (cuBLAS without fast accumulation)
+    fp8_rowwise: float  # torch._scaled_mm's row-scaled FP8 kernel (CUTLASS, fast accumulation)
+    dispatch_s: float  # eager: host time per op (PyTorch's dispatch and the launch)
+    autocast_dispatch_s: float  # eager: more host time per op under autocast (its dispatch key, its casting)
+    float8_linear_s: float  # eager: host time per FP8 Linear per step (torchao's tensor-subclass dispatch)
+    compiled_launch_s: float  # compiled: host time per kernel of the compiled graph
+
+
+# The constants' values live in bench/data/speed_constants.yaml, which `make speed-validation`
+# (bench/tools/speed_validation.py) writes with those it fits; every row it does not fit on validates them
+# (results/bench/speed_model_validation.md). Where each comes from:
+STATED = {
+    "gemm_efficiency": "fitted on the eager fit rows (DistilBERT's H100 FP32 step is GEMM-bound on CUDA cores)",
+    "memory_efficiency": "stated: elementwise kernels reach ~80% of HBM bandwidth (torchao assumes 0.92 for its "
+                         "triton kernels on its H100; eager PyTorch's are slower)",
+    "kernel_floor_s": "stated: torchao's roofline, a one-element triton kernel measured on an H100",
+    "gemm_latency_s": "fitted on torchao's two tensorwise single-Linear examples (H100), the only GEMM fit rows",
+    "fp8_no_fast_accum": "stated: 0.785, from Transformer Engine's published FP8 GEMM speed-up over BF16 on H200 "
+                         "(1.69x, delayed scaling): its forward GEMM accumulates fast (2x BF16 at FP8's 0.78), its two "
+                         "backward GEMMs promote to FP32, so 3 / (0.5 + 2 / (2 x f)) = 1.69 gives f = 0.785",
+    "fp8_rowwise": "stated (assumed): 1.0, the row scales applied in the epilogue of the same FP8 main loop; the "
+                   "row-wise single-Linear table (216 shapes) validates it",
+    "dispatch_s": "fitted on the eager fit rows (DistilBERT's 16-bit steps on the H100 are partly launch-bound)",
+    "autocast_dispatch_s": "fitted on the eager fit rows (DistilBERT's 16-bit mixed ones)",
+    "float8_linear_s": "fitted on the eager fit rows (DistilBERT's FP8 ones: eager torchao Float8Linear)",
+    "compiled_launch_s": "stated (assumed): a compiled graph's wrapper launching one inductor kernel (a BERT-base "
+                         "step's ~1,100 kernels: 5.5 ms if they were not hidden behind the GPU's work)",
+}
+CONSTANTS_FILE = DATA_DIR / "speed_constants.yaml"
+
+
+def load_constants(path: Path = CONSTANTS_FILE) -> Constants:
+    return Constants(**{k: float(v) for k, v in yaml.safe_load(path.read_text()).items()})
+
+
+CONSTANTS = load_constants()
+
+ELEMENT_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0,
+                 "mxfp8": 1.0 + 1.0 / MX_BLOCK,  # an E8M0 scale per 32 elements
+                 "nvfp4": 0.5 + 1.0 / 16, "mxfp4": 0.5 + 1.0 / MX_BLOCK}
+DTYPE_ELEMENTS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def missing_rates(target: GPU, elements) -> list[str]:
+    """The types among `elements` the profile gives no dense peak or (tensor cores) no large-GEMM efficiency for."""
+    missing = set()
+    for element in elements:
+        key = RATE[element]
+        if PEAK.get(key, key) not in target.tflops or (key != "fp32" and key not in target.gemm_efficiency):
+            missing.add(key)
+    return sorted(missing)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a setting runs on a GPU, natively: the element types of each class of op, and what the recipe adds."""
+
+    setting: str  # the tables' name (bf16-mixed, fp8-mixed, ...)
+    linear: str  # element type of a converted Linear's GEMM operands (its rate too)
+    elsewhere: str  # element type of every other op's tensors (and of unconverted GEMMs)
+    stored: str  # element type of parameters, gradients and optimiser state
+    converts: str  # which Linears take `linear`: all | fp8 (dims multiples of 16) | mx (of 32)
+    casts: str | None = None  # the FP8/MX recipe whose amaxes and casts are added: tensorwise | rowwise | ... | nvfp4
+    autocast: bool = False  # autocast casts each Linear's FP32 weight to `elsewhere` once a step
+    kept: tuple[str, ...] = ()  # Linears format.keep_high_precision keeps out of the format
+    rht: bool = False  # nvfp4: the weight-gradient operands' random Hadamard transform (its amax and cast passes)
+    weight_tiles: bool = False  # nvfp4: 16 x 16 weight tiles, one cast serving both GEMMs
+    note: str = ""  # how the path is taken, where the runner itself does not take it
+
+
+@dataclass(frozen=True)
+class NoNativePath:
+    """A setting the runner would emulate on the GPU: no prediction, and why."""
+
+    gpu: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"no native path on {self.gpu}: {self.why}"
+
+
+def recipe_on(cfg, trace: StepTrace, target: GPU) -> Recipe | NoNativePath:
+    """The path the runner would take for cell `cfg` on `target` (`_runner_path`), where the GPU's profile has the
+    rates it needs."""
+    recipe = _runner_path(cfg, trace, target)
+    missing = missing_rates(target, (recipe.linear, recipe.elsewhere)) if isinstance(recipe, Recipe) else []
+    if missing:
+        return NoNativePath(target.name, f"its profile has no {' or '.join(missing)} rate")
+    return recipe
+
+
+def _runner_path(cfg, trace: StepTrace, target: GPU) -> Recipe | NoNativePath:
+    """The path the runner would take for cell `cfg` on `target`: its own decision under format.backend=auto (a
+    cell emulated on a CPU is predicted as its format runs where the GPU has it), with torchao installed (as `make
+    setup` installs it where there is a GPU), on a simulated device of that compute capability; and, for torchao's
+    recipes, whether the model has a Linear it converts."""
+    from omegaconf import OmegaConf
+
+    from bench.numerics.plan import PrecisionConfig, kept_layers, plan
+    from bench.numerics.scaling_methods import build
+
+    cfg = OmegaConf.merge(cfg, {"format": {"backend": "auto"}})
+    with hardware.simulated("cuda", (), target.compute_capability, torchao=True) as device:
+        try:
+            decided = plan(PrecisionConfig.from_config(cfg), build(cfg.scaling), device)
+        except ConfigError as e:  # format.backend=native where the GPU has no native path
+            return NoNativePath(target.name, str(e))
+    kept = tuple(kept_layers(list(trace.linears), decided.config.keep_high_precision)) if decided.spec.gemm_only else ()
+    if not decided.native and decided.spec.block == "nvfp4":
+        return _nvfp4_path(decided, target, kept)
+    if not decided.native:
+        return NoNativePath(target.name, decided.why)
+    spec, setting = decided.spec, decided.setting
+    if not spec.gemm_only and spec.torch_dtype is None:  # FP32, or TF32 where the flags say so
+        element = "tf32" if decided.flags["cuda_matmul"] == "tf32" else "fp32"
+        return Recipe(setting, element, element, "fp32", "all")
+    if not spec.gemm_only:  # 16-bit: autocast (mixed) or the whole model cast (true)
+        element = DTYPE_ELEMENTS[spec.torch_dtype]
+        true = decided.mode == "true"
+        return Recipe(setting, element, element, element if true else "fp32", "all", autocast=not true)
+    mx = spec.block == "mx"
+    elsewhere = "bf16" if decided.elsewhere == "bf16" else "fp32"
+    recipe = Recipe(setting, "mxfp8" if mx else "fp8", elsewhere, "fp32", "mx" if mx else "fp8",
+                    casts="mxfp8" if mx else decided.torchao_recipe, autocast=elsewhere == "bf16", kept=kept)
+    if not any(_converted(recipe, trace, name) for name in trace.linears):
+        return NoNativePath(target.name, f"torchao converts no Linear of this model (a plain nn.Linear whose in and "
+                                         f"out features are multiples of {MX_BLOCK if mx else 16}; a unit-scaled one "
+                                         "is not)")
+    return recipe
+
+
+NVFP4_NOTE = ("predicted as Transformer Engine's NVFP4BlockScaling would run it (BF16 elsewhere); the runner "
+              "emulates NVFP4 on every device, so no measurement can check this prediction yet")
+
+
+def _nvfp4_path(decided, target: GPU, kept: tuple[str, ...]) -> Recipe | NoNativePath:
+    """NVFP4 and NVIDIA's recipe on a GPU with FP4 tensor cores (compute capability >= 10.0), as Transformer Engine's
+    NVFP4BlockScaling runs it: every Linear whose dims are multiples of 16 in NVFP4 (but those kept), BF16 elsewhere.
+    The runner has no such path (it emulates): the prediction says so (`note`)."""
+    if target.compute_capability < (10, 0):
+        return NoNativePath(target.name, f"NVFP4 GEMMs need compute capability >= 10.0 (this GPU: "
+                                         f"{'.'.join(map(str, target.compute_capability))}); {decided.why}")
+    c = decided.config
+    return Recipe(decided.setting, "nvfp4", "bf16", "fp32", "nvfp4", casts="nvfp4", autocast=True, kept=kept,
+                  rht=c.rht, weight_tiles=c.weight_blocks == "16x16", note=NVFP4_NOTE)
+
+
+def _converted(recipe: Recipe, trace: StepTrace, module: str) -> bool:
+    """Whether the recipe runs this Linear's GEMMs in its format (torchao's filters, bench/numerics/native.py;
+    Transformer Engine's for NVFP4: dims multiples of 16), unless format.keep_high_precision keeps it out."""
+    if module not in trace.linears or trace.module_types.get(module) != "Linear" or module in recipe.kept:
+        return False
+    if recipe.converts == "all":
+        return True
+    _, k, n = trace.linears[module]
+    block = MX_BLOCK if recipe.converts == "mx" else 16
+    return k % block == 0 and n % block == 0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted seconds of one step, by part; `step_s` their sum."""
+
+    gemm: float
+    attention: float
+    memory: float
+    optimizer: float
+    casts: float
+    launches: float  # host time: dispatches and launches (eager), the compiled graph's launches (compiled)
+    kernels: int
+
+    @property
+    def step_s(self) -> float:
+        return self.gemm + self.attention + self.memory + self.optimizer + self.casts + self.launches
+
+    def as_dict(self) -> dict:
+        return {"step_s": self.step_s, "gemm_s": self.gemm, "attention_s": self.attention,
+                "memory_s": self.memory, "optimizer_s": self.optimizer, "casts_s": self.casts,
+                "launches_s": self.launches, "kernels": self.kernels}
+
+
+class _Costs:
+    """The time of one op, kernel or byte count on one GPU under one recipe."""
+
+    def __init__(self, recipe: Recipe, target: GPU, constants: Constants):
+        self.recipe, self.gpu, self.c = recipe, target, constants
+
+    def rate(self, element: str, kernel: GemmKernel | None = None) -> float:
+        if missing_rates(self.gpu, [element]):
+            raise ConfigError(f"{self.gpu.name}'s profile has no {RATE[element]} rate for {self.recipe.setting}")
+        return rate(self.gpu, element, {"fp8_no_fast_accum": self.c.fp8_no_fast_accum,
+                                        "fp8_rowwise": self.c.fp8_rowwise}, kernel, self.c.gemm_efficiency)
+
+    def bandwidth(self) -> float:
+        return self.gpu.tb_s * 1e12 * self.c.memory_efficiency
+
+    def memory(self, moved: float) -> float:
+        return moved / self.bandwidth()
+
+    def gemm(self, op, kernel: GemmKernel, moved: float) -> float:
+        """A matrix product by its shape (bench/speed/gemm.py); a convolution (no shape traced) at the large-GEMM
+        rate, or its bytes, whichever is longer."""
+        if op.gemm is None:
+            return max(op.flops / self.rate(kernel.element, kernel), self.memory(moved), self.c.kernel_floor_s)
+        return gemm_time(*op.gemm, kernel, self.gpu, flops_per_s=self.rate(kernel.element, kernel),
+                         bytes_per_s=self.bandwidth(), operand_bytes=ELEMENT_BYTES[kernel.element],
+                         output_bytes=ELEMENT_BYTES[self.recipe.elsewhere], latency_s=self.c.gemm_latency_s).seconds
+
+    def attention(self, flops: float, moved: float) -> float:
+        """A fused attention kernel at the profile's attention efficiency of the 16-bit peak (FP32: CUDA cores)."""
+        key = RATE[self.recipe.elsewhere]
+        flops_per_s = self.rate("fp32") if key in ("fp32", "tf32") else \
+            self.gpu.tflops[key] * 1e12 * self.gpu.attention_efficiency
+        return max(flops / flops_per_s, self.memory(moved), self.c.kernel_floor_s)
+
+    def streaming(self, moved: float) -> float:
+        return max(self.memory(moved), self.c.kernel_floor_s)
+
+
+def gemm_kernel(recipe: Recipe, trace: StepTrace, op) -> GemmKernel:
+    """The kernel a GEMM op runs under `recipe`: a converted Linear's in the recipe's format (torchao's FP8 recipes
+    accumulate fast in the forward GEMM only, its row-wise ones there with the row-scaled kernel; backward, cuBLAS's
+    tensorwise kernel without fast accumulation, torchao applying the row scales after it; rowwise_with_gw_hp's
+    weight gradient stays high precision), any other GEMM in the type outside the format."""
+    converted = op.module_type == "Linear" and _converted(recipe, trace, op.module)
+    if not converted or (recipe.casts == "rowwise_with_gw_hp" and op.role == "grad_weight"):
+        return GemmKernel(recipe.elsewhere)
+    if recipe.linear != "fp8":
+        return GemmKernel(recipe.linear, "block")
+    scales = "row" if recipe.casts.startswith("rowwise") else "tensor"  # torchao's row-wise recipes, or tensorwise
+    return GemmKernel("fp8", scales, fast_accum=op.role == "output")
+
+
+def _cast_traffic(recipe: Recipe, trace: StepTrace, fused: bool) -> list[float]:
+    """Bytes of each kernel an FP8 or MX recipe adds per converted Linear (tokens M, in K, out N), as torchao's
+    roofline counts them, each kernel at least KERNEL_FLOOR_S: per operand (input M x K, weight K x N, output
+    gradient M x N) an amax pass (tensorwise; a compiled step fuses the activations' and gradients' first stage into
+    the op before, leaving a kernel that moves next to nothing) and casts reading the high-precision
+    tensor and writing the low-precision one, once per layout the GEMMs need; rowwise writes a transposed
+    high-precision copy too, and scales its backward GEMMs' outputs in a pass of their own. Autocast's own weight
+    casts (FP32 to the autocast type) are added per Linear."""
+    if recipe.casts is None and not recipe.autocast:
+        return []
+    high, low, master = ELEMENT_BYTES[recipe.elsewhere], ELEMENT_BYTES[recipe.linear], ELEMENT_BYTES[recipe.stored]
+    kernels = []
+    for name, (m, k, n) in trace.linears.items():
+        converted = _converted(recipe, trace, name) and recipe.casts is not None
+        if recipe.autocast and not converted:  # autocast casts the master weight once a step, and the input (made by
+            kernels += [k * n * (master + high), m * k * (4 + high)]  # an FP32 op: a norm) for the GEMM
+        if not converted:
+            continue
+        for role, elements in (("input", m * k), ("weight", k * n), ("grad_output", m * n)):
+            high = master if role == "weight" else ELEMENT_BYTES[recipe.elsewhere]  # torchao casts the master weight
+            read = 0 if (fused and role != "weight") else high  # the first read of an activation or gradient
+            if recipe.casts == "tensorwise":  # amax in two stages (the second reduces the first's partial maxima:
+                # a kernel of its own), then one cast writing both layouts (the weight: one each)
+                kernels += [read * elements, 0] + ([(high + low) * elements] * 2 if role == "weight" else
+                                                   [(high + 2 * low) * elements])
+            elif recipe.casts == "rowwise":  # cast row-wise (writing a transposed copy), then cast the copy
+                kernels += [(high + low) * elements, 2 * high * elements, (high + low) * elements] \
+                    if role == "weight" else [(read + low + high) * elements, (high + low) * elements]
+            elif recipe.casts == "rowwise_with_gw_hp":  # the weight-gradient GEMM's operands stay high precision
+                kernels += [(high + low) * elements] * 2 if role == "weight" else [(read + low) * elements]
+            elif recipe.casts == "nvfp4":  # Transformer Engine: an amax pass, then the casts (see _nvfp4_casts)
+                kernels += _nvfp4_casts(recipe, role, elements, read, high, low)
+            else:  # mxfp8: each layout its own blocked cast
+                kernels += [((high if role == "weight" else read) + low) * elements, (high + low) * elements]
+        if recipe.casts == "rowwise":
+            # the backward GEMMs' row scales, applied after cuBLAS's tensorwise kernel (torchao's float8_ops): the
+            # weight gradient's in a pass of its own (a graph output), the input gradient's fused into its consumer
+            # when compiled
+            high = ELEMENT_BYTES[recipe.elsewhere]
+            kernels += [2 * high * k * n] + ([] if fused else [2 * high * m * k])
+    return kernels
+
+
+def _nvfp4_casts(recipe: Recipe, role: str, elements: int, read: float, high: float, low: float) -> list[float]:
+    """The bytes of each kernel NVFP4 adds for one operand, as Transformer Engine quantises it: an amax pass, then
+    - the weight: 1 x 16 blocks, one cast per layout (rows for the forward GEMM, columns for the input gradient's);
+      16 x 16 tiles, one cast writing both layouts (the tiles are the same either way: quantised once);
+    - an activation or output gradient: one cast writing both layouts; with the RHT, the column-wise copy (the
+      weight-gradient GEMM's) is transformed first, its own amax pass and its own cast reading the tensor again."""
+    if role == "weight":
+        return [read * elements] + ([(high + 2 * low) * elements] if recipe.weight_tiles else
+                                    [(high + low) * elements] * 2)
+    if recipe.rht:
+        return [read * elements, (high + low) * elements, high * elements, (high + low) * elements]
+    return [read * elements, (high + 2 * low) * elements]
+
+
+def predict(trace: StepTrace, recipe: Recipe, target: GPU, compiled: bool,
+            constants: Constants = CONSTANTS, shards: int = 1) -> Prediction:
+    """The step's predicted time on `target` under `recipe`, compiled or eager (see the module docstring).
+
+    Kernels run on the GPU while the host goes on to launch the next ones: an op takes the longer of its GPU time and
+    the host's time to dispatch it, so a large GEMM hides the host's work and a step of small ops is the host's.
+    The parts: each class of op's GPU time, and `launches`, the host time no GPU work hid. `shards`: GPUs the
+    optimiser's state and step are sharded over (FSDP, ZeRO): each runs 1/shards of it (communication not counted)."""
+    costs = _Costs(recipe, target, constants)
+    elsewhere, stored = ELEMENT_BYTES[recipe.elsewhere], ELEMENT_BYTES[recipe.stored]
+    host = constants.compiled_launch_s if compiled else constants.dispatch_s + (
+        constants.autocast_dispatch_s if recipe.autocast else 0.0)
+    fp8 = {name for name in trace.linears if recipe.casts and _converted(recipe, trace, name)}
+    parts = {"gemm": 0.0, "attention": 0.0, "memory": 0.0, "optimizer": 0.0, "casts": 0.0}
+    state = {"step": 0.0, "kernels": 0}
+
+    def run(part: str, gpu_s: float, host_s: float, kernels: int) -> None:
+        parts[part] += gpu_s
+        state["step"] += max(gpu_s, host_s)
+        state["kernels"] += kernels
+
+    for op in trace.ops:
+        if op.kind == "view":  # a dispatch and no kernel: eager only (a compiled graph has none)
+            state["step"] += 0.0 if compiled else host
+        elif op.phase == "optimizer":
+            run("optimizer", costs.streaming(stored * (sum(op.reads) + sum(op.writes)) / shards), host, op.kernels)
+        elif op.kind == "gemm":
+            kernel = gemm_kernel(recipe, trace, op)
+            operands = sorted(op.reads, reverse=True)[:2]
+            moved = ELEMENT_BYTES[kernel.element] * sum(operands) + elsewhere * (sum(op.reads) - sum(operands)
+                                                                                  + sum(op.writes))
+            # torchao's Float8Linear dispatches its tensor subclass in eager mode (Transformer Engine's NVFP4: unmodelled)
+            subclass = constants.float8_linear_s / 3 if (op.module in fp8 and not compiled
+                                                         and recipe.casts != "nvfp4") else 0.0
+            run("gemm", costs.gemm(op, kernel, moved), host + subclass, op.kernels)
+        elif op.kind == "attention":
+            moved = elsewhere * (sum(op.reads) + sum(op.writes))
+            run("attention", costs.attention(op.flops, moved), host, op.kernels)
+        elif not compiled:
+            run("memory", costs.streaming(elsewhere * (sum(op.reads) + sum(op.writes))), host, op.kernels)
+    if compiled:
+        for moved in _fused_groups(trace):
+            run("memory", costs.streaming(elsewhere * moved), host, 1)
+    for moved in _cast_traffic(recipe, trace, fused=compiled):
+        run("casts", costs.streaming(moved), host, 1)
+    launches = state["step"] - sum(parts.values())
+    return Prediction(parts["gemm"], parts["attention"], parts["memory"], parts["optimizer"], parts["casts"],
+                      launches, state["kernels"])
+
+
+def _fused_groups(trace: StepTrace) -> list[int]:
+    """Elements each fused kernel of a compiled step moves: per phase (forward, backward), each maximal run of
+    memory-bound ops between two GEMM or attention ops is one kernel, reading the tensors made outside it and
+    writing the ones used outside it (or by nothing: the step's outputs)."""
+    ops = [o for o in trace.ops if o.kind != "view" and o.phase != "optimizer"]
+    consumers: dict[int, set[int]] = {}
+    sizes: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for t, n in zip(op.inputs, op.reads):
+            consumers.setdefault(t, set()).add(i)
+            sizes[t] = max(sizes.get(t, 0), n)
+        for t, n in zip(op.outputs, op.writes):
+            sizes[t] = max(sizes.get(t, 0), n)
+    groups, current, phase = [], [], None
+    for i, op in enumerate(ops):
+        if op.kind != "memory" or op.phase != phase:
+            if current:
+                groups.append(current)
+            current = [i] if op.kind == "memory" else []
+            phase = op.phase
+        else:
+            current.append(i)
+    if current:
+        groups.append(current)
+    moved = []
+    for group in groups:
+        members = set(group)
+        made = {t for i in group for t in ops[i].outputs}
+        reads = {t for i in group for t in ops[i].inputs if t not in made}
+        writes = {t for t in made if not consumers.get(t) or consumers[t] - members}
+        moved.append(sum(sizes[t] for t in reads | writes))
+    return moved
+
+
+def predictions(cfg, trace: StepTrace, gpus: list[GPU] | None = None,
+                constants: Constants = CONSTANTS) -> dict[str, dict]:
+    """A record's `predicted`: per GPU (default: every shipped profile), the compiled and eager step time and its
+    parts, or why the runner would have no native path there."""
+    out = {}
+    for target in gpus or shipped_gpus().values():
+        recipe = recipe_on(cfg, trace, target)
+        if isinstance(recipe, NoNativePath):
+            out[target.name] = {"no_native_path": recipe.why}
+            continue
+        out[target.name] = {mode: predict(trace, recipe, target, mode == "compiled", constants).as_dict()
+                            for mode in ("compiled", "eager")} | ({"note": recipe.note} if recipe.note else {})
+    return out
+
+
+def step_memory(trace: StepTrace, recipe: Recipe) -> dict:
+    """The bytes one training step holds, as the trace accounts for them under `recipe` (bench.predict's memory,
+    where no step is run: bench/numerics/memory.py counts a real first step for a record): parameters, their
+    gradients and the optimiser's state at the stored type (the state: what the optimiser step reads beyond the
+    parameters and gradients), and the activations saved for the backward pass (every tensor the forward pass makes
+    and the backward pass reads) at the type outside the GEMMs, a converted GEMM's own operands in its format."""
+    parameters = trace.parameters
+    read_by_optimizer = sum(sum(o.reads) for o in trace.ops if o.phase == "optimizer" and o.kind != "view")
+    stored, elsewhere = ELEMENT_BYTES[recipe.stored], ELEMENT_BYTES[recipe.elsewhere]
+    made_in_backward = {t for op in trace.ops if op.phase == "backward" and op.kind != "view" for t in op.outputs}
+    saved: dict[int, float] = {}
+    for op in trace.ops:
+        if op.phase != "backward":
+            continue
+        for t, n, size in zip(op.inputs, op.reads, op.sizes):
+            if t not in trace.held and t not in made_in_backward:  # made before the backward pass: saved for it
+                saved[t] = max(saved.get(t, 0.0), n * (elsewhere if size == 4 else size))
+    # autocast's 16-bit copy of each GEMM's weight (an FP8 recipe's FP8 one) is saved for the backward pass too
+    copies = sum(n * (ELEMENT_BYTES[recipe.linear] if recipe.casts and _converted(recipe, trace, name) else elsewhere)
+                 for name, n in trace.gemm_weights.items()) if recipe.autocast or recipe.casts else 0
+    breakdown = {"parameters": parameters * stored, "gradients": parameters * stored,
+                 "optimizer_state": max(0, read_by_optimizer - 2 * parameters) * stored,
+                 "weight_copies": copies, "activations": sum(saved.values())}
+    return {k: int(v) for k, v in breakdown.items()} | {"total": int(sum(breakdown.values()))}
