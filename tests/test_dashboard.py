@@ -139,3 +139,16 @@ def test_offline_it_says_what_it_would_create_and_exits_0(logged, tmp_path, monk
     assert dashboard.main(["dash", "--results", str(root), "--out", str(tmp_path)], save=StandInWandb(fail=True)) == 0
     assert "could not be reached" in capsys.readouterr().out
     assert (tmp_path / "dash" / "workspace.json").is_file()
+
+
+def test_on_a_fresh_clone_without_records_it_builds_panels_for_every_shipped_model(tmp_path, monkeypatch, capsys):
+    """`make dashboard` before any sweep: no local records, so the panels come from conf/model/, every model composed
+    as Hydra composes it (distilbert_tiny takes its name and task from its defaults: a plain yaml load has neither)."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    empty = tmp_path / "runs"
+    assert dashboard.main(["default", "--results", str(empty), "--tables", str(tmp_path / "none"),
+                           "--out", str(tmp_path)], save=StandInWandb()) == 0
+    metrics = dashboard.shipped_metrics()
+    for metric in ("test_accuracy", "val_loss", "f1"):
+        assert any(metric in m for m in metrics), (metric, metrics)
+    assert (tmp_path / "default" / "workspace.json").is_file() and "nothing created in W&B" in capsys.readouterr().out

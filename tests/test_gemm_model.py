@@ -138,3 +138,42 @@ def test_shipped_profiles_carry_the_gemm_models_fields_with_their_sources():
     for profile in (gpu(name) for name in ("V100", "A100", "H100", "H200", "B200")):
         assert isinstance(profile, GPU) and profile.sms > 0 and profile.gemm_tiles and profile.efficiency_source
         assert all(0 < e <= 1 for e in profile.gemm_efficiency.values())
+
+
+def test_gemms_prices_every_linear_gemm_of_the_step_and_the_cli_prints_them(make_cfg, capsys):
+    """`bench.predict ... --gemms`: tiny BERT in FP8 on an H100: three GEMMs per Linear (forward, input and weight
+    gradient, the backward two without fast accumulation) and one casts row; their format times add up to the step
+    prediction's GEMM part, and the CLI prints each Linear and the total."""
+    from bench.reporting.predict_cells import main
+    from bench.speed.trace import trace_cell
+
+    cfg = make_cfg("model=bert_tiny", "format=fp8", "scaling=per_tensor")
+    traced, h100 = trace_cell(cfg), gpu("H100")
+    recipe = speed.recipe_on(cfg, traced, h100)
+    reference = speed.recipe_on(make_cfg("model=bert_tiny", "format=bf16"), traced, h100)
+    parts = speed.gemm_breakdown(traced, recipe, reference, h100)
+    assert [p["part"] for p in parts[:4]] == ["output", "grad_input", "grad_weight", "casts"]
+    assert [p["kernel"] for p in parts[:3]] == ["fp8", "fp8 (no fast accumulation)", "fp8 (no fast accumulation)"]
+    assert len(parts) == 4 * len(traced.linears)
+    gemms = sum(p["format_s"] for p in parts if p["part"] != "casts")
+    assert gemms == pytest.approx(speed.predict(traced, recipe, h100, compiled=True).gemm)
+    assert main(["model=bert_tiny", "format=fp8", "scaling=per_tensor", "gpu=H100", "--gemms"]) == 0
+    out = capsys.readouterr().out
+    assert "| all Linears" in out and "fp8-mixed against bf16-mixed" in out
+    assert all(name in out for name in traced.linears)
+
+
+def test_a_users_profile_missing_a_new_field_exits_2_naming_it(tmp_path, capsys):
+    """A GPU profile written before the GEMM model (no sms, gemm_tiles, ...): bench.predict exits 2 naming the
+    fields and the example profile."""
+    import yaml
+
+    from bench.reporting.predict_cells import main
+
+    old = {"name": "Old", "device_name": "Old", "compute_capability": [9, 0], "tflops": {"fp32": 10, "bf16": 100},
+           "tb_s": 1.0, "source": "made up"}
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
+    assert main(["model=lenet", f"gpu={tmp_path / 'old.yaml'}"]) == 2
+    err = capsys.readouterr().err
+    assert "missing sms, gemm_tiles, gemm_efficiency, attention_efficiency, efficiency_source" in err
+    assert "h100.yaml" in err

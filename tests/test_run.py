@@ -8,6 +8,7 @@ import pytest
 import bench
 from bench.running.record import RECORD_KEYS, read_record
 from bench.running.run import run_cell
+from bench.speed.model import fingerprint
 
 CELLS = [(f, m, s) for f, modes in [("fp32", ["true"]), ("tf32", ["true"]), ("fp16", ["mixed", "true"]),
                                     ("bf16", ["mixed", "true"]), ("fp8", ["mixed"])]
@@ -38,6 +39,7 @@ def test_every_cell_writes_a_complete_record(make_cfg, tmp_path, fmt, mode, scal
     assert record["timing"]["trace_s"] > 0 and record["timing"]["traced_on"] == "meta"
     h100 = record["predicted"]["H100"]  # the speed model on the step this cell traced (bench/speed/model.py)
     assert set(record["predicted"]) == {"V100", "A100", "H100", "H200", "B200"}
+    assert record["predicted_by"] == fingerprint()  # the speed model that made them: a later one recomputes
     assert h100["compiled"]["step_s"] > 0 and h100["eager"]["step_s"] >= h100["compiled"]["step_s"] \
         if "compiled" in h100 else h100["no_native_path"]
     assert record["timing"]["step_median_s"] > 0 and record["timing"]["samples_per_s"] > 0

@@ -121,10 +121,14 @@ def experiment_metrics(results: Path, experiment: str) -> list[str]:
 
 
 def shipped_metrics() -> list[str]:
-    """The metrics of every model declared in conf/model/ (a dashboard for an experiment not run here)."""
+    """The metrics of every model declared in conf/model/ (a dashboard for an experiment not run here), each model
+    composed as `model=<name>` composes it (a yaml that takes its name and task from its defaults included)."""
+    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    specs = [OmegaConf.to_container(OmegaConf.load(p)) for p in sorted((CONF_DIR / "model").glob("*.yaml"))]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        specs = [OmegaConf.to_container(compose("config", overrides=[f"model={p.stem}"]).model, resolve=False)
+                 for p in sorted((CONF_DIR / "model").glob("*.yaml"))]
     return [m for spec in specs if "task" in spec for m in reported_metrics(spec)]
 
 

@@ -1,6 +1,7 @@
 """`python -m bench.predict [overrides] [gpu=H100,B200]`: the speed model's answer for cells that are not trained.
 
     python -m bench.predict model=bert_base format=fp32,bf16,fp8 scaling=per_tensor gpu=H100,B200
+    python -m bench.predict model=bert_base format=fp8 scaling=per_tensor gpu=H100 --gemms
     make predict ARGS="model=charlm format=bf16,fp8"
 
 The overrides are `python -m bench.run`'s, comma lists swept as `-m` sweeps them; `gpu=` names shipped profiles
@@ -9,6 +10,10 @@ traced on the meta device (bench/speed/trace.py: no data trained on, no weights 
 GPU (bench/speed/model.py): compiled and eager step time, the speed-up over the same model's FP32 and bf16-mixed
 (compiled), and the step's memory as the trace accounts for it. Every figure is a prediction; how far off the
 model has been is in results/bench/speed_model_validation.md. Bad input exits 2 naming the valid choices.
+
+--gemms: "does the format pay for my layers?": per Linear of each cell's step, its forward, input-gradient and
+weight-gradient GEMMs (shape, kernel) and the casts the format adds, predicted compiled in bf16-mixed and in the
+cell's format, with the ratio, and their sums.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from tabulate import tabulate
 
 from bench.errors import ConfigError
 from bench.numerics.specs import format_spec
-from bench.speed.model import NoNativePath, predict, recipe_on, step_memory
+from bench.speed.model import NoNativePath, gemm_breakdown, predict, recipe_on, step_memory
 from bench.speed.profiles import gpu, shipped_gpus
 
 
@@ -58,39 +63,48 @@ def _configs(overrides: list[str]):
     return composed
 
 
+_TRACES: dict[str, object] = {}
+
+
+def _traced(cfg):
+    """The cell's step traced at full length, once per shape a process."""
+    from omegaconf import OmegaConf
+
+    from bench.reporting.recorded_predictions import trace_key
+    from bench.speed.trace import trace_cell
+
+    key = str(trace_key(OmegaConf.to_container(cfg, resolve=True)))
+    if key not in _TRACES:
+        _TRACES[key] = trace_cell(cfg, full_length=True)
+    return _TRACES[key]
+
+
+def _baseline(cell: list[str], fmt: str, target):
+    """The same cell in `fmt` (a speed-up's reference) on `target`: with its scaling method where that has a native
+    path there, else with none."""
+    from hydra import compose, initialize_config_dir
+
+    from bench.running.config import CONF_DIR
+
+    kept = [o for o in cell if not o.startswith(("format=", "format."))]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for scaling in ([], ["scaling=none"]):
+            reference = compose("config", overrides=[*kept, f"format={fmt}", *scaling])
+            recipe = recipe_on(reference, _traced(reference), target)
+            if not isinstance(recipe, NoNativePath):
+                return recipe
+    return recipe
+
+
 def rows(overrides: list[str], gpus: list) -> list[dict]:
     """One row per cell and GPU."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from bench.reporting.aggregate import describe
-    from bench.reporting.recorded_predictions import trace_key
-    from bench.running.config import CONF_DIR
-    from bench.speed.trace import trace_cell
-
-    traces: dict[str, object] = {}
-
-    def traced(cfg):
-        key = str(trace_key(OmegaConf.to_container(cfg, resolve=True)))
-        if key not in traces:
-            traces[key] = trace_cell(cfg, full_length=True)
-        return traces[key]
-
-    def baseline(cell: list[str], fmt: str, target):
-        """The same cell in `fmt` (a speed-up's reference) on `target`: with its scaling method where that has a
-        native path there, else with none."""
-        kept = [o for o in cell if not o.startswith(("format=", "format."))]
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            for scaling in ([], ["scaling=none"]):
-                reference = compose("config", overrides=[*kept, f"format={fmt}", *scaling])
-                recipe = recipe_on(reference, traced(reference), target)
-                if not isinstance(recipe, NoNativePath):
-                    return recipe
-        return recipe
 
     out = []
     for cell, cfg in _configs(overrides):
-        trace = traced(cfg)
+        trace = _traced(cfg)
         label = describe(OmegaConf.to_container(cfg.model, resolve=True))[1]
         for target in gpus:
             recipe = recipe_on(cfg, trace, target)
@@ -103,7 +117,7 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
                 continue
             compiled = predict(trace, recipe, target, compiled=True)
             eager = predict(trace, recipe, target, compiled=False)
-            speedups = {"vs 32-true": baseline(cell, "fp32", target), "vs bf16-mixed": baseline(cell, "bf16", target)}
+            speedups = {"vs 32-true": _baseline(cell, "fp32", target), "vs bf16-mixed": _baseline(cell, "bf16", target)}
             speedups = {name: "–" if isinstance(base, NoNativePath) else
                         f"{predict(trace, base, target, compiled=True).step_s / compiled.step_s:.2f}×"
                         for name, base in speedups.items()}
@@ -112,6 +126,34 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
                               "memory (MiB)": f"{step_memory(trace, recipe)['total'] / 2**20:.4g}",
                               "note": "; ".join(n for n in (trace.note, recipe.note) if n)})
     return out
+
+
+def gemm_tables(overrides: list[str], gpus: list) -> list[str]:
+    """Per cell and GPU, the --gemms table: each Linear's GEMMs and casts, bf16-mixed against the cell's format."""
+    out = []
+    for cell, cfg in _configs(overrides):
+        trace = _traced(cfg)
+        for target in gpus:
+            recipe, reference = recipe_on(cfg, trace, target), _baseline(cell, "bf16", target)
+            title = f"{' '.join(cell) or 'defaults'} on {target.name}"
+            if isinstance(recipe, NoNativePath) or isinstance(reference, NoNativePath):
+                out.append(f"{title}: {recipe if isinstance(recipe, NoNativePath) else reference}")
+                continue
+            parts = gemm_breakdown(trace, recipe, reference, target)
+            table = [[p["linear"], p["part"], p["shape"], p["kernel"], f"{p['reference_s'] * 1e6:.1f}",
+                      f"{p['format_s'] * 1e6:.1f}", _ratio(p["reference_s"], p["format_s"])] for p in parts]
+            totals = [sum(p[k] for p in parts) for k in ("reference_s", "format_s")]
+            table.append(["all Linears", "", "", "", f"{totals[0] * 1e6:.1f}", f"{totals[1] * 1e6:.1f}",
+                          _ratio(*totals)])
+            headers = ["Linear", "part", "M×K×N", "kernel", f"{reference.setting} µs", f"{recipe.setting} µs",
+                       "speed-up"]
+            out.append(f"{title} ({recipe.setting} against {reference.setting}, compiled):\n"
+                       + tabulate(table, headers=headers, tablefmt="github"))
+    return out
+
+
+def _ratio(reference_s: float, format_s: float) -> str:
+    return f"{reference_s / format_s:.2f}×" if format_s else "–"
 
 
 COLUMNS = ["model", "setting", "scaling", "GPU", "compiled step", "eager step", "vs 32-true", "vs bf16-mixed",
@@ -123,12 +165,22 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
+    by_gemm = "--gemms" in argv
     try:
-        overrides, gpus = _split_gpus(argv)
-        table = rows(overrides, gpus)
+        overrides, gpus = _split_gpus([a for a in argv if a != "--gemms"])
+        if by_gemm:
+            tables = gemm_tables(overrides, gpus)
+        else:
+            table = rows(overrides, gpus)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if by_gemm:
+        print("\n\n".join(tables))
+        print("\npredicted, not measured: each GEMM priced by its shape, type and kernel (bench/speed/gemm.py), the "
+              "casts as torchao's roofline counts them; speed-up > 1: the format pays for that part. How far off the "
+              "model has been: results/bench/speed_model_validation.md")
+        return 0
     print(tabulate([[r[c] for c in COLUMNS] for r in table], headers=COLUMNS, tablefmt="github"))
     print("\npredicted, not measured: the speed model (bench/speed/model.py) on each cell's traced step; speed-ups "
           "compiled against compiled; memory as the trace accounts for a step (parameters, gradients, optimiser "

@@ -1,6 +1,6 @@
 """The speed model's predictions for recorded cells (bench/speed/model.py): a record's own (`predicted`, which the
-runner writes from the step it traced), or, for a record made before records held them or for a GPU profile it does
-not name, computed from its configuration (bench/speed/trace.py `trace_cell`: the step traced on the meta device,
+runner writes from the step it traced, used while the speed model that made them is this one), or, for a record made
+before records held them, by another speed model or for a GPU profile it does not name, computed from its configuration (bench/speed/trace.py `trace_cell`: the step traced on the meta device,
 nothing retrained) and cached, in this process and on disk (~/.cache/precision-bench/predictions/), keyed by what the
 prediction reads: the configuration's structure (not its seed, learning rate or format), the profile and the model's
 constants."""
@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from bench.running.identity import semantic_config
-from bench.speed.model import CONSTANTS, NoNativePath, predict, recipe_on
+from bench.speed.model import CONSTANTS, NoNativePath, fingerprint, predict, recipe_on
 from bench.speed.profiles import GPU, shipped_gpus
 
 DEFAULT_GPUS = ("H100",)  # the tables' predicted columns, unless `--predict-for` names others
@@ -48,21 +48,12 @@ def _trace(config: dict):
     return _TRACES[key]
 
 
-def _model_code() -> str:
-    """The speed model's own code (bench/speed/: the tracer, the profiles' loader, the GEMM and step models): a
-    cached prediction is one of this code."""
-    from bench.speed import gemm, model, profiles, trace
-
-    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes()
-                                   for m in (gemm, model, profiles, trace))).hexdigest()[:16]
-
-
 def _computed(config: dict, target: GPU) -> dict:
     """One GPU's prediction for a recorded config, from the disk cache or a fresh trace."""
-    fingerprint = json.dumps({"trace": trace_key(config), "format": semantic_config(config).get("format"),
-                              "gpu": dataclasses.asdict(target), "constants": dataclasses.asdict(CONSTANTS),
-                              "code": _model_code()}, sort_keys=True, default=str)
-    path = _cache_dir() / f"{hashlib.sha256(fingerprint.encode()).hexdigest()[:24]}.json"
+    key = json.dumps({"trace": trace_key(config), "format": semantic_config(config).get("format"),
+                      "gpu": dataclasses.asdict(target), "constants": dataclasses.asdict(CONSTANTS),
+                      "model": fingerprint()}, sort_keys=True, default=str)
+    path = _cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     if path.is_file():
         return json.loads(path.read_text())
     cfg = OmegaConf.create(config)
@@ -82,8 +73,9 @@ def _computed(config: dict, target: GPU) -> dict:
 
 
 def predicted(record: dict, gpus: tuple[GPU, ...]) -> dict[str, dict]:
-    """Per GPU of `gpus`, the record's prediction: its own where it holds one for that profile, else computed."""
-    own = record.get("predicted") or {}
+    """Per GPU of `gpus`, the record's prediction: its own where it holds one for that profile made by this speed
+    model (`predicted_by`), else computed."""
+    own = record.get("predicted") or {} if record.get("predicted_by") == fingerprint() else {}
     shipped = shipped_gpus()
     return {g.name: own[g.name] if g.name in own and shipped.get(g.name) == g else _computed(record["config"], g)
             for g in gpus}

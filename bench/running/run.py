@@ -51,7 +51,7 @@ from bench.running.record import (
     write_json_atomic,
 )
 from bench.running.train import build_schedule, total_steps, train
-from bench.speed.model import predictions
+from bench.speed.model import fingerprint, predictions
 from bench.speed.trace import StepTrace, trace_task
 from bench.tasks import Task, build_task
 from bench.tasks.base import check_metric_unit
@@ -376,6 +376,7 @@ def _record_outcome(record: dict, cfg: DictConfig, cell: Cell, outcome, metrics:
         "conditions": timing_conditions, "trace_s": cell.trace_s,
         "traced_on": cell.trace.traced_on + (f" ({cell.trace.note})" if cell.trace.note else "")}
     record["predicted"] = predictions(cfg, cell.trace)  # each GPU profile's step time (bench/speed/model.py)
+    record["predicted_by"] = fingerprint()  # which speed model: a later one recomputes rather than reuse these
     record["env"]["compile"] = outcome.compile
     record["numerics"]["diverged_at_step"] = outcome.diverged_at_step
     if outcome.diverged_at_step is None:

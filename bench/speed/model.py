@@ -27,6 +27,7 @@ runner would emulate the format on that GPU, there is no prediction: "no native 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -284,45 +285,50 @@ def gemm_kernel(recipe: Recipe, trace: StepTrace, op) -> GemmKernel:
 
 
 def _cast_traffic(recipe: Recipe, trace: StepTrace, fused: bool) -> list[float]:
-    """Bytes of each kernel an FP8 or MX recipe adds per converted Linear (tokens M, in K, out N), as torchao's
+    """Bytes of each kernel an FP8 or MX recipe adds to the step, Linear by Linear (`_linear_casts`)."""
+    if recipe.casts is None and not recipe.autocast:
+        return []
+    return [moved for name in trace.linears for moved in _linear_casts(recipe, trace, name, fused)]
+
+
+def _linear_casts(recipe: Recipe, trace: StepTrace, name: str, fused: bool) -> list[float]:
+    """Bytes of each kernel an FP8 or MX recipe adds for one converted Linear (tokens M, in K, out N), as torchao's
     roofline counts them, each kernel at least KERNEL_FLOOR_S: per operand (input M x K, weight K x N, output
     gradient M x N) an amax pass (tensorwise; a compiled step fuses the activations' and gradients' first stage into
     the op before, leaving a kernel that moves next to nothing) and casts reading the high-precision
     tensor and writing the low-precision one, once per layout the GEMMs need; rowwise writes a transposed
     high-precision copy too, and scales its backward GEMMs' outputs in a pass of their own. Autocast's own weight
-    casts (FP32 to the autocast type) are added per Linear."""
-    if recipe.casts is None and not recipe.autocast:
-        return []
+    casts (FP32 to the autocast type) are added for each Linear it casts."""
     high, low, master = ELEMENT_BYTES[recipe.elsewhere], ELEMENT_BYTES[recipe.linear], ELEMENT_BYTES[recipe.stored]
+    m, k, n = trace.linears[name]
     kernels = []
-    for name, (m, k, n) in trace.linears.items():
-        converted = _converted(recipe, trace, name) and recipe.casts is not None
-        if recipe.autocast and not converted:  # autocast casts the master weight once a step, and the input (made by
-            kernels += [k * n * (master + high), m * k * (4 + high)]  # an FP32 op: a norm) for the GEMM
-        if not converted:
-            continue
-        for role, elements in (("input", m * k), ("weight", k * n), ("grad_output", m * n)):
-            high = master if role == "weight" else ELEMENT_BYTES[recipe.elsewhere]  # torchao casts the master weight
-            read = 0 if (fused and role != "weight") else high  # the first read of an activation or gradient
-            if recipe.casts == "tensorwise":  # amax in two stages (the second reduces the first's partial maxima:
-                # a kernel of its own), then one cast writing both layouts (the weight: one each)
-                kernels += [read * elements, 0] + ([(high + low) * elements] * 2 if role == "weight" else
-                                                   [(high + 2 * low) * elements])
-            elif recipe.casts == "rowwise":  # cast row-wise (writing a transposed copy), then cast the copy
-                kernels += [(high + low) * elements, 2 * high * elements, (high + low) * elements] \
-                    if role == "weight" else [(read + low + high) * elements, (high + low) * elements]
-            elif recipe.casts == "rowwise_with_gw_hp":  # the weight-gradient GEMM's operands stay high precision
-                kernels += [(high + low) * elements] * 2 if role == "weight" else [(read + low) * elements]
-            elif recipe.casts == "nvfp4":  # Transformer Engine: an amax pass, then the casts (see _nvfp4_casts)
-                kernels += _nvfp4_casts(recipe, role, elements, read, high, low)
-            else:  # mxfp8: each layout its own blocked cast
-                kernels += [((high if role == "weight" else read) + low) * elements, (high + low) * elements]
-        if recipe.casts == "rowwise":
-            # the backward GEMMs' row scales, applied after cuBLAS's tensorwise kernel (torchao's float8_ops): the
-            # weight gradient's in a pass of its own (a graph output), the input gradient's fused into its consumer
-            # when compiled
-            high = ELEMENT_BYTES[recipe.elsewhere]
-            kernels += [2 * high * k * n] + ([] if fused else [2 * high * m * k])
+    converted = _converted(recipe, trace, name) and recipe.casts is not None
+    if recipe.autocast and not converted:  # autocast casts the master weight once a step, and the input (made by
+        kernels += [k * n * (master + high), m * k * (4 + high)]  # an FP32 op: a norm) for the GEMM
+    if not converted:
+        return kernels
+    for role, elements in (("input", m * k), ("weight", k * n), ("grad_output", m * n)):
+        high = master if role == "weight" else ELEMENT_BYTES[recipe.elsewhere]  # torchao casts the master weight
+        read = 0 if (fused and role != "weight") else high  # the first read of an activation or gradient
+        if recipe.casts == "tensorwise":  # amax in two stages (the second reduces the first's partial maxima:
+            # a kernel of its own), then one cast writing both layouts (the weight: one each)
+            kernels += [read * elements, 0] + ([(high + low) * elements] * 2 if role == "weight" else
+                                               [(high + 2 * low) * elements])
+        elif recipe.casts == "rowwise":  # cast row-wise (writing a transposed copy), then cast the copy
+            kernels += [(high + low) * elements, 2 * high * elements, (high + low) * elements] \
+                if role == "weight" else [(read + low + high) * elements, (high + low) * elements]
+        elif recipe.casts == "rowwise_with_gw_hp":  # the weight-gradient GEMM's operands stay high precision
+            kernels += [(high + low) * elements] * 2 if role == "weight" else [(read + low) * elements]
+        elif recipe.casts == "nvfp4":  # Transformer Engine: an amax pass, then the casts (see _nvfp4_casts)
+            kernels += _nvfp4_casts(recipe, role, elements, read, high, low)
+        else:  # mxfp8: each layout its own blocked cast
+            kernels += [((high if role == "weight" else read) + low) * elements, (high + low) * elements]
+    if recipe.casts == "rowwise":
+        # the backward GEMMs' row scales, applied after cuBLAS's tensorwise kernel (torchao's float8_ops): the
+        # weight gradient's in a pass of its own (a graph output), the input gradient's fused into its consumer
+        # when compiled
+        high = ELEMENT_BYTES[recipe.elsewhere]
+        kernels += [2 * high * k * n] + ([] if fused else [2 * high * m * k])
     return kernels
 
 
@@ -390,6 +396,27 @@ def predict(trace: StepTrace, recipe: Recipe, target: GPU, compiled: bool,
                       launches, state["kernels"])
 
 
+def gemm_breakdown(trace: StepTrace, recipe: Recipe, reference: Recipe, target: GPU,
+                   constants: Constants = CONSTANTS) -> list[dict]:
+    """"Does the format pay for my layers?": per Linear of the step, its three GEMMs (forward, input gradient,
+    weight gradient) and the casts the format adds, compiled, each priced on the GPU under the cell's `recipe` and
+    under `reference` (BF16): the shape (M x K x N of the GEMM as it runs), the kernel, and both times."""
+    ours, theirs = _Costs(recipe, target, constants), _Costs(reference, target, constants)
+    rows = []
+    for name in trace.linears:
+        for op in (o for o in trace.ops if o.kind == "gemm" and o.module == name and o.role and o.gemm):
+            kernel = gemm_kernel(recipe, trace, op)
+            rows.append({"linear": name, "part": op.role, "shape": "×".join(map(str, op.gemm[1:])),
+                         "kernel": kernel.element + ("" if kernel.fast_accum else " (no fast accumulation)"),
+                         "reference_s": theirs.gemm(op, gemm_kernel(reference, trace, op), 0.0),
+                         "format_s": ours.gemm(op, kernel, 0.0)})
+        casts = [_linear_casts(r, trace, name, fused=True) if r.casts or r.autocast else [] for r in (recipe, reference)]
+        rows.append({"linear": name, "part": "casts", "shape": "", "kernel": f"{len(casts[0])} kernels",
+                     "format_s": sum(ours.streaming(moved) for moved in casts[0]),
+                     "reference_s": sum(theirs.streaming(moved) for moved in casts[1])})
+    return rows
+
+
 def _fused_groups(trace: StepTrace) -> list[int]:
     """Elements each fused kernel of a compiled step moves: per phase (forward, backward), each maximal run of
     memory-bound ops between two GEMM or attention ops is one kernel, reading the tensors made outside it and
@@ -424,10 +451,20 @@ def _fused_groups(trace: StepTrace) -> list[int]:
     return moved
 
 
+def fingerprint() -> str:
+    """Which speed model made a prediction: a hash of its code (bench/speed/*.py), its constants and the shipped
+    profiles. A record's own predictions are reused only while this is unchanged (bench/reporting/recorded_predictions)."""
+    from bench.speed.profiles import GPUS_DIR
+
+    files = sorted(Path(__file__).parent.glob("*.py")) + [CONSTANTS_FILE] + sorted(GPUS_DIR.glob("*.yaml"))
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+
+
 def predictions(cfg, trace: StepTrace, gpus: list[GPU] | None = None,
                 constants: Constants = CONSTANTS) -> dict[str, dict]:
     """A record's `predicted`: per GPU (default: every shipped profile), the compiled and eager step time and its
-    parts, or why the runner would have no native path there."""
+    parts, or why the runner would have no native path there (the record's `predicted_by` names the model:
+    `fingerprint`)."""
     out = {}
     for target in gpus or shipped_gpus().values():
         recipe = recipe_on(cfg, trace, target)
