@@ -2,7 +2,11 @@
 users type where they have always been."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 LAYERS = ("numerics", "speed", "running", "reporting", "tools")
@@ -151,3 +155,18 @@ def test_bench_names_no_scaling_method_outside_its_declaration():
     assert _lists_naming(names, home) == [] and deciding == []
     assert {"none", "static", "dynamic", "per_tensor", "unit", "umup", "rowwise", "rowwise_with_gw_hp", "block"} \
         <= names  # the shipped methods, from their one home
+
+
+HEAVY = ("torch._dynamo", "torchao", "scipy.stats", "matplotlib")  # seconds of imports a refusal must not wait for
+
+
+@pytest.mark.parametrize("command, argv", [("bench.run", ["format=fp33"]), ("bench.predict", ["format=fp33"]),
+                                           ("bench.aggregate", ["/nonexistent"])])
+def test_a_refused_command_imports_nothing_heavy_before_it_refuses(command, argv):
+    """A typo is refused before the speed model (torch._dynamo), torchao, scipy.stats or matplotlib is imported: a
+    refusal costs about an `import torch` (make bench does not time it; these imports are what made it 2x)."""
+    script = ("import runpy, sys\nsys.argv = [%r, *%r]\ntry:\n    runpy.run_module(%r, run_name='__main__')\n"
+              "except SystemExit as e:\n    code = e.code\nprint(code, [m for m in %r if m in sys.modules])"
+              % (command, argv, command, HEAVY))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=BENCH.parent, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "2 []", done.stdout + done.stderr

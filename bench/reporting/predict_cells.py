@@ -24,7 +24,6 @@ from tabulate import tabulate
 
 from bench.errors import ConfigError
 from bench.numerics.specs import format_spec
-from bench.speed.model import NoNativePath, gemm_breakdown, predict, recipe_on, step_memory
 from bench.speed.profiles import gpu, shipped_gpus
 
 
@@ -85,6 +84,7 @@ def _baseline(cell: list[str], fmt: str, target):
     from hydra import compose, initialize_config_dir
 
     from bench.running.config import CONF_DIR
+    from bench.speed.model import NoNativePath, recipe_on
 
     kept = [o for o in cell if not o.startswith(("format=", "format."))]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -102,8 +102,11 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
 
     from bench.reporting.aggregate import describe
 
+    cells = _configs(overrides)  # checked before the speed model is imported (torch._dynamo: seconds)
+    from bench.speed.model import NoNativePath, predict, recipe_on, step_memory
+
     out = []
-    for cell, cfg in _configs(overrides):
+    for cell, cfg in cells:
         trace = _traced(cfg)
         label = describe(OmegaConf.to_container(cfg.model, resolve=True))[1]
         for target in gpus:
@@ -130,8 +133,11 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
 
 def gemm_tables(overrides: list[str], gpus: list) -> list[str]:
     """Per cell and GPU, the --gemms table: each Linear's GEMMs and casts, bf16-mixed against the cell's format."""
+    cells = _configs(overrides)  # checked before the speed model is imported (torch._dynamo: seconds)
+    from bench.speed.model import NoNativePath, gemm_breakdown, recipe_on
+
     out = []
-    for cell, cfg in _configs(overrides):
+    for cell, cfg in cells:
         trace = _traced(cfg)
         for target in gpus:
             recipe, reference = recipe_on(cfg, trace, target), _baseline(cell, "bf16", target)

@@ -16,7 +16,6 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from bench.running.identity import semantic_config
-from bench.speed.model import CONSTANTS, NoNativePath, fingerprint, predict, recipe_on
 from bench.speed.profiles import GPU, shipped_gpus
 
 DEFAULT_GPUS = ("H100",)  # the tables' predicted columns, unless `--predict-for` names others
@@ -50,6 +49,8 @@ def _trace(config: dict):
 
 def _computed(config: dict, target: GPU) -> dict:
     """One GPU's prediction for a recorded config, from the disk cache or a fresh trace."""
+    from bench.speed.model import CONSTANTS, NoNativePath, fingerprint, predict, recipe_on
+
     key = json.dumps({"trace": trace_key(config), "format": semantic_config(config).get("format"),
                       "gpu": dataclasses.asdict(target), "constants": dataclasses.asdict(CONSTANTS),
                       "model": fingerprint()}, sort_keys=True, default=str)
@@ -75,6 +76,8 @@ def _computed(config: dict, target: GPU) -> dict:
 def predicted(record: dict, gpus: tuple[GPU, ...]) -> dict[str, dict]:
     """Per GPU of `gpus`, the record's prediction: its own where it holds one for that profile made by this speed
     model (`predicted_by`), else computed."""
+    from bench.speed.model import fingerprint  # (the speed model imports torch._dynamo: seconds, when it is needed)
+
     own = record.get("predicted") or {} if record.get("predicted_by") == fingerprint() else {}
     shipped = shipped_gpus()
     return {g.name: own[g.name] if g.name in own and shipped.get(g.name) == g else _computed(record["config"], g)

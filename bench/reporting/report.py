@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from bench.errors import ConfigError
-from bench.reporting import aggregate, archive, committed
+from bench.reporting import archive
 from bench.reporting.recorded_predictions import DEFAULT_GPUS
 from bench.speed.profiles import gpu, shipped_gpus
 
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None, api=None) -> int:
         print(f"config error: {', '.join(missing)}: not a results directory, {archive.ARCHIVE} or "
               "wandb://entity/project[/group]", file=sys.stderr)
         return 2
+    from bench.reporting import aggregate, committed  # (pandas, matplotlib, torch: after the arguments are checked)
+
     try:
         gpus = tuple(gpu(name) for name in args.predict_for.split(",") if name)
         records, problems = aggregate.load_sources(args.sources, api)

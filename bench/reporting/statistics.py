@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 SIGNIFICANT = "*"
 CLIPPED = "§"
@@ -69,6 +68,8 @@ def t_interval(values, bounds: tuple[float, float] = (-math.inf, math.inf), conf
     values = np.asarray([v for v in values if not pd.isna(v)], dtype=float)
     if len(values) < 2:
         return Interval(np.nan, np.nan)
+    from scipy import stats  # (scipy.stats: half a second; imported by the first interval, not by every command)
+
     half = stats.t.ppf((1 + confidence) / 2, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
     lo, hi = values.mean() - half, values.mean() + half
     clipped = bool(lo < bounds[0] or hi > bounds[1])

@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 import numpy as np
@@ -51,11 +52,12 @@ from bench.running.record import (
     write_json_atomic,
 )
 from bench.running.train import build_schedule, total_steps, train
-from bench.speed.model import fingerprint, predictions
-from bench.speed.trace import StepTrace, trace_task
 from bench.tasks import Task, build_task
 from bench.tasks.base import check_metric_unit
 from bench.tasks.optimizer import build_optimizer
+
+if TYPE_CHECKING:  # the speed model (and torch._dynamo under it, ~1 s) is imported by a cell that runs, not before
+    from bench.speed.trace import StepTrace
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,8 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
         factors = task.lr_multipliers and {mine: task.lr_multipliers.get(theirs, 1.0) for mine, theirs in
                                            zip(model.parameters(), task.model.parameters())}
         return build_optimizer(cfg.model.optimizer, model.parameters(), factors, method.parameter_groups)
+
+    from bench.speed.trace import trace_task  # (its import, torch._dynamo's seconds, outside the trace's time)
 
     started = time.perf_counter()
     trace = trace_task(task, optimizer_over)
@@ -375,6 +379,8 @@ def _record_outcome(record: dict, cfg: DictConfig, cell: Cell, outcome, metrics:
     record["timing"] = outcome.timing(flops, native) | {
         "conditions": timing_conditions, "trace_s": cell.trace_s,
         "traced_on": cell.trace.traced_on + (f" ({cell.trace.note})" if cell.trace.note else "")}
+    from bench.speed.model import fingerprint, predictions
+
     record["predicted"] = predictions(cfg, cell.trace)  # each GPU profile's step time (bench/speed/model.py)
     record["predicted_by"] = fingerprint()  # which speed model: a later one recomputes rather than reuse these
     record["env"]["compile"] = outcome.compile
