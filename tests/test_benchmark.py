@@ -168,15 +168,26 @@ def test_native_formats_can_be_chosen_and_an_unknown_one_is_named(tmp_path, monk
     assert "unknown native format(s) fp9; valid: fp32, tf32, 16-mixed" in capsys.readouterr().err
 
 
-def test_benchmark_steps_and_repeats_can_be_set(tmp_path, monkeypatch):
-    calls = {}
-    monkeypatch.setattr(benchmark, "quantise_rows", lambda: calls.setdefault("quantise", []) or [])
-    monkeypatch.setattr(benchmark, "emulation_rows",
-                        lambda steps, repeats, only: calls.update(emulation=(steps, repeats, only)) or [])
-    assert benchmark.main(["--out", str(tmp_path), "--only", "emulation", "--steps", "12", "--repeats", "2"]) == 0
-    assert calls["emulation"] == (12, 2, None)
-    assert benchmark.main(["--out", str(tmp_path), "--only", "emulation", "--emulated", "nvfp4_recipe,fp8"]) == 0
-    assert calls["emulation"][2] == ["nvfp4_recipe", "fp8"]
+def test_benchmark_steps_and_repeats_reach_the_timed_loops(tmp_path, monkeypatch):
+    """--steps and --repeats reach what is timed: the batches each timed loop runs and the rounds alternated (the
+    real emulation rows, for FP8 only, on tiny loops); --emulated picks the settings and refuses an unknown one."""
+    seen = {"steps": set(), "repeats": set(), "settings": set()}
+    real_batches, real_alternate = benchmark.batches, benchmark.alternate
+
+    def batches(cell, steps):
+        seen["steps"].add(steps)
+        return real_batches(cell, steps)
+
+    def alternate(loops, device, repeats):
+        seen["repeats"].add(repeats)
+        seen["settings"] |= set(loops)
+        return real_alternate(loops, device, repeats)
+
+    monkeypatch.setattr(benchmark, "batches", batches)
+    monkeypatch.setattr(benchmark, "alternate", alternate)
+    assert benchmark.main(["--out", str(tmp_path), "--only", "emulation", "--emulated", "fp8", "--steps", "3",
+                           "--repeats", "2"]) == 0
+    assert seen == {"steps": {3}, "repeats": {2}, "settings": {"fp32", "fp8", "fp8+telemetry"}}
     with pytest.raises(SystemExit) as exit_:
         benchmark.main(["--out", str(tmp_path), "--only", "emulation", "--emulated", "nvfp5"])
     assert exit_.value.code == 2

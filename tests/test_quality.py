@@ -103,7 +103,23 @@ def test_bench_predict_tables_every_cell_on_every_gpu_it_names(capsys):
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| lenet")]
     assert [(r[1], r[3]) for r in rows] == [("32-true", "A100"), ("32-true", "H100"), ("bf16-mixed", "A100"),
                                            ("bf16-mixed", "H100"), ("fp8-mixed", "A100"), ("fp8-mixed", "H100")]
-    assert all(r[4].endswith(("ms", "µs")) or r[4].endswith("s") for r in rows[:4]) and rows[0][6] == "1.00×"
+    assert rows[0][6] == "1.00×"
+    # each printed step is the speed model's for that cell, traced at full length (here: LeNet's batch as it is)
+    from hydra import compose, initialize_config_dir
+
+    from bench.running.config import CONF_DIR
+    from bench.speed.model import predict as step
+    from bench.speed.model import recipe_on
+    from bench.speed.profiles import gpu
+    from bench.speed.trace import trace_cell
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for row, fmt in zip(rows[:4], ("fp32", "fp32", "bf16", "bf16")):
+            cfg = compose("config", overrides=["model=lenet", f"format={fmt}", "scaling=none"])
+            traced, target = trace_cell(cfg, full_length=True), gpu(row[3])
+            recipe = recipe_on(cfg, traced, target)
+            assert row[4] == f"{step(traced, recipe, target, compiled=True).step_s * 1e3:.3g} ms", row
+            assert row[5] == f"{step(traced, recipe, target, compiled=False).step_s * 1e3:.3g} ms", row
     assert "no native path on A100: compute capability 8.0 < 8.9" in rows[4][-1]
     assert "FP8 without per-tensor scales exists only as emulation" in rows[5][-1]
     assert "predicted, not measured" in out

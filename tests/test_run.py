@@ -281,3 +281,32 @@ def test_a_record_made_before_an_option_with_a_null_default_existed_is_the_same_
     assert run_cell(fp8)["status"] == "ok"
     frame = to_frame([read_record(Path(c.results_dir) / c.cell / "result.json") for c in (fp32, fp8)])
     assert frame["design_id"].nunique() == 1
+
+
+def test_hub_mnist_loader_keeps_labels_and_standardises_with_the_training_split(monkeypatch):
+    """load_mnist against an independent computation on a stand-in hub split: labels as the hub gives them, each
+    28x28 image upsampled to 32x32 (a constant image stays that constant), then standardised by the training split's
+    mean and std (train: mean 0, std 1; test: by the same two numbers)."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    from bench.tasks.lenet import load_mnist
+
+    levels = {"train": [0, 51, 102, 153, 204, 255, 30, 60], "test": [255, 0, 120]}
+
+    def split(name):
+        return datasets.Dataset.from_dict({
+            "image": [Image.fromarray(np.full((28, 28), v, dtype=np.uint8)) for v in levels[name]],
+            "label": [(7 * i + 3) % 10 for i in range(len(levels[name]))]})
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda name: datasets.DatasetDict(
+        {"train": split("train"), "test": split("test")}))
+    x_train, y_train, x_test, y_test = load_mnist("ylecun/mnist")
+    assert y_train.tolist() == [(7 * i + 3) % 10 for i in range(8)] and y_test.tolist() == [3, 0, 7]
+    assert x_train.shape == (8, 1, 32, 32) and x_test.shape == (3, 1, 32, 32)
+    pixels = np.repeat(np.asarray(levels["train"], dtype=np.float64) / 255.0, 32 * 32)
+    mean, std = pixels.mean(), pixels.std(ddof=1)
+    expected_test = (np.asarray(levels["test"], dtype=np.float64) / 255.0 - mean) / std
+    assert x_train.mean().item() == pytest.approx(0.0, abs=1e-6) and x_train.std().item() == pytest.approx(1.0, rel=1e-5)
+    assert x_test[:, 0, 0, 0].double().numpy() == pytest.approx(expected_test, rel=1e-5)

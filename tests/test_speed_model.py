@@ -249,3 +249,20 @@ def test_nvfp4_is_predicted_on_fp4_gpus_as_transformer_engine_runs_it_and_says_s
     assert found.kept == ("h.3.mlp.c_fc", "h.3.mlp.c_proj", "lm_head")
     assert "compute capability >= 10.0" in str(recipe_on(cfg, traced, gpu("H100")))
     assert speed.predictions(cfg, traced, [gpu("B200")])["B200"]["note"] == speed.NVFP4_NOTE
+
+
+def test_autocast_costs_the_host_its_dispatch_on_every_eager_op():
+    """A launch-bound step (a tiny Linear), eager, on a made-up profile: bf16-mixed under autocast costs each op
+    autocast_dispatch_s more host time than the same types without autocast (bf16-true), views included; compiled,
+    autocast costs the host nothing more (its casts are kernels of the graph)."""
+    tiny = _linear_trace(tokens=8, width=16)
+    profile = made_up_gpu({"fp32": 1e3, "bf16": 1e3}, tb_s=1e3)
+    c = dataclasses.replace(speed.CONSTANTS, dispatch_s=1e-3, autocast_dispatch_s=5e-4, kernel_floor_s=1e-9,
+                            gemm_latency_s=1e-9, compiled_launch_s=1e-4)
+    mixed = Recipe("bf16-mixed", "bf16", "bf16", "bf16", "all", autocast=True)
+    true = Recipe("bf16-true", "bf16", "bf16", "bf16", "all")
+    extra = predict(tiny, mixed, profile, False, c).step_s - predict(tiny, true, profile, False, c).step_s
+    casts = len(speed._cast_traffic(mixed, tiny, fused=False))  # autocast's own casts: kernels, dispatched too
+    assert extra == pytest.approx(5e-4 * len(tiny.ops) + 1.5e-3 * casts)
+    assert predict(tiny, mixed, profile, True, c).launches == pytest.approx(
+        predict(tiny, true, profile, True, c).launches + 1e-4 * casts, rel=1e-4)
