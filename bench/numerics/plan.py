@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import re
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import dataclass, field, fields, make_dataclass, replace
+from typing import Callable, List, Optional
 
 import torch
+from omegaconf import MISSING
 
 from bench.errors import ConfigError, check_choice
 from bench.numerics.blocks import MX_BLOCK, ROUNDINGS, SCALE_MODES, TileScaling
@@ -76,29 +77,52 @@ def fp32_flags(tf32: bool):
 
 
 @dataclass(frozen=True)
-class PrecisionConfig:
+class FormatChoices:
+    """`format.*`, declared once: the keys of conf/format/*.yaml and their defaults. Hydra's schema is its mutable
+    twin (`schema`), `PrecisionConfig` validates it, and records and identities read its defaults (`FORMAT_DEFAULTS`).
+    A new format key is one line here (and its check in PrecisionConfig, its doc in conf/README.md)."""
+
+    name: str = MISSING
+    mode: str = "mixed"  # mixed (FP32 master weights) | true (whole model cast)
+    backend: str = "auto"  # auto | native | emulated
+    overflow: Optional[str] = None  # saturate | inf | nan; None = each element format's default
+    ftz: bool = False  # flush subnormal results to signed zero (TPU bfloat16 semantics)
+    scale_mode: str = "floor"  # block formats (MX): floor | ceil | even | rceil (bench/numerics/blocks.py)
+    rounding: str = "nearest"  # fp8 and block formats: nearest | stochastic (the gradients entering the backward GEMMs)
+    gradients: Optional[str] = None  # mxfp8, mxfp6: the gradient operands' element format; None = the recipe's
+    elsewhere: Optional[str] = None  # fp8 and block formats, outside the converted GEMMs: null/fp32 (as before) | bf16
+    # NVIDIA's NVFP4 recipe (nvfp4, nvfp4_recipe: bench/numerics/blocks.py), each a switch; format=nvfp4_recipe all on
+    rht: bool = False  # 16 x 16 random Hadamard transform of both weight-gradient GEMM operands along the tokens
+    rht_seed: Optional[int] = None  # its random signs: null = Transformer Engine's fixed vector | an integer draws them
+    weight_blocks: str = "1x16"  # 1x16 (per GEMM) | 16x16 (tiles, one quantised weight for forward and backward)
+    pad_weights: bool = False  # 16x16 on a Linear whose dims are not multiples of 16: shorter edge tiles (else refused)
+    # fp8 and block formats: Linear layers kept out of the format, computing as `elsewhere` does (BF16 or FP32):
+    # module-name globs (`*.lm_head`), `first:<n>` or `last:<n>` (the first or last n Linear layers in module order)
+    keep_high_precision: Optional[List[str]] = None
+
+    @classmethod
+    def schema(cls) -> type:
+        """The same fields as a plain, mutable dataclass: Hydra's structured config must be one (a composed config is
+        edited once, bench/running/config.py), and a frozen schema would make `cfg.format` read-only."""
+        twin = make_dataclass("FormatConfig", [(f.name, f.type, field(default=f.default)) for f in fields(cls)])
+        twin.__module__, twin.__doc__ = cls.__module__, cls.__doc__  # its annotations resolve in this module
+        return twin
+
+
+FORMAT_DEFAULTS = {f.name: f.default for f in fields(FormatChoices)}
+
+
+@dataclass(frozen=True)
+class PrecisionConfig(FormatChoices):
     """A run's format choices, validated once, as they are made (like torchao's Float8LinearConfig): the config check,
     the sweeper's preflight (through it) and the plan all build one, so each mistake is refused in one place, with
     one wording, naming the valid choices. `scaling` is the scaling method's name where it is known (None: not
     checked)."""
 
-    format: str
-    mode: str = "mixed"
-    backend: str = "auto"
-    overflow: str | None = None
-    ftz: bool = False
-    scale_mode: str = "floor"
-    rounding: str = "nearest"
-    gradients: str | None = None
     scaling: str | None = None
-    elsewhere: str | None = None  # outside the converted GEMMs: None/"fp32" (FP32) or "bf16" (autocast)
-    rht: bool = False  # NVIDIA's NVFP4 recipe: the weight-gradient GEMM's operands Hadamard-transformed
-    rht_seed: int | None = None  # its signs: None = Transformer Engine's fixed vector
-    weight_blocks: str = "1x16"
-    pad_weights: bool = False
-    keep_high_precision: tuple[str, ...] = ()  # Linear layers left out of the format (`kept_layers`)
 
     def __post_init__(self):
+        object.__setattr__(self, "keep_high_precision", tuple(self.keep_high_precision or ()))  # hashable, iterable
         check_choice(self.format, tuple(FORMAT_SPECS), "format", PrecisionError)
         spec = self.spec
         check_choice(self.mode, spec.modes, f"format.mode (for format={self.format})", PrecisionError)
@@ -140,8 +164,8 @@ class PrecisionConfig:
         spec = self.spec
         check_choice(self.weight_blocks, WEIGHT_BLOCKS, "format.weight_blocks", PrecisionError)
         sixteen = [n for n, s in FORMAT_SPECS.items() if s.block == "nvfp4"]
-        for key, value, default in (("rht", self.rht, False), ("weight_blocks", self.weight_blocks, "1x16"),
-                                    ("pad_weights", self.pad_weights, False)):
+        for key in ("rht", "weight_blocks", "pad_weights"):
+            value, default = getattr(self, key), FORMAT_DEFAULTS[key]
             if value != default and spec.block != "nvfp4":
                 raise PrecisionError(f"format.{key}={value} needs a format in blocks of 16 ({', '.join(sixteen)}), "
                                      f"not format={self.format}; valid there: format.{key}={default}")
@@ -159,6 +183,11 @@ class PrecisionConfig:
                                      "last:<n> with n >= 1, or a glob over module names such as '*.lm_head'")
 
     @property
+    def format(self) -> str:
+        """The format's name (`format.name`)."""
+        return self.name
+
+    @property
     def spec(self) -> FormatSpec:
         return FORMAT_SPECS[self.format]
 
@@ -171,11 +200,8 @@ class PrecisionConfig:
     @classmethod
     def from_config(cls, cfg) -> PrecisionConfig:
         """From a composed config: its `format` node and `scaling.name`."""
-        f = cfg.format
-        return cls(f.name, str(f.mode).lower(), f.backend, f.overflow, f.ftz, f.scale_mode, f.rounding, f.gradients,
-                   cfg.scaling.name, f.get("elsewhere"), bool(f.get("rht", False)), f.get("rht_seed"),
-                   f.get("weight_blocks", "1x16"), bool(f.get("pad_weights", False)),
-                   tuple(f.get("keep_high_precision") or ()))
+        chosen = {key: cfg.format.get(key, default) for key, default in FORMAT_DEFAULTS.items()}
+        return cls(**chosen | {"mode": str(chosen["mode"]).lower()}, scaling=cfg.scaling.name)
 
 
 @dataclass(frozen=True)

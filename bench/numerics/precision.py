@@ -120,8 +120,8 @@ class Precision:
         tile scaling method."""
         method = _FactoryScaling.of(per_tensor) if per_tensor is not None else \
             scaling_class(granularity)(name=granularity) if granularity else scaling_class("none")(name="none")
-        config = PrecisionConfig(fmt, mode, backend, overflow, ftz, scale_mode, rounding, gradients, method.name,
-                                 elsewhere)
+        config = PrecisionConfig(fmt, mode, backend, overflow, ftz, scale_mode, rounding, gradients, elsewhere,
+                                 scaling=method.name)
         self._start(plan(config, method, device), method, device)
 
     @classmethod

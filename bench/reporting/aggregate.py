@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from bench.errors import ConfigError
+from bench.numerics.plan import FORMAT_DEFAULTS
 from bench.numerics.scaling_methods import scaling_order
 from bench.numerics.specs import FORMAT_SPECS, settings_in_order
 from bench.numerics.telemetry import TENSOR_CLASSES
@@ -189,8 +190,9 @@ def _number(value):
 
 
 # Format options that make another recipe of a block format, and their defaults (the format's own recipe).
-RECIPE_OPTIONS = {"gradients": None, "scale_mode": "floor", "elsewhere": "fp32", "rht": False, "rht_seed": None,
-                  "weight_blocks": "1x16", "pad_weights": False, "keep_high_precision": None}
+RECIPE_OPTIONS = {key: FORMAT_DEFAULTS[key] for key in ("gradients", "scale_mode", "elsewhere", "rht", "rht_seed",
+                                                         "weight_blocks", "pad_weights", "keep_high_precision")} \
+    | {"elsewhere": "fp32"}  # null and fp32 both: FP32 outside the GEMMs
 
 
 def format_options(fmt: dict) -> str:

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -21,7 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from bench import plugins
 from bench.data import DATA_DIR
 from bench.errors import ConfigError, check_choice, suggestion  # bench.running.config.ConfigError: the same class
-from bench.numerics.plan import PrecisionConfig
+from bench.numerics.plan import FormatChoices, PrecisionConfig
 from bench.numerics.precision import EVAL_PRECISIONS
 from bench.numerics.scaling_methods import build as build_scaling_method
 from bench.running.device import DEVICES, parallel_jobs
@@ -51,25 +51,7 @@ def _cell_resolver(*, _root_: DictConfig) -> str:
 OmegaConf.register_new_resolver("bench_cell", _cell_resolver, replace=True)
 
 
-@dataclass
-class FormatConfig:
-    name: str = MISSING
-    mode: str = "mixed"  # mixed (FP32 master weights) | true (whole model cast)
-    backend: str = "auto"  # auto | native | emulated
-    overflow: Optional[str] = None  # saturate | inf | nan; None = each element format's default
-    ftz: bool = False  # flush subnormal results to signed zero (TPU bfloat16 semantics)
-    scale_mode: str = "floor"  # block formats (MX): floor | ceil | even | rceil (bench/numerics/blocks.py)
-    rounding: str = "nearest"  # fp8 and block formats: nearest | stochastic (the gradients entering the backward GEMMs)
-    gradients: Optional[str] = None  # mxfp8, mxfp6: the gradient operands' element format; None = the recipe's
-    elsewhere: Optional[str] = None  # fp8 and block formats, outside the converted GEMMs: null/fp32 (as before) | bf16
-    # NVIDIA's NVFP4 recipe (nvfp4, nvfp4_recipe: bench/numerics/blocks.py), each a switch; format=nvfp4_recipe all on
-    rht: bool = False  # 16 x 16 random Hadamard transform of both weight-gradient GEMM operands along the tokens
-    rht_seed: Optional[int] = None  # its random signs: null = Transformer Engine's fixed vector | an integer draws them
-    weight_blocks: str = "1x16"  # 1x16 (per GEMM) | 16x16 (tiles, one quantised weight for forward and backward)
-    pad_weights: bool = False  # 16x16 on a Linear whose dims are not multiples of 16: shorter edge tiles (else refused)
-    # fp8 and block formats: Linear layers kept out of the format, computing as `elsewhere` does (BF16 or FP32):
-    # module-name globs (`*.lm_head`), `first:<n>` or `last:<n>` (the first or last n Linear layers in module order)
-    keep_high_precision: Optional[List[str]] = None
+FormatConfig = FormatChoices.schema()  # format.*: declared once, in bench/numerics/plan.py
 
 
 @dataclass
