@@ -21,7 +21,10 @@ def test_quick_benchmark_writes_every_row_family(tmp_path):
                      "peer_ratio.bert_tiny.torchao_float8_emulate", "aggregate_s.10k", "quantise_ns.fp8_e4m3",
                      "emulation_ratio.bert_tiny.mxfp8", "emulation_ratio.lenet.fp8+block", "quantise_ns.nvfp4"):
         assert expected in metrics
-    assert all(set(r) == {"metric", "value", "unit", "target"} and r["value"] > 0 for r in data["rows"])
+    assert all(set(r) == {"metric", "value", "unit", "target"} for r in data["rows"])
+    # every measured figure is positive; the speed model's errors (predicted / measured - 1) may be either sign
+    assert all(r["value"] > 0 for r in data["rows"] if not r["metric"].endswith(".error"))
+    assert any(r["metric"].startswith("predicted.") and r["metric"].endswith(".error") for r in data["rows"])
 
 
 def test_only_measures_the_named_sections_and_names_the_valid_ones(tmp_path, capsys):

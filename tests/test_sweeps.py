@@ -351,7 +351,7 @@ def test_block_formats_preset_declares_each_row_once_and_every_cell_passes_the_c
     from hydra import compose, initialize_config_dir
 
     from bench.reporting.aggregate import format_options
-    from bench.reporting.tables import declared_table
+    from bench.reporting.experiment_tables import declared_table
     from bench.running.config import check
     from bench.running.run import build_precision
 

@@ -27,7 +27,7 @@ import pandas as pd
 from bench.errors import ConfigError
 from bench.reporting import aggregate, archive
 from bench.reporting.statistics import CLIPPED, flag
-from bench.reporting.tables import EMULATED, cell_unit, fmt_stat
+from bench.reporting.table_cells import EMULATED, cell_unit, fmt_stat
 from bench.running.config import task_spec
 
 KEYS = ["experiment", "model_label", "setting", "scaling", "variant"]

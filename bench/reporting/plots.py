@@ -17,15 +17,9 @@ import pandas as pd
 
 from bench.numerics.scaling import LOSS_SCALING
 from bench.numerics.scaling_methods import SCALING_METHODS, scaling_class, scaling_order
+from bench.reporting.experiment_tables import BlockRow, best_learning_rates, declared_table_of, parametrisation
 from bench.reporting.statistics import SIGNIFICANT
-from bench.reporting.tables import (
-    BlockRow,
-    best_learning_rates,
-    cell_unit,
-    declared_table_of,
-    fmt_difference,
-    parametrisation,
-)
+from bench.reporting.table_cells import cell_unit, fmt_difference
 
 MARKERS = dict(zip(SCALING_METHODS, "os^Dv"))  # the first five methods, in the registry's order
 # The same records draw the same bytes (a committed figure is checked against its records): SVG element ids

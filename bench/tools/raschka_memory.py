@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from bench.numerics.memory import StepMemory
 from bench.numerics.precision import Precision
-from bench.reporting.tables import published_rows, to_markdown
+from bench.reporting.table_cells import published_rows, to_markdown
 
 SETTINGS = {"32-true": ("fp32", "true"), "16-mixed": ("fp16", "mixed"), "bf16-mixed": ("bf16", "mixed"),
             "bf16-true": ("bf16", "true")}

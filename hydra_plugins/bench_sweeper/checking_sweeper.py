@@ -91,7 +91,7 @@ def check_slurm_accounting() -> None:
 class CheckingSweeper(BasicSweeper):
     def __init__(self, *args, settings: Sequence | None = None, table: str | None = None, **kwargs):
         """settings: override sets, each a string or a mapping whose `overrides` is one (the mapping's other keys,
-        and `table`, are the preset's table declaration, read by bench/reporting/tables.py, not here)."""
+        and `table`, are the preset's table declaration, read by bench/reporting/experiment_tables.py, not here)."""
         super().__init__(*args, **kwargs)
         self.table = table
         self.settings = [str(s["overrides"] if hasattr(s, "keys") else s).split() for s in settings or []]
@@ -209,7 +209,7 @@ class CheckingSweeper(BasicSweeper):
         try:  # Hydra's basic sweeper creates the sweep directory before it composes any cell
             check_results_dir(Path(self.config.results_dir))
             if self.table is not None:
-                from bench.reporting.tables import DECLARED_TABLES
+                from bench.reporting.experiment_tables import DECLARED_TABLES
 
                 if self.table not in DECLARED_TABLES:
                     raise ConfigError(f"hydra.sweeper.table={self.table!r} is not a table; valid: "
