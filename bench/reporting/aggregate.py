@@ -54,7 +54,7 @@ QUANT_FIELDS = ("underflow", "subnormal", "overflow")
 # block-scaled operands' statistics (bench.numerics.telemetry.BLOCK_FIELDS), as <class>_<column>
 BLOCK_COLUMNS = {"clipped_blocks": "clipped_block_fraction", "flushed": "flushed_fraction", "rel_mse": "relative_mse"}
 # Averaged over a cell's finished runs (train time is its median instead: see summarise).
-SUMMED = ["value", "exact_match", "f1", "step_median_s", "samples_per_s", "peak_bytes", "step_bytes", "tflop_per_s",
+AVERAGED = ["value", "exact_match", "f1", "step_median_s", "samples_per_s", "peak_bytes", "step_bytes", "tflop_per_s",
           "skipped_steps", "overflow_steps",
           "final_loss_scale", *(f"{c}_{f}" for c in TENSOR_CLASSES for f in (*QUANT_FIELDS, *BLOCK_COLUMNS))]
 
@@ -340,7 +340,7 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     keys = [*CELL_KEYS, "config_id"]
     groups = frame.groupby(keys, observed=True, sort=True)
     finished = frame[frame["status"] == "ok"].groupby(keys, observed=True, sort=True)
-    cells = finished[SUMMED].mean().reindex(groups.size().index)
+    cells = finished[AVERAGED].mean().reindex(groups.size().index)
     for column in ("value", "train_s", "peak_bytes", "exact_match", "f1"):
         cells[f"{column}_std"] = finished[column].std(ddof=1)
         cells[f"{column}_n"] = finished[column].count().reindex(cells.index, fill_value=0)

@@ -99,7 +99,7 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
     the task's validation metrics after each epoch (with `eval_every`: before the first step and every eval_every
     steps instead, but at the last, which the final evaluation covers). Ordinary steps never wait for the device: losses,
     the loss scaler's inf/NaN flags and step timings stay there and are read together on log steps,
-    at epoch ends, checkpoints and the end (`settle`). A non-finite loss is therefore noticed at the
+    at epoch ends, checkpoints and the end (`has_diverged`). A non-finite loss is therefore noticed at the
     next such point: the run stops there, recording the step it happened at. Timing covers the loop
     (data, forward, backward, step, per-epoch validation, as Raschka's timing does), synchronised at its
     start and end; a resumed run adds the time of its earlier segments. `resume` is the loop state a
@@ -114,7 +114,7 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
 
 class TrainingLoop:
     """train()'s state and its parts: one step (with the compile fallback and the first step's memory count), the
-    reads of what the device holds (`settle`), validation, checkpoints."""
+    reads of what the device holds (`has_diverged`), validation, checkpoints."""
 
     def __init__(self, task, precision, scaler, optimizer, schedule, cfg, device, log, checkpointer, resume,
                  count_memory, eval_every):
@@ -154,24 +154,24 @@ class TrainingLoop:
                 out.epoch, out.position = epoch, index + 1
                 progress.update()
                 if sampled:
-                    if self.settle():
+                    if self.has_diverged():
                         break
                     self.log_step(step, epoch)
                     progress.set_postfix(loss=f"{out.final_loss:.4f}", refresh=False)
                 if self.eval_every and out.steps % self.eval_every == 0 and out.steps < self.total:
-                    if self.settle():
+                    if self.has_diverged():
                         break
                     self.validate(epoch)
                 if self.checkpointer:
                     self.checkpointer.after_step(out.steps, self.save)
-            if self.settle():
+            if self.has_diverged():
                 break
             if self.task.validate is not None and not self.eval_every and out.position > 0:
                 self.validate(epoch)
             out.epoch, out.position = epoch + 1, 0
             if out.steps >= self.total:
                 break
-        self.settle()
+        self.has_diverged()
         synchronize(self.device)
         out.compile = self.step_loss.describe()
         out.train_s += time.perf_counter() - self.segment_start
@@ -221,8 +221,9 @@ class TrainingLoop:
         self.scaler.scale_loss(loss).backward()
         return loss
 
-    def settle(self) -> bool:
-        """Read what the device holds since the last read; True when a loss was non-finite."""
+    def has_diverged(self) -> bool:
+        """Whether a loss was non-finite, reading what the device holds since the last read (a host sync: called
+        where the loop reads anyway, every log_every steps and at the end)."""
         out = self.out
         self.scaler.sync()
         out.step_s += self.timer.collect()
@@ -251,7 +252,7 @@ class TrainingLoop:
         self.log({"step": self.out.steps, "epoch": epoch, **metrics})
 
     def save(self) -> None:
-        self.settle()
+        self.has_diverged()
         state = asdict(self.out) | {"train_s": self.out.train_s + time.perf_counter() - self.segment_start,
                                     "telemetry": self.precision.telemetry.state()}
         self.checkpointer.save(self.model, self.optimizer, self.scaler, self.schedule, state)

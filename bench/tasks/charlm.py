@@ -55,7 +55,7 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class Block(nn.Module):
+class TransformerBlock(nn.Module):
     """pre-norm (nanoGPT, GPT-2): x + f(LN(x)); post-norm (the original transformer): LN(x + f(x))."""
 
     def __init__(self, embedding: int, heads: int, bias: bool, dropout: float, norm: str):
@@ -92,7 +92,7 @@ class CharGPT(nn.Module):
         self.wte, self.wpe = nn.Embedding(vocab, embedding), nn.Embedding(block_size, embedding)
         self.embedding_sum = Add()
         self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList(Block(embedding, heads, bias, dropout, norm) for _ in range(layers))
+        self.h = nn.ModuleList(TransformerBlock(embedding, heads, bias, dropout, norm) for _ in range(layers))
         self.ln_f = nn.LayerNorm(embedding, bias=bias) if norm == "pre" else nn.Identity()
         self.lm_head = nn.Linear(embedding, vocab, bias=False)
         self.wte.weight = self.lm_head.weight  # tied, as nanoGPT
