@@ -26,11 +26,9 @@ import torch
 import yaml
 
 from bench.errors import ConfigError
+from bench.numerics.formats import FORMATS, ElementFormat
 
 TENSOR_CORES = Path(__file__).with_suffix(".yaml")  # the parameters, as data beside this module
-# The smallest normal exponent of each input type: a subnormal operand's exponent is taken as this
-INPUT_MIN_EXPONENT = {"fp16": -14, "bf16": -126, "tf32": -126, "e4m3": -6, "e5m2": -14}
-OUTPUTS = {"fp32": (23, -126, 127), "fp16": (10, -14, 15)}  # fraction bits, min and max normal exponent
 
 
 @dataclass(frozen=True)
@@ -62,6 +60,11 @@ def tensor_core(gpu: str, inputs: str) -> TensorCore:
                       generation["fp16_out_min_exponent"])
 
 
+def element(name: str) -> ElementFormat:
+    """The element format of a tensor-core operand or output type (the instruction names FP8 as e4m3 and e5m2)."""
+    return FORMATS[name if name in FORMATS else f"fp8_{name}"]
+
+
 def _exponent(x: torch.Tensor, floor: int) -> torch.Tensor:
     """floor(log2 |x|), never below `floor` (a subnormal's exponent); -inf-like for zero (excluded by the caller)."""
     _, e = torch.frexp(x)
@@ -71,7 +74,7 @@ def _exponent(x: torch.Tensor, floor: int) -> torch.Tensor:
 def _round(value: torch.Tensor, fraction_bits: int, output: str, toward_zero: bool) -> torch.Tensor:
     """`value` (exact, float64) rounded to `fraction_bits` fraction bits in `output`'s exponent range (subnormals
     kept), toward zero (overflow to the largest finite) or to nearest even (overflow to infinity)."""
-    _, emin, emax = OUTPUTS[output]
+    emin, emax = element(output).emin, element(output).emax
     magnitude = value.abs()
     exponent = torch.clamp(_exponent(torch.where(magnitude > 0, magnitude, 1.0), emin), min=emin)
     quantum = torch.ldexp(torch.ones_like(value), (exponent - fraction_bits).to(torch.int64))
@@ -87,14 +90,14 @@ def _step(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, core: TensorCore, o
     """One tensor-core step on (cases, block) operands and (cases,) accumulators, all float64 holding exact values."""
     products = a * b
     live = products != 0
-    floor = INPUT_MIN_EXPONENT[core.inputs]
+    floor = element(core.inputs).emin  # a subnormal operand's exponent
     exponents = torch.where(live, _exponent(a, floor) + _exponent(b, floor), torch.full_like(products, -1e9))
     c_exponent = torch.where(c != 0, _exponent(torch.where(c != 0, c, 1.0), -126), torch.full_like(c, -1e9))
     lowest = core.fp16_out_min_exponent if output == "fp16" and core.inputs == "fp16" else core.min_exponent
     largest = torch.clamp(torch.maximum(exponents.amax(dim=1), c_exponent), min=lowest)
     quantum = torch.ldexp(torch.ones_like(largest), (largest - 23 - core.extra_bits).to(torch.int64))
     aligned = torch.trunc(products / quantum[:, None]).sum(dim=1) + torch.trunc(c / quantum)
-    fraction_bits = OUTPUTS[output][0] + (min(core.extra_bits, 0) if output == "fp32" else 0)
+    fraction_bits = element(output).man_bits + (min(core.extra_bits, 0) if output == "fp32" else 0)
     return _round(aligned * quantum, fraction_bits, output, toward_zero=output == "fp32")
 
 
@@ -104,8 +107,8 @@ def mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, gpu: str, inputs: 
     exact in `inputs` (fp16, bf16, tf32, e4m3, e5m2); `c` (cases,), exact in `output`. K any length: the operands are
     zero-padded to whole blocks, which chain (each block's D the next one's C). Returns float32 (FP16 values held in
     FP32 where `output="fp16"`)."""
-    if output not in OUTPUTS:
-        raise ConfigError(f"output={output!r}; valid: {', '.join(OUTPUTS)}")
+    if output not in _table()["outputs"]:
+        raise ConfigError(f"output={output!r}; valid: {', '.join(_table()['outputs'])}")
     core = tensor_core(gpu, inputs)
     a, b, d = a.to(torch.float64), b.to(torch.float64), c.to(torch.float64)
     pad = -a.shape[1] % core.block
