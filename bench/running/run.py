@@ -469,7 +469,17 @@ def run_cells(cfg: DictConfig) -> dict:
         print(record.get("traceback", "") if cfg.fail_fast else "", f"run failed: {record['reason']}"
               + (f" (recorded before; {RETRY_HINT})" if record.get("skipped") else ""), file=sys.stderr)
         sys.exit(1)
+    if not _in_multirun():  # a single run says where its record went, and its verdict in one line
+        print(f"{cfg.cell}: {_verdict(record)}; record: {Path(cfg.results_dir) / cfg.cell / 'result.json'}")
     return {"status": record["status"], "skipped": record.get("skipped", False)}
+
+
+def _verdict(record: dict) -> str:
+    """A record in one line: its status (and reason), then its scalar metrics."""
+    metrics = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in record["metrics"].items() if not isinstance(v, (list, dict)))
+    said = record["status"] + (f" ({record['reason']})" if record.get("reason") else "")
+    return said + (" (recorded before)" if record.get("skipped") else "") + (f": {metrics}" if metrics else "")
 
 
 SETUP_FILES = {".hydra", "run.log", LOCK_NAME}  # what Hydra and the lock leave in a cell directory before training
