@@ -6,6 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from bench.errors import ConfigError
 from bench.numerics.formats import FORMATS
 from bench.numerics.scaling import LossScaler, PerTensorScale
 from bench.tasks.optimizer import build_optimizer
@@ -142,3 +143,54 @@ def test_a_step_with_non_finite_gradients_in_two_dtypes_counts_once(kind):
         scaler.step(optimizer, [p32, p16])
     assert scaler.state()["overflow_steps"] == 2
     assert scaler.state()["skipped_steps"] == (2 if kind == "dynamic" else 0)
+
+
+def _drive(scaler, overflows: list[bool]) -> list[float]:
+    """Checked steps of a one-parameter SGD with injected gradients (inf on the steps `overflows` marks): the scale
+    after each step, read from the device once at the end as the loop reads it."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.SGD([p], lr=0.1, fused=True)
+    scales = []
+    for overflow in overflows:
+        p.grad = torch.full((4,), float("inf") if overflow else 1.0) * scaler.scale_loss(torch.ones(())).detach()
+        scaler.step(optimizer, [p])
+        scales.append(scaler._on_device["scale"].item())
+    scaler.sync()
+    return scales
+
+
+def test_a_hysteresis_rule_is_a_subclass_of_a_few_lines_and_gives_the_hand_computed_scales():
+    """DeepSpeed's rule (tests/plugin/hysteresis.py, docs/extending.md) from 2^10, hysteresis 2, growth every 3 clean
+    steps: ok, inf, ok, inf, inf, inf, ok, ok, ok. The first overflow after a clean step only spends the allowance;
+    the second in a row halves, and every further one; three clean steps double. GradScaler's own rule halves at
+    every overflow."""
+    from tests.plugin.hysteresis import Hysteresis
+
+    method = Hysteresis(name="hysteresis", loss_scaling="dynamic", init_scale=1024.0, growth_interval=3,
+                        options={"hysteresis": 2})
+    method.check()
+    steps = [False, True, False, True, True, True, False, False, False]
+    scaler = method.loss_scaler()
+    assert _drive(scaler, steps) == [1024, 1024, 1024, 1024, 512, 256, 256, 256, 512]
+    assert scaler.skipped_steps == 4 and scaler.history == [[0, 1024.0], [5, 512.0], [6, 256.0], [9, 512.0]]
+    plain = LossScaler("dynamic", 1024.0, growth_interval=3)
+    assert _drive(plain, steps) == [1024, 512, 512, 256, 128, 64, 64, 64, 128]
+    with pytest.raises(ConfigError, match="hysteresis=0 must be >= 1"):
+        Hysteresis(name="hysteresis", loss_scaling="dynamic", options={"hysteresis": 0}).check()
+
+
+def test_a_rule_that_changes_a_static_scale_unscales_by_the_new_one():
+    """The inverse scale is taken from the scale as it is at each step, whatever the kind: a rule doubling a static
+    scale every step still leaves every unscaled gradient at its true value (the trap: a stale inverse)."""
+    class Doubling(LossScaler):
+        def update_scale(self, scale, growth_tracker, found_inf):
+            scale.mul_(2)
+
+    scaler = Doubling("static", 8.0)
+    p = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([p], lr=1.0, fused=True)
+    for step in range(4):
+        p.grad = scaler.scale_loss(torch.full((3,), 0.5))  # the gradient of a loss scaled by the current scale
+        before = p.detach().clone()
+        scaler.step(optimizer, [p])
+        assert torch.equal(before - p.detach(), torch.full((3,), 0.5)), step

@@ -44,6 +44,7 @@ class LossScaler:
       (MindSpore's FixedLossScaleManager with drop_overflow_update=True);
     kind="dynamic": GradScaler: skip and multiply by backoff_factor on inf/NaN, multiply by
       growth_factor after growth_interval clean steps in a row.
+    Another rule is a subclass overriding `update_scale` (docs/extending.md: DeepSpeed's hysteresis).
 
     No step waits for the device: the scale and growth tracker live there (GradScaler's
     `_amp_update_scale_`), the skip happens inside the optimiser's fused kernel (its `found_inf`, as
@@ -89,9 +90,9 @@ class LossScaler:
         return self._on_device
 
     def _inv_scale(self, tensors: dict) -> torch.Tensor:
-        """1 / (scale * multiplier) in FP64 then FP32, as GradScaler; recomputed only when the scale can change."""
-        if tensors["inv_scale"] is None or self.kind == "dynamic":
-            tensors["inv_scale"] = (tensors["scale"].double() * self.loss_multiplier).reciprocal().float()
+        """1 / (scale * multiplier) in FP64 then FP32, as GradScaler; from the scale as it is now, whatever rule
+        changed it (one scalar op on the device a checked step)."""
+        tensors["inv_scale"] = (tensors["scale"].double() * self.loss_multiplier).reciprocal().float()
         return tensors["inv_scale"]
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -155,11 +156,23 @@ class LossScaler:
         elif not found_inf.item():  # no fused kernel: GradScaler's host read (a sync on accelerators)
             optimizer.step()
         tensors = self._on_device
-        if self.kind == "dynamic":
-            torch._amp_update_scale_(tensors["scale"], tensors["growth_tracker"], found_inf,
-                                     self.growth_factor, self.backoff_factor, self.growth_interval)
+        if self.kind != "none":
+            self.update_scale(tensors["scale"], tensors["growth_tracker"], found_inf)
         self._unread.append(self.steps)
         self._readings.push(torch.stack([found_inf, tensors["scale"]]))
+
+    def update_scale(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """The loss-scale rule, called on the device after every checked step of kind static or dynamic.
+
+        found_inf: 1.0 where this step's unscaled gradients held inf or NaN (the step was skipped), else 0.0.
+        scale: the FP32 loss scale, to change in place; the next step scales its loss by it and unscales by it.
+        growth_tracker: an int32 counter the rule may use as it likes (GradScaler's: clean steps in a row); it is
+        checkpointed with the scaler. State of your own: device tensors made on first call, like it.
+        Tensor operations only: a host read here (`.item()`, `if found_inf:`) would wait for the device every step.
+        The default: GradScaler's rule for `dynamic`, the scale left alone for `static`."""
+        if self.kind == "dynamic":
+            torch._amp_update_scale_(scale, growth_tracker, found_inf, self.growth_factor, self.backoff_factor,
+                                     self.growth_interval)
 
     def _clip(self, params) -> None:
         if self.max_grad_norm is not None:

@@ -87,6 +87,10 @@ class ScalingMethod:
 
     def loss_scaler(self, loss_multiplier: float = 1.0, max_grad_norm: float | None = None,
                     reads_every: int = 16) -> LossScaler:
+        """The loss scaler the cell trains with, made once per cell: `LossScaler(loss_scaling, ...)` with this
+        method's init_scale, growth_factor, backoff_factor and growth_interval. Pass the arguments on to it (the
+        run's train.loss_multiplier, train.grad_clip and log_every). A rule of your own: return a LossScaler subclass
+        that overrides `update_scale` (docs/extending.md)."""
         return LossScaler(self.loss_scaling, self.init_scale, self.growth_factor, self.backoff_factor,
                           self.growth_interval, loss_multiplier=loss_multiplier, max_grad_norm=max_grad_norm,
                           reads_every=reads_every)
