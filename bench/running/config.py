@@ -24,6 +24,7 @@ from bench.errors import ConfigError, check_choice, suggestion  # bench.running.
 from bench.numerics.plan import FormatChoices, PrecisionConfig
 from bench.numerics.precision import EVAL_PRECISIONS
 from bench.numerics.scaling_methods import build as build_scaling_method
+from bench.numerics.specs import FORMAT_SPECS
 from bench.running.device import DEVICES, parallel_jobs
 from bench.running.identity import cell_path
 from bench.tasks.base import METRIC_UNITS, TaskSpec
@@ -282,6 +283,11 @@ def check(cfg: DictConfig) -> None:
     _check_model(cfg.model)
     cfg.format.mode = str(cfg.format.mode).lower()
     build_scaling_method(cfg.scaling).check()  # the method's knobs (and its class, imported by _target_)
+    if cfg.format.name not in FORMAT_SPECS:  # Hydra found its yaml; no module imported here declares the format
+        raise ConfigError(f"format={cfg.format.name!r} is not valid: its yaml was found, but no module imported here "
+                          "declares the format; name the module that registers it with plugins=[<module>] (or an "
+                          "installed precision_bench.plugins entry point: docs/extending.md); declared here: "
+                          f"{', '.join(FORMAT_SPECS)}")
     PrecisionConfig.from_config(cfg)  # the format's choices and their combinations with the scaling method
     check_choice(cfg.device, DEVICES, "device")
     check_choice(cfg.train.eval_precision, EVAL_PRECISIONS, "train.eval_precision")
@@ -378,7 +384,6 @@ def check_declared(records: list[dict]) -> None:
     then ConfigError for the first record whose format, model or scaling method is not declared in this process,
     naming it and the module its record says declared it. Reporting never drops such a record's rows silently."""
     from bench.numerics.scaling_methods import SCALING_METHODS
-    from bench.numerics.specs import FORMAT_SPECS
 
     why_not: dict[str, str] = {}
     plugins.load()
