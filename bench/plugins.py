@@ -15,6 +15,7 @@ modules its cell imported (`env.plugins`), so the reporting commands import thos
 from __future__ import annotations
 
 import importlib
+import traceback
 from importlib.metadata import entry_points
 
 from bench.errors import ConfigError
@@ -28,6 +29,10 @@ def installed() -> dict[str, str]:
     return {ep.value.split(":", 1)[0]: ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
 def load(modules=(), named_by: str = "plugins") -> list[str]:
     """Import the installed plug-ins and `modules` (idempotent); every plug-in module imported so far, in order.
     ConfigError naming the module, who named it and why it failed, where one cannot be imported."""
@@ -38,10 +43,17 @@ def load(modules=(), named_by: str = "plugins") -> list[str]:
             continue
         try:
             importlib.import_module(module)
-        except Exception as e:  # an ImportError, or the module's own error while it registers
-            raise ConfigError(f"plug-in module {module!r} (named by {source}) cannot be imported: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; a plug-in must be "
-                              "importable (on PYTHONPATH, or installed): docs/extending.md") from None
+        except ModuleNotFoundError as e:
+            if e.name != module and not module.startswith(f"{e.name}."):  # found, but what it imports is missing
+                raise ConfigError(f"plug-in module {module!r} (named by {source}) was found, but its own import "
+                                  f"failed: {_first_line(e)}") from None
+            raise ConfigError(f"plug-in module {module!r} (named by {source}) cannot be imported: {_first_line(e)}; "
+                              "a plug-in must be importable (on PYTHONPATH, or installed): docs/extending.md") from None
+        except Exception as e:  # the module's own error while it runs and registers
+            where = next((f"{frame.filename}:{frame.lineno}" for frame in reversed(traceback.extract_tb(e.__traceback__))
+                          if not frame.filename.startswith("<frozen")), None)
+            raise ConfigError(f"plug-in module {module!r} (named by {source}) was found, but its own import failed"
+                              f"{f' at {where}' if where else ''}: {_first_line(e)}") from None
         _imported[module] = source
     return list(_imported)
 

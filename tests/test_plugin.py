@@ -249,3 +249,25 @@ def test_a_metric_outside_its_declared_unit_fails_the_run_naming_the_unit_that_f
     assert record["reason"].startswith("MetricOutOfRange: metric test_accuracy=") and \
         "outside [0, 1], the range of its declared unit model.task.unit=fraction: declare unit: percent" in \
         record["reason"]
+
+
+def test_a_plugin_whose_own_import_fails_is_named_with_its_inner_error_only(tmp_path, monkeypatch):
+    """A module that is found but fails while importing (its own error, or a module it imports that is missing) is
+    named with that error and where it happened; only a module that is not there at all points to PYTHONPATH."""
+    from bench import plugins
+    from bench.errors import ConfigError
+
+    (tmp_path / "broken_plugin.py").write_text("x = 1\nraise RuntimeError('boom while registering')\n")
+    (tmp_path / "needy_plugin.py").write_text("import nonexistent_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as broken:
+        plugins.load(["broken_plugin"], named_by="the plugins: config key")
+    said = str(broken.value)
+    assert "'broken_plugin' (named by the plugins: config key) was found, but its own import failed at" in said
+    assert "broken_plugin.py:2: RuntimeError: boom while registering" in said and "PYTHONPATH" not in said
+    with pytest.raises(ConfigError) as needy:
+        plugins.load(["needy_plugin"])
+    assert "its own import failed: ModuleNotFoundError: No module named 'nonexistent_dependency_xyz'" in str(needy.value)
+    assert "PYTHONPATH" not in str(needy.value)
+    with pytest.raises(ConfigError, match="cannot be imported: ModuleNotFoundError.*must be importable"):
+        plugins.load(["absent_plugin_xyz"])
