@@ -190,7 +190,7 @@ def _refused(tmp_path: Path, *args: str, searchpath: str = SEARCHPATH) -> str:
 
 def test_a_plugins_format_without_its_plugin_and_a_plugin_that_cannot_be_imported(tmp_path):
     forgot = _refused(tmp_path, "format=fp8fnuz")  # its yaml is on the search path, its module not named
-    assert "format='fp8fnuz' is not valid: its yaml was found" in forgot and "plugins=[<module>]" in forgot
+    assert "format='fp8fnuz' is not valid; valid: fp32" in forgot and "name it with plugins=[<module>]" in forgot
     said = _refused(tmp_path, "plugins=[amd_fp9]", "format=fp8fnuz")
     assert "plug-in module 'amd_fp9' (named by the plugins: config key) cannot be imported: ModuleNotFoundError" in said
 

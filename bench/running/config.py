@@ -283,11 +283,10 @@ def check(cfg: DictConfig) -> None:
     _check_model(cfg.model)
     cfg.format.mode = str(cfg.format.mode).lower()
     build_scaling_method(cfg.scaling).check()  # the method's knobs (and its class, imported by _target_)
-    if cfg.format.name not in FORMAT_SPECS:  # Hydra found its yaml; no module imported here declares the format
-        raise ConfigError(f"format={cfg.format.name!r} is not valid: its yaml was found, but no module imported here "
-                          "declares the format; name the module that registers it with plugins=[<module>] (or an "
-                          "installed precision_bench.plugins entry point: docs/extending.md); declared here: "
-                          f"{', '.join(FORMAT_SPECS)}")
+    if cfg.format.name not in FORMAT_SPECS:  # its yaml composed (or a name set), but no module here declares it
+        raise ConfigError(f"format={cfg.format.name!r} is not valid; valid: {', '.join(FORMAT_SPECS)} (a format of "
+                          "your own is declared by its module: name it with plugins=[<module>], or install it with a "
+                          "precision_bench.plugins entry point: docs/extending.md)")
     PrecisionConfig.from_config(cfg)  # the format's choices and their combinations with the scaling method
     check_choice(cfg.device, DEVICES, "device")
     check_choice(cfg.train.eval_precision, EVAL_PRECISIONS, "train.eval_precision")
