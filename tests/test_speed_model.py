@@ -266,3 +266,13 @@ def test_autocast_costs_the_host_its_dispatch_on_every_eager_op():
     assert extra == pytest.approx(5e-4 * len(tiny.ops) + 1.5e-3 * casts)
     assert predict(tiny, mixed, profile, True, c).launches == pytest.approx(
         predict(tiny, true, profile, True, c).launches + 1e-4 * casts, rel=1e-4)
+
+
+def test_a_full_length_batch_larger_than_the_fixture_is_traced_at_its_size(make_cfg):
+    """BERT-large's pre-training micro-batch (256 x 128) on the shipped QA fixture, which holds fewer examples than
+    one such batch: the traced forward GEMMs still see 256 x 128 tokens (a batch of one is the template)."""
+    from bench.speed.trace import trace_cell
+
+    cfg = make_cfg("model=bert_tiny", "model.batch_size=256", "model.max_length=128")
+    traced = trace_cell(cfg, full_length=True)
+    assert {m for m, _, _ in traced.linears.values()} == {256 * 128}

@@ -367,7 +367,12 @@ def trace_cell(cfg, batch=None, full_length: bool = False) -> StepTrace:
         def batch(task, device):
             from bench.tasks.text import full_length_batch
 
-            first = next(iter(task.train_batches(0)))
+            first = next(iter(task.train_batches(0)), None)
+            if first is None:  # the data holds less than one batch: a batch of one is the template
+                from omegaconf import OmegaConf
+
+                first = next(iter(build_task(OmegaConf.merge(cfg.model, {"batch_size": 1}), device,
+                                             cfg.seed).train_batches(0)))
             if not (isinstance(first, dict) and "input_ids" in first):
                 return first
             return full_length_batch(first, cfg.model.batch_size, cfg.model.max_length, task.model.config.vocab_size)

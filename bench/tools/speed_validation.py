@@ -7,9 +7,9 @@ Which figures fit the model's constants and which only score it is decided per s
 - fit: torchao's two tensorwise single-Linear examples (the GEMM kernel's latency and FP8's rate without fast
   accumulation), then our H100's eager DistilBERT rows (the host's costs and FP32's CUDA-core efficiency);
 - validate: everything else: torchao's row-wise single-Linear table (216 shapes), its Llama3-8B steps on H100 and
-  B200, R1 (Raschka's A100 ratios), R3 (NVIDIA's BERT-large SQuAD throughput), our H100's other rows (BERT-base eager,
-  two compiled steps timed by hand, the char-LM's cells);
-- stated: Transformer Engine's GEMM speed-ups, which gave the profiles' FP8/MXFP8/NVFP4 efficiencies.
+  B200, R1 (Raschka's A100 ratios), R3 and NVIDIA's pre-training tables (BERT-large throughput), our H100's other
+  rows (BERT-base eager, two compiled steps timed by hand, the char-LM's cells);
+- stated: Transformer Engine's and FBGEMM's GEMM figures, which gave the efficiencies and kernel factors.
 The fit minimises the fit rows' squared log error (Nelder-Mead), stage by stage, and writes
 bench/data/speed_constants.yaml; results/bench/speed_model_validation.{csv,md} show every row, its use and its error,
 and the goals on validate rows only.
@@ -286,22 +286,23 @@ def raschka_rows(key: str, source: dict) -> list[Row]:
 
 
 def bert_large_rows(key: str, source: dict) -> list[Row]:
-    """R3: BERT-large SQuAD fine-tuning, one GPU, eager: each step (batch / throughput), and each GPU's ratio of its
-    two settings' throughput as one row."""
-    large = lambda batch: encoder("bert_tiny", 24, 1024, 16, 4096, batch, 384)
-    rows, by_gpu = [], {}
-    for target, setting, batch, per_s in source["rows"]:
-        predicted = step([*large(batch), *SETTINGS[setting]], target, compiled=False)
-        rows.append(Row(key, f"BERT-large 24L×1024, {batch}×384", target, setting, "eager", batch / per_s, predicted))
-        by_gpu.setdefault(target, []).append((setting, batch, per_s, predicted))
-    for target, ((low, b0, s0, p0), (high, b1, s1, p1)) in by_gpu.items():
-        rows.append(Row(key, "BERT-large 24L×1024, ×384", target, f"{high} (batch {b1}) / {low} (batch {b0})",
+    """R3 and NVIDIA's pre-training tables: BERT-large on one GPU, eager, each step (batch / throughput), and each
+    GPU and sequence length's ratio of its two settings' throughput as one row."""
+    rows, pairs = [], {}
+    for target, setting, batch, seq, per_s in source["rows"]:
+        predicted = step([*encoder("bert_tiny", 24, 1024, 16, 4096, batch, seq), *SETTINGS[setting]], target,
+                         compiled=False)
+        rows.append(Row(key, f"BERT-large 24L×1024, {batch}×{seq}", target, setting, "eager", batch / per_s,
+                        predicted))
+        pairs.setdefault((target, seq), []).append((setting, batch, per_s, predicted))
+    for (target, seq), ((low, b0, s0, p0), (high, b1, s1, p1)) in pairs.items():
+        rows.append(Row(key, f"BERT-large 24L×1024, ×{seq}", target, f"{high} (batch {b1}) / {low} (batch {b0})",
                         "eager", s1 / s0, ratio(p0, p1, (b0, b1)), "x"))
     return rows
 
 
 KINDS = {"single_linear": single_linear_rows, "llama3_8b": llama_rows, "distilbert_ratio": raschka_rows,
-         "bert_large_squad": bert_large_rows}
+         "bert_large": bert_large_rows}
 
 
 def published_rows() -> list[Row]:
