@@ -27,6 +27,7 @@ runner would emulate the format on that GPU, there is no prediction: "no native 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,16 +301,16 @@ def _linear_casts(recipe: Recipe, trace: StepTrace, name: str, fused: bool) -> l
     tensor and writing the low-precision one, once per layout the GEMMs need; rowwise writes a transposed
     high-precision copy too, and scales its backward GEMMs' outputs in a pass of their own. Autocast's own weight
     casts (FP32 to the autocast type) are added for each Linear it casts."""
-    high, low, master = ELEMENT_BYTES[recipe.elsewhere], ELEMENT_BYTES[recipe.linear], ELEMENT_BYTES[recipe.stored]
+    elsewhere, low, master = ELEMENT_BYTES[recipe.elsewhere], ELEMENT_BYTES[recipe.linear], ELEMENT_BYTES[recipe.stored]
     m, k, n = trace.linears[name]
     kernels = []
     converted = _converted(recipe, trace, name) and recipe.casts is not None
     if recipe.autocast and not converted:  # autocast casts the master weight once a step, and the input (made by
-        kernels += [k * n * (master + high), m * k * (4 + high)]  # an FP32 op: a norm) for the GEMM
+        kernels += [k * n * (master + elsewhere), m * k * (4 + elsewhere)]  # an FP32 op: a norm) for the GEMM
     if not converted:
         return kernels
     for role, elements in (("input", m * k), ("weight", k * n), ("grad_output", m * n)):
-        high = master if role == "weight" else ELEMENT_BYTES[recipe.elsewhere]  # torchao casts the master weight
+        high = master if role == "weight" else elsewhere  # torchao casts the master weight
         read = 0 if (fused and role != "weight") else high  # the first read of an activation or gradient
         if recipe.casts == "tensorwise":  # amax in two stages (the second reduces the first's partial maxima:
             # a kernel of its own), then one cast writing both layouts (the weight: one each)
@@ -328,8 +329,7 @@ def _linear_casts(recipe: Recipe, trace: StepTrace, name: str, fused: bool) -> l
         # the backward GEMMs' row scales, applied after cuBLAS's tensorwise kernel (torchao's float8_ops): the
         # weight gradient's in a pass of its own (a graph output), the input gradient's fused into its consumer
         # when compiled
-        high = ELEMENT_BYTES[recipe.elsewhere]
-        kernels += [2 * high * k * n] + ([] if fused else [2 * high * m * k])
+        kernels += [2 * elsewhere * k * n] + ([] if fused else [2 * elsewhere * m * k])
     return kernels
 
 
@@ -452,9 +452,11 @@ def _fused_groups(trace: StepTrace) -> list[int]:
     return moved
 
 
+@functools.cache
 def fingerprint() -> str:
     """Which speed model made a prediction: a hash of its code (bench/speed/*.py), its constants and the shipped
-    profiles. A record's own predictions are reused only while this is unchanged (bench/reporting/recorded_predictions)."""
+    profiles. A record's own predictions are reused only while this is unchanged (bench/reporting/recorded_predictions).
+    Read once a process: the tables ask it for every record."""
     from bench.speed.profiles import GPUS_DIR
 
     files = sorted(Path(__file__).parent.glob("*.py")) + [CONSTANTS_FILE] + sorted(GPUS_DIR.glob("*.yaml"))

@@ -438,7 +438,7 @@ def speed_model_rows() -> list[dict]:
 
     rows = []
     validation = speed_validation.measured_rows() + speed_validation.hand_compiled_rows() \
-        + [r for r in speed_validation.published_rows() if r.mode != "kernels"]  # single Linears: speed-validation's
+        + speed_validation.published_rows(set(speed_validation.KINDS) - {"single_linear"})  # (speed-validation's)
     for r in validation:
         predicted = r.predict(speed_validation.CONSTANTS)
         name = f"predicted.{r.gpu}.{r.model.split(',')[0].replace(' ', '_')}.{r.what.replace(' ', '_')}.{r.mode}"

@@ -305,9 +305,9 @@ KINDS = {"single_linear": single_linear_rows, "llama3_8b": llama_rows, "distilbe
          "bert_large": bert_large_rows}
 
 
-def published_rows() -> list[Row]:
-    """Every published source's rows, built by its kind."""
-    return [row for key, source in sources().items() if source.get("kind") in KINDS
+def published_rows(kinds=tuple(KINDS)) -> list[Row]:
+    """Every published source's rows of `kinds` (default: all), built by its kind."""
+    return [row for key, source in sources().items() if source.get("kind") in kinds
             for row in KINDS[source["kind"]](key, source)]
 
 
