@@ -50,8 +50,8 @@ def load(modules=(), named_by: str = "plugins") -> list[str]:
             raise ConfigError(f"plug-in module {module!r} (named by {source}) cannot be imported: {_first_line(e)}; "
                               "a plug-in must be importable (on PYTHONPATH, or installed): docs/extending.md") from None
         except Exception as e:  # the module's own error while it runs and registers
-            where = next((f"{frame.filename}:{frame.lineno}" for frame in reversed(traceback.extract_tb(e.__traceback__))
-                          if not frame.filename.startswith("<frozen")), None)
+            frames = reversed(traceback.extract_tb(e.__traceback__))
+            where = next((f"{f.filename}:{f.lineno}" for f in frames if not f.filename.startswith("<frozen")), None)
             raise ConfigError(f"plug-in module {module!r} (named by {source}) was found, but its own import failed"
                               f"{f' at {where}' if where else ''}: {_first_line(e)}") from None
         _imported[module] = source

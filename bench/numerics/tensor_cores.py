@@ -53,7 +53,8 @@ def tensor_core(gpu: str, inputs: str) -> TensorCore:
     table = _table()
     generation = table["generations"].get(table["gpus"].get(gpu, ""), {})
     if inputs not in generation.get("inputs", {}):
-        covered = "; ".join(f"{g}: {', '.join(table['generations'][gen]['inputs'])}" for g, gen in table["gpus"].items())
+        covered = "; ".join(f"{name}: {', '.join(table['generations'][gen]['inputs'])}"
+                            for name, gen in table["gpus"].items())
         raise ConfigError(f"no tensor-core model for {gpu} with {inputs} inputs; covered: {covered}")
     step = generation["inputs"][inputs]
     return TensorCore(gpu, inputs, step["block"], step["extra_bits"], generation["min_exponent"],

@@ -1,9 +1,10 @@
 """The speed model's predictions for recorded cells (bench/speed/model.py): a record's own (`predicted`, which the
 runner writes from the step it traced, used while the speed model that made them is this one), or, for a record made
-before records held them, by another speed model or for a GPU profile it does not name, computed from its configuration (bench/speed/trace.py `trace_cell`: the step traced on the meta device,
-nothing retrained) and cached, in this process and on disk (~/.cache/precision-bench/predictions/), keyed by what the
-prediction reads: the configuration's structure (not its seed, learning rate or format), the profile and the model's
-constants."""
+before records held them, by another speed model or for a GPU profile it does not name, computed from its
+configuration (bench/speed/trace.py `trace_cell`: the step traced on the meta device, nothing retrained) and cached,
+in this process and on disk (~/.cache/precision-bench/predictions/), keyed by what the prediction reads: the
+configuration's structure (not its seed, learning rate or format), the profile and the speed model (`fingerprint`:
+its code, constants and shipped profiles)."""
 
 from __future__ import annotations
 
@@ -49,11 +50,10 @@ def _trace(config: dict):
 
 def _computed(config: dict, target: GPU) -> dict:
     """One GPU's prediction for a recorded config, from the disk cache or a fresh trace."""
-    from bench.speed.model import CONSTANTS, NoNativePath, fingerprint, predict, recipe_on
+    from bench.speed.model import NoNativePath, fingerprint, predict, recipe_on
 
     key = json.dumps({"trace": trace_key(config), "format": semantic_config(config).get("format"),
-                      "gpu": dataclasses.asdict(target), "constants": dataclasses.asdict(CONSTANTS),
-                      "model": fingerprint()}, sort_keys=True, default=str)
+                      "gpu": dataclasses.asdict(target), "model": fingerprint()}, sort_keys=True, default=str)
     path = _cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     if path.is_file():
         return json.loads(path.read_text())
@@ -78,7 +78,7 @@ def predicted(record: dict, gpus: tuple[GPU, ...]) -> dict[str, dict]:
     model (`predicted_by`), else computed."""
     from bench.speed.model import fingerprint  # (the speed model imports torch._dynamo: seconds, when it is needed)
 
-    own = record.get("predicted") or {} if record.get("predicted_by") == fingerprint() else {}
+    own = (record.get("predicted") or {}) if record.get("predicted_by") == fingerprint() else {}
     shipped = shipped_gpus()
     return {g.name: own[g.name] if g.name in own and shipped.get(g.name) == g else _computed(record["config"], g)
             for g in gpus}
