@@ -67,7 +67,7 @@ def element(name: str) -> ElementFormat:
 
 
 def _exponent(x: torch.Tensor, floor: int) -> torch.Tensor:
-    """floor(log2 |x|), never below `floor` (a subnormal's exponent); -inf-like for zero (excluded by the caller)."""
+    """floor(log2 |x|), never below `floor` (a subnormal's exponent); meaningless for zero, which callers mask."""
     _, e = torch.frexp(x)
     return torch.clamp(e.to(torch.float64) - 1, min=floor)
 
