@@ -148,9 +148,11 @@ def test_keys_that_no_schema_declares_are_rejected_however_they_are_added(tmp_pa
 def test_help_lists_only_real_models_and_schemas_are_not_choices(tmp_path):
     shown = subprocess.run([sys.executable, "-m", "bench.run", "--help"], cwd=CONF.parent, capture_output=True,
                            text=True).stdout
-    assert "model: bert_base, bert_tiny, charlm, distilbert, distilbert_tiny, lenet\n" in shown and "schema" not in shown
+    assert ("model: bert_base, bert_mlm, bert_mlm_tiny, bert_tiny, charlm, distilbert, distilbert_mlm_tiny, "
+            "distilbert_tiny, lenet\n") in shown and "schema" not in shown
     out = _bench(tmp_path, "model=lenet_schema")
-    assert out.returncode == 2 and "model=lenet_schema is not an option; valid: bert_base, bert_tiny, charlm" in out.stderr
+    assert out.returncode == 2
+    assert "model=lenet_schema is not an option; valid: bert_base, bert_mlm, bert_mlm_tiny, bert_tiny" in out.stderr
 
 
 def test_an_unusable_results_dir_stops_a_sweep_before_anything_starts(tmp_path):

@@ -36,18 +36,16 @@ def test_short_runs_write_complete_records(make_cfg, tmp_path, model, fmt, scali
         assert 0 <= metrics["test_accuracy"] <= 1 and metrics["per_epoch"][0]["val_accuracy"] is not None
 
 
-@pytest.mark.parametrize("model, attention", [("distilbert_tiny", "distilbert.transformer.layer.0.attention "
-                                               "(DistilBertSelfAttention)"),
-                                              ("bert_tiny", "bert.encoder.layer.0.attention.self (BertSelfAttention)")])
-def test_unit_scaling_from_scratch_refuses_the_hub_models_own_attention(make_cfg, model, attention):
-    """Hugging Face computes attention inside its attention modules: from scratch, unit scaling would leave it
-    unscaled, so the cell is refused before it trains, naming the module and the op to use instead."""
-    from bench.running.config import ConfigError
-    from bench.running.run import preflight
-
-    with pytest.raises(ConfigError, match=r"scaling=unit has no rule for attention computed inside a module: "
-                                          + re.escape(attention) + r" calls F.scaled_dot_product_attention"):
-        preflight(make_cfg(f"model={model}", "scaling=unit", "device=cpu"))
+@pytest.mark.parametrize("model, attention", [("distilbert_tiny", "distilbert.transformer.layer.0.attention."
+                                               "scaled_attention"),
+                                              ("bert_tiny", "bert.encoder.layer.0.attention.self.scaled_attention")])
+def test_unit_scaling_from_scratch_scales_the_hub_models_attention(make_cfg, tmp_path, model, attention):
+    """transformers computes attention inside its attention modules, through its attention-function registry: from
+    scratch, unit scaling points that registry at unit_scaling's attention (bench/numerics/unit.py), so the cell
+    trains with every attention op scaled and its record names where."""
+    record = _record(make_cfg(f"model={model}", "scaling=unit", "train.max_steps=2", "device=cpu"), tmp_path)
+    assert record["status"] == "ok", record.get("traceback")
+    assert attention in record["numerics"]["unit_conversion"]["scaled_attention"]
 
 
 def test_tiny_distilbert_learns_the_fixture_sentiment(make_cfg, tmp_path):

@@ -29,7 +29,7 @@ from bench.numerics.blocks import TileScaling
 from bench.numerics.formats import ElementFormat
 from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING, LossScaler, PerTensorScale
 from bench.numerics.umup import UmupHyper, umup_parameter_groups, umup_task
-from bench.numerics.unit import ADAM_FAMILY, LR_RULES, unit_scale_task
+from bench.numerics.unit import ADAM_FAMILY, LR_RULES, POST_NORM_TAU, unit_scale_task
 
 SCALING_METHODS: dict[str, type["ScalingMethod"]] = {}  # name -> class, in declaration (the tables') order
 NO_SCALING = "none"  # the baseline: nothing scaled (the tables' reference column)
@@ -149,10 +149,14 @@ class UnitScaling(ScalingMethod):
         check_choice(self.knobs.get("lr_rule", "same"), LR_RULES, "scaling.lr_rule")
         if not self.knobs.get("conversion_tolerance", 1e-4) > 0:
             raise ConfigError(f"scaling.conversion_tolerance={self.knobs['conversion_tolerance']} must be > 0")
+        if not 0 < self.knobs.get("post_norm_tau", POST_NORM_TAU) < 1:
+            raise ConfigError(f"scaling.post_norm_tau={self.knobs['post_norm_tau']} must be in (0, 1) (a residual "
+                              f"branch's share of the variance; default {POST_NORM_TAU})")
 
     def transform(self, task, pretrained, optimizer):
         return unit_scale_task(task, preserve=pretrained, tolerance=self.knobs.get("conversion_tolerance", 1e-4),
-                               relative_lr=self.knobs.get("lr_rule", "same") == "relative" and optimizer in ADAM_FAMILY)
+                               relative_lr=self.knobs.get("lr_rule", "same") == "relative" and optimizer in ADAM_FAMILY,
+                               post_norm_tau=self.knobs.get("post_norm_tau", POST_NORM_TAU))
 
 
 @register("umup")

@@ -52,6 +52,11 @@ RESIDUAL_CONSTRAINT = "gmean"  # ops with a residual add after them; unit-scalin
 # -> x1.713, half the gradients pass -> x sqrt(2). GELU: 1.701 / 1.481.
 ACTIVATION_SCALES = {"relu": (1.713, math.sqrt(2.0)), "gelu": (1.701, 1.481)}
 KEPT = (nn.Embedding, nn.LayerNorm)  # forward unchanged, not unit-scaled, higher precision
+# transformers' post-norm encoders (BERT, DistilBERT) add each residual branch inline before a LayerNorm,
+# LayerNorm(x + f(x)): the module class holding f's last Linear, and that Linear's attribute.
+POST_NORM_BRANCH_OUTPUTS = {"BertSelfOutput": "dense", "BertOutput": "dense", "DistilBertSelfAttention": "out_lin",
+                            "FFN": "lin2"}
+POST_NORM_TAU = 0.02  # scaling.post_norm_tau's default: see weight_post_norm_branches
 
 
 def _unit_init(module: nn.Module) -> None:
@@ -79,6 +84,8 @@ class UnitLinear(CastOp, nn.Linear):
     constraint=None: alpha = fan_in^-1/2, beta = fan_out^-1/2; "gmean": alpha = beta = (fan_in * fan_out)^-1/4.
     """
 
+    branch_weight: float = 1.0  # a post-norm residual branch's weight (`weight_post_norm_branches`)
+
     def __init__(self, *args, constraint: str | None = None, **kwargs):
         self.constraint = constraint
         super().__init__(*args, **kwargs)
@@ -92,7 +99,8 @@ class UnitLinear(CastOp, nn.Linear):
         x = scale_bwd(x, grad_input_scale)
         weight = scale_bwd(self.weight, grad_weight_scale)
         bias = None if self.bias is None else scale_bwd(self.bias, grad_weight_scale)
-        return scale_fwd(self.linear(x, weight, bias), output_scale)
+        out = scale_fwd(self.linear(x, weight, bias), output_scale)
+        return out if self.branch_weight == 1.0 else out * self.branch_weight
 
 
 class UnitConv2d(CastOp, nn.Conv2d):
@@ -278,13 +286,14 @@ def _unit_module(module: nn.Module, preserve: bool, constraint: str | None) -> n
             return UnitAdd()
     if isinstance(module, PARAMETER_FREE + KEPT + (Residual, Attention, Add)):
         return module
-    if not any(True for _ in module.parameters(recurse=False)):
-        return None
+    held_by_children = {id(p) for child in module.children() for p in child.parameters()}
+    if all(id(p) in held_by_children for p in module.parameters(recurse=False)):
+        return None  # a container (its own parameters, if any, tied to its children's: BERT's MLM head's bias)
     raise ConfigError(f"scaling=unit has no rule for {kind.__name__}: unit scaling here covers Linear, Conv2d, ReLU, "
                       "GELU, MaxPool2d, Embedding, LayerNorm, bench/numerics/ops.py's ops and parameter-free modules")
 
 
-def unit_scale(model: nn.Module, preserve: bool = False) -> nn.Module:
+def unit_scale(model: nn.Module, preserve: bool = False, post_norm_tau: float = POST_NORM_TAU) -> nn.Module:
     """Replace, in place, Linear / Conv2d / ReLU / GELU / MaxPool2d by their unit-scaled versions; from scratch,
     also Embedding, LayerNorm, causal attention, embedding sums and residual adds (bench/numerics/ops.py).
 
@@ -293,10 +302,14 @@ def unit_scale(model: nn.Module, preserve: bool = False) -> nn.Module:
     other ops kept). Ops inside an nn.ModuleList (the stack of residual blocks) are constrained to the
     geometric mean; ops outside it are unconstrained (see the module docstring). Residual adds get their tau
     from `residual_taus`, in the order the model holds them. Tied weights (a GPT's embedding and head) stay tied.
+    A transformers encoder, from scratch: its attention through `route_registry_attention`, its post-norm residual
+    branches weighted by `post_norm_tau` (`weight_post_norm_branches`).
     """
     ties = _tied_parameters(model)
     _convert(model, preserve, None)
     if not preserve:
+        if route_registry_attention(model, lambda module: UnitAttention(_dropout_of(module))):
+            weight_post_norm_branches(model, post_norm_tau)
         residuals = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
                      if type(child) is Residual]
         for (parent, name), tau in zip(residuals, residual_taus(len(residuals))):
@@ -306,6 +319,80 @@ def unit_scale(model: nn.Module, preserve: bool = False) -> nn.Module:
         for module_name, attribute in owners[1:]:
             setattr(model.get_submodule(module_name), attribute, shared)
     return model
+
+
+def weight_post_norm_branches(model: nn.Module, tau: float) -> list[str]:
+    """Weight each residual branch of a transformers post-norm encoder: LayerNorm(x + r f(x)) with r = sqrt(tau /
+    (1 - tau)), which is LayerNorm(sqrt(1 - tau) x + sqrt(tau) f(x)) exactly (LayerNorm ignores a common factor):
+    tau is the branch's share of the sum's variance when both are unit-scaled. r multiplies both passes, as regular
+    BERT's small branch weights do: scaled in the forward pass only (unit_scaling's scale_fwd), the branch would send
+    back 1/r times the skip's share of every lower layer's gradient, and the masked LM stalls as unweighted. The add is inline in transformers' code, so the weight
+    goes on the branch's last Linear (POST_NORM_BRANCH_OUTPUTS). Why it is needed: a LayerNorm after the add
+    renormalises whatever the weights, but not the mix. Regular BERT starts with each branch ~0.02 of the skip's
+    scale (N(0, 0.02) weights); unit scaling makes both unit, and more: attention averages its values over
+    positions, which share part of their variance (a one-segment batch's segment embedding, then every layer's
+    attention output), so the library's attention scale (which assumes independent values) leaves its output at
+    std 1.4-4.7. Unweighted (tau = 0.5) or at the pre-norm rule's 0.1-0.3, that shared part swamps each position's
+    own and a masked LM stalls at predicting the commonest piece (measured: bert_mlm_tiny, 400 steps, tau 0.1
+    stalls, 0.02 trains). Returns the weighted Linears' names."""
+    ratio = math.sqrt(tau / (1 - tau))
+    weighted = []
+    for name, module in model.named_modules():
+        attribute = POST_NORM_BRANCH_OUTPUTS.get(type(module).__name__)
+        if attribute and isinstance(getattr(module, attribute, None), UnitLinear):
+            getattr(module, attribute).branch_weight = ratio
+            weighted.append(f"{name}.{attribute}")
+    return weighted
+
+
+# The name our attention function is registered under in transformers' attention-function registry.
+REGISTRY_ATTENTION = "precision_bench_scaled"
+
+
+def registry_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of a transformers model that compute attention by calling its attention-function registry
+    (`ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`): the classes it records attentions of. [] for a model
+    that has no such registry (any other model, or a transformers model with attention of its own)."""
+    if not getattr(type(model), "_supports_attention_backend", False):
+        return []
+    recorded = getattr(model, "_can_record_outputs", None) or {}
+    kinds = recorded.get("attentions")
+    kinds = tuple(getattr(kind, "target_class", kind) for kind in (kinds if isinstance(kinds, (list, tuple))
+                                                                    else [kinds] if kinds else []))
+    return [module for module in model.modules() if kinds and isinstance(module, kinds)]
+
+
+def _registry_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+    """transformers' attention-function signature, computed by the scaled attention module the transform attached
+    to the calling module (so that the op runs inside a module of ours, which `unscaled_ops` can tell apart)."""
+    if scaling is not None and not math.isclose(scaling, query.shape[-1] ** -0.5, rel_tol=1e-6):
+        raise ConfigError(f"{type(module).__name__} scales its attention scores by {scaling:g}, not 1/sqrt(d_head): "
+                          "no unit-scaling rule here for another softmax scale")
+    return module.scaled_attention(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
+
+
+def _dropout_of(module: nn.Module) -> float:
+    """The attention-probability dropout a transformers attention module passes to its attention function."""
+    dropout = getattr(module, "dropout", 0.0)
+    return dropout.p if isinstance(dropout, nn.Dropout) else float(dropout)
+
+
+def route_registry_attention(model: nn.Module, make_attention) -> list[str]:
+    """A transformers encoder's attention computed by our scaled attention: `make_attention(module)` attached to each
+    of its registry-attention modules as `scaled_attention` (parameter-free: the state dict is unchanged), and the
+    model switched to the registry entry that calls it, with torch SDPA's boolean masks. The modules' names."""
+    modules = registry_attention_modules(model)
+    if not modules:
+        return []
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(REGISTRY_ATTENTION, _registry_attention)
+    AttentionMaskInterface.register(REGISTRY_ATTENTION, sdpa_mask)
+    for module in modules:
+        module.scaled_attention = make_attention(module)
+    model.set_attn_implementation(REGISTRY_ATTENTION)
+    return [name for name, module in model.named_modules() if any(module is m for m in modules)]
 
 
 def _tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -490,11 +577,21 @@ def relative_lr_multipliers(before: dict[str, float], model: nn.Module) -> dict[
     lr by this ratio keeps its relative step the regular model's (nanoGPT's embeddings and matrices: x50,
     its residual projections: x141, LayerNorm weights: x1); build_optimizer divides the weight decay by it,
     so AdamW's decoupled decay also shrinks each tensor by the regular model's fraction per step.
+
+    A zero-initialised bias has no RMS to compare; a unit-scaled matmul multiplies its bias by its output scale
+    alpha (y = alpha (x W^T + b)), so an Adam step of lr moves the output by alpha lr where the regular model's
+    moves it by lr: its multiplier is 1/alpha (x8 for a 64-wide BERT's head, whose bias carries the token
+    frequencies: at x1 a masked LM stalls at predicting the commonest piece). Other zero-initialised tensors: 1.
     """
     multipliers = {}
     for name, p in model.named_parameters():
         now, then = _rms(p), before.get(name, 0.0)
         multipliers[p] = now / then if now > 0 and then > 0 else 1.0
+    for module in model.modules():
+        if isinstance(module, (UnitLinear, UnitConv2d)) and module.bias is not None and _rms(module.bias) == 0:
+            alpha = (_linear_scales(module.weight, module.constraint) if isinstance(module, UnitLinear) else
+                     _conv_scales(module.weight, module.stride, module.groups, module.constraint))[0]
+            multipliers[module.bias] = 1 / alpha
     return multipliers
 
 
@@ -502,7 +599,8 @@ def _rms(p: torch.Tensor) -> float:
     return float(p.detach().double().pow(2).mean().sqrt())
 
 
-def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: bool = False) -> dict:
+def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: bool = False,
+                    post_norm_tau: float = POST_NORM_TAU) -> dict:
     """Unit-scale `task.model` and its loss; with `preserve`, check the conversion kept the function.
 
     The check runs one training batch through the original and the converted model and compares the
@@ -513,11 +611,15 @@ def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: 
     """
     if not preserve:
         before = {name: _rms(p) for name, p in task.model.named_parameters()} if relative_lr else None
-        unit_scale(task.model)
+        unit_scale(task.model, post_norm_tau=post_norm_tau)
         refuse_unscaled_ops("unit", task)
         task.cross_entropy = unit_cross_entropy
         result = {"preserve_function": False, "why": "fresh unit-variance init (model.pretrained=false or no checkpoint)",
-                  "lr_rule": "relative" if relative_lr else "same"}
+                  "lr_rule": "relative" if relative_lr else "same",
+                  "scaled_attention": [n for n, m in task.model.named_modules() if isinstance(m, UnitAttention)],
+                  "post_norm_branches": [n for n, m in task.model.named_modules()
+                                         if isinstance(m, UnitLinear) and m.branch_weight != 1.0],
+                  "post_norm_tau": post_norm_tau}
         if relative_lr:
             task.lr_multipliers = relative_lr_multipliers(before, task.model)
             values = sorted(task.lr_multipliers.values())

@@ -74,6 +74,7 @@ class ScalingConfig:
     pow2: bool = False  # per_tensor: round s down to a power of two
     conversion_tolerance: float = 1e-4  # unit, pretrained: largest relative output change the conversion may make
     lr_rule: str = "same"  # unit, from scratch, Adam/AdamW: same | relative (bench.numerics.unit.relative_lr_multipliers)
+    post_norm_tau: float = 0.02  # unit, from scratch, transformers' post-norm encoders: a branch's variance share
     # umup: u-μP's hyper-parameters (bench.numerics.umup.UmupHyper; conf/scaling/umup.yaml sets the paper's 1.0)
     residual_mult: Optional[float] = None
     residual_attn_ratio: Optional[float] = None
@@ -199,6 +200,32 @@ class CharLMConfig:
 
 
 @dataclass
+class MLMArchConfig:
+    family: str = "bert"  # bert | distilbert: transformers' masked-LM model of that family (bench/tasks/mlm.py)
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 2
+    intermediate: int = 128
+    block_size: int = 64  # characters per window (and the position embeddings' length)
+
+
+@dataclass
+class MLMConfig:
+    name: str = MISSING
+    task: TaskSpec = MISSING
+    epochs: int = 1  # one pass of `iterations` random batches
+    iterations: int = 500
+    batch_size: int = 32
+    eval_batch_size: int = 256  # validation windows per forward (the whole split is evaluated)
+    mask_rate: float = 0.15  # BERT's: of the chosen positions 80% [MASK], 10% a random piece, 10% unchanged
+    vocab: str = MISSING  # the WordPiece vocabulary file (bench/data/vocab.txt)
+    tie_embeddings: bool = True  # the output head shares the word embeddings, as BERT's does
+    arch: MLMArchConfig = field(default_factory=MLMArchConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: CharDataConfig = field(default_factory=CharDataConfig)
+
+
+@dataclass
 class QAConfig(TransformerConfig):
     doc_stride: int = 128
     n_best: int = 20
@@ -251,6 +278,7 @@ def register_schema() -> None:
     store.store(name="classifier_schema", node=TransformerConfig)
     store.store(name="qa_schema", node=QAConfig)
     store.store(name="charlm_schema", node=CharLMConfig)
+    store.store(name="mlm_schema", node=MLMConfig)
     store.store(name="model_schema", node=ModelConfig)
 
 

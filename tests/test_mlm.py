@@ -1,0 +1,197 @@
+"""Masked-LM pretraining from scratch (bench/tasks/mlm.py) and unit scaling of transformers encoders, attention
+included (bench/numerics/unit.py's registry route): the masking rule, unit scale at initialisation against a plain
+model, one converted forward and backward against the same model written from unit_scaling's functional ops."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import unit_scaling.functional as U
+from omegaconf import OmegaConf
+from unit_scaling.core.functional import scale_elementwise
+
+from bench.errors import ConfigError
+from bench.numerics.unit import UnitAttention, unit_cross_entropy, unit_scale
+from bench.data import DATA_DIR
+from bench.tasks.mlm import IGNORED, build_encoder, mask_tokens, non_special_ids, tokenizer_of
+
+TOKENIZER = tokenizer_of(OmegaConf.create({"vocab": str(DATA_DIR / "vocab.txt")}))
+VOCABULARY, MASK_ID, CANDIDATES = len(TOKENIZER), TOKENIZER.mask_token_id, non_special_ids(TOKENIZER)
+FIRST = int(CANDIDATES.min())  # the shipped vocabulary's special tokens come first
+
+
+def _encoder(family: str, layers: int = 2):
+    cfg = OmegaConf.create({"arch": {"family": family, "layers": layers, "hidden": 64, "heads": 2,
+                                     "intermediate": 128, "block_size": 64}, "tie_embeddings": True})
+    return build_encoder(cfg, TOKENIZER)
+
+
+def _mask(ids, seed):
+    return mask_tokens(ids, 0.15, MASK_ID, CANDIDATES, torch.Generator().manual_seed(seed))
+
+
+def test_masking_follows_berts_rule():
+    """15% of positions chosen; of those 80% [MASK], 10% a random piece, 10% unchanged (BERT's
+    create_pretraining_data.py); labels only where chosen; the same generator state gives the same batch. Tolerances
+    are 5 binomial standard deviations on 1,000,000 positions."""
+    ids = torch.randint(FIRST, VOCABULARY, (1000, 1000), generator=torch.Generator().manual_seed(1))
+    inputs, labels = _mask(ids, 0)
+    chosen = labels != IGNORED
+    n, k = ids.numel(), int(chosen.sum())
+
+    def near(count, total, p):
+        return abs(count - total * p) <= 5 * math.sqrt(total * p * (1 - p))
+
+    assert near(k, n, 0.15)
+    assert torch.equal(labels[chosen], ids[chosen]) and torch.equal(inputs[~chosen], ids[~chosen])
+    masked = inputs[chosen] == MASK_ID
+    unchanged = inputs[chosen] == ids[chosen]
+    replaced = ~masked & ~unchanged
+    assert near(int(masked.sum()), k, 0.8)
+    # "unchanged" also counts random draws that happened to hit the same piece (1 in 298 of the 10%)
+    assert near(int(unchanged.sum()), k, 0.1 + 0.1 / len(CANDIDATES))
+    assert near(int(replaced.sum()), k, 0.1 * (1 - 1 / len(CANDIDATES)))
+    assert not (inputs[chosen & (inputs != MASK_ID)] < FIRST).any()  # a replacement is never a special token
+    again = _mask(ids, 0)
+    assert torch.equal(again[0], inputs) and torch.equal(again[1], labels)
+
+
+def _scales(model, loss_fn):
+    """{module name: (output std, output-gradient std)} of every module with a floating-point output, one batch,
+    the loss over every position (so the logits' gradient is the loss's own scale, not diluted by unmasked
+    positions), eval mode (no dropout)."""
+    model.eval()
+    found = {}
+
+    def hook(name):
+        def record(_module, _inputs, output):
+            t = output[0] if isinstance(output, tuple) else getattr(output, "logits", output)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
+                found[name] = [float(t.detach().std()), None]
+                t.register_hook(lambda g: found[name].__setitem__(1, float(g.std())))
+        return record
+
+    for name, module in model.named_modules():
+        module.register_forward_hook(hook(name or "<model>"))
+    ids = torch.randint(FIRST, VOCABULARY, (32, 64), generator=torch.Generator().manual_seed(0))
+    inputs, _ = _mask(ids, 1)
+    logits = model(input_ids=inputs).logits
+    loss_fn(logits.reshape(-1, VOCABULARY), ids.reshape(-1)).backward()
+    return found
+
+
+# The band, [1/16, 4], and its exceptions, measured (bench/numerics/unit.py says why each is what it is):
+# - a position or segment embedding's output is one (1, length, hidden) lookup broadcast over the batch: its gradient
+#   sums the batch's 32 rows (std ~ sqrt(32) x the rest);
+# - inside each residual branch (tau = 0.02), the branch's output and every gradient in it carry its weight
+#   r = 0.14 in both passes: the lowest, ~0.08-0.12 (unit scaling would keep them at 1 with a split at the
+#   branch's start, which post-norm transformers code has no place for);
+# - BERT's attention outputs reach std 3.2: a one-segment batch adds the same segment vector at every position, a
+#   shared part that averaging over positions does not shrink (unit_scaling's attention scale assumes independent
+#   values). Without the branch weight they reach 4.7 and the queries' gradients 0.02.
+# A plain model: more than half of them below 1/16 (its attention's query and key gradients ~4e-9).
+BAND = (1 / 16, 4)
+BROADCAST = ("position_embeddings", "token_type_embeddings")
+
+
+@pytest.mark.parametrize("family", ["distilbert", "bert"])
+def test_unit_scaled_encoder_is_unit_scaled_at_initialisation_and_a_plain_one_is_not(family):
+    torch.manual_seed(0)
+    unit = _scales(unit_scale(_encoder(family)), unit_cross_entropy)
+    torch.manual_seed(0)
+    plain = _scales(_encoder(family), F.cross_entropy)
+    low, high = BAND
+
+    def outside(found):
+        return {name: stds for name, stds in found.items() if not name.endswith(BROADCAST)
+                and not all(low <= s <= high for s in stds if s is not None)}
+
+    assert len(unit) > 30 and any(name.endswith("scaled_attention") for name in unit)  # attention measured too
+    assert outside(unit) == {}, outside(unit)
+    assert len(outside(plain)) > len(plain) // 2  # gradients around 1e-4 and below: most of the model
+
+
+def _distilbert_from_unit_scaling_ops(model, ids):
+    """DistilBERT's masked-LM forward written from unit_scaling's functional ops with `model`'s weights: embeddings
+    (U.embedding) summed, U.layer_norm; per layer U.linear constrained to the geometric mean inside the stack,
+    U.scaled_dot_product_attention, the post-norm residual adds as DistilBERT writes them, each branch weighted by
+    sqrt(tau / (1 - tau)); the head's U.linear unconstrained. GELU by the library's scale_elementwise with the paper's factors (ours: the library's own gelu
+    now uses an empirical model instead, 1.767 both ways)."""
+    d = model.distilbert
+    hidden = d.embeddings.word_embeddings.weight.shape[1]
+    gelu = scale_elementwise(F.gelu, 1.701, 1.481, constraint=None)  # the paper's GELU factors
+    r = math.sqrt(0.02 / 0.98)  # each residual branch's weight, tau = 0.02 (bench/numerics/unit.py)
+    positions = torch.arange(ids.shape[1])[None]
+    x = d.embeddings.word_embeddings
+    h = U.embedding(ids, x.weight, x.padding_idx) + U.embedding(positions, d.embeddings.position_embeddings.weight)
+    h = U.layer_norm(h, (hidden,), d.embeddings.LayerNorm.weight, d.embeddings.LayerNorm.bias, 1e-12)
+    for layer in d.transformer.layer:
+        a = layer.attention
+        heads = a.n_heads
+
+        def split(t):
+            return t.view(t.shape[0], t.shape[1], heads, -1).transpose(1, 2)
+
+        q, k, v = (split(U.linear(h, lin.weight, lin.bias, constraint="gmean")) for lin in (a.q_lin, a.k_lin, a.v_lin))
+        attended = U.scaled_dot_product_attention(q, k, v, mult=q.shape[-1] ** 0.5)
+        attended = attended.transpose(1, 2).reshape(h.shape)
+        h = U.layer_norm(U.linear(attended, a.out_lin.weight, a.out_lin.bias, constraint="gmean") * r + h, (hidden,),
+                         layer.sa_layer_norm.weight, layer.sa_layer_norm.bias, 1e-12)
+        f = layer.ffn
+        inner = gelu(U.linear(h, f.lin1.weight, f.lin1.bias, constraint="gmean"))
+        h = U.layer_norm(U.linear(inner, f.lin2.weight, f.lin2.bias, constraint="gmean") * r + h, (hidden,),
+                         layer.output_layer_norm.weight, layer.output_layer_norm.bias, 1e-12)
+    h = gelu(U.linear(h, model.vocab_transform.weight, model.vocab_transform.bias, constraint=None))
+    h = U.layer_norm(h, (hidden,), model.vocab_layer_norm.weight, model.vocab_layer_norm.bias, 1e-12)
+    return U.linear(h, model.vocab_projector.weight, model.vocab_projector.bias, constraint=None)
+
+
+def test_one_converted_step_equals_the_model_written_from_unit_scalings_ops():
+    """Forward logits, the loss and every parameter's gradient, bit for bit."""
+    torch.manual_seed(0)
+    model = unit_scale(_encoder("distilbert")).eval()
+    ids = torch.randint(FIRST, VOCABULARY, (4, 64), generator=torch.Generator().manual_seed(0))
+    inputs, labels = _mask(ids, 1)
+    chosen = labels != IGNORED
+
+    def step(forward):
+        model.zero_grad()
+        logits = forward()
+        loss = unit_cross_entropy(logits[chosen], labels[chosen])
+        loss.backward()
+        return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ours = step(lambda: model(input_ids=inputs).logits)
+    reference = step(lambda: _distilbert_from_unit_scaling_ops(model, inputs))
+    assert torch.equal(ours[0], reference[0]) and torch.equal(ours[1], reference[1])
+    assert ours[2].keys() == reference[2].keys()
+    assert {n for n in ours[2] if not torch.equal(ours[2][n], reference[2][n])} == set()
+
+
+def test_the_attention_route_is_what_computes_attention():
+    """The converted encoder computes attention in UnitAttention (parameter-free: the state dict is unchanged); a
+    plain copy of the same weights routed back to torch's SDPA gives other outputs."""
+    torch.manual_seed(0)
+    model = _encoder("bert")
+    keys = set(model.state_dict())
+    unit_scale(model)
+    assert set(model.state_dict()) == keys
+    calls = []
+    for module in model.modules():
+        if isinstance(module, UnitAttention):
+            module.register_forward_hook(lambda *_: calls.append(1))
+    model(input_ids=torch.randint(FIRST, VOCABULARY, (2, 16)))
+    assert len(calls) == 2  # one per layer
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.mask_rate=0", "model.mask_rate=0.0 must be in (0, 1)"),
+    ("model.mask_rate=1.5", "model.mask_rate=1.5 must be in (0, 1)"),
+    ("model.arch.family=gpt2", "model.arch.family='gpt2' is not valid; valid: bert, distilbert"),
+])
+def test_bad_mlm_settings_are_refused_before_training(make_cfg, override, message):
+    from bench.running.config import check
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check(make_cfg("model=bert_mlm_tiny", override))
