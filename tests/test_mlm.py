@@ -11,9 +11,9 @@ import unit_scaling.functional as U
 from omegaconf import OmegaConf
 from unit_scaling.core.functional import scale_elementwise
 
+from bench.data import DATA_DIR
 from bench.errors import ConfigError
 from bench.numerics.unit import UnitAttention, unit_cross_entropy, unit_scale
-from bench.data import DATA_DIR
 from bench.tasks.mlm import IGNORED, build_encoder, mask_tokens, non_special_ids, tokenizer_of
 
 TOKENIZER = tokenizer_of(OmegaConf.create({"vocab": str(DATA_DIR / "vocab.txt")}))

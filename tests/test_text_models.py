@@ -1,7 +1,6 @@
 """DistilBERT/IMDb and BERT/SQuAD through the same runner, offline: tiny models, shipped fixtures and vocabulary."""
 
 import json
-import re
 from pathlib import Path
 
 import datasets
