@@ -211,8 +211,8 @@ def test_nvfp4_tensor_scale_is_torchaos_above_its_floor_and_never_zero_below_it(
     assert nvfp4_tensor_scale(torch.tensor([1.0, float("nan")])).isnan()
 
 
-BLOCK_CELLS = {"mxfp8": {}, "mxfp6": {}, "mxfp4": {}, "nvfp4": {}, "fp8 rowwise": {"granularity": "rowwise"},
-               "fp8 block": {"granularity": "block"}}
+BLOCK_CELLS = {"mxfp8": {}, "mxfp6": {}, "mxfp4": {}, "nvfp4": {}, "fp8 rowwise": {"scaling": "rowwise"},
+               "fp8 block": {"scaling": "block"}}
 
 
 @pytest.mark.parametrize("fmt", BLOCK_CELLS, ids=BLOCK_CELLS.keys())
@@ -227,7 +227,8 @@ def test_a_zero_initialised_linear_trains_in_every_block_format_without_nan_or_s
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
     torch.nn.init.zeros_(model[2].weight)
     torch.nn.init.zeros_(model[2].bias)
-    Precision(fmt.split()[0], "mixed", "emulated", None, False, torch.device("cpu"), **BLOCK_CELLS[fmt]).prepare(model)
+    Precision.of(fmt.split()[0], torch.device("cpu"), mode="mixed", backend="emulated",
+                 **BLOCK_CELLS[fmt]).prepare(model)
     x, target = torch.randn(64, 64), torch.randint(0, 32, (64,))
     y = model(x)
     y.backward(torch.zeros_like(y))  # a zero upstream gradient: both gradient GEMMs take all-zero operands
@@ -326,7 +327,7 @@ def _blocked_linear(fmt: str, rounding: str = "nearest"):
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48)
-    Precision(fmt, "mixed", "emulated", None, False, torch.device("cpu"), rounding=rounding).prepare(layer)
+    Precision.of(fmt, torch.device("cpu"), mode="mixed", backend="emulated", rounding=rounding).prepare(layer)
     return layer
 
 
@@ -579,7 +580,7 @@ def test_unit_scaling_puts_its_scales_around_the_block_scaled_gemm(fmt):
     plain = torch.nn.Linear(64, 32)
     plain.load_state_dict(copy.deepcopy(unit.state_dict()))
     for layer in (unit, plain):
-        Precision(fmt, "mixed", "emulated", None, False, torch.device("cpu")).prepare(layer)
+        Precision.of(fmt, torch.device("cpu"), mode="mixed", backend="emulated").prepare(layer)
     assert type(plain).__name__ == "EmulatedLinear" and plain.operands is not None and unit.operands is not None
     x = torch.randn(48, 64) * torch.exp2(torch.randint(-4, 4, (48, 1)).float())
     grad = torch.randn(48, 32)

@@ -21,10 +21,10 @@ def test_an_emulated_gemm_under_bf16_autocast_is_the_fp32_gemm_of_its_operands_h
     output under autocast), never a BF16 GEMM that would round them again (NVFP4's FP32 tensor scale does not fit)."""
     torch.manual_seed(0)
     layer, x = torch.nn.Linear(64, 32), torch.randn(8, 64)
-    plain = Precision(fmt, "mixed", "emulated", None, False, CPU).prepare(layer)
+    plain = Precision.of(fmt, CPU, mode="mixed", backend="emulated").prepare(layer)
     with torch.no_grad():
         reference = plain(x)
-    elsewhere = Precision(fmt, "mixed", "emulated", None, False, CPU, elsewhere="bf16")
+    elsewhere = Precision.of(fmt, CPU, mode="mixed", backend="emulated", elsewhere="bf16")
     with torch.no_grad(), elsewhere.autocast():
         y = layer(x)
     assert y.dtype == torch.bfloat16 and torch.equal(y, reference.to(torch.bfloat16))

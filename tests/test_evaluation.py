@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bench.numerics.precision import Precision
-from bench.numerics.scaling import PerTensorScale
+from bench.numerics.scaling_methods import PerTensor
 from bench.running.run import run_cell
 from bench.tasks.charlm import charlm_task
 from tests.conftest import char_data as _data
@@ -31,7 +31,7 @@ def _on_bf16_grid(t: torch.Tensor) -> bool:
 def test_native_and_emulated_bf16_cells_evaluate_in_bf16_and_fp32_evaluates_in_fp32(backend):
     reference = _mlp()
     model = copy.deepcopy(reference)
-    precision = Precision("bf16", "mixed", backend, None, False, CPU)
+    precision = Precision.of("bf16", CPU, mode="mixed", backend=backend)
     precision.prepare(model)
     x = torch.randn(8, 32)
     with torch.no_grad():
@@ -50,7 +50,7 @@ def test_native_and_emulated_bf16_cells_evaluate_in_bf16_and_fp32_evaluates_in_f
 
 def test_a_whole_model_bf16_cast_is_widened_for_fp32_evaluation_and_narrowed_back_exactly():
     model = _mlp()
-    precision = Precision("bf16", "true", "native", None, False, CPU)
+    precision = Precision.of("bf16", CPU, mode="true", backend="native")
     precision.prepare(model)
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(8, 32)
@@ -73,7 +73,7 @@ def test_torchaos_fp8_linears_compute_in_fp32_while_evaluating_in_fp32():
                                                                                        "emulate": True}),
                                        module_filter_fn=torchao_converts)
     kinds = [type(m).__name__ for m in model]
-    precision = Precision("fp32", "true", "auto", None, False, CPU)
+    precision = Precision.of("fp32", CPU, mode="true", backend="auto")
     x = torch.randn(8, 32)
     with torch.no_grad():
         fp8 = model(x)
@@ -86,10 +86,8 @@ def test_torchaos_fp8_linears_compute_in_fp32_while_evaluating_in_fp32():
 def test_an_evaluation_leaves_a_delayed_amax_history_and_the_telemetry_as_they_were():
     model = _mlp()
 
-    def per_tensor(tensor_class, spec):
-        return PerTensorScale(spec, "delayed", 4)
-
-    precision = Precision("fp8", "mixed", "emulated", None, False, CPU, per_tensor=per_tensor)
+    delayed = PerTensor(name="per_tensor", amax="delayed", history_len=4)
+    precision = Precision.of("fp8", CPU, delayed, mode="mixed", backend="emulated")
     precision.prepare(model)
     precision.telemetry.sampling = True
     model(torch.randn(8, 32)).sum().backward()  # a training step fills the histories

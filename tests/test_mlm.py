@@ -195,3 +195,66 @@ def test_bad_mlm_settings_are_refused_before_training(make_cfg, override, messag
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check(make_cfg("model=bert_mlm_tiny", override))
+
+
+@pytest.fixture(scope="module")
+def pretrained_unit_encoder(tmp_path_factory):
+    """A unit-scaled BERT pretrained a few steps by masked LM on made-up text, exported as a transformers checkpoint
+    (the Unit Scaling paper's first step, tiny): (its cell's directory, the export)."""
+    from hydra import compose, initialize_config_dir
+
+    from bench.running.config import CONF_DIR
+    from bench.running.run import run_cell
+    from bench.tools.export_encoder import export
+
+    root = tmp_path_factory.mktemp("pretrain")
+    text = root / "text.txt"
+    words = "to be or not to be that is the question whether tis nobler in the mind".split()
+    text.write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(400)))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"results_dir={root}", "model=bert_mlm_tiny", "scaling=unit",
+                                           "model.data.source=local", f"model.data.path={text}",
+                                           "model.data.sha256=null", "model.arch.block_size=128", "train.max_steps=3",
+                                           "train.keep_checkpoint=true", "device=cpu"])
+    run_cell(cfg)
+    cell = root / cfg.cell
+    return cell, export(cell, root / "encoder")
+
+
+def test_a_unit_scaled_pretrained_encoder_fine_tunes_unit_scaled_on_squad(make_cfg, tmp_path, pretrained_unit_encoder):
+    """The paper's second step through the QA task: the exported checkpoint loads (its MLM head discarded, the QA
+    head initialised), is rebuilt unit-scaled around its pretrained weights (not converted as a standard checkpoint
+    would be), and trains; the first encoder weight is the pretrained one exactly."""
+    import json
+
+    from bench.running.run import run_cell
+
+    cell, encoder = pretrained_unit_encoder
+    assert json.loads((encoder / "config.json").read_text())["precision_bench_parametrisation"] == "unit scaling"
+    cfg = make_cfg("model=bert_tiny", "model.pretrained=true", f"model.hub_name={encoder}", "scaling=unit",
+                   "train.max_steps=2", "device=cpu")
+    run_cell(cfg)
+    record = json.loads((tmp_path / cfg.cell / "result.json").read_text())
+    assert record["status"] == "ok", record.get("traceback")
+    conversion = record["numerics"]["unit_conversion"]
+    assert conversion["why"].startswith("pretrained unit-scaled") and conversion["kept_weights"] > 30
+    assert record["model_source"]["initialised_head"] == ["qa_outputs.bias", "qa_outputs.weight"]
+
+    from bench.numerics.scaling_methods import build, transform_task
+    from bench.tasks import build_task
+
+    task = build_task(cfg.model, torch.device("cpu"), 0)
+    transform_task(build(cfg.scaling), task, True, "adamw")
+    pretrained = torch.load(cell / "checkpoint.pt", weights_only=False)["model"]
+    name = "bert.encoder.layer.0.attention.self.query.weight"
+    assert torch.equal(task.model.state_dict()[name], pretrained[name])
+
+
+def test_a_unit_scaled_checkpoint_is_refused_by_a_standard_scaling(make_cfg, pretrained_unit_encoder):
+    """Refused with the config check, before anything is built (bench.run exits 2)."""
+    from bench.running.config import check
+
+    _, encoder = pretrained_unit_encoder
+    with pytest.raises(ConfigError, match=r"pretrained in unit scaling, .* fine-tune it with scaling=unit"):
+        check(make_cfg("model=bert_tiny", "model.pretrained=true", f"model.hub_name={encoder}", "scaling=dynamic",
+                           "device=cpu"))

@@ -173,7 +173,7 @@ def test_native_mxfp8_is_torchaos_mxfp8linear_and_our_emulation_of_its_recipe_eq
     results = {}
     for backend in ("emulated", "native"):
         layer = copy.deepcopy(base)
-        precision = Precision("mxfp8", "mixed", backend, None, False, torch.device("cpu"), scale_mode=scale_mode,
+        precision = Precision.of("mxfp8", torch.device("cpu"), mode="mixed", backend=backend, scale_mode=scale_mode,
                               gradients="fp8_e4m3")
         precision.prepare(layer)
         xi = x.clone().requires_grad_(True)

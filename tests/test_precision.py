@@ -30,7 +30,7 @@ def test_fp32_has_tf32_off_and_tf32_has_it_on_while_the_cell_runs_and_not_after(
     """A plan names the flags; only the cell's run sets them (precision.fp32_flags()), and its end puts back what
     was there, whatever that was."""
     before = _flags()
-    fp32, tf32 = (Precision(fmt, "true", "auto", None, False, CPU) for fmt in ("fp32", "tf32"))
+    fp32, tf32 = (Precision.of(fmt, CPU, mode="true", backend="auto") for fmt in ("fp32", "tf32"))
     assert _flags() == before  # building a precision touches nothing global
     assert fp32.flags["cuda_matmul"] == fp32.flags["cudnn_conv"] == fp32.flags["cudnn_rnn"] == "ieee"
     assert tf32.flags["cuda_matmul"] == tf32.flags["cudnn_conv"] == "tf32"
@@ -74,7 +74,7 @@ def test_the_device_matrix_doctor_predictions_and_the_preflight_leave_torchs_fla
 def test_emulated_tf32_rounding_is_visible_in_a_matmul():
     layer, x = _linear_and_input()
     exact = layer(x)
-    precision = Precision("tf32", "true", "emulated", None, False, CPU)
+    precision = Precision.of("tf32", CPU, mode="true", backend="emulated")
     precision.prepare(layer)
     expected = F.linear(quantise_value(x, "tf32"), quantise_value(layer.weight, "tf32"), layer.bias)
     assert torch.equal(layer(x), expected)
@@ -86,7 +86,7 @@ def test_emulated_tf32_rounding_is_visible_in_a_matmul():
 def test_emulated_sixteen_bit_mixed_rounds_inputs_output_and_gradients(fmt):
     layer, x = _linear_and_input()
     x.requires_grad_(True)
-    Precision(fmt, "mixed", "emulated", None, False, CPU).prepare(layer)
+    Precision.of(fmt, CPU, mode="mixed", backend="emulated").prepare(layer)
     y = layer(x)
     q = lambda t: quantise_value(t, fmt)
     assert torch.equal(y, q(F.linear(q(x), q(layer.weight), q(layer.bias))))
@@ -100,7 +100,7 @@ def test_emulated_sixteen_bit_mixed_rounds_inputs_output_and_gradients(fmt):
 def test_emulated_fp8_uses_e4m3_forward_and_e5m2_gradients_and_keeps_outputs_fp32():
     layer, x = _linear_and_input()
     x.requires_grad_(True)
-    Precision("fp8", "mixed", "emulated", None, False, CPU).prepare(layer)
+    Precision.of("fp8", CPU, mode="mixed", backend="emulated").prepare(layer)
     y = layer(x)
     e4m3 = lambda t: quantise_value(t, "fp8_e4m3")
     assert torch.equal(y, F.linear(e4m3(x), e4m3(layer.weight), layer.bias))
@@ -119,8 +119,8 @@ def test_stochastic_fp8_rounds_only_the_gradients_entering_the_backward_and_is_u
 
     layer, x = _linear_and_input()
     grad_out = torch.randn(16, 32) * 2.0**-14  # E5M2's subnormals: coarse enough that rounding shows
-    factory = (lambda tensor_class, spec: PerTensorScale(spec)) if per_tensor else None
-    nearest, stochastic = (Precision("fp8", "mixed", "emulated", None, False, CPU, factory, rounding=r)
+    scaling = "per_tensor" if per_tensor else "none"  # per_tensor: current amax, no margin: PerTensorScale(spec)
+    nearest, stochastic = (Precision.of("fp8", CPU, scaling, mode="mixed", backend="emulated", rounding=r)
                            for r in ("nearest", "stochastic"))
     scale = PerTensorScale(FORMATS["fp8_e4m3"]).scale_for(layer.weight) if per_tensor else 1.0
     exact_grad_x = grad_out @ (quantise_value(layer.weight * scale, "fp8_e4m3") / scale)  # the weight the GEMM took
@@ -140,12 +140,12 @@ def test_stochastic_fp8_rounds_only_the_gradients_entering_the_backward_and_is_u
     assert (grads.mean(0) - exact_grad_x).abs().mean() < (xi.grad - exact_grad_x).abs().mean() / 4
     assert stochastic.describe()["rounding_of_gradients"] == "stochastic"
     with pytest.raises(PrecisionError, match="format.rounding applies to fp8, mxfp8, mxfp6, mxfp4, nvfp4, nvfp4_recipe, not to format=fp16"):
-        Precision("fp16", "mixed", "emulated", None, False, CPU, rounding="stochastic")
+        Precision.of("fp16", CPU, mode="mixed", backend="emulated", rounding="stochastic")
 
 
 def test_true_mode_emulation_keeps_parameters_and_optimiser_state_in_format():
     layer, x = _linear_and_input()
-    precision = Precision("fp16", "true", "emulated", None, False, CPU)
+    precision = Precision.of("fp16", CPU, mode="true", backend="emulated")
     precision.prepare(layer)
     opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
     layer(x).square().mean().backward()
@@ -160,34 +160,34 @@ def test_true_mode_emulation_keeps_parameters_and_optimiser_state_in_format():
 def test_state_dict_keys_survive_emulation():
     layer, _ = _linear_and_input()
     keys = list(layer.state_dict())
-    Precision("fp8", "mixed", "emulated", None, False, CPU).prepare(layer)
+    Precision.of("fp8", CPU, mode="mixed", backend="emulated").prepare(layer)
     assert list(layer.state_dict()) == keys
 
 
 def test_backend_decisions_are_explicit(monkeypatch):
     monkeypatch.setattr("bench.numerics.hardware._cpu_flags", lambda: frozenset({"avx512f"}))
-    assert Precision("fp16", "mixed", "auto", None, False, CPU).backend == "emulated"  # slow CPU fp16: emulate
-    assert Precision("bf16", "mixed", "auto", None, False, CPU).backend == "emulated"
+    assert Precision.of("fp16", CPU, mode="mixed", backend="auto").backend == "emulated"  # slow CPU fp16: emulate
+    assert Precision.of("bf16", CPU, mode="mixed", backend="auto").backend == "emulated"
     monkeypatch.setattr("bench.numerics.hardware._cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    auto_bf16 = Precision("bf16", "mixed", "auto", None, False, CPU)
+    auto_bf16 = Precision.of("bf16", CPU, mode="mixed", backend="auto")
     assert auto_bf16.backend == "native" and "avx512_bf16" in auto_bf16.why
-    assert Precision("fp16", "mixed", "native", None, False, CPU).backend == "native"  # torch has CPU fp16 kernels
+    assert Precision.of("fp16", CPU, mode="mixed", backend="native").backend == "native"  # torch has CPU fp16 kernels
     with pytest.raises(PrecisionError, match="no native path on cpu"):
-        Precision("tf32", "true", "native", None, False, CPU)
+        Precision.of("tf32", CPU, mode="true", backend="native")
     with pytest.raises(PrecisionError, match="no native path on cpu"):
-        Precision("fp8", "mixed", "native", None, False, CPU)
+        Precision.of("fp8", CPU, mode="mixed", backend="native")
 
 
 def test_every_tensor_stream_has_its_own_site():
     """A delayed per-tensor scale must see one stream's amaxes only: weight and bias, and the three
     gradients a 16-bit kernel returns, never share a history."""
     layer, _ = _linear_and_input()
-    Precision("fp16", "mixed", "emulated", None, False, CPU, per_tensor=lambda *_: None).prepare(layer)
+    Precision.of("fp16", CPU, "per_tensor", mode="mixed", backend="emulated").prepare(layer)
     c = layer.casts
     sites = [c.activation, c.weight, c.bias, c.grad_activation, c.grad_weight, c.grad_bias, c.grad_output, c.output]
     assert len({id(s) for s in sites}) == len(sites)
     fp8 = nn.Linear(4, 4)
-    Precision("fp8", "mixed", "emulated", None, False, CPU).prepare(fp8)
+    Precision.of("fp8", CPU, mode="mixed", backend="emulated").prepare(fp8)
     assert fp8.casts.bias is None and fp8.casts.grad_weight is None  # FP8 GEMMs keep bias and outputs wide
 
 
@@ -195,8 +195,8 @@ def test_every_tensor_stream_has_its_own_site():
     (["format=fp16", "format.rounding=stochastic"], dict(fmt="fp16", rounding="stochastic")),
     (["format=fp32", "format.scale_mode=ceil"], dict(fmt="fp32", mode="true", scale_mode="ceil")),
     (["format=mxfp6", "format.gradients=fp8_e4m3"], dict(fmt="mxfp6", gradients="fp8_e4m3")),
-    (["format=mxfp8", "scaling=per_tensor"], dict(fmt="mxfp8", per_tensor=lambda *a: None)),
-    (["format=bf16", "scaling=rowwise"], dict(fmt="bf16", granularity="rowwise")),
+    (["format=mxfp8", "scaling=per_tensor"], dict(fmt="mxfp8", scaling="per_tensor")),
+    (["format=bf16", "scaling=rowwise"], dict(fmt="bf16", scaling="rowwise")),
     (["format=fp16", "format.mode=half"], dict(fmt="fp16", mode="half")),
 ])
 def test_the_config_check_and_precision_refuse_a_mistake_in_one_wording(make_cfg, overrides, kwargs):
@@ -206,8 +206,7 @@ def test_the_config_check_and_precision_refuse_a_mistake_in_one_wording(make_cfg
 
     with pytest.raises(PrecisionError) as from_check:
         check(make_cfg(*overrides))
-    args = {"mode": "mixed", "backend": "emulated", "overflow": None, "ftz": False, "device": CPU} | kwargs
+    args = {"mode": "mixed", "backend": "emulated"} | kwargs
     with pytest.raises(PrecisionError) as from_precision:
-        Precision(args.pop("fmt"), args.pop("mode"), args.pop("backend"), args.pop("overflow"), args.pop("ftz"),
-                  args.pop("device"), **args)
+        Precision.of(args.pop("fmt"), CPU, **args)
     assert str(from_check.value) == str(from_precision.value)

@@ -67,7 +67,7 @@ from bench.numerics.plan import (  # noqa: F401 - PrecisionConfig and PrecisionE
     kept_layers,
     plan,
 )
-from bench.numerics.scaling_methods import PerTensor, ScalingMethod, build, scaling_class
+from bench.numerics.scaling_methods import ScalingMethod, build, scaling_class
 from bench.numerics.telemetry import QuantTelemetry
 
 # train.eval_precision: every evaluation (per-epoch validation and the final test) in the precision the cell trained
@@ -112,17 +112,14 @@ class Precision:
     """A cell's precision carried out: its plan (bench/numerics/plan.py) applied to a model (`prepare`), and what a
     training step and an evaluation need of it (autocast, input casts, true mode's rounding, telemetry)."""
 
-    def __init__(self, fmt: str, mode: str, backend: str, overflow: str | None, ftz: bool, device: torch.device,
-                 per_tensor=None, scale_mode: str = "floor", rounding: str = "nearest", granularity: str | None = None,
-                 gradients: str | None = None, elsewhere: str | None = None):
-        """The constructor before 0.3.0, kept as a thin alias of `from_plan`: `per_tensor` a factory
-        `(tensor_class, element format) -> scaler` (scaling=per_tensor's), `granularity` the name of an FP8 row or
-        tile scaling method."""
-        method = _FactoryScaling.of(per_tensor) if per_tensor is not None else \
-            scaling_class(granularity)(name=granularity) if granularity else scaling_class("none")(name="none")
-        config = PrecisionConfig(fmt, mode, backend, overflow, ftz, scale_mode, rounding, gradients, elsewhere,
-                                 scaling=method.name)
-        self._start(plan(config, method, device), method, device)
+    @classmethod
+    def of(cls, fmt: str, device: torch.device, scaling: str | ScalingMethod = "none", **choices) -> "Precision":
+        """The precision of format `fmt` on `device`, its other `format.*` choices as keywords (each defaulting as
+        conf/format/ does not: FORMAT_DEFAULTS), with a scaling method by name (its knobs' defaults) or as an
+        instance: what a tool or a test builds without composing a config."""
+        method = scaling if isinstance(scaling, ScalingMethod) else scaling_class(scaling)(name=scaling)
+        config = PrecisionConfig(name=fmt, scaling=method.name, **choices)
+        return cls.from_plan(plan(config, method, device), method, device)
 
     @classmethod
     def from_plan(cls, decided: PrecisionPlan, method: ScalingMethod, device: torch.device) -> "Precision":
@@ -200,10 +197,10 @@ class Precision:
             for name, module in linears.items():
                 if name not in kept and (module.in_features % 16 or module.out_features % 16):
                     raise PrecisionError(
-                        f"format.weight_blocks=16x16: {name} is {module.out_features} x {module.in_features}, not whole "
-                        f"16 x 16 tiles (Transformer Engine refuses it too); valid: format.pad_weights=true (shorter "
-                        f"edge tiles, as zero padding), format.weight_blocks=1x16, or keep it out of the format "
-                        f"(format.keep_high_precision=[{name}])")
+                        f"format.weight_blocks=16x16: {name} is {module.out_features} x {module.in_features}, not "
+                        f"whole 16 x 16 tiles (Transformer Engine refuses it too); valid: format.pad_weights=true "
+                        f"(shorter edge tiles, as zero padding), format.weight_blocks=1x16, or keep it out of the "
+                        f"format (format.keep_high_precision=[{name}])")
         return kept
 
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -373,17 +370,3 @@ class Precision:
                 "rht": {"size": RHT_SIZE, "seed": c.rht_seed, "signs": rht_signs(c.rht_seed).int().tolist(),
                         "signs_from": "Transformer Engine's fixed vector" if c.rht_seed is None else "the seed",
                         "output": self.block.rht_output} if c.rht else None}
-
-
-class _FactoryScaling(PerTensor):
-    """The pre-0.3.0 constructor's `per_tensor` factory as a scaling method: per_tensor, its site scalers made by the
-    factory (one per tensor class)."""
-
-    @classmethod
-    def of(cls, factory) -> "_FactoryScaling":
-        method = cls(name="per_tensor")
-        method.factory = factory
-        return method
-
-    def site_scale(self, tensor_class, element, observe):
-        return self.factory(tensor_class, element)

@@ -154,6 +154,10 @@ class UnitScaling(ScalingMethod):
                               f"branch's share of the variance; default {POST_NORM_TAU})")
 
     def transform(self, task, pretrained, optimizer):
+        source = task.source or {}
+        if pretrained and source.get("parametrisation") == self.parametrisation:  # pretrained unit-scaled here
+            return unit_scale_task(task, preserve=False, keep_weights=True,
+                                   post_norm_tau=source.get("post_norm_tau", POST_NORM_TAU))
         return unit_scale_task(task, preserve=pretrained, tolerance=self.knobs.get("conversion_tolerance", 1e-4),
                                relative_lr=self.knobs.get("lr_rule", "same") == "relative" and optimizer in ADAM_FAMILY,
                                post_norm_tau=self.knobs.get("post_norm_tau", POST_NORM_TAU))
@@ -215,6 +219,23 @@ class Block(ScalingMethod):
     (emulated: Transformer Engine is not a dependency)."""
 
     tiles = TileScaling("1x128 (activations, gradients), 128x128 (weights)", rows=False)
+
+
+def check_parametrisation(trained_in: str | None, method: ScalingMethod, checkpoint) -> None:
+    """ConfigError for a checkpoint pretrained in another parametrisation than the standard one (a unit-scaled
+    model's, which bench.tools.export_encoder marks) fine-tuned in a third: its weights compute its function only
+    through that parametrisation's ops."""
+    if trained_in not in (None, ScalingMethod.parametrisation, method.parametrisation):
+        others = [name for name, cls in SCALING_METHODS.items() if cls.parametrisation == trained_in]
+        raise ConfigError(f"the checkpoint {checkpoint} was pretrained in {trained_in}, whose weights mean nothing "
+                          f"without its ops; fine-tune it with scaling={'|'.join(others)}")
+
+
+def transform_task(method: ScalingMethod, task, pretrained: bool, optimizer: str | None) -> dict | None:
+    """`method.transform`, once the checkpoint's parametrisation is checked (`check_parametrisation`)."""
+    if pretrained:
+        check_parametrisation((task.source or {}).get("parametrisation"), method, (task.source or {}).get("checkpoint"))
+    return method.transform(task, pretrained, optimizer)
 
 
 def scaling_class(name: str) -> type[ScalingMethod]:

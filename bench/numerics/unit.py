@@ -600,15 +600,29 @@ def _rms(p: torch.Tensor) -> float:
 
 
 def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: bool = False,
-                    post_norm_tau: float = POST_NORM_TAU) -> dict:
+                    post_norm_tau: float = POST_NORM_TAU, keep_weights: bool = False) -> dict:
     """Unit-scale `task.model` and its loss; with `preserve`, check the conversion kept the function.
 
     The check runs one training batch through the original and the converted model and compares the
     task outputs and every layer's output; a relative difference above `tolerance` anywhere raises
     ConversionError naming the first layer (in execution order) where it appears. From scratch with
     `relative_lr` (an Adam-family optimiser, scaling.lr_rule=relative), `task.lr_multipliers` gets each
-    parameter's `relative_lr_multipliers`.
+    parameter's `relative_lr_multipliers`. `keep_weights`: the checkpoint was pretrained unit-scaled (bench.tools.
+    export_encoder): the model is unit-scaled as from scratch and its pretrained weights put back, all but the
+    task head the load initialised, which keeps its fresh unit init.
     """
+    if keep_weights:
+        head = set((task.source or {}).get("initialised_head", []))
+        pretrained = {k: v for k, v in task.model.state_dict().items() if k not in head}
+        unit_scale(task.model, post_norm_tau=post_norm_tau)
+        refuse_unscaled_ops("unit", task)
+        loaded = task.model.load_state_dict(pretrained, strict=False)
+        if loaded.unexpected_keys or set(loaded.missing_keys) - head:
+            raise RuntimeError(f"the unit-scaled model does not hold the checkpoint's weights: {loaded}")
+        task.cross_entropy = unit_cross_entropy
+        return {"preserve_function": False, "why": "pretrained unit-scaled: its weights in the unit-scaled model, the "
+                "task head freshly unit-initialised", "kept_weights": len(pretrained), "post_norm_tau": post_norm_tau,
+                "scaled_attention": [n for n, m in task.model.named_modules() if isinstance(m, UnitAttention)]}
     if not preserve:
         before = {name: _rms(p) for name, p in task.model.named_parameters()} if relative_lr else None
         unit_scale(task.model, post_norm_tau=post_norm_tau)

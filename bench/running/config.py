@@ -24,10 +24,11 @@ from bench.errors import ConfigError, check_choice, suggestion  # bench.running.
 from bench.numerics.plan import FormatChoices, PrecisionConfig
 from bench.numerics.precision import EVAL_PRECISIONS
 from bench.numerics.scaling_methods import build as build_scaling_method
+from bench.numerics.scaling_methods import check_parametrisation
 from bench.numerics.specs import FORMAT_SPECS
 from bench.running.device import DEVICES, parallel_jobs
 from bench.running.identity import cell_path
-from bench.tasks.base import METRIC_UNITS, TaskSpec
+from bench.tasks.base import METRIC_UNITS, TaskSpec, trained_parametrisation
 from bench.tasks.charlm import SHAKESPEARE_SHA256
 
 SCHEDULES = ("none", "linear", "cosine")
@@ -310,7 +311,10 @@ def check(cfg: DictConfig) -> None:
                           " documented in conf/README.md")
     _check_model(cfg.model)
     cfg.format.mode = str(cfg.format.mode).lower()
-    build_scaling_method(cfg.scaling).check()  # the method's knobs (and its class, imported by _target_)
+    method = build_scaling_method(cfg.scaling)
+    method.check()  # the method's knobs (and its class, imported by _target_)
+    if cfg.model.get("pretrained", False) and cfg.model.get("hub_name"):  # a unit-scaled checkpoint's own method
+        check_parametrisation(trained_parametrisation(cfg.model.hub_name), method, cfg.model.hub_name)
     if cfg.format.name not in FORMAT_SPECS:  # its yaml composed (or a name set), but no module here declares it
         raise ConfigError(f"format={cfg.format.name!r} is not valid; valid: {', '.join(FORMAT_SPECS)} (a format of "
                           "your own is declared by its module: name it with plugins=[<module>], or install it with a "

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from bench.numerics.plan import PrecisionConfig
 from bench.numerics.precision import Precision, PrecisionError
 from bench.numerics.scaling import LossScaler
-from bench.numerics.scaling_methods import ScalingMethod
+from bench.numerics.scaling_methods import ScalingMethod, transform_task
 from bench.numerics.scaling_methods import build as build_scaling_method
 from bench.numerics.unit import ConversionError
 from bench.running import device as devices
@@ -105,7 +105,7 @@ def check_model(cfg: DictConfig) -> None:
             log.info("%s: not checked before training, the model could not be built here (%s)", cfg.cell, e)
             return
         try:
-            method.transform(task, cfg.model.get("pretrained", False), cfg.model.optimizer.name)
+            transform_task(method, task, cfg.model.get("pretrained", False), cfg.model.optimizer.name)
         except ConversionError:
             pass  # a pretrained conversion that changed the function: measured, so recorded by the run
         with torch.no_grad():
@@ -159,7 +159,7 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     seed_everything(cfg.seed)
     task = build_task(cfg.model, precision.device, cfg.seed)
     method = precision.method
-    conversion = method.transform(task, cfg.model.get("pretrained", False), cfg.model.optimizer.name)
+    conversion = transform_task(method, task, cfg.model.get("pretrained", False), cfg.model.optimizer.name)
 
     def optimizer_over(model: torch.nn.Module) -> torch.optim.Optimizer:
         """The cell's optimiser, over `model` (the task's, or the traced copy of it: the same parameters by name)."""

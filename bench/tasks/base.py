@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -115,3 +117,10 @@ def describe(model_cfg: dict) -> tuple[str, str]:
     data = model_cfg["data"]
     dataset = hub_dataset(data) if data.get("source") == "hub" else str(data.get("source"))
     return dataset, f"{model_cfg['name']} ({dataset})"
+
+
+def trained_parametrisation(hub_name) -> str | None:
+    """The parametrisation a local checkpoint directory says it was pretrained in (bench.tools.export_encoder's
+    `precision_bench_parametrisation`), read from its config.json alone; None for any other checkpoint."""
+    config = Path(str(hub_name)) / "config.json"
+    return json.loads(config.read_text()).get("precision_bench_parametrisation") if config.is_file() else None

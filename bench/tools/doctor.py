@@ -44,9 +44,8 @@ def fp32_is_ieee(device: torch.device) -> tuple[bool, str]:
 def one_step(fmt: str, mode: str, device: torch.device) -> tuple[bool, str]:
     """Two training steps of a tiny MLP natively in (fmt, mode), under the flags a cell runs under; the second is
     timed."""
-    per_tensor = (lambda tensor_class, spec: None) if fmt == "fp8" else None
     try:
-        precision = Precision(fmt, mode, "native", None, False, device, per_tensor)
+        precision = Precision.of(fmt, device, "per_tensor" if fmt == "fp8" else "none", mode=mode, backend="native")
         with precision.fp32_flags():
             loss, elapsed = _two_steps(precision, device)
         if not torch.isfinite(loss):

@@ -43,7 +43,7 @@ def step_breakdown(setting: str, config=None, batch: int = SHAPE["batch"], lengt
     config = config or DistilBertConfig(num_labels=2)
     config._attn_implementation = "eager"  # as transformers ran DistilBERT in 2023 (see the module docstring)
     model = DistilBertForSequenceClassification(config)
-    precision = Precision(fmt, mode, "auto", None, False, torch.device("cpu"))  # native where this CPU is fast
+    precision = Precision.of(fmt, torch.device("cpu"), mode=mode, backend="auto")  # native where this CPU is fast
     model = precision.prepare(model)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)

@@ -39,10 +39,10 @@ def test_the_device_matrix_tpu_row_is_what_the_real_xla_device_decides():
 
     device = devices.select_device("xla")
     for fmt, mode in settings():
-        real = Precision(fmt, mode, "auto", None, False, device)
+        real = Precision.of(fmt, device, mode=mode, backend="auto")
         assert (real.backend, real.why) == decide("TPU (torch_xla)", fmt, mode, "none"), (fmt, mode)
-    assert Precision("bf16", "mixed", "auto", None, False, device).backend == "native"
-    assert Precision("fp16", "mixed", "auto", None, False, device).backend == "emulated"
+    assert Precision.of("bf16", device, mode="mixed", backend="auto").backend == "native"
+    assert Precision.of("fp16", device, mode="mixed", backend="auto").backend == "emulated"
 
 
 @pytest.mark.parametrize("model", ["lenet", "bert_tiny"])
@@ -164,7 +164,7 @@ def _bf16_layer_on_xla_and_emulated(layer: str, bias: bool):
         module, x_xla = module.to(device), x.to(device)
         on_xla, product = module(x_xla).cpu(), gemm(x_xla, module.weight).cpu()  # the GEMM alone, in bf16
     module = module.cpu()
-    emulated = Precision("bf16", "mixed", "emulated", None, False, torch.device("cpu")).prepare(make())
+    emulated = Precision.of("bf16", torch.device("cpu"), mode="mixed", backend="emulated").prepare(make())
     emulated.load_state_dict(module.state_dict())
     with torch.no_grad():
         ours = emulated(x)
