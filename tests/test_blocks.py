@@ -63,7 +63,8 @@ def test_every_block_format_matches_its_reference_except_the_named_departures(ro
     assert set(floor["scale mode"]) == {"E4M3 block x FP32 tensor", "E4M3 block x FP32 tensor, along the tokens"}
     assert set(floor["family"]) == {"zero", "subnormal"}
     rht = where["rht_fp32_arithmetic"]
-    assert set(rht["format"]) == {"NVFP4 + RHT (weight-gradient operands)"} and set(rht["family"]) <= {"subnormal", "mixed extremes"}
+    assert set(rht["format"]) == {"NVFP4 + RHT (weight-gradient operands)"}
+    assert set(rht["family"]) <= {"subnormal", "mixed extremes"}
     assert table[table["format"] == "NVFP4 16x16 weight tiles"][list(DEPARTURES)].sum().sum() == 0
     assert (rows[rows["family"] == "random"][list(DEPARTURES)] == 0).all().all()  # random inputs never reach them
 
@@ -203,7 +204,8 @@ def test_nvfp4_tensor_scale_is_torchaos_above_its_floor_and_never_zero_below_it(
     from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
 
     for amax in (2688 * 2.0**-121, 2e-33, 1e-20, 1.0, 3e4, 3e38):
-        assert torch.equal(nvfp4_tensor_scale(torch.tensor([amax, -amax / 3])), per_tensor_amax_to_scale(torch.tensor(amax)))
+        assert torch.equal(nvfp4_tensor_scale(torch.tensor([amax, -amax / 3])),
+                           per_tensor_amax_to_scale(torch.tensor(amax)))
     for amax in (0.0, 1e-36, 1e-40):
         t = nvfp4_tensor_scale(torch.tensor([amax]))
         assert float(t) == 2.0**-121 and torch.isfinite(1 / t / 2.0**-6)
@@ -227,8 +229,8 @@ def test_a_zero_initialised_linear_trains_in_every_block_format_without_nan_or_s
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
     torch.nn.init.zeros_(model[2].weight)
     torch.nn.init.zeros_(model[2].bias)
-    Precision.of(fmt.split()[0], torch.device("cpu"), mode="mixed", backend="emulated",
-                 **BLOCK_CELLS[fmt]).prepare(model)
+    model = Precision.of(fmt.split()[0], torch.device("cpu"), mode="mixed", backend="emulated",
+                         **BLOCK_CELLS[fmt]).prepare(model)
     x, target = torch.randn(64, 64), torch.randint(0, 32, (64,))
     y = model(x)
     y.backward(torch.zeros_like(y))  # a zero upstream gradient: both gradient GEMMs take all-zero operands
@@ -327,7 +329,7 @@ def _blocked_linear(fmt: str, rounding: str = "nearest"):
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48)
-    Precision.of(fmt, torch.device("cpu"), mode="mixed", backend="emulated", rounding=rounding).prepare(layer)
+    layer = Precision.of(fmt, torch.device("cpu"), mode="mixed", backend="emulated", rounding=rounding).prepare(layer)
     return layer
 
 
@@ -342,7 +344,8 @@ def test_mxfp8_linear_blocks_each_gemm_operand_along_that_gemms_reduction_dimens
     y.backward(g)
     w, b = layer.weight.detach(), layer.bias.detach()
     mx = lambda t, element, dim: mx_quantise(t, element, dim=dim).values
-    assert torch.equal(y, (mx(x.detach(), "fp8_e4m3", -1).reshape(-1, 64) @ mx(w, "fp8_e4m3", -1).t()).reshape(2, 40, 48) + b)
+    gemm = mx(x.detach(), "fp8_e4m3", -1).reshape(-1, 64) @ mx(w, "fp8_e4m3", -1).t()
+    assert torch.equal(y, gemm.reshape(2, 40, 48) + b)
     g2, x2 = g.reshape(-1, 48), x.detach().reshape(-1, 64)
     assert torch.equal(x.grad, (mx(g2, "fp8_e5m2", -1) @ mx(w, "fp8_e4m3", 0)).reshape(x.shape))
     assert torch.equal(layer.weight.grad, mx(g2, "fp8_e5m2", 0).t() @ mx(x2, "fp8_e4m3", 0))
@@ -353,8 +356,9 @@ def test_mxfp8_linear_blocks_each_gemm_operand_along_that_gemms_reduction_dimens
 def test_nvfp4_linear_uses_each_tensors_own_amax_for_its_tensor_scale_and_stochastic_gradients():
     layer = _blocked_linear("nvfp4", rounding="stochastic")
     x = torch.randn(32, 64, requires_grad=True)
+    weight = layer.weight.detach()
     expected = torch.nn.functional.linear(nvfp4_quantise(x.detach(), nvfp4_tensor_scale(x)).values,
-                                          nvfp4_quantise(layer.weight.detach(), nvfp4_tensor_scale(layer.weight)).values,
+                                          nvfp4_quantise(weight, nvfp4_tensor_scale(weight)).values,
                                           layer.bias.detach())
     grads, upstream = [], torch.randn(32, 48, generator=torch.Generator().manual_seed(5))
     for seed in (0, 0, 1):
@@ -385,8 +389,10 @@ def test_block_format_cells_train_and_say_what_they_did(make_cfg, tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     (["format=mxfp8", "scaling=per_tensor"], "valid for mxfp8: none, static, dynamic, unit, umup$"),
     (["format=fp8", "format.scale_mode=ceil"], "applies to the block formats only"),
-    (["format=bf16", "format.rounding=stochastic"], "applies to fp8, mxfp8, mxfp6, mxfp4, nvfp4, nvfp4_recipe, not to format=bf16; valid there: nearest"),
-    (["format=fp8", "format.gradients=fp8_e4m3"], "does not go with format=fp8; valid: null .*fp8_e4m3, fp8_e5m2 for mxfp8"),
+    (["format=bf16", "format.rounding=stochastic"],
+     "applies to fp8, mxfp8, mxfp6, mxfp4, nvfp4, nvfp4_recipe, not to format=bf16; valid there: nearest"),
+    (["format=fp8", "format.gradients=fp8_e4m3"],
+     "does not go with format=fp8; valid: null .*fp8_e4m3, fp8_e5m2 for mxfp8"),
     (["format=mxfp8", "format.gradients=fp6_e3m2"], "fp6_e2m3, fp6_e3m2 for mxfp6"),
     (["format=mxfp4", "format.scale_mode=round"], "valid: floor, ceil, even, rceil"),
     (["format=mxfp6", "format.rounding=up"], "valid: nearest, stochastic"),
@@ -438,7 +444,8 @@ def test_rowwise_fp8_linear_is_torchaos_rowwise_recipe_bit_for_bit(recipe):
     y_ours.backward(g)
     assert torch.equal(y_ours, y_ref) and torch.equal(x_ours.grad, x_ref.grad)
     assert torch.equal(ours.weight.grad, reference.weight.grad) and torch.equal(ours.bias.grad, reference.bias.grad)
-    tensorwise = torch.nn.functional.linear(quantise_value(x * (448 / x.abs().amax()), "fp8_e4m3") * (x.abs().amax() / 448),
+    amax = x.abs().amax()
+    tensorwise = torch.nn.functional.linear(quantise_value(x * (448 / amax), "fp8_e4m3") * (amax / 448),
                                             ours.weight.detach(), ours.bias.detach())
     assert not torch.equal(y_ours, tensorwise)
     # the recipes differ where they should: only rowwise_with_gw_hp's weight gradient is an FP32 GEMM's
@@ -482,7 +489,8 @@ def test_block_scaled_fp8_uses_1x128_tiles_for_activations_and_gradients_and_128
         for t, (lo, hi) in enumerate([(0, 128), (128, 256), (256, 300)]):
             s = te_pow2_scale(x[row, lo:hi].abs().amax())
             assert tiled.scale[row, t] == s
-            assert torch.equal(tiled.values[row, lo:hi], quantise_value(x[row, lo:hi] * s, "fp8_e4m3", overflow="saturate") / s)
+            assert torch.equal(tiled.values[row, lo:hi],
+                               quantise_value(x[row, lo:hi] * s, "fp8_e4m3", overflow="saturate") / s)
     w = torch.randn(200, 300) * torch.exp2(torch.randint(-8, 8, (200, 300)).float())
     squares = tile2d_quantise(w)
     assert squares.scale.shape == (2, 3)
@@ -580,7 +588,7 @@ def test_unit_scaling_puts_its_scales_around_the_block_scaled_gemm(fmt):
     plain = torch.nn.Linear(64, 32)
     plain.load_state_dict(copy.deepcopy(unit.state_dict()))
     for layer in (unit, plain):
-        Precision.of(fmt, torch.device("cpu"), mode="mixed", backend="emulated").prepare(layer)
+        layer = Precision.of(fmt, torch.device("cpu"), mode="mixed", backend="emulated").prepare(layer)
     assert type(plain).__name__ == "EmulatedLinear" and plain.operands is not None and unit.operands is not None
     x = torch.randn(48, 64) * torch.exp2(torch.randint(-4, 4, (48, 1)).float())
     grad = torch.randn(48, 32)

@@ -26,7 +26,7 @@ def test_an_emulated_gemm_under_bf16_autocast_is_the_fp32_gemm_of_its_operands_h
         reference = plain(x)
     elsewhere = Precision.of(fmt, CPU, mode="mixed", backend="emulated", elsewhere="bf16")
     with torch.no_grad(), elsewhere.autocast():
-        y = layer(x)
+        y = plain(x)  # the same emulated layer, under the BF16 autocast format.elsewhere=bf16 adds
     assert y.dtype == torch.bfloat16 and torch.equal(y, reference.to(torch.bfloat16))
 
 

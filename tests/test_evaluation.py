@@ -1,5 +1,5 @@
-"""Evaluation in the precision the cell trained in (train.eval_precision=trained, the default) or in FP32: a native and an
-emulated cell of one setting evaluate alike; fp32 turns every rounding site, autocast and torchao layer off; nothing
+"""Evaluation in the precision the cell trained in (train.eval_precision=trained, the default) or in FP32: a native and
+an emulated cell of one setting evaluate alike; fp32 turns every rounding site, autocast and torchao layer off; nothing
 an evaluation does changes training. And the loss a char-LM reports is the loss it trains (u-μP's multiplier too)."""
 
 import copy
@@ -32,7 +32,7 @@ def test_native_and_emulated_bf16_cells_evaluate_in_bf16_and_fp32_evaluates_in_f
     reference = _mlp()
     model = copy.deepcopy(reference)
     precision = Precision.of("bf16", CPU, mode="mixed", backend=backend)
-    precision.prepare(model)
+    model = precision.prepare(model)
     x = torch.randn(8, 32)
     with torch.no_grad():
         with precision.evaluating(model, "trained") as cast_inputs:
@@ -51,7 +51,7 @@ def test_native_and_emulated_bf16_cells_evaluate_in_bf16_and_fp32_evaluates_in_f
 def test_a_whole_model_bf16_cast_is_widened_for_fp32_evaluation_and_narrowed_back_exactly():
     model = _mlp()
     precision = Precision.of("bf16", CPU, mode="true", backend="native")
-    precision.prepare(model)
+    model = precision.prepare(model)
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(8, 32)
     with torch.no_grad(), precision.evaluating(model, "fp32") as cast_inputs:
@@ -88,7 +88,7 @@ def test_an_evaluation_leaves_a_delayed_amax_history_and_the_telemetry_as_they_w
 
     delayed = PerTensor(name="per_tensor", amax="delayed", history_len=4)
     precision = Precision.of("fp8", CPU, delayed, mode="mixed", backend="emulated")
-    precision.prepare(model)
+    model = precision.prepare(model)
     precision.telemetry.sampling = True
     model(torch.randn(8, 32)).sum().backward()  # a training step fills the histories
     histories = [list(s.history) for s in precision._site_scales]

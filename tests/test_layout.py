@@ -95,6 +95,16 @@ def _lists_naming(names: set[str], skip: set[Path] = frozenset()) -> list[str]:
     return found
 
 
+def test_no_module_changes_an_objects_class():
+    """Module swaps go through bench/numerics/swap.py (a new object holding the old one's state), never by assigning
+    `__class__`, which hides a class change from everything that saw the object before."""
+    assigning = [f"{path.relative_to(BENCH.parent)}:{node.lineno}" for path in BENCH.rglob("*.py")
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.Assign, ast.AugAssign))
+                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                 if isinstance(target, ast.Attribute) and target.attr == "__class__"]
+    assert assigning == []
+
+
 def test_bench_lists_no_model_by_name():
     """Each model is declared once, in its yaml (model.task)."""
     from omegaconf import OmegaConf
@@ -126,7 +136,8 @@ def _decides_by_scaling_name(node: ast.AST, names: set[str]) -> bool:
             expr = expr.args[0]
         return (isinstance(expr, ast.Attribute) and (expr.attr == "scaling" or (
                     expr.attr == "name" and isinstance(expr.value, ast.Attribute) and expr.value.attr == "scaling")))\
-            or (isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant) and expr.slice.value == "scaling")\
+            or (isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant)
+                and expr.slice.value == "scaling")\
             or (isinstance(expr, ast.Name) and expr.id == "scaling")
 
     def strings(expr) -> set[str]:

@@ -114,7 +114,8 @@ def test_rowwise_scalings_run_torchaos_recipe_of_that_name_natively(make_cfg, to
     assert record["status"] == "ok", record.get("traceback")
     precision = record["env"]["precision"]
     assert precision["backend"] == "native" and precision["native_recipe"].startswith(f"torchao float8 {scaling} ")
-    assert recipes and recipes[0].round_scales_to_power_of_2 and recipes[0].cast_config_input.scaling_granularity.name == "AXISWISE"
+    assert recipes and recipes[0].round_scales_to_power_of_2
+    assert recipes[0].cast_config_input.scaling_granularity.name == "AXISWISE"
     assert len(precision["fp8_modules"]["converted"]) == 12 and precision["block"] is None
     high_precision_grad_weight = recipes[0].cast_config_input_for_grad_weight is not None and \
         recipes[0].cast_config_input_for_grad_weight.scaling_type.name == "DISABLED"
@@ -155,9 +156,10 @@ def torchao_mx_on_cpu(monkeypatch):
 @pytest.mark.parametrize("scale_mode", ["rceil", "floor"])
 def test_native_mxfp8_is_torchaos_mxfp8linear_and_our_emulation_of_its_recipe_equals_it_bit_for_bit(
         torchao_mx_on_cpu, tokens, scale_mode):
-    """format=mxfp8 format.gradients=fp8_e4m3 (torchao's recipe): emulated (bench/numerics/blocks.py) and native (torchao's
-    MXFP8Linear, tokens zero-padded to whole blocks) give the same output, input, weight and bias gradients to the
-    bit, on a layer with a non-zero bias and rows of very different scales. torchao's own layer refuses 12 tokens."""
+    """format=mxfp8 format.gradients=fp8_e4m3 (torchao's recipe): emulated (bench/numerics/blocks.py) and native
+    (torchao's MXFP8Linear, tokens zero-padded to whole blocks) give the same output, input, weight and bias gradients
+    to the bit, on a layer with a non-zero bias and rows of very different scales. torchao's own layer refuses 12
+    tokens."""
     import copy
 
     from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
@@ -175,7 +177,7 @@ def test_native_mxfp8_is_torchaos_mxfp8linear_and_our_emulation_of_its_recipe_eq
         layer = copy.deepcopy(base)
         precision = Precision.of("mxfp8", torch.device("cpu"), mode="mixed", backend=backend, scale_mode=scale_mode,
                               gradients="fp8_e4m3")
-        precision.prepare(layer)
+        layer = precision.prepare(layer)
         xi = x.clone().requires_grad_(True)
         y = layer(xi)
         y.backward(grad)
@@ -207,9 +209,11 @@ def test_a_transformer_trains_natively_in_mxfp8_and_the_record_says_what_was_con
 
 @pytest.mark.parametrize("overrides,reason", [
     (["model=bert_tiny"], "needs format.gradients=fp8_e4m3"),  # the MX paper's E5M2 gradients
-    (["model=bert_tiny", "format.gradients=fp8_e4m3", "format.scale_mode=even"], "needs format.scale_mode=rceil or floor"),
+    (["model=bert_tiny", "format.gradients=fp8_e4m3", "format.scale_mode=even"],
+     "needs format.scale_mode=rceil or floor"),
     (["model=bert_tiny", "format.gradients=fp8_e4m3", "format.rounding=stochastic"], "needs format.rounding=nearest"),
-    (["model=lenet", "format.gradients=fp8_e4m3"], "converts only Linear layers whose in and out features are multiples of 32"),
+    (["model=lenet", "format.gradients=fp8_e4m3"],
+     "converts only Linear layers whose in and out features are multiples of 32"),
 ])
 def test_mxfp8_outside_torchaos_recipe_is_emulated_and_native_refused(make_cfg, torchao_mx_on_cpu, overrides, reason):
     record = _record(make_cfg("format=mxfp8", "train.max_steps=2", *overrides))

@@ -36,7 +36,7 @@ def _nvfp4_linear(in_features=64, out_features=48, **switches):
     layer = torch.nn.Linear(in_features, out_features)
     method = scaling_class("none")(name="none")
     config = PrecisionConfig("nvfp4", backend="emulated", scaling="none", **switches)
-    Precision.from_plan(plan(config, method, torch.device("cpu")), method, torch.device("cpu")).prepare(layer)
+    layer = Precision.from_plan(plan(config, method, torch.device("cpu")), method, torch.device("cpu")).prepare(layer)
     return layer
 
 
@@ -60,7 +60,8 @@ def test_the_transform_is_orthogonal_and_a_seed_draws_other_signs(seed):
 @pytest.mark.parametrize("tokens", [96, 100, 7])  # whole groups of 16, a partial last group, fewer than 16
 def test_the_transform_leaves_an_unquantised_product_unchanged(tokens):
     generator = torch.Generator().manual_seed(tokens)
-    grad = torch.randn(tokens, 24, generator=generator) * torch.exp2(torch.randint(-8, 8, (tokens, 1), generator=generator))
+    grad = torch.randn(tokens, 24, generator=generator) * torch.exp2(
+        torch.randint(-8, 8, (tokens, 1), generator=generator))
     x = torch.randn(tokens, 40, generator=generator)
     matrix = rht_matrix(None)
     product = random_hadamard_transform(grad, matrix, 0).t().double() @ random_hadamard_transform(x, matrix, 0).double()
@@ -97,7 +98,8 @@ def test_the_weight_gradient_gemm_takes_both_operands_transformed_then_blocked_a
         scale_t = per_tensor_amax_to_scale(rows.abs().amax())
         scale, data = nvfp4_quantize(rows, 16, scale_t)
         elements = f4_unpacked_to_f32(unpack_uint4(data)).reshape(rows.shape)
-        return (elements.reshape(rows.shape[0], -1, 16) * (scale_t * scale.float()).unsqueeze(-1)).reshape(rows.shape).t()
+        return (elements.reshape(rows.shape[0], -1, 16)
+                * (scale_t * scale.float()).unsqueeze(-1)).reshape(rows.shape).t()
 
     layer, plain = _nvfp4_linear(rht=True), _nvfp4_linear()
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()  # 40 tokens: padded to 48
@@ -173,13 +175,13 @@ def test_tiled_weights_serve_the_forward_and_the_input_gradient_gemm_alike():
 # --- stochastic gradients ---------------------------------------------------------------------------------------
 
 def test_stochastic_rounding_of_the_gradients_is_unbiased_on_the_gradient_path():
-    """The mean of the input gradient over 4,000 stochastic roundings of the gradient against the exact product of the unrounded
-    gradient and the quantised weight (stochastic rounding inside the blocks' range is unbiased: E[SR(g)] = g, and
-    each block's scale is deterministic). Each of the 64 checked elements' z-score against its own spread must stay
-    under 5.6: for a random seed the chance that an unbiased rounding fails is under 1.4e-6 (Bonferroni over 64
-    normal tails of 2.2e-8 each). Round-to-nearest fails the same test. Every block of 16 of the gradient has amax
-    1 (so does the tensor): its E4M3 scale 448 is exact and no element saturates, which would bias any rounding
-    (a block whose scale rounds down clips its largest elements to 6, as in Transformer Engine)."""
+    """The mean of the input gradient over 4,000 stochastic roundings of the gradient against the exact product of the
+    unrounded gradient and the quantised weight (stochastic rounding inside the blocks' range is unbiased: E[SR(g)] = g,
+    and each block's scale is deterministic). Each of the 64 checked elements' z-score against its own spread must stay
+    under 5.6: for a random seed the chance that an unbiased rounding fails is under 1.4e-6 (Bonferroni over 64 normal
+    tails of 2.2e-8 each). Round-to-nearest fails the same test. Every block of 16 of the gradient has amax 1 (so does
+    the tensor): its E4M3 scale 448 is exact and no element saturates, which would bias any rounding (a block whose
+    scale rounds down clips its largest elements to 6, as in Transformer Engine)."""
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(5))
     upstream = (torch.randn(16, 48, generator=torch.Generator().manual_seed(6)) * 0.3).clamp(-0.9, 0.9)
     upstream[:, ::16] = torch.where(upstream[:, ::16] < 0, -1.0, 1.0)
@@ -242,12 +244,14 @@ def test_kept_layers_compute_outside_the_format_and_the_record_says_their_share_
 def test_every_recipe_switch_is_recorded(make_cfg):
     from bench.running.run import run_cell
 
-    record = run_cell(make_cfg("model=lenet", "format=nvfp4_recipe", "format.keep_high_precision=[first:1]", "format.pad_weights=true",
-                               "format.rht_seed=3", "train.max_steps=2", "train.log_every=1"))
+    record = run_cell(make_cfg("model=lenet", "format=nvfp4_recipe", "format.keep_high_precision=[first:1]",
+                               "format.pad_weights=true", "format.rht_seed=3", "train.max_steps=2",
+                               "train.log_every=1"))
     assert record["status"] == "ok", record["reason"]
     block = record["env"]["precision"]["block"]
     assert block["weight_blocks"] == "16x16" and block["rounding_of_gradients"] == "stochastic"
-    assert block["rht"]["seed"] == 3 and block["rht"]["signs"] == torch.diag(rht_matrix(3) @ hadamard(16).t()).int().tolist()
+    assert (block["rht"]["seed"] == 3
+            and block["rht"]["signs"] == torch.diag(rht_matrix(3) @ hadamard(16).t()).int().tolist())
     assert block["rht"]["output"] == "bf16"  # BF16 elsewhere: Transformer Engine's transform writes BF16
 
 
@@ -295,8 +299,8 @@ def test_switches_that_do_not_apply_are_refused_naming_the_valid_choices(make_cf
 ])
 def test_mistakes_only_the_model_shows_exit_2_before_training_writing_nothing(tmp_path, overrides, message):
     """A sweep (two seeds): refused by its preflight, which builds the model where the format names layers."""
-    done = subprocess.run([sys.executable, "-m", "bench.run", "-m", "model=lenet", "seed=0,1", f"results_dir={tmp_path}",
-                           *overrides],
+    done = subprocess.run([sys.executable, "-m", "bench.run", "-m", "model=lenet", "seed=0,1",
+                           f"results_dir={tmp_path}", *overrides],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr

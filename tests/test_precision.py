@@ -75,7 +75,7 @@ def test_emulated_tf32_rounding_is_visible_in_a_matmul():
     layer, x = _linear_and_input()
     exact = layer(x)
     precision = Precision.of("tf32", CPU, mode="true", backend="emulated")
-    precision.prepare(layer)
+    layer = precision.prepare(layer)
     expected = F.linear(quantise_value(x, "tf32"), quantise_value(layer.weight, "tf32"), layer.bias)
     assert torch.equal(layer(x), expected)
     assert not torch.equal(layer(x), exact)
@@ -86,7 +86,7 @@ def test_emulated_tf32_rounding_is_visible_in_a_matmul():
 def test_emulated_sixteen_bit_mixed_rounds_inputs_output_and_gradients(fmt):
     layer, x = _linear_and_input()
     x.requires_grad_(True)
-    Precision.of(fmt, CPU, mode="mixed", backend="emulated").prepare(layer)
+    layer = Precision.of(fmt, CPU, mode="mixed", backend="emulated").prepare(layer)
     y = layer(x)
     q = lambda t: quantise_value(t, fmt)
     assert torch.equal(y, q(F.linear(q(x), q(layer.weight), q(layer.bias))))
@@ -100,7 +100,7 @@ def test_emulated_sixteen_bit_mixed_rounds_inputs_output_and_gradients(fmt):
 def test_emulated_fp8_uses_e4m3_forward_and_e5m2_gradients_and_keeps_outputs_fp32():
     layer, x = _linear_and_input()
     x.requires_grad_(True)
-    Precision.of("fp8", CPU, mode="mixed", backend="emulated").prepare(layer)
+    layer = Precision.of("fp8", CPU, mode="mixed", backend="emulated").prepare(layer)
     y = layer(x)
     e4m3 = lambda t: quantise_value(t, "fp8_e4m3")
     assert torch.equal(y, F.linear(e4m3(x), e4m3(layer.weight), layer.bias))
@@ -139,14 +139,15 @@ def test_stochastic_fp8_rounds_only_the_gradients_entering_the_backward_and_is_u
     assert not torch.equal(grads[0], xi.grad) and not torch.equal(grads[0], grads[1])
     assert (grads.mean(0) - exact_grad_x).abs().mean() < (xi.grad - exact_grad_x).abs().mean() / 4
     assert stochastic.describe()["rounding_of_gradients"] == "stochastic"
-    with pytest.raises(PrecisionError, match="format.rounding applies to fp8, mxfp8, mxfp6, mxfp4, nvfp4, nvfp4_recipe, not to format=fp16"):
+    refusal = "format.rounding applies to fp8, mxfp8, mxfp6, mxfp4, nvfp4, nvfp4_recipe, not to format=fp16"
+    with pytest.raises(PrecisionError, match=refusal):
         Precision.of("fp16", CPU, mode="mixed", backend="emulated", rounding="stochastic")
 
 
 def test_true_mode_emulation_keeps_parameters_and_optimiser_state_in_format():
     layer, x = _linear_and_input()
     precision = Precision.of("fp16", CPU, mode="true", backend="emulated")
-    precision.prepare(layer)
+    layer = precision.prepare(layer)
     opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
     layer(x).square().mean().backward()
     precision.after_backward(layer)
@@ -160,7 +161,7 @@ def test_true_mode_emulation_keeps_parameters_and_optimiser_state_in_format():
 def test_state_dict_keys_survive_emulation():
     layer, _ = _linear_and_input()
     keys = list(layer.state_dict())
-    Precision.of("fp8", CPU, mode="mixed", backend="emulated").prepare(layer)
+    layer = Precision.of("fp8", CPU, mode="mixed", backend="emulated").prepare(layer)
     assert list(layer.state_dict()) == keys
 
 
@@ -182,12 +183,12 @@ def test_every_tensor_stream_has_its_own_site():
     """A delayed per-tensor scale must see one stream's amaxes only: weight and bias, and the three
     gradients a 16-bit kernel returns, never share a history."""
     layer, _ = _linear_and_input()
-    Precision.of("fp16", CPU, "per_tensor", mode="mixed", backend="emulated").prepare(layer)
+    layer = Precision.of("fp16", CPU, "per_tensor", mode="mixed", backend="emulated").prepare(layer)
     c = layer.casts
     sites = [c.activation, c.weight, c.bias, c.grad_activation, c.grad_weight, c.grad_bias, c.grad_output, c.output]
     assert len({id(s) for s in sites}) == len(sites)
     fp8 = nn.Linear(4, 4)
-    Precision.of("fp8", CPU, mode="mixed", backend="emulated").prepare(fp8)
+    fp8 = Precision.of("fp8", CPU, mode="mixed", backend="emulated").prepare(fp8)
     assert fp8.casts.bias is None and fp8.casts.grad_weight is None  # FP8 GEMMs keep bias and outputs wide
 
 
@@ -210,3 +211,28 @@ def test_the_config_check_and_precision_refuse_a_mistake_in_one_wording(make_cfg
     with pytest.raises(PrecisionError) as from_precision:
         Precision.of(args.pop("fmt"), CPU, **args)
     assert str(from_check.value) == str(from_precision.value)
+
+
+def test_a_swapped_module_holds_the_same_tensors_and_the_original_is_left_alone():
+    """bench/numerics/swap.py: prepare puts an EmulatedLinear in each Linear's place holding the same Parameter
+    objects (an optimiser built before, a tie, the state-dict keys all still hold), the model itself included when
+    it is one Linear; evaluation in full precision swaps torchao's Linears out and back."""
+    from bench.numerics.emulation import EmulatedLinear
+    from bench.numerics.swap import restore, swap_modules, with_state_of
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    weights, keys = [m.weight for m in model if isinstance(m, nn.Linear)], set(model.state_dict())
+    hooked = []
+    model[0].register_forward_hook(lambda *_: hooked.append(1))
+    prepared = Precision.of("fp16", CPU, mode="mixed", backend="emulated").prepare(model)
+    assert prepared is model and [type(m) for m in model] == [EmulatedLinear, nn.ReLU, EmulatedLinear]
+    assert [m.weight for m in model if isinstance(m, nn.Linear)] == weights and set(model.state_dict()) == keys
+    model(torch.randn(2, 4))
+    assert hooked == [1]  # the old module's hook came along
+    bare = nn.Linear(4, 4)
+    swapped_in = Precision.of("fp16", CPU, mode="mixed", backend="emulated").prepare(bare)
+    assert type(bare) is nn.Linear and type(swapped_in) is EmulatedLinear and swapped_in.weight is bare.weight
+    replaced = swap_modules(model, lambda _, m: with_state_of(nn.Linear, m) if isinstance(m, EmulatedLinear) else None)
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear] and set(replaced) == {"0", "2"}
+    restore(model, replaced)
+    assert [type(m) for m in model] == [EmulatedLinear, nn.ReLU, EmulatedLinear]

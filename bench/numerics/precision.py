@@ -68,6 +68,7 @@ from bench.numerics.plan import (  # noqa: F401 - PrecisionConfig and PrecisionE
     plan,
 )
 from bench.numerics.scaling_methods import ScalingMethod, build, scaling_class
+from bench.numerics.swap import restore, swap_modules, swapped, with_state_of
 from bench.numerics.telemetry import QuantTelemetry
 
 # train.eval_precision: every evaluation (per-epoch validation and the final test) in the precision the cell trained
@@ -80,11 +81,10 @@ def full_precision(model: nn.Module, widen: bool = False):
     """`model` computing in FP32 for the while: emulated rounding sites and block operands off, torchao's converted
     Linears back to nn.Linear (their weights are the high-precision ones); `widen`: a whole-model 16-bit cast
     (native true mode) widened to FP32 and narrowed back afterwards, exactly (every 16-bit value is an FP32 one)."""
-    converted = [(m, type(m)) for m in model.modules() if type(m).__name__ in TORCHAO_LINEARS]
     sites = [(m, m.__dict__.get("casts"), m.__dict__.get("operands")) for m in model.modules() if isinstance(m, CastOp)]
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None) if widen else None
-    for module, _ in converted:
-        module.__class__ = nn.Linear
+    converted = swap_modules(model, lambda _, module: with_state_of(nn.Linear, module)
+                             if type(module).__name__ in TORCHAO_LINEARS else None)
     for module, _, _ in sites:
         module.casts = module.operands = None
     if dtype is not None:
@@ -94,8 +94,7 @@ def full_precision(model: nn.Module, widen: bool = False):
     finally:
         if dtype is not None:
             model.to(dtype)
-        for module, kind in converted:
-            module.__class__ = kind
+        restore(model, converted)
         for module, casts, operands in sites:
             for name, value in (("casts", casts), ("operands", operands)):
                 if value is None:
@@ -204,7 +203,9 @@ class Precision:
         return kept
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """Make `model` compute in this precision (in place) and return it; `conversion` says what was done."""
+        """Make `model` compute in this precision and return the model to train: `model` itself, changed in place,
+        or its replacement where the model is itself a module the precision replaces (a bare Linear); `conversion`
+        says what was done."""
         if self.plan.spec.recipe is None:
             return model
         kept = self._kept(model) if self.plan.spec.gemm_only else []
@@ -215,25 +216,20 @@ class Precision:
                 return self._convert_with_torchao(model, kept)
             return model.to(self.dtype) if self.mode == "true" else model
         if self.block is not None:
+            model = swapped(model, lambda name, module: with_state_of(EmulatedLinear, module)
+                            if type(module) is nn.Linear and name not in kept else None)
             for name, module in model.named_modules():
-                if name in kept:
-                    continue
-                if type(module) is nn.Linear:
-                    module.__class__ = EmulatedLinear  # re-class in place: parameters and state-dict keys are untouched
-                if isinstance(module, CastOp) and isinstance(module, nn.Linear):  # unit scaling's Linear too
+                if name not in kept and isinstance(module, CastOp) and isinstance(module, nn.Linear):  # unit's too
                     module.operands = self.block  # CastOp.linear then runs its GEMMs on block-scaled operands
             self.conversion = {"kept_in_high_precision": [
                 n for n, m in model.named_modules()
                 if isinstance(m, (nn.Linear, nn.Conv2d)) and getattr(m, "operands", None) is None],
                 "kept_by_request": kept}
             return model
+        model = swapped(model, lambda name, module: with_state_of(EMULATED_MODULES[type(module)], module)
+                        if type(module) in EMULATED_MODULES and name not in kept else None)
         for name, module in model.named_modules():
-            if name in kept:
-                continue
-            emulated = EMULATED_MODULES.get(type(module))
-            if emulated is not None:
-                module.__class__ = emulated  # re-class in place: parameters and state-dict keys are untouched
-            if isinstance(module, CastOp):
+            if name not in kept and isinstance(module, CastOp):
                 module.casts = OpCasts(self.recipe, self._site)
         if kept:
             self.conversion = {"kept_by_request": kept}
@@ -250,8 +246,9 @@ class Precision:
             from torchao.prototype.mx_formats.config import ScaleCalculationMode
 
             linear, kernel = padded_mxfp8_linear(), torchao_mx_kernel()
-            for module in [m for n, m in model.named_modules() if converts(m, n)]:
-                module.__class__ = linear  # re-class in place: parameters and state-dict keys are untouched
+            model = swapped(model, lambda name, module: with_state_of(linear, module)
+                            if converts(module, name) else None)
+            for module in [m for m in model.modules() if type(m) is linear]:
                 module.kernel_preference, module.wgrad_with_hp = kernel, False
                 module.scale_calculation_mode = ScaleCalculationMode(self.block.scale_mode)
         else:

@@ -91,7 +91,8 @@ def check_model(cfg: DictConfig) -> None:
     by_layer = PrecisionConfig.from_config(cfg).by_layer
     if not transforms and not by_layer and str(cfg.model.task._target_).startswith("bench."):
         return
-    key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.scaling, resolve=True),
+    key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True),
+                      OmegaConf.to_container(cfg.scaling, resolve=True),
                       OmegaConf.to_container(cfg.format, resolve=True) if by_layer else None],
                      sort_keys=True, default=str)
     if key in _MODELS_CHECKED:
@@ -172,7 +173,7 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     started = time.perf_counter()
     trace = trace_task(task, optimizer_over)
     trace_s = time.perf_counter() - started
-    precision.prepare(task.model)
+    task.model = precision.prepare(task.model)
     optimizer = optimizer_over(task.model)
     schedule = build_schedule(cfg.model.optimizer, optimizer, total_steps(task, cfg.train))
     return Cell(task, build_scaler(cfg, precision), optimizer, schedule, conversion, trace, trace_s)
