@@ -96,7 +96,8 @@ def interrupted_at_checkpoint_then_resumed(cfg, monkeypatch, step: int) -> dict:
 
 @pytest.fixture(scope="session")
 def text_file(tmp_path_factory):
-    """(the char-LM tests') ~60k characters of made-up verse: 40-odd distinct characters, newlines, capitals, punctuation."""
+    """(the char-LM tests') ~60k characters of made-up verse: 40-odd distinct characters, newlines, capitals,
+    punctuation."""
     rng = random.Random(7)
     words = ["thou", "art", "more", "lovely", "and", "temperate", "rough", "winds", "do", "shake", "the", "darling",
              "buds", "of", "may", "summer's", "lease", "hath", "all", "too", "short", "a", "date"]

@@ -16,15 +16,18 @@ MiB = 2**20
 def record(model="lenet", fmt="fp32", mode="true", setting="32-true", scaling="none", seed=0, status="ok",
            metrics=None, train_s=10.0, peak=100 * MiB, backend="native", data=None, pretrained=True):
     data = data or ({"source": "digits", "name": "ylecun/mnist"} if model == "lenet" else
-                    {"source": "local", "name": {"distilbert": "stanfordnlp/imdb", "bert_base": "rajpurkar/squad"}[model]})
+                    {"source": "local",
+                     "name": {"distilbert": "stanfordnlp/imdb", "bert_base": "rajpurkar/squad"}[model]})
     return {
         "status": status, "reason": None if status == "ok" else status,
-        "config": {"experiment_name": "t", "seed": seed, "model": {"name": model, "data": data, "pretrained": pretrained},
+        "config": {"experiment_name": "t", "seed": seed,
+                   "model": {"name": model, "data": data, "pretrained": pretrained},
                    "format": {"name": fmt, "mode": mode}, "scaling": {"name": scaling}},
         "env": {"device_name": "cpu-x", "precision": {"setting": setting, "backend": backend}},
         "metrics": metrics if metrics is not None else {}, "timing": {"train_s": train_s, "steps": 30},
         "memory": {"peak_bytes": peak},
-        "numerics": {"skipped_steps": 0, "final_loss_scale": 1.0, "diverged_at_step": 5 if status == "diverged" else None,
+        "numerics": {"skipped_steps": 0, "final_loss_scale": 1.0,
+                     "diverged_at_step": 5 if status == "diverged" else None,
                      "loss_scale": {"history": [[0, 1.0]]},
                      "quantisation": {"gradients": {"underflow_fraction": 0.01 * seed, "subnormal_fraction": 0.0,
                                                     "overflow_fraction": 0.0}}},
@@ -35,12 +38,14 @@ def write(root: Path, rec: dict) -> None:
     cfg = rec["config"]
     d = root / cfg["model"]["name"] / rec["env"]["precision"]["setting"] / cfg["scaling"]["name"] / f"seed{cfg['seed']}"
     write_json_atomic(d / "result.json", rec)
-    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.0 / (s + 1)}) + "\n" for s in range(0, 30, 10))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.0 / (s + 1)}) + "\n"
+                                             for s in range(0, 30, 10))
                                      + '{"step": 30, "lo')  # a torn last line, as after a kill
 
 
 RECORDS = [
-    record(seed=0, metrics={"test_accuracy": 0.90}, train_s=10), record(seed=1, metrics={"test_accuracy": 0.92}, train_s=12),
+    record(seed=0, metrics={"test_accuracy": 0.90}, train_s=10),
+    record(seed=1, metrics={"test_accuracy": 0.92}, train_s=12),
     record(seed=2, metrics={"test_accuracy": 0.94}, train_s=14),
     # fp8: seed 2 missing
     record(fmt="fp8", mode="mixed", setting="fp8-mixed", seed=0, metrics={"test_accuracy": 0.80}, train_s=20,
@@ -203,7 +208,8 @@ def test_a_wandb_source_gives_the_same_cells_as_local_records(results):
     api = FakeApi(RECORDS + [{"status": "ok"}])
     found, problems = load_wandb("wandb://me/precision-bench/t", api=api)
     assert api.calls == [("me/precision-bench", {"group": "t"})]
-    assert len(found) == len(RECORDS) and problems == ["wandb://me/precision-bench/t: run run11 lacks reason, config, env, metrics, timing, memory, numerics"]
+    assert len(found) == len(RECORDS) and problems == ["wandb://me/precision-bench/t: run run11 lacks reason, "
+                                                       "config, env, metrics, timing, memory, numerics"]
     from bench.reporting.aggregate import load_directory
 
     local, _ = load_directory(root)
@@ -344,8 +350,10 @@ def test_unit_scaling_charlm_table_is_the_papers_layout_with_paired_differences_
     from bench.running.config import CharDataConfig
 
     root = tmp_path / "runs"
-    losses = {("16-mixed", "fp16", "mixed", "none"): (1.20, 1.30), ("16-mixed", "fp16", "mixed", "static"): (1.10, 1.12),
-              ("16-mixed", "fp16", "mixed", "unit"): (1.05, 1.09), ("32-true", "fp32", "true", "none"): (1.08, 1.10),
+    losses = {("16-mixed", "fp16", "mixed", "none"): (1.20, 1.30),
+              ("16-mixed", "fp16", "mixed", "static"): (1.10, 1.12),
+              ("16-mixed", "fp16", "mixed", "unit"): (1.05, 1.09),
+              ("32-true", "fp32", "true", "none"): (1.08, 1.10),
               ("32-true", "fp32", "true", "unit"): (1.04, 1.08)}
     for (setting, fmt, mode, scaling), values in losses.items():
         for seed, loss in enumerate(values):
@@ -357,7 +365,8 @@ def test_unit_scaling_charlm_table_is_the_papers_layout_with_paired_differences_
             write(root, rec)
     main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"])
     table = (tmp_path / "tables" / "unit_scaling_charlm" / "unit_scaling_charlm.md").read_text()
-    header = [c.strip() for c in next(line for line in table.splitlines() if line.startswith("| norm")).split("|")[1:-1]]
+    header = [c.strip()
+              for c in next(line for line in table.splitlines() if line.startswith("| norm")).split("|")[1:-1]]
     assert header == ["norm", "rows", "FP16 regular", "FP16 regular, static loss scale", "FP16 unit", "FP32 regular",
                       "FP32 unit"]
     ours = _row(table, "ours: val BPC")
@@ -366,7 +375,8 @@ def test_unit_scaling_charlm_table_is_the_papers_layout_with_paired_differences_
     cells = [c.strip() for c in delta.split("|")[1:-1]]
     assert cells[2].startswith(f"{(0.12 + 0.20) / 2 / math.log(2):+.3f} [")  # FP16 regular: (1.20-1.08, 1.30-1.10)
     assert cells[5] == "baseline" and cells[6].startswith(f"{-0.03 / math.log(2):+.3f} [")
-    assert [c.strip() for c in _row(table, "paper: test BPC").split("|")[3:8]] == ["1.661", "1.587", "1.567", "1.582", "1.562"]
+    assert [c.strip() for c in _row(table, "paper: test BPC").split("|")[3:8]] == \
+        ["1.661", "1.587", "1.567", "1.582", "1.562"]
     assert [c.strip() for c in _row(table, "paper: Δ vs FP32 regular").split("|")[3:8]] == \
         ["+0.079", "+0.005", "-0.015", "baseline", "-0.020"]
 
@@ -434,7 +444,8 @@ def test_block_formats_table_orders_by_bits_tells_rounding_and_recipes_apart_and
                          metrics={"test_accuracy": value}, backend="native" if fmt == "fp32" else "emulated")
             elsewhere = {} if fmt == "fp32" else {"elsewhere": "bf16"}  # the formats' yaml default since 0.2.0
             rec["config"]["format"] |= {"rounding": rounding, **elsewhere, **dict(options)}
-            rec["numerics"]["quantisation"]["gradients"]["blocks"] = {"relative_mse": 0.01, "clipped_block_fraction": 0.2}
+            rec["numerics"]["quantisation"]["gradients"]["blocks"] = {"relative_mse": 0.01,
+                                                                      "clipped_block_fraction": 0.2}
             rec["config"]["experiment_name"] = "block_formats"  # its table is the preset's
             write_json_atomic(root / f"{setting}-{scaling}-{rounding}-{len(options)}-{seed}" / "result.json", rec)
     assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0

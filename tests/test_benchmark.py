@@ -44,7 +44,8 @@ def test_native_rows_measure_what_the_device_runs_natively():
     rows = {r["metric"]: r for r in benchmark.native_rows(steps=2, repeats=1, shapes=shapes,
                                                           formats={"fp32": ["format=fp32"]}, compiled=False)}
     assert rows["native.tiny.fp32.samples_per_s"]["value"] > 0
-    assert rows["native.tiny.fp32.tokens_per_s"]["value"] == pytest.approx(rows["native.tiny.fp32.samples_per_s"]["value"] * 32)
+    assert rows["native.tiny.fp32.tokens_per_s"]["value"] == pytest.approx(
+        rows["native.tiny.fp32.samples_per_s"]["value"] * 32)
     assert rows["native.tiny.fp32.speedup_vs_fp32"]["value"] == 1.0
     assert rows["native.tiny.fp32.mfu"]["value"] is None  # a CPU has no entry in the peak table
 
@@ -197,7 +198,8 @@ def test_benchmark_steps_and_repeats_reach_the_timed_loops(tmp_path, monkeypatch
 
 
 def test_the_nvfp4_recipe_row_runs_on_bert_tiny_only_with_its_target():
-    assert benchmark.EMULATION_TARGETS["nvfp4_recipe"] == "<= 3" and benchmark.EMULATED_ON["nvfp4_recipe"] == ("bert_tiny",)
+    assert (benchmark.EMULATION_TARGETS["nvfp4_recipe"] == "<= 3"
+            and benchmark.EMULATED_ON["nvfp4_recipe"] == ("bert_tiny",))
 
 
 def test_the_harness_median_gets_an_interval_and_the_rounds_it_would_take_to_tell_0_95_from_0_97():

@@ -114,12 +114,13 @@ def test_a_bad_norm_or_a_path_without_source_local_is_refused_before_training(ma
 
 
 @pytest.mark.parametrize("overrides", [["format=fp32"], ["format=fp8", "scaling=dynamic", "model.arch.norm=post"],
-                                       ["format=fp16", "scaling=unit"], ["format=fp8", "scaling=unit", "model.arch.norm=post"],
+                                       ["format=fp16", "scaling=unit"],
+                                       ["format=fp8", "scaling=unit", "model.arch.norm=post"],
                                        ["format=mxfp8", "scaling=unit"]])
 def test_a_charlm_cell_trains_and_reports_validation_loss_and_bpc(make_cfg, text_file, tmp_path, overrides):
-    cfg = make_cfg("model=charlm", "model.data.source=local", f"model.data.path={text_file}", "model.data.sha256=null", "model.iterations=30",
-                   "model.arch.layers=2", "model.arch.embedding=32", "model.arch.block_size=16", "train.log_every=10",
-                   *overrides)
+    cfg = make_cfg("model=charlm", "model.data.source=local", f"model.data.path={text_file}", "model.data.sha256=null",
+                   "model.iterations=30", "model.arch.layers=2", "model.arch.embedding=32", "model.arch.block_size=16",
+                   "train.log_every=10", *overrides)
     record = run_cell(cfg)
     assert record["status"] == "ok", record["reason"]
     metrics = record["metrics"]
@@ -160,7 +161,8 @@ def test_a_steps_flops_count_the_causal_attention_on_cpu(make_cfg, text_file):
     b, h, s, d = 3, 2, 16, 32 // 2
     assert len(attention) == 2 * 2 and sum(o.flops for o in attention) == 2 * (2 + 5) * 2 * b * h * s * s * d
     tokens, width = b * s, 32
-    linears = 2 * (3 * width * width + width * width + 2 * 4 * width * width) + width * cell.task.model.lm_head.out_features
+    linears = (2 * (3 * width * width + width * width + 2 * 4 * width * width)
+               + width * cell.task.model.lm_head.out_features)
     assert sum(o.flops for o in cell.trace.ops if o.kind == "gemm") == 3 * 2 * tokens * linears
 
 

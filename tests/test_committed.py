@@ -22,7 +22,8 @@ def test_the_default_tables_regenerate_from_their_records_identically(tmp_path):
     """Every table, csv and SVG of results/tables/default is what its records.jsonl.gz makes today (PNGs, raster
     renderings of the same figures as the SVGs, are left out: their pixels may depend on the machine's rasteriser)."""
     folder = tmp_path / "default"
-    shutil.copytree(TABLES / "default", folder, ignore=shutil.ignore_patterns("*.png", "*.svg", "*.csv", "*.md", "*.tex"))
+    shutil.copytree(TABLES / "default", folder,
+                    ignore=shutil.ignore_patterns("*.png", "*.svg", "*.csv", "*.md", "*.tex"))
     written, problems = committed.regenerate(folder)
     assert written and not problems
     made = sorted(p.name for p in folder.iterdir() if p.suffix != ".png")

@@ -28,7 +28,8 @@ def test_a_cell_is_within_or_outside_the_committed_interval(committed, tmp_path,
     assert compare([str(mine), "--against", str(committed)]) == 1  # something is outside
     out = capsys.readouterr().out
     rows = {line.split("|")[2].strip(): line for line in out.splitlines() if line.startswith("| lenet")}
-    assert "| within" in rows["32-true"] and "92.00 [" in rows["32-true"] and f"{100 * 0.9 * half:+.2f}" in rows["32-true"]
+    assert ("| within" in rows["32-true"] and "92.00 [" in rows["32-true"]
+            and f"{100 * 0.9 * half:+.2f}" in rows["32-true"])
     assert "| outside (worse)" in rows["bf16-mixed"] and "-7.00" in rows["bf16-mixed"]
     assert "2 cells paired: 1 within" in out
 

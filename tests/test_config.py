@@ -21,7 +21,8 @@ ALIASES = {"distilbert_tiny": "distilbert", "bert_tiny": "bert_base", "fp16-true
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_group_option_composes(make_cfg, group, option):
-    cfg = make_cfg(f"{group}={option}", *(["format=fp8"] if option in ("rowwise", "rowwise_with_gw_hp", "block") else []))  # FP8 recipes
+    fp8_recipe = option in ("rowwise", "rowwise_with_gw_hp", "block")
+    cfg = make_cfg(f"{group}={option}", *(["format=fp8"] if fp8_recipe else []))
     if group == "experiment":
         assert cfg.experiment_name == option
     else:
@@ -176,7 +177,8 @@ KNOWN_IDS = [
      "default/bert_base/mxfp8-mixed/none/seed0"),
     (["model=distilbert_tiny", "format=fp16-true", "scaling=static", "model.optimizer.lr=0.01"], "22fa6c19b1bb2f62",
      "default/distilbert/fp16-true/static/seed0"),
-    (["experiment=unit_scaling_charlm", "scaling=unit"], "551160a8d0281025", "unit_scaling_charlm/charlm/fp32-true/unit/seed0"),
+    (["experiment=unit_scaling_charlm", "scaling=unit"], "551160a8d0281025",
+     "unit_scaling_charlm/charlm/fp32-true/unit/seed0"),
     (["experiment=block_formats", "format=nvfp4", "format.elsewhere=fp32"], "93400bba97180de0",
      "block_formats/lenet/nvfp4-mixed/none/seed0"),
     # since 0.2.0 fp8 and the block formats default to BF16 elsewhere: new runs, in places of their own

@@ -71,7 +71,8 @@ def test_every_config_key_is_documented_in_conf_readme():
 
     text = (ROOT / "conf" / "README.md").read_text()
     documented = set(re.findall(r"\w+", " ".join(re.findall(r"`([^`]*)`", text))))
-    schemas = [TaskSpec, *(v for v in vars(config).values() if dataclasses.is_dataclass(v) and v.__module__ == config.__name__)]
+    schemas = [TaskSpec, *(v for v in vars(config).values()
+                           if dataclasses.is_dataclass(v) and v.__module__ == config.__name__)]
     missing = [f"{s.__name__}.{f.name}" for s in schemas for f in dataclasses.fields(s) if f.name not in documented]
     assert len(schemas) > 10 and missing == []
 

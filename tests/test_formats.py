@@ -86,7 +86,8 @@ def _tf32_reference(x: np.ndarray) -> np.ndarray:
     low, base = bits & 0x1FFF, bits & ~np.uint64(0x1FFF)
     odd = (base >> 13) & 1
     up = (low > 0x1000) | ((low == 0x1000) & (odd == 1))
-    out = ((base + np.where(up, np.uint64(0x2000), np.uint64(0))) & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32)
+    out = (((base + np.where(up, np.uint64(0x2000), np.uint64(0))) & np.uint64(0xFFFFFFFF))
+           .astype(np.uint32).view(np.float32))
     return np.where(np.isnan(x), x, out)
 
 

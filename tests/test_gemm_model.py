@@ -12,8 +12,10 @@ from bench.speed import model as speed
 from bench.speed.gemm import GemmKernel, gemm_time
 from bench.speed.profiles import GPU, gpu
 
+BF16 = GemmKernel("bf16")
 
-def _time(shape, profile, kernel=GemmKernel("bf16"), latency_s=0.0):
+
+def _time(shape, profile, kernel=BF16, latency_s=0.0):
     rate = profile.tflops["bf16"] * 1e12 * profile.gemm_efficiency["bf16"]
     return gemm_time(*shape, kernel, profile, flops_per_s=rate, bytes_per_s=1e18, operand_bytes=2, output_bytes=2,
                      latency_s=latency_s)

@@ -75,7 +75,8 @@ def test_a_timing_is_disturbed_when_another_process_used_its_gpu(monkeypatch):
     """torch.cuda.list_gpu_processes's report, before and after training: any pid but this one marks the timing."""
     me, other = os.getpid(), os.getpid() + 1
     reports = iter([f"GPU:0\nprocess {me:>10d} uses 812.000 MB GPU memory",
-                    f"GPU:0\nprocess {me:>10d} uses 812.000 MB GPU memory\nprocess {other:>10d} uses 20.000 MB GPU memory"])
+                    f"GPU:0\nprocess {me:>10d} uses 812.000 MB GPU memory\n"
+                    f"process {other:>10d} uses 20.000 MB GPU memory"])
     monkeypatch.setattr(devices.torch.cuda, "clock_rate", lambda device: 1980)
     monkeypatch.setattr(devices.torch.cuda, "list_gpu_processes", lambda device: next(reports))
     conditions = devices.TimingConditions(devices.torch.device("cuda", 0))

@@ -46,7 +46,8 @@ def counting_syncs(monkeypatch, counter: SyncCounter):
         monkeypatch.setattr(torch.Tensor, name, wrap(getattr(torch.Tensor, name), f"Tensor.{name}"))
     for module in (torch.cuda, bench.running.device):
         monkeypatch.setattr(module, "synchronize", wrap(module.synchronize, f"{module.__name__}.synchronize"))
-    monkeypatch.setattr("bench.running.train.synchronize", wrap(bench.running.device.synchronize, "bench.running.train.synchronize"))
+    monkeypatch.setattr("bench.running.train.synchronize",
+                        wrap(bench.running.device.synchronize, "bench.running.train.synchronize"))
     yield counter
 
 

@@ -36,7 +36,8 @@ def expected(profile: str, fmt: str, scaling: str, torchaos_mx_recipe: bool = Fa
             return "emulated", "torchao is not installed"
         if scaling == "block":  # Transformer Engine is not a dependency
             return "emulated", "Float8BlockScaling is not wired in"
-        return ("native", ">= 8.9") if scaling in ("per_tensor", "rowwise", "rowwise_with_gw_hp") else ("emulated", "exists only as emulation")
+        return (("native", ">= 8.9") if scaling in ("per_tensor", "rowwise", "rowwise_with_gw_hp")
+                else ("emulated", "exists only as emulation"))
     if kind == "cpu":
         fast = {"tf32": False, "fp16": False,  # torch's CPU fp16 is slower than emulation, AMX-FP16 or not
                 "bf16": bool({"avx512_bf16", "amx_bf16"} & set(flags))}[fmt]
@@ -51,7 +52,8 @@ def expected(profile: str, fmt: str, scaling: str, torchaos_mx_recipe: bool = Fa
 
 @pytest.mark.parametrize("profile", list(PROFILES))
 def test_every_decision_follows_the_rules(profile):
-    for (fmt, mode), scaling in ((setting, s) for setting in settings() for s in combining_with(FORMAT_SPECS[setting[0]])):
+    for (fmt, mode), scaling in ((setting, s) for setting in settings()
+                                 for s in combining_with(FORMAT_SPECS[setting[0]])):
         backend, why = decide(profile, fmt, mode, scaling)
         want, reason = expected(profile, fmt, scaling)
         assert (backend, reason in why) == (want, True), (profile, fmt, mode, scaling, backend, why)
@@ -66,7 +68,8 @@ def test_mxfp8_in_torchaos_recipe_is_native_where_torchao_has_it(profile, scale_
 
 
 def test_the_formats_doc_shows_the_table_the_code_makes():
-    assert markdown() in FORMATS_DOC.read_text(), "docs/formats.md: the device matrix is stale; paste `python -m bench.tools.matrix`"
+    assert markdown() in FORMATS_DOC.read_text(), \
+        "docs/formats.md: the device matrix is stale; paste `python -m bench.tools.matrix`"
 
 
 def _grids() -> dict[str, list[dict]]:
@@ -80,7 +83,8 @@ def _grids() -> dict[str, list[dict]]:
     for preset in sorted((CONF / "experiment").glob("*.yaml")):
         sweeper = yaml.safe_load(preset.read_text())["hydra"]["sweeper"]
         grids[preset.stem] = [{k: str(v) for k, v in sweeper["params"].items()} | {"experiment": preset.stem}]
-        settings[preset.stem] = [dict(item.split("=", 1) for item in (s["overrides"] if isinstance(s, dict) else s).split())
+        settings[preset.stem] = [dict(item.split("=", 1)
+                                      for item in (s["overrides"] if isinstance(s, dict) else s).split())
                                  for s in sweeper.get("settings") or []] \
             or [{}]  # hydra.sweeper.settings: override sets (or {overrides, label, bits}) crossed with the params
     cells = {}
@@ -113,5 +117,5 @@ def test_no_cell_of_any_grid_is_refused_on_any_device(make_cfg):
     assert len(composed) > 100
     for profile in PROFILES:
         with simulated(profile) as device:
-            for name, cell, cfg in composed:
+            for _name, _cell, cfg in composed:
                 build_precision(cfg, device)  # raises PrecisionError for a refused cell

@@ -18,7 +18,8 @@ LOSS_SCALAR = 4  # nll_loss's total weight
 
 
 def step_memory(make_cfg, tmp_path, *overrides) -> dict:
-    results = tmp_path / "-".join(overrides).replace("=", "_")  # a cell's place does not name overrides outside a Hydra run
+    # a cell's place does not name overrides outside a Hydra run
+    results = tmp_path / "-".join(overrides).replace("=", "_")
     record = run_cell(make_cfg("model=lenet", "train.max_steps=1", f"results_dir={results}", *overrides))
     assert record["status"] == "ok", record["reason"]
     return record["memory"]["step"]

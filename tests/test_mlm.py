@@ -116,8 +116,8 @@ def _distilbert_from_unit_scaling_ops(model, ids):
     """DistilBERT's masked-LM forward written from unit_scaling's functional ops with `model`'s weights: embeddings
     (U.embedding) summed, U.layer_norm; per layer U.linear constrained to the geometric mean inside the stack,
     U.scaled_dot_product_attention, the post-norm residual adds as DistilBERT writes them, each branch weighted by
-    sqrt(tau / (1 - tau)); the head's U.linear unconstrained. GELU by the library's scale_elementwise with the paper's factors (ours: the library's own gelu
-    now uses an empirical model instead, 1.767 both ways)."""
+    sqrt(tau / (1 - tau)); the head's U.linear unconstrained. GELU by the library's scale_elementwise with the
+    paper's factors (ours: the library's own gelu now uses an empirical model instead, 1.767 both ways)."""
     d = model.distilbert
     hidden = d.embeddings.word_embeddings.weight.shape[1]
     gelu = scale_elementwise(F.gelu, 1.701, 1.481, constraint=None)  # the paper's GELU factors

@@ -40,7 +40,8 @@ def test_a_users_model_sweeps_and_resumes_without_editing_bench(swept):
     assert "sweep: 6 ok, 0 diverged, 0 failed (0 skipped" in first.stderr
     assert "(6 skipped as already recorded)" in again.stderr
     records = [json.loads(p.read_text()) for p in sorted((tmp / "runs").rglob("result.json"))]
-    assert sorted(r["config"]["scaling"]["name"] for r in records) == ["channel_scale"] * 2 + ["none"] * 2 + ["unit"] * 2
+    assert sorted(r["config"]["scaling"]["name"] for r in records) == \
+        ["channel_scale"] * 2 + ["none"] * 2 + ["unit"] * 2
     assert sorted(r["env"]["precision"]["setting"] for r in records) == ["32-true"] * 3 + ["fp8e3m4-mixed"] * 3
     assert all(r["status"] == "ok" and r["config"]["model"]["task"]["_target_"] == "mlp_digits.mlp_task"
                for r in records)
@@ -267,7 +268,8 @@ def test_a_plugin_whose_own_import_fails_is_named_with_its_inner_error_only(tmp_
     assert "broken_plugin.py:2: RuntimeError: boom while registering" in said and "PYTHONPATH" not in said
     with pytest.raises(ConfigError) as needy:
         plugins.load(["needy_plugin"])
-    assert "its own import failed: ModuleNotFoundError: No module named 'nonexistent_dependency_xyz'" in str(needy.value)
+    assert ("its own import failed: ModuleNotFoundError: No module named 'nonexistent_dependency_xyz'"
+            in str(needy.value))
     assert "PYTHONPATH" not in str(needy.value)
     with pytest.raises(ConfigError, match="cannot be imported: ModuleNotFoundError.*must be importable"):
         plugins.load(["absent_plugin_xyz"])

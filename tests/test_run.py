@@ -308,5 +308,6 @@ def test_hub_mnist_loader_keeps_labels_and_standardises_with_the_training_split(
     pixels = np.repeat(np.asarray(levels["train"], dtype=np.float64) / 255.0, 32 * 32)
     mean, std = pixels.mean(), pixels.std(ddof=1)
     expected_test = (np.asarray(levels["test"], dtype=np.float64) / 255.0 - mean) / std
-    assert x_train.mean().item() == pytest.approx(0.0, abs=1e-6) and x_train.std().item() == pytest.approx(1.0, rel=1e-5)
+    assert (x_train.mean().item() == pytest.approx(0.0, abs=1e-6)
+            and x_train.std().item() == pytest.approx(1.0, rel=1e-5))
     assert x_test[:, 0, 0, 0].double().numpy() == pytest.approx(expected_test, rel=1e-5)

@@ -21,7 +21,8 @@ def test_an_interval_past_the_metrics_range_is_clipped_and_marked():
     lo, hi, clipped = t_interval(STALLED_CELL, UNITS["fraction"].bounds)
     assert (lo, hi, clipped) == (0.0, 1.0, True)
     unclipped = t_interval(STALLED_CELL)
-    assert unclipped.lo == pytest.approx(0.65926 - 1.20349, abs=1e-4) and unclipped.hi == pytest.approx(1.86275, abs=1e-4)
+    assert (unclipped.lo == pytest.approx(0.65926 - 1.20349, abs=1e-4)
+            and unclipped.hi == pytest.approx(1.86275, abs=1e-4))
     assert not unclipped.clipped
     inside = t_interval([0.92, 0.93, 0.94], UNITS["fraction"].bounds)  # well inside: untouched, unmarked
     assert not inside.clipped and inside.lo == pytest.approx(0.93 - 4.30265 * 0.01 / math.sqrt(3), rel=1e-5)

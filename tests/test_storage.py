@@ -76,7 +76,9 @@ def test_enospc_during_a_checkpoint_write_stops_that_cell_and_the_sweep_goes_on_
     assert again.returncode == 0 and "sweep: 2 ok, 0 diverged, 0 failed (1 skipped" in again.stderr
 
 
-@pytest.mark.slow  # ENOSPC on the record: test_a_record_write_that_fails_leaves_the_old_record_and_no_temporary covers the write by default
+# ENOSPC on the record: test_a_record_write_that_fails_leaves_the_old_record_and_no_temporary covers the write
+# by default
+@pytest.mark.slow
 def test_enospc_during_the_record_write_leaves_no_record_and_the_next_launch_resumes_at_the_evaluation(tmp_path):
     results = tmp_path / "runs"
     out = run(results, *GRID, patch="record", fail_in="fp32-true")

@@ -312,13 +312,15 @@ def test_sweeper_settings_cross_each_override_set_with_the_swept_params():
         ["seed=1", "train.max_steps=3", "format=fp16", "scaling=static"],
         ["seed=1", "train.max_steps=3", "format=fp32", "scaling=unit"]]]
     plain = CheckingSweeper(max_batch_size=None, params=None)
-    assert plain.split_arguments(overrides, None) == [[["seed=0", "train.max_steps=3"], ["seed=1", "train.max_steps=3"]]]
+    assert plain.split_arguments(overrides, None) == [[["seed=0", "train.max_steps=3"],
+                                                       ["seed=1", "train.max_steps=3"]]]
 
 
 def test_a_key_set_by_both_the_settings_and_the_command_line_stops_the_sweep(tmp_path):
     done = bench(tmp_path, "-m", "experiment=unit_scaling_charlm", "format=fp32")
     assert done.returncode == 2
-    assert "format is set by hydra.sweeper.settings (format=fp16 scaling=none) and also on the command line" in done.stderr
+    assert ("format is set by hydra.sweeper.settings (format=fp16 scaling=none) and also on the command line"
+            in done.stderr)
     assert not list(tmp_path.rglob("result.json"))
 
 
@@ -331,9 +333,11 @@ def test_unit_scaling_charlm_preset_is_the_papers_columns_plus_fp8_and_every_cel
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         sweep = compose("config", overrides=["experiment=unit_scaling_charlm"], return_hydra_config=True).hydra.sweeper
     settings = [tuple(s.split()) for s in sweep.settings]
-    assert settings == [("format=fp16", "scaling=none"), ("format=fp16", "scaling=static"), ("format=fp16", "scaling=unit"),
+    assert settings == [("format=fp16", "scaling=none"), ("format=fp16", "scaling=static"),
+                        ("format=fp16", "scaling=unit"),
                         ("format=fp32", "scaling=none"), ("format=fp32", "scaling=unit"),
-                        ("format=fp8", "scaling=dynamic"), ("format=fp8", "scaling=per_tensor"), ("format=fp8", "scaling=unit")]
+                        ("format=fp8", "scaling=dynamic"), ("format=fp8", "scaling=per_tensor"),
+                        ("format=fp8", "scaling=unit")]
     assert dict(sweep.params) == {"model.arch.norm": "pre,post", "seed": "0,1,2"}
     assert cfg.model.name == "charlm" and cfg.model.iterations == 2000
     for setting in settings:

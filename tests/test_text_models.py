@@ -100,7 +100,8 @@ def test_a_conversion_that_changes_the_function_fails_the_cell_naming_the_layer(
                    "scaling=unit", "train.max_steps=2")
     record = _record(cfg, tmp_path)
     assert record["status"] == "failed" and "ConversionError" in record["reason"]
-    assert "bert.encoder.layer.0.attention.self.query" in record["reason"] and "conversion_tolerance" in record["reason"]
+    assert "bert.encoder.layer.0.attention.self.query" in record["reason"]
+    assert "conversion_tolerance" in record["reason"]
     conversion = record["numerics"]["unit_conversion"]
     assert conversion["max_rel_output_diff"] > 1e-2
     assert conversion["first_layer_over_tolerance"] == "bert.encoder.layer.0.attention.self.query"

@@ -97,7 +97,7 @@ def test_a_converted_charlm_trains_one_step_exactly_as_the_library_built_model_a
     optimizers = [build_optimizer(OPTIMIZER, ours.parameters(), parameter_groups=umup_parameter_groups),
                   uu.optim.AdamW(reference.parameters(), lr=0.5, betas=(0.9, 0.99), weight_decay=0.0, fused=True)]
     logits = []
-    for model, optimizer in zip((ours, reference), optimizers):
+    for model, _optimizer in zip((ours, reference), optimizers):
         out = model(idx)
         logits.append(out)
         U.cross_entropy(out.view(-1, vocab), targets.view(-1)).backward()

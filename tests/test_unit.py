@@ -118,7 +118,8 @@ def _gelu_slope(z: float) -> float:
 # gradient reaches 1 input in 4 (rms 0.5), scaled by 2: 1.
 ACTIVATIONS = [
     ("relu", UnitReLU(), nn.ReLU(), 1.0, 1.0,
-     lambda: (1.713 * _normal_std(lambda z: max(z, 0.0)), math.sqrt(2) * _normal_std(lambda z: float(z > 0), rms=True))),
+     lambda: (1.713 * _normal_std(lambda z: max(z, 0.0)),
+              math.sqrt(2) * _normal_std(lambda z: float(z > 0), rms=True))),
     ("gelu", UnitGELU(), nn.GELU(), 1.0, 1.0,
      lambda: (1.701 * _normal_std(_gelu), 1.481 * _normal_std(_gelu_slope, rms=True))),
     ("max-pool 2x2", UnitMaxPool2d(2), nn.MaxPool2d(2), 0.70, 1.0,
@@ -126,7 +127,8 @@ ACTIVATIONS = [
 ]
 
 
-@pytest.mark.parametrize("name,layer,plain,out_stated,grad_stated,reference", ACTIVATIONS, ids=[a[0] for a in ACTIVATIONS])
+@pytest.mark.parametrize("name,layer,plain,out_stated,grad_stated,reference", ACTIVATIONS,
+                         ids=[a[0] for a in ACTIVATIONS])
 def test_activations_keep_the_stated_scales_within_5_percent_and_plain_ones_do_not(name, layer, plain, out_stated,
                                                                                     grad_stated, reference):
     """The stated output and input-gradient stds hold to 5% on unit-normal inputs and gradients; they are the
@@ -202,9 +204,9 @@ def test_unknown_parameterised_module_is_refused():
         unit_scale(nn.Sequential(nn.BatchNorm2d(3)))
 
 
-# The transformer ops a from-scratch unit-scaled GPT needs (bench/numerics/ops.py's modules and their unit versions), each
-# against its plain version, which must miss the band so that the test can fail. Attention's scale is the library's
-# empirical model of the causal average, hence its wider band.
+# The transformer ops a from-scratch unit-scaled GPT needs (bench/numerics/ops.py's modules and their unit versions),
+# each against its plain version, which must miss the band so that the test can fail. Attention's scale is the
+# library's empirical model of the causal average, hence its wider band.
 def _op_stds(op, inputs, weight=None):
     """(output std, std of each input's gradient, std of the weight gradient) for a unit-normal output gradient."""
     inputs = [x.requires_grad_(x.is_floating_point()) for x in inputs]
@@ -325,7 +327,8 @@ def test_relative_lr_rule_gives_every_tensor_the_regular_models_relative_adam_st
     from bench.tasks.charlm import CharGPT
     from bench.tasks.optimizer import build_optimizer
 
-    cfg = OmegaConf.create({"name": "adamw", "lr": 1e-3, "beta2": 0.99, "weight_decay": 0.1, "decay_matrices_only": True})
+    cfg = OmegaConf.create({"name": "adamw", "lr": 1e-3, "beta2": 0.99, "weight_decay": 0.1,
+                            "decay_matrices_only": True})
     x, y = torch.randint(0, 65, (4, 16)), torch.randint(0, 65, (4, 16))
 
     def relative_steps(model, cross_entropy, multipliers):

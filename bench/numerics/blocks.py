@@ -110,7 +110,8 @@ def _blocked(values: torch.Tensor, elements: torch.Tensor, length: int, dim: int
 
 
 def _round_elements(x: torch.Tensor, element: str, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
-    """Scaled values onto the element grid, saturating: RNE, or stochastic (bench.numerics.formats.quantise_stochastic)."""
+    """Scaled values onto the element grid, saturating: RNE, or stochastic
+    (bench.numerics.formats.quantise_stochastic)."""
     if rounding == "nearest":
         return quantise_value(x, element, overflow="saturate")
     if rounding == "stochastic":
@@ -163,8 +164,8 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     zero-initialised layer, a dead gradient) gets t = 0 and quantises to NaN, and in a tensor whose amax is under
     about 1e-33 a block with the smallest block scale gets an infinite factor (its zeros become NaN, every other
     element saturates to 6). With the floor a zero tensor quantises to exact zeros and a tiny one to finite values
-    on its grid; the result equals torchao's wherever the amax is 2688 * 2^-121 (about 1.05e-33) or more. An infinite or NaN amax
-    still gives a non-finite t, so an overflow stays visible."""
+    on its grid; the result equals torchao's wherever the amax is 2688 * 2^-121 (about 1.05e-33) or more. An
+    infinite or NaN amax still gives a non-finite t, so an overflow stays visible."""
     # max(), not amax(): the same full reduction, but torch_xla 2.9 reduces nothing for amax() without dims
     return (x.detach().abs().max().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
 

@@ -157,7 +157,8 @@ class PrecisionConfig(FormatChoices):
         if self.gradients is not None and self.gradients not in spec.gradient_elements:
             valid = {name: ", ".join(s.gradient_elements) for name, s in FORMAT_SPECS.items() if s.gradient_elements}
             raise PrecisionError(f"format.gradients={self.gradients} does not go with format={self.format}; valid: "
-                                 "null (the format's recipe), or " + "; ".join(f"{e} for {f}" for f, e in valid.items()))
+                                 "null (the format's recipe), or "
+                                 + "; ".join(f"{e} for {f}" for f, e in valid.items()))
 
     def _check_recipe_switches(self) -> None:
         """NVIDIA's NVFP4 switches need 16-element blocks; keep_high_precision a format of the GEMM operands."""
@@ -332,7 +333,8 @@ def plan(config: PrecisionConfig, method: ScalingMethod, device: torch.device) -
     support = native_support(config.format, device)
     recipe = spec.recipe if config.gradients is None else replace(spec.recipe, grads=config.gradients)
     made = PrecisionPlan(config, method.name, native=False, why="", recipe=recipe, site_scales=method.site_scales,
-                         tiles=method.tiles, torchao_recipe=method.torchao_recipe if _torchao_float8_spec(spec) else None,
+                         tiles=method.tiles,
+                         torchao_recipe=method.torchao_recipe if _torchao_float8_spec(spec) else None,
                          native_recipe=None)
     if spec.recipe is None:  # FP32: nothing to round, native everywhere
         note = f"; scaling={method.name} does nothing here: FP32 quantises no tensor (a baseline cell)" \

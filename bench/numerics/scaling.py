@@ -31,7 +31,8 @@ def _float32(value: float) -> float:
 
 @functools.cache
 def _takes_found_inf(optimizer_class: type) -> bool:
-    """Whether the optimiser's step skips itself on a found_inf flag (torch_xla's sync-free ones); asked once a class."""
+    """Whether the optimiser's step skips itself on a found_inf flag (torch_xla's sync-free ones); asked once
+    a class."""
     return "found_inf" in inspect.signature(optimizer_class.step).parameters
 
 

@@ -140,7 +140,8 @@ class PerTensor(ScalingMethod):
 
 @register("unit")
 class UnitScaling(ScalingMethod):
-    """Unit scaling (Blake et al., ICML 2023): unit-variance init, scaled ops, no loss scale (bench/numerics/unit.py)."""
+    """Unit scaling (Blake et al., ICML 2023): unit-variance init, scaled ops, no loss scale
+    (bench/numerics/unit.py)."""
 
     parametrisation = "unit scaling"
 

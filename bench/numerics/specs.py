@@ -116,12 +116,14 @@ register(FormatSpec("fp8", ("mixed",), Recipe("fp8_e4m3", "fp8_e5m2", False), ha
 # Transformer Engine's MXFP8 recipes take E4M3 gradients (format.gradients=fp8_e4m3).
 _NO_MX_TRAINING = "emulated on every device: torchao has no {} training path"
 register(FormatSpec("mxfp8", ("mixed",), Recipe("fp8_e4m3", "fp8_e5m2", False, "mx"), hardware.mxfp8_support,
-                    gradient_elements=("fp8_e4m3", "fp8_e5m2"), stochastic_rounding=True, native_path="torchao", gemm_only=True))
+                    gradient_elements=("fp8_e4m3", "fp8_e5m2"), stochastic_rounding=True, native_path="torchao",
+                    gemm_only=True))
 register(FormatSpec("mxfp6", ("mixed",), Recipe("fp6_e2m3", "fp6_e3m2", False, "mx"),
                     hardware.emulated_everywhere("mxfp6 is " + _NO_MX_TRAINING.format("mxfp6")),
                     gradient_elements=("fp6_e2m3", "fp6_e3m2"), stochastic_rounding=True, gemm_only=True))
 register(FormatSpec("mxfp4", ("mixed",), Recipe("fp4_e2m1", "fp4_e2m1", False, "mx"),
-                    hardware.emulated_everywhere("mxfp4 is " + _NO_MX_TRAINING.format("mxfp4")), stochastic_rounding=True, gemm_only=True))
+                    hardware.emulated_everywhere("mxfp4 is " + _NO_MX_TRAINING.format("mxfp4")),
+                    stochastic_rounding=True, gemm_only=True))
 _NVFP4 = register(FormatSpec("nvfp4", ("mixed",), Recipe("fp4_e2m1", "fp4_e2m1", False, "nvfp4"),
                              hardware.emulated_everywhere(
                                  "nvfp4 is emulated on every device: native NVFP4 training (Transformer Engine's "

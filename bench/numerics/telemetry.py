@@ -107,7 +107,8 @@ class QuantTelemetry:
         for c in classes:
             sums = torch.stack([s for s, _ in self._step_blocks[c]]).sum(0)
             logs = torch.cat([l for _, l in self._step_blocks[c]])
-            bounds = torch.stack([logs.min(), logs.median(), logs.max()]) if logs.numel() else sums.new_full((3,), float("nan"))
+            bounds = (torch.stack([logs.min(), logs.median(), logs.max()]) if logs.numel()
+                      else sums.new_full((3,), float("nan")))
             per_class.append(torch.cat([sums, bounds]))
         for c, row in zip(classes, torch.stack(per_class).tolist()):
             run = self.blocks[c]
@@ -134,7 +135,8 @@ class QuantTelemetry:
             total = zero + underflow + subnormal + normal + overflow
             for name, value in zip(_COUNTS, (total, underflow, subnormal, overflow)):
                 self._run[c][name] += int(value)
-            fractions[c] = {"underflow": underflow / total, "subnormal": subnormal / total, "overflow": overflow / total}
+            fractions[c] = {"underflow": underflow / total, "subnormal": subnormal / total,
+                            "overflow": overflow / total}
         self._step = self._zeros()
         return fractions
 

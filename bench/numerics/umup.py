@@ -89,8 +89,8 @@ class UmupResidual(UnitResidual):
         self.ratio = ratio
 
 
-COVERED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity, Residual, Attention, CausalAttention,
-           Add)
+COVERED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity, Residual, Attention,
+           CausalAttention, Add)
 
 
 def _umup_module(module: nn.Module, hyper: UmupHyper, readout: bool) -> nn.Module | None:

@@ -322,19 +322,19 @@ def unit_scale(model: nn.Module, preserve: bool = False, post_norm_tau: float = 
 
 
 def weight_post_norm_branches(model: nn.Module, tau: float) -> list[str]:
-    """Weight each residual branch of a transformers post-norm encoder: LayerNorm(x + r f(x)) with r = sqrt(tau /
-    (1 - tau)), which is LayerNorm(sqrt(1 - tau) x + sqrt(tau) f(x)) exactly (LayerNorm ignores a common factor):
-    tau is the branch's share of the sum's variance when both are unit-scaled. r multiplies both passes, as regular
-    BERT's small branch weights do: scaled in the forward pass only (unit_scaling's scale_fwd), the branch would send
-    back 1/r times the skip's share of every lower layer's gradient, and the masked LM stalls as unweighted. The add is inline in transformers' code, so the weight
-    goes on the branch's last Linear (POST_NORM_BRANCH_OUTPUTS). Why it is needed: a LayerNorm after the add
-    renormalises whatever the weights, but not the mix. Regular BERT starts with each branch ~0.02 of the skip's
-    scale (N(0, 0.02) weights); unit scaling makes both unit, and more: attention averages its values over
-    positions, which share part of their variance (a one-segment batch's segment embedding, then every layer's
-    attention output), so the library's attention scale (which assumes independent values) leaves its output at
-    std 1.4-4.7. Unweighted (tau = 0.5) or at the pre-norm rule's 0.1-0.3, that shared part swamps each position's
-    own and a masked LM stalls at predicting the commonest piece (measured: bert_mlm_tiny, 400 steps, tau 0.1
-    stalls, 0.02 trains). Returns the weighted Linears' names."""
+    """Weight each residual branch of a transformers post-norm encoder: LayerNorm(x + r f(x)) with r = sqrt(tau / (1 -
+    tau)), which is LayerNorm(sqrt(1 - tau) x + sqrt(tau) f(x)) exactly (LayerNorm ignores a common factor): tau is
+    the branch's share of the sum's variance when both are unit-scaled. r multiplies both passes, as regular BERT's
+    small branch weights do: scaled in the forward pass only (unit_scaling's scale_fwd), the branch would send back
+    1/r times the skip's share of every lower layer's gradient, and the masked LM stalls as unweighted. The add is
+    inline in transformers' code, so the weight goes on the branch's last Linear (POST_NORM_BRANCH_OUTPUTS). Why it
+    is needed: a LayerNorm after the add renormalises whatever the weights, but not the mix. Regular BERT starts
+    with each branch ~0.02 of the skip's scale (N(0, 0.02) weights); unit scaling makes both unit, and more:
+    attention averages its values over positions, which share part of their variance (a one-segment batch's segment
+    embedding, then every layer's attention output), so the library's attention scale (which assumes independent
+    values) leaves its output at std 1.4-4.7. Unweighted (tau = 0.5) or at the pre-norm rule's 0.1-0.3, that shared
+    part swamps each position's own and a masked LM stalls at predicting the commonest piece (measured:
+    bert_mlm_tiny, 400 steps, tau 0.1 stalls, 0.02 trains). Returns the weighted Linears' names."""
     ratio = math.sqrt(tau / (1 - tau))
     weighted = []
     for name, module in model.named_modules():
@@ -628,7 +628,8 @@ def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: 
         unit_scale(task.model, post_norm_tau=post_norm_tau)
         refuse_unscaled_ops("unit", task)
         task.cross_entropy = unit_cross_entropy
-        result = {"preserve_function": False, "why": "fresh unit-variance init (model.pretrained=false or no checkpoint)",
+        result = {"preserve_function": False,
+                  "why": "fresh unit-variance init (model.pretrained=false or no checkpoint)",
                   "lr_rule": "relative" if relative_lr else "same",
                   "scaled_attention": [n for n, m in task.model.named_modules() if isinstance(m, UnitAttention)],
                   "post_norm_branches": [n for n, m in task.model.named_modules()

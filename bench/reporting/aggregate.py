@@ -244,8 +244,8 @@ def unique(records: list[dict]) -> list[dict]:
 
 def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None) -> pd.DataFrame:
     """One row per record (the first of several with the same run_id on the same device), with the speed model's
-    prediction on each of `gpus` (default: DEFAULT_GPUS; bench/reporting/recorded_predictions.py), its quality curve and the
-    steps it took to reach its target (bench/reporting/quality.py).
+    prediction on each of `gpus` (default: DEFAULT_GPUS; bench/reporting/recorded_predictions.py), its quality curve
+    and the steps it took to reach its target (bench/reporting/quality.py).
 
     The device is part of what a run is here: the same config run on a CPU and on an H100 (or on two GPU types
     of one cluster) makes two cells, labelled `device_name=...`, each paired with its own device's FP32, since their
@@ -284,7 +284,8 @@ def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None) -> pd.Dat
             "train_s": _number(r["timing"].get("train_s_without_compile", r["timing"].get("train_s"))),
             "compile_s": _number((r["timing"].get("compile") or {}).get("seconds", 0.0)),
             "compiled": bool((env.get("compile") or {}).get("compiled")),
-            "disturbed": bool((r["timing"].get("conditions") or {}).get("disturbed")), "step_median_s": _number(r["timing"].get("step_median_s")),
+            "disturbed": bool((r["timing"].get("conditions") or {}).get("disturbed")),
+            "step_median_s": _number(r["timing"].get("step_median_s")),
             "samples_per_s": _number(r["timing"].get("samples_per_s")),
             "peak_bytes": _number(r["memory"].get("peak_bytes")),
             "step_bytes": _number((r["memory"].get("step") or {}).get("total")),

@@ -62,7 +62,8 @@ def committed_cells(folder: Path) -> pd.DataFrame:
     return cells
 
 
-def compare(mine: pd.DataFrame, committed: pd.DataFrame, higher_is_better: dict[str, bool] | None = None) -> pd.DataFrame:
+def compare(mine: pd.DataFrame, committed: pd.DataFrame,
+            higher_is_better: dict[str, bool] | None = None) -> pd.DataFrame:
     """One row per cell of mine that the committed folder has: both means, the committed interval, the published
     figure, the difference and the verdict; an outside one says whether it is better or worse, by the direction the
     model declares (`higher_is_better`, by model name; default higher)."""
@@ -84,8 +85,8 @@ def compare(mine: pd.DataFrame, committed: pd.DataFrame, higher_is_better: dict[
             "scaling": c["scaling"], "metric": metric,
             "mine": fmt_stat(shown(c["value"]), shown(c["value_std"]), c["value_n"], digits),
             "committed [95% interval]": "–" if pd.isna(c["value_committed"]) else
-            f"{shown(c['value_committed']):.{digits}f}" + ("" if pd.isna(lo) else
-                                                          f" [{shown(lo):.{digits}f}, {shown(hi):.{digits}f}]{clipped}"),
+            f"{shown(c['value_committed']):.{digits}f}"
+            + ("" if pd.isna(lo) else f" [{shown(lo):.{digits}f}, {shown(hi):.{digits}f}]{clipped}"),
             "published": "–" if pd.isna(c.get("published_value")) else f"{c['published_value']:g}",
             "mine − committed": f"{shown(c['value'] - c['value_committed']):+.{digits}f}",
             "verdict": verdict, "differs": ", ".join(differs)})

@@ -177,7 +177,8 @@ def workspace(dashboard: Dashboard):
         sections.setdefault(panel.section, []).append(_wandb_panel(panel))
     return ws.Workspace(entity=dashboard.entity or "", project=dashboard.project,
                         name=f"precision-bench: {dashboard.experiment}",
-                        sections=[ws.Section(name=name, panels=panels, is_open=True) for name, panels in sections.items()],
+                        sections=[ws.Section(name=name, panels=panels, is_open=True)
+                                  for name, panels in sections.items()],
                         runset_settings=ws.RunsetSettings(filters=_run_filter(dashboard)))
 
 

@@ -72,7 +72,8 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
                 c = match.iloc[0]
                 note = status_note(c)
                 text = fmt_stat(c["value"] * BPC_PER_NAT, c["value_std"] * BPC_PER_NAT, c["value_n"], 3)
-                ours[heading] = text + (f" {EMULATED}" if c["backend"] == "emulated" else "") + (f" [{note}]" if note else "")
+                ours[heading] = (text + (f" {EMULATED}" if c["backend"] == "emulated" else "")
+                                 + (f" [{note}]" if note else ""))
                 runs_here = here[is_cell(here, setting, scaling)]
                 differences = [v - reference[s] for v, s in zip(runs_here["value"], runs_here["seed"])
                                if s in reference.index]
@@ -121,7 +122,8 @@ def declared_table(experiment: str) -> tuple[str, list[BlockRow]] | None:
     sweeper = (OmegaConf.load(path).get("hydra") or {}).get("sweeper") or {} if path.is_file() else {}
     if not sweeper.get("table"):
         return None
-    rows = [_row(setting) for setting in sweeper.get("settings") or [] if hasattr(setting, "keys") and "label" in setting]
+    rows = [_row(setting) for setting in sweeper.get("settings") or []
+            if hasattr(setting, "keys") and "label" in setting]
     return sweeper["table"], rows
 
 
@@ -135,7 +137,8 @@ def _row(setting) -> BlockRow:
     fmt = {key: yaml.safe_load(overrides[f"format.{key}"]) if f"format.{key}" in overrides else defaults.get(key)
            for key in RECIPE_OPTIONS}  # an override's value as Hydra reads it: [last:3] a list, null None
     return BlockRow(spec.setting(overrides.get("format.mode", str(option.mode).lower())),
-                    overrides.get("scaling", NO_SCALING), overrides.get("format.rounding", defaults.get("rounding", "nearest")),
+                    overrides.get("scaling", NO_SCALING),
+                    overrides.get("format.rounding", defaults.get("rounding", "nearest")),
                     setting["label"],
                     float(setting.get("bits") or "nan"), format_options(fmt))
 
@@ -171,7 +174,8 @@ def block_formats_table(runs: pd.DataFrame, cells: pd.DataFrame, block_rows: lis
                          "format": block_row.label + (f" {EMULATED}" if c["backend"] == "emulated" else ""),
                          "bits / element": f"{block_row.bits:g}", "metric": metric, "mean ± std": metric_text(c),
                          "Δ vs FP32": paired_text(differences, cell_unit(c), block_row.setting == "32-true"),
-                         "gradients rel. MSE": "–" if pd.isna(c["gradients_rel_mse"]) else f"{c['gradients_rel_mse']:.2e}",
+                         "gradients rel. MSE":
+                             "–" if pd.isna(c["gradients_rel_mse"]) else f"{c['gradients_rel_mse']:.2e}",
                          "blocks clipped (act. / grad.)": " / ".join(
                              "–" if pd.isna(c[f"{tc}_clipped_blocks"]) else f"{100 * c[f'{tc}_clipped_blocks']:.2g}%"
                              for tc in ("activations", "gradients"))})

@@ -141,7 +141,8 @@ def loss_scale_trajectories(runs: pd.DataFrame, title: str, directory: Path, nam
     return _save(fig, directory, f"{name}_loss_scale")
 
 
-def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str, block_rows: list[BlockRow]) -> list[Path]:
+def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str,
+                   block_rows: list[BlockRow]) -> list[Path]:
     """block_formats: the metric (mean, 95% t interval) against bits per element (the preset's declared rows, log
     scale); filled markers round gradients to nearest, hollow ones stochastically."""
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -203,14 +204,16 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> list[
     paths = []
     labels_per_model = cells.groupby("model")["model_label"].nunique()
     declared = declared_table_of(cells)
-    if declared and declared[0] == "lr_transfer":  # one figure: the usual set per variant would be one per learning rate
+    if declared and declared[0] == "lr_transfer":
+        # one figure: the usual set per variant would be one per learning rate
         return lr_transfer(cells, directory)
     if declared and declared[0] == "block_formats":  # the table the preset declares, as tables.write_all reads it
         for model, part in cells.groupby("model", sort=False):
             paths += metric_vs_bits(part, part["model_label"].iloc[0], directory, model, declared[1])
     for (model, label, variant), part in cells.groupby(["model", "model_label", "variant"], sort=False):
         configuration = label.partition("(")[2].rstrip(")") if labels_per_model[model] > 1 else ""
-        name = "_".join([model] + [re.sub(r"[^A-Za-z0-9.=-]+", "_", t).strip("_") for t in (configuration, variant) if t])
+        name = "_".join([model] + [re.sub(r"[^A-Za-z0-9.=-]+", "_", t).strip("_")
+                                   for t in (configuration, variant) if t])
         title = f"{label}{f' [{variant}]' if variant else ''}"
         its_runs = runs[(runs["model_label"] == label) & (runs["variant"] == variant)]
         paths += metric_vs_time(part, title, directory, name)

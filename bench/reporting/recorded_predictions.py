@@ -61,7 +61,8 @@ def _computed(config: dict, target: GPU) -> dict:
     try:
         trace = _trace(config)
     except Exception as e:  # a model not buildable here (its data, its module): said, not raised
-        return {"no_prediction": f"its step could not be traced here ({type(e).__name__}: {str(e).splitlines()[0][:120]})"}
+        return {"no_prediction": "its step could not be traced here "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0][:120]})"}
     recipe = recipe_on(cfg, trace, target)
     result = {"no_native_path": recipe.why} if isinstance(recipe, NoNativePath) else {
         mode: predict(trace, recipe, target, mode == "compiled").as_dict() for mode in ("compiled", "eager")} | (

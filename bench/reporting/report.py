@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None, api=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.aggregate", description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="+", help="results directories or wandb://entity/project[/group]")
     parser.add_argument("--out", type=Path, default=Path("results/local/tables"),
-                        help="where tables and plots go (default results/local/tables: committed tables are never rewritten"
-                             " unless named)")
+                        help="where tables and plots go (default results/local/tables: committed tables are never "
+                             "rewritten unless named)")
     parser.add_argument("--experiment", help="only this experiment_name")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--predict-for", default=",".join(DEFAULT_GPUS),

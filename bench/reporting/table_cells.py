@@ -31,13 +31,14 @@ DISTURBED = "‡"
 STALLED = "¶"
 EVALUATED_OUTSIDE = "°"
 NOTES = {
-    "predicted": "predicted step, speed-up and time to target: predicted, not measured: the speed model's step "
-                 "time on that GPU (bench/speed/model.py), from this cell's own traced step, on the path the runner would take there (no native path: it would "
-                 "emulate the format); compiled, as published FP8 figures are; speed-up against the 32-true cell's "
-                 "prediction. How far off it has been: results/bench/speed_model_validation.md.",
+    "predicted": "predicted step, speed-up and time to target: predicted, not measured: the speed model's step time on "
+                 "that GPU (bench/speed/model.py), from this cell's own traced step, on the path the runner would take "
+                 "there (no native path: it would emulate the format); compiled, as published FP8 figures are; "
+                 "speed-up against the 32-true cell's prediction. How far off it has been: "
+                 "results/bench/speed_model_validation.md.",
     "time_to_target": "steps to target: the first evaluation at which a seed's quality curve (its validation metric) "
-                      "reached the target: the final value of the 32-true run of the same seed and configuration (of the "
-                      "unscaled one where no 32-true run has the cell's scaling method; the target column: their "
+                      "reached the target: the final value of the 32-true run of the same seed and configuration (of "
+                      "the unscaled one where no 32-true run has the cell's scaling method; the target column: their "
                       "mean over seeds), or the preset's own (hydra.sweeper.quality_target); mean over the seeds that "
                       "reached it [95% t interval, clipped at 0] (how many reached it of how many had a curve and a "
                       "target); a run is counted at the evaluation that first reached it, so the evaluation interval "
@@ -57,7 +58,8 @@ NOTES = {
     "evaluated": f"{EVALUATED_OUTSIDE} evaluated without the autocast the cell trained under (native 16-bit mixed: in "
                  "FP32; FP8 or a block format with BF16 elsewhere: FP32 outside its GEMMs): a record made before "
                  "evaluation ran in the trained precision (metrics.evaluated_in).",
-    "time": "train time: median over the seeds that finished [min–max] (n); speed-up: the 32-true median over this one.",
+    "time": "train time: median over the seeds that finished [min–max] (n); speed-up: the 32-true median over "
+            "this one.",
     "compiled": "compiled: the cell trained with train.compile (torch.compile); its time and speed-up leave out the "
                 "steps during which it compiled, whose median seconds are shown beside it (timing.compile).",
     "std": "mean ± sample standard deviation over seeds (n runs with a value).",
@@ -65,8 +67,8 @@ NOTES = {
                   "configuration (seeds are paired: same initial weights and data order) [95% confidence interval, "
                   f"Student's t over the n paired seeds]; {SIGNIFICANT} marks an interval that excludes 0, a "
                   "difference the seeds tell apart from noise; without the mark it is not distinguishable from 0.",
-    "charlm": "Δ vs FP32 regular: mean over seeds of this run's BPC minus the FP32-regular run's of the same seed "
-              f"and norm [95% t interval] (n paired seeds); {SIGNIFICANT} marks an interval that excludes 0. The paper's "
+    "charlm": "Δ vs FP32 regular: mean over seeds of this run's BPC minus the FP32-regular run's of the same seed and "
+              f"norm [95% t interval] (n paired seeds); {SIGNIFICANT} marks an interval that excludes 0. The paper's "
               "figures: medians of 3 seeds at each setting's best learning rate from a sweep; its 95% interval is "
               "about ±0.010.",
     "block_formats": "Δ vs FP32: mean over seeds of this run's metric minus the FP32 run's of the same seed and "

@@ -109,7 +109,8 @@ def scaling_grid(cells: pd.DataFrame) -> pd.DataFrame:
     present = scaling_order(cells["scaling"].astype(str))
     rows = []
     for _, part in cells.groupby(["model_label", "variant", "setting", "backend"], observed=True, sort=True):
-        row = {**cell_identity(part.iloc[0], cells), "setting": setting_label(part.iloc[0]), "metric": part.iloc[0]["metric"]}
+        row = {**cell_identity(part.iloc[0], cells), "setting": setting_label(part.iloc[0]),
+               "metric": part.iloc[0]["metric"]}
         by_scaling = {str(c["scaling"]): c for _, c in part.iterrows()}
         for scaling in present:
             row[scaling] = metric_text(by_scaling[scaling]) if scaling in by_scaling else ""
@@ -253,7 +254,8 @@ def _common_notes(cells: pd.DataFrame) -> list[str]:
     """The notes every table of these cells carries."""
     return [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else []) \
         + ([NOTES["stalled"]] if cells["stalled"].any() else []) \
-        + ([NOTES["clipped"]] if cells[["value_ci_clipped", "value_vs_fp32_clipped"]].map(flag).any(axis=None) else []) \
+        + ([NOTES["clipped"]] if cells[["value_ci_clipped", "value_vs_fp32_clipped"]].map(flag).any(axis=None)
+           else []) \
         + ([NOTES["evaluated"]] if cells["evaluated_in"].str.contains(EVALUATED_WITHOUT_AUTOCAST, regex=False).any()
            else [])
 
@@ -271,7 +273,8 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
     """Every generic table and the one the preset declares (if its cells are there), each as Markdown, LaTeX and CSV,
     with runs.csv and cells.csv; returns each table's Markdown."""
     directory.mkdir(parents=True, exist_ok=True)
-    runs.drop(columns=["loss_scale_history", "losses", "settings", "learning"]).to_csv(directory / "runs.csv", index=False)
+    runs.drop(columns=["loss_scale_history", "losses", "settings", "learning"]).to_csv(
+        directory / "runs.csv", index=False)
     cells.drop(columns="settings").to_csv(directory / "cells.csv", index=False)
     declared = declared_table_of(cells)
     chosen = GENERIC_TABLES | ({declared[0]: DECLARED_TABLES[declared[0]]}

@@ -74,7 +74,8 @@ class ScalingConfig:
     margin: int = 0  # per_tensor: s = (max / amax) / 2^margin
     pow2: bool = False  # per_tensor: round s down to a power of two
     conversion_tolerance: float = 1e-4  # unit, pretrained: largest relative output change the conversion may make
-    lr_rule: str = "same"  # unit, from scratch, Adam/AdamW: same | relative (bench.numerics.unit.relative_lr_multipliers)
+    # unit, from scratch, Adam/AdamW: same | relative (bench.numerics.unit.relative_lr_multipliers)
+    lr_rule: str = "same"
     post_norm_tau: float = 0.02  # unit, from scratch, transformers' post-norm encoders: a branch's variance share
     # umup: u-μP's hyper-parameters (bench.numerics.umup.UmupHyper; conf/scaling/umup.yaml sets the paper's 1.0)
     residual_mult: Optional[float] = None
@@ -428,12 +429,13 @@ def check_declared(records: list[dict]) -> None:
 
     def missing(kind: str, name: str, record: dict) -> ConfigError:
         module = (record["env"].get("plugins") or {}).get(kind)
-        where = (f"its record says module {module!r} declared it" + (f", which cannot be imported here ({why_not[module]})"
-                 if module in why_not else ", which does not declare it here") if module else
+        where = (f"its record says module {module!r} declared it"
+                 + (f", which cannot be imported here ({why_not[module]})"
+                    if module in why_not else ", which does not declare it here") if module else
                  "its record (made before records named their plug-ins) does not say which module declared it")
-        return ConfigError(f"{record.get('_dir') or record.get('run_id', 'a record')}: {kind} {name!r} is not declared in "
-                           f"this process; {where}. Put that module on PYTHONPATH (or install it), or name it in "
-                           "plugins:, then run again; nothing was written")
+        return ConfigError(f"{record.get('_dir') or record.get('run_id', 'a record')}: {kind} {name!r} is not "
+                           f"declared in this process; {where}. Put that module on PYTHONPATH (or install it), or name "
+                           "it in plugins:, then run again; nothing was written")
 
     for record in records:
         config = record["config"]

@@ -264,7 +264,8 @@ class TimingConditions:
         }
         if self.device.type == "cuda":
             conditions["gpu_before"], conditions["gpu_after"] = self._gpu, self._gpu_state()
-            shared = sorted(_other_gpu_processes(conditions["gpu_before"]) | _other_gpu_processes(conditions["gpu_after"]))
+            shared = sorted(_other_gpu_processes(conditions["gpu_before"])
+                            | _other_gpu_processes(conditions["gpu_after"]))
             conditions["gpu_shared_with"] = shared  # pids of other processes on this GPU while it trained
             conditions["disturbed"] = conditions["disturbed"] or bool(shared)
         return conditions

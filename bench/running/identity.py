@@ -129,8 +129,9 @@ def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None and not _spells_null(key, value):
             overridden[key] = OmegaConf.to_container(value, resolve=True) if isinstance(value, ListConfig) else value
-    path = (f"{cfg.experiment_name}/{choices.get('model', cfg.model.name)}/{cfg.format.name}-{str(cfg.format.mode).lower()}"
-            f"/{choices.get('scaling', cfg.scaling.name)}/seed{cfg.seed}")
+    path = (f"{cfg.experiment_name}/{choices.get('model', cfg.model.name)}"
+            f"/{cfg.format.name}-{str(cfg.format.mode).lower()}/{choices.get('scaling', cfg.scaling.name)}"
+            f"/seed{cfg.seed}")
     if not overridden:
         return path
     text = ",".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in sorted(overridden.items()))

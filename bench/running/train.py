@@ -97,8 +97,8 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
 
     `log` receives a metrics dict every cfg.log_every steps (telemetry is sampled on those steps) and
     the task's validation metrics after each epoch (with `eval_every`: before the first step and every eval_every
-    steps instead, but at the last, which the final evaluation covers). Ordinary steps never wait for the device: losses,
-    the loss scaler's inf/NaN flags and step timings stay there and are read together on log steps,
+    steps instead, but at the last, which the final evaluation covers). Ordinary steps never wait for the device:
+    losses, the loss scaler's inf/NaN flags and step timings stay there and are read together on log steps,
     at epoch ends, checkpoints and the end (`has_diverged`). A non-finite loss is therefore noticed at the
     next such point: the run stops there, recording the step it happened at. Timing covers the loop
     (data, forward, backward, step, per-epoch validation, as Raschka's timing does), synchronised at its

@@ -378,7 +378,8 @@ def predict(trace: StepTrace, recipe: Recipe, target: GPU, compiled: bool,
             operands = sorted(op.reads, reverse=True)[:2]
             moved = ELEMENT_BYTES[kernel.element] * sum(operands) + elsewhere * (sum(op.reads) - sum(operands)
                                                                                   + sum(op.writes))
-            # torchao's Float8Linear dispatches its tensor subclass in eager mode (Transformer Engine's NVFP4: unmodelled)
+            # torchao's Float8Linear dispatches its tensor subclass in eager mode
+            # (Transformer Engine's NVFP4: unmodelled)
             subclass = constants.float8_linear_s / 3 if (op.module in fp8 and not compiled
                                                          and recipe.casts != "nvfp4") else 0.0
             run("gemm", costs.gemm(op, kernel, moved), host + subclass, op.kernels)
@@ -411,7 +412,8 @@ def gemm_breakdown(trace: StepTrace, recipe: Recipe, reference: Recipe, target: 
                          "kernel": kernel.element + ("" if kernel.fast_accum else " (no fast accumulation)"),
                          "reference_s": theirs.gemm(op, gemm_kernel(reference, trace, op), 0.0),
                          "format_s": ours.gemm(op, kernel, 0.0)})
-        casts = [_linear_casts(r, trace, name, fused=True) if r.casts or r.autocast else [] for r in (recipe, reference)]
+        casts = [_linear_casts(r, trace, name, fused=True) if r.casts or r.autocast else []
+                 for r in (recipe, reference)]
         rows.append({"linear": name, "part": "casts", "shape": "", "kernel": f"{len(casts[0])} kernels",
                      "format_s": sum(ours.streaming(moved) for moved in casts[0]),
                      "reference_s": sum(theirs.streaming(moved) for moved in casts[1])})

@@ -42,7 +42,8 @@ from bench.data import DATA_DIR
 aten = torch.ops.aten
 
 GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten.convolution_backward, aten._convolution}
-ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward,
+ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu,
+             aten._scaled_dot_product_flash_attention_for_cpu_backward,
              aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
              aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward}
 PHASES = ("forward", "backward", "optimizer")

@@ -69,9 +69,10 @@ def check_metric_unit(metric: str, value, unit: str) -> None:
     low, high = UNIT_RANGES[unit]
     if isinstance(value, (int, float)) and value == value and not low <= value <= high:
         better = [u for u, (lo, hi) in UNIT_RANGES.items() if lo <= value <= hi and u != unit]
-        raise MetricOutOfRange(f"metric {metric}={value:g} is outside [{low:g}, {high:g}], the range of its declared unit "
-                          f"model.task.unit={unit}" + (f": declare unit: {better[0]} in the model's yaml, or return "
-                                                        "the metric in its unit" if better else ""))
+        raise MetricOutOfRange(f"metric {metric}={value:g} is outside [{low:g}, {high:g}], the range of its declared "
+                               f"unit model.task.unit={unit}"
+                               + (f": declare unit: {better[0]} in the model's yaml, or return the metric in its unit"
+                                  if better else ""))
 
 
 # A metric's unit: fraction (in [0, 1], shown as a percentage), percent (in [0, 100]), nats (a cross-entropy, >= 0).

@@ -113,7 +113,8 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
                 dx, dy = torch.randint(-shift, shift + 1, (2,), generator=generator).tolist()
                 x = F.pad(x, (shift, shift, shift, shift), value=background)
                 window = torch.arange(32)
-                x = x.index_select(-2, (window + shift + dy).to(device)).index_select(-1, (window + shift + dx).to(device))
+                x = (x.index_select(-2, (window + shift + dy).to(device))
+                     .index_select(-1, (window + shift + dx).to(device)))
             yield x, y_train[idx]
 
     def forward(model, batch, cast_inputs):

@@ -87,8 +87,10 @@ def build_model(cfg: DictConfig, auto_class: str, model_class: str, config_class
     if cfg.pretrained:
         model, loading = getattr(transformers, auto_class).from_pretrained(cfg.hub_name, output_loading_info=True,
                                                                            **model_kwargs)
-        trained_in = {key: getattr(model.config, f"precision_bench_{key}") for key in ("parametrisation", "post_norm_tau")
-                      if hasattr(model.config, f"precision_bench_{key}")}  # a checkpoint bench.tools.export_encoder wrote
+        # what a checkpoint bench.tools.export_encoder wrote says it was pretrained in
+        trained_in = {key: getattr(model.config, f"precision_bench_{key}")
+                      for key in ("parametrisation", "post_norm_tau")
+                      if hasattr(model.config, f"precision_bench_{key}")}
         return model, {"pretrained": True, **checkpoint_source(cfg.hub_name), "architecture": type(model).__name__,
                        **check_loading(model, loading, cfg.hub_name), **trained_in}
     config = getattr(transformers, config_class)(vocab_size=vocab_size, **config_kwargs, **model_kwargs)

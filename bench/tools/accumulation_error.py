@@ -73,7 +73,8 @@ def plot(frame: pd.DataFrame, gpu: str, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tools.accumulation_error", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.accumulation_error",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", default="H100")
     parser.add_argument("--cases", type=int, default=500)
     args = parser.parse_args(argv)
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     shown = frame.assign(max_error=frame["max_error"].map("{:.2e}".format),
                          median_error=frame["median_error"].map("{:.2e}".format))
     OUT.with_suffix(".md").write_text(
-        f"# FP8 (E4M3) accumulation error on {args.gpu}'s tensor cores, by the model (bench/numerics/tensor_cores.py)\n\n"
+        f"# FP8 (E4M3) accumulation error on {args.gpu}'s tensor cores, by the model "
+        "(bench/numerics/tensor_cores.py)\n\n"
         f"Written by `python -m bench.tools.accumulation_error` ({args.cases} seeded cases per K and inputs). Error: "
         "|computed - exact| / Σ|a_i b_i|. Fast: K chained through the tensor cores' accumulator (13 fraction bits on "
         f"Hopper); promoted: every {PROMOTION_INTERVAL} elements into FP32 (an assumption about cuBLAS, not data).\n\n"

@@ -18,8 +18,8 @@ things compared, in one process:
 - emulation_ratio.<model>.<format>: step time of an emulated format / fp32, same loop and model; the formats
   include FP8 rowwise/block scaling, the block formats (bench/numerics/blocks.py) and NVIDIA's whole NVFP4 recipe
   (format=nvfp4_recipe, BERT-tiny only). Targets on CPU: <= 1.5 for fp8, <= 2.5 for mxfp8, <= 3 for nvfp4_recipe
-  (`--emulated nvfp4_recipe,...` measures only those settings). telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off
-  (target <= 1.5).
+  (`--emulated nvfp4_recipe,...` measures only those settings). telemetry_ratio.<model>.fp8: fp8 with telemetry on
+  every step / off (target <= 1.5).
 - compile_speedup.<model>.<format>: step time of our loop eager / compiled (train.compile=true, inductor), for
   fp32, bf16 and emulated fp8, the medians of 3 alternating runs (steps that compiled left out, as records do);
   compile_step_ms, and compile_s: the first compile's time (the steps that compiled, whole).
@@ -37,8 +37,8 @@ things compared, in one process:
 - trace_share.lenet.<format>: what tracing its step costs a cell (bench/speed/trace.py, the speed model's input and
   its FLOPs) as the same share. Target <= 0.02.
 - aggregate_s.10k: reading, summarising and tabulating 10,000 synthetic records. Target <= 5 s.
-- quantise_ns.<format>: nanoseconds per value of bench.numerics.formats.quantise on 2^20 float32 values, and of the block
-  quantisers (MX, NVFP4, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix.
+- quantise_ns.<format>: nanoseconds per value of bench.numerics.formats.quantise on 2^20 float32 values, and of the
+  block quantisers (MX, NVFP4, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix.
 """
 
 from __future__ import annotations
@@ -274,7 +274,8 @@ def accounting_rows(repeats: int) -> list[dict]:
                 counting.finish(optimizer)
 
         t = alternate({"counted": lambda: step(True), "plain": lambda: step(False),
-                       "trace": lambda: trace_task(task, lambda m: build_optimizer(cfg.model.optimizer, m.parameters()))},
+                       "trace": lambda: trace_task(task,
+                                                   lambda m: build_optimizer(cfg.model.optimizer, m.parameters()))},
                       precision.device, 4 * repeats)
         once, training = max(0.0, t["counted"] - t["plain"]), total_steps(task, cfg.train) * t["plain"]
         rows.append(row(f"accounting_s.lenet.{fmt}", once, "s per run (the first step's memory breakdown)"))
@@ -381,8 +382,8 @@ NATIVE_FORMATS = {"fp32": ["format=fp32"], "tf32": ["format=tf32"], "16-mixed": 
                   "fp8-rowwise-bf16-elsewhere": ["format=fp8", "scaling=rowwise", "format.elsewhere=bf16"]}
 PAPER_SHAPES = {"distilbert": (["model=distilbert_tiny", "model.arch.layers=6", "model.arch.hidden=768",
                                 "model.arch.heads=12", "model.arch.intermediate=3072", "model.batch_size=12"], 512),
-                "bert_base": (["model=bert_tiny", "model.arch.layers=12", "model.arch.hidden=768", "model.arch.heads=12",
-                               "model.arch.intermediate=3072", "model.batch_size=12"], 384)}
+                "bert_base": (["model=bert_tiny", "model.arch.layers=12", "model.arch.hidden=768",
+                               "model.arch.heads=12", "model.arch.intermediate=3072", "model.batch_size=12"], 384)}
 
 
 def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: dict = NATIVE_FORMATS,
@@ -454,7 +455,8 @@ def aggregate_rows(n: int = 10_000) -> list[dict]:
 
     _, precision, _ = make_cell("train.max_steps=1")
     template = {"status": "ok", "reason": None, "run_id": "x",
-                "config": {"experiment_name": "bench", "seed": 0, "model": {"name": "lenet", "data": {"source": "digits"}},
+                "config": {"experiment_name": "bench", "seed": 0,
+                           "model": {"name": "lenet", "data": {"source": "digits"}},
                            "format": {"name": "fp32", "mode": "true"}, "scaling": {"name": "none"}},
                 "env": {"device_name": "cpu", "precision": precision.describe()},
                 "metrics": {"test_accuracy": 0.9}, "timing": {"train_s": 1.0, "steps": 10},
@@ -499,8 +501,8 @@ def quantise_rows() -> list[dict]:
     return rows
 
 
-SECTIONS = ("harness", "emulation", "compile", "peers", "accounting", "host_syncs", "native", "speed_model", "aggregate",
-            "quantise")
+SECTIONS = ("harness", "emulation", "compile", "peers", "accounting", "host_syncs", "native", "speed_model",
+            "aggregate", "quantise")
 CUDA_ONLY = ("host_syncs", "native")
 
 

@@ -53,10 +53,10 @@ DEPARTURES = {
                          "even: it clamps the FP32 scale to the smallest normal) or by 1 (rceil), then to_dtype "
                          "multiplies by 2^-127; ours divides by 2^-127, the spec's x / X",
     "rceil_float32_log2": "torchao's eager rceil computes ceil(log2(amax / max_elem)) in float32: one ulp above "
-                          "max_elem * 2^j (for |j| >= 4 or 5) the log2 rounds down to exactly j and it picks the scale 2^j, a "
-                          "binade below the exact rule (and below the cvt.rp.satfinite.ue8m0x2 instruction torchao "
-                          "uses on Blackwell); ours takes the exponent exactly (frexp). Tiny for FP8 elements, it "
-                          "moves FP6/FP4 values",
+                          "max_elem * 2^j (for |j| >= 4 or 5) the log2 rounds down to exactly j and it picks the scale "
+                          "2^j, a binade below the exact rule (and below the cvt.rp.satfinite.ue8m0x2 instruction "
+                          "torchao uses on Blackwell); ours takes the exponent exactly (frexp). Tiny for FP8 elements, "
+                          "it moves FP6/FP4 values",
     "e2m1_nan_code": "E2M1 has no NaN: for a NaN element torchao writes an element code and ours NaN; the block's "
                      "scale is NaN, so the value dequantises to NaN either way",
     "rht_fp32_arithmetic": "NVIDIA's recipe, the transform before the weight-gradient GEMM: ours computes it in FP32 "
@@ -66,8 +66,9 @@ DEPARTURES = {
                            "fall in are counted here",
     "tensor_scale_floor": "two-level NVFP4: torchao's tensor scale amax / 2688 is 0 for an all-zero tensor (every "
                           "value NaN) and, for a tensor amax under 2688 * 2^-121 (about 1.05e-33), so small that a "
-                          "block's factor (1 / t) / s overflows (zeros NaN, every other element saturated); ours floors "
-                          "t at 2^-121 (bench.numerics.blocks.nvfp4_tensor_scale): zeros stay zeros, values finite",
+                          "block's factor (1 / t) / s overflows (zeros NaN, every other element saturated); ours "
+                          "floors t at 2^-121 (bench.numerics.blocks.nvfp4_tensor_scale): zeros stay zeros, values "
+                          "finite",
 }
 NO_DEPARTURES = dict.fromkeys(DEPARTURES, 0)
 
@@ -123,8 +124,8 @@ def scale_boundary_blocks(element: str, width: int) -> torch.Tensor:
 def element_tie_blocks(element: str, width: int) -> torch.Tensor:
     """Every grid point of the element format, every midpoint between neighbours (ties whose lower neighbour is
     even and ties whose lower neighbour is odd alternate along the grid) and each midpoint one float32 ulp either
-    side, positive and negative, under block scales from 2^-127 to 2^(126 - emax_elem); max_elem * scale pins each block's
-    scale (floor's 2^0 at scale 1). Also subnormal elements (and ones that flush) beside the block's amax."""
+    side, positive and negative, under block scales from 2^-127 to 2^(126 - emax_elem); max_elem * scale pins each
+    block's scale (floor's 2^0 at scale 1). Also subnormal elements (and ones that flush) beside the block's amax."""
     spec = FORMATS[element]
     grid = _grid(element)
     ties = (grid[1:] + grid[:-1]) / 2
@@ -184,7 +185,8 @@ FAMILY_NOTES = {
                         "even's mantissa rounding carries, for every j from FP32's smallest subnormal to its largest "
                         "finite (NVFP4: also 6 times every E4M3 block scale and every midpoint between two)",
     "element ties": "every grid point, every midpoint (even and odd lower neighbours alternate) and each midpoint "
-                    "one ulp either side, under block scales 2^-127 to 2^(126 - emax_elem); subnormal elements beside the amax",
+                    "one ulp either side, under block scales 2^-127 to 2^(126 - emax_elem); subnormal elements "
+                    "beside the amax",
     "subnormal": "a tensor of FP32 subnormals (amax 2^-149 to 2^-125, an E8M0 scale of 2^-127) and zeros",
     "mixed extremes": "NaN, +inf, -inf beside ordinary values; FP32's largest beside its smallest; 3e38; a "
                       "constant block; -0.0",
@@ -443,7 +445,8 @@ def conformance_rows(count: int = RANDOM_VALUES) -> pd.DataFrame:
         inputs = families(element, 32, count)
         for mode in SCALE_MODES:
             for family, x in inputs.items():
-                add("torchao to_mx + to_dtype", f"MX {element}", mode, family, compare_mx_with_torchao(x, element, mode))
+                add("torchao to_mx + to_dtype", f"MX {element}", mode, family,
+                    compare_mx_with_torchao(x, element, mode))
         x = torch.cat([x.float() for x in inputs.values()])
         edge = torch.cat([x[:64, :8], x[:64, :8]], 1)  # 16 wide: one short block of 16 per row
         padded = torch.nn.functional.pad(edge, (0, 16))
@@ -558,7 +561,8 @@ def pow2_scale_disagreement(count: int = RANDOM_VALUES) -> dict:
     (448 / amax in float32, mantissa cleared) differ, on amaxes spread over 2^[-30, 30) and on amaxes 448 / 2^k
     times (1 + a few float32 ulps), where the float32 quotient can round up to the next power of two."""
     generator = torch.Generator().manual_seed(1)
-    spread = torch.rand(count, generator=generator) * torch.exp2(torch.randint(-30, 30, (count,), generator=generator).float())
+    spread = torch.rand(count, generator=generator) * torch.exp2(
+        torch.randint(-30, 30, (count,), generator=generator).float())
     k = torch.randint(-20, 20, (count,), generator=generator).float()
     near = (E4M3_NEAR * torch.exp2(k)) * (1 + torch.randint(-4, 5, (count,), generator=generator).float() * 2.0**-24)
     return {name: float((torchao_pow2_scale(a) != te_pow2_scale(a)).float().mean())

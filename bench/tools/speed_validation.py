@@ -123,7 +123,8 @@ def measured_rows() -> list[Row]:
     rows = []
     for path in MEASURED:
         data = json.loads(path.read_text())
-        name = next(g.name for g in speed.shipped_gpus().values() if data["env"]["device_name"].startswith(g.device_name))
+        name = next(g.name for g in speed.shipped_gpus().values()
+                    if data["env"]["device_name"].startswith(g.device_name))
         taken = {r["metric"]: r["value"] for r in data["rows"]}
         for model, (label, shape) in SHAPES.items():
             for setting, overrides in SETTINGS.items():
@@ -162,7 +163,8 @@ def hand_compiled_rows() -> list[Row]:
             for setting, seconds in (("bf16-mixed", 21.6e-3), ("fp8", 40.2e-3))]
 
 
-CHARLM_CELLS = {("32-true", "none"): ["format=fp32", "scaling=none"], ("32-true", "unit"): ["format=fp32", "scaling=unit"],
+CHARLM_CELLS = {("32-true", "none"): ["format=fp32", "scaling=none"],
+                ("32-true", "unit"): ["format=fp32", "scaling=unit"],
                 ("16-mixed", "none"): ["format=fp16", "scaling=none"],
                 ("16-mixed", "static"): ["format=fp16", "scaling=static"],
                 ("16-mixed", "unit"): ["format=fp16", "scaling=unit"],

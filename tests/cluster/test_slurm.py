@@ -176,7 +176,8 @@ def test_a_cancelled_cell_fails_the_sweep_which_finishes_and_a_rerun_completes_i
     subprocess.run(["scancel", slurm_job(victim)], check=True)
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 1, output[-3000:]
-    assert "sweep: 1 ok, 0 diverged, 1 failed" in output and "ended without a result (CANCELLED" in output, output[-3000:]
+    assert ("sweep: 1 ok, 0 diverged, 1 failed" in output
+            and "ended without a result (CANCELLED" in output), output[-3000:]
     assert not (victim / "result.json").exists()
     assert (victim / "checkpoint.pt").exists()  # scancel sends SIGTERM first: the cell saved its state
 
@@ -204,8 +205,8 @@ def test_a_preempted_cell_is_requeued_and_resumes_to_the_uninterrupted_result(tm
 def test_a_cell_past_its_time_limit_is_requeued_and_resumes_to_the_uninterrupted_result(tmp_path, uninterrupted):
     """A 1-minute limit with SIGUSR2 20 s before it (SLURM sends it up to 30 s earlier still): the cell
     checkpoints, submitit requeues it as timed out, and it resumes until done."""
-    proc = sweep(tmp_path, *CELL, f"model.epochs={LONG}", "hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=20",
-                 "hydra.launcher.max_num_timeout=8", wait=False)
+    proc = sweep(tmp_path, *CELL, f"model.epochs={LONG}", "hydra.launcher.timeout_min=1",
+                 "hydra.launcher.signal_delay_s=20", "hydra.launcher.max_num_timeout=8", wait=False)
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0 and "sweep: 1 ok" in output, output[-3000:]
     cell = cell_dirs(tmp_path)[0]

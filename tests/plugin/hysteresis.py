@@ -24,7 +24,8 @@ class HysteresisScaler(LossScaler):
         overflow = found_inf > 0
         halve = overflow & (self.allowance <= 1)
         grow = ~overflow & (growth_tracker + 1 >= self.growth_interval)
-        scale.copy_(torch.where(halve, scale * self.backoff_factor, torch.where(grow, scale * self.growth_factor, scale)))
+        scale.copy_(torch.where(halve, scale * self.backoff_factor,
+                                torch.where(grow, scale * self.growth_factor, scale)))
         growth_tracker.copy_(torch.where(overflow | grow, 0, growth_tracker + 1))
         self.allowance.copy_(torch.where(overflow, torch.clamp(self.allowance - 1, min=1), self.hysteresis))
 
