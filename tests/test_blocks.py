@@ -587,8 +587,8 @@ def test_unit_scaling_puts_its_scales_around_the_block_scaled_gemm(fmt):
     torch.nn.init.normal_(unit.bias)
     plain = torch.nn.Linear(64, 32)
     plain.load_state_dict(copy.deepcopy(unit.state_dict()))
-    for layer in (unit, plain):
-        layer = Precision.of(fmt, torch.device("cpu"), mode="mixed", backend="emulated").prepare(layer)
+    unit, plain = (Precision.of(fmt, torch.device("cpu"), mode="mixed", backend="emulated").prepare(layer)
+                   for layer in (unit, plain))
     assert type(plain).__name__ == "EmulatedLinear" and plain.operands is not None and unit.operands is not None
     x = torch.randn(48, 64) * torch.exp2(torch.randint(-4, 4, (48, 1)).float())
     grad = torch.randn(48, 32)

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from bench.data import DATA_DIR
 from bench.numerics.plan import FORMAT_DEFAULTS
+from bench.numerics.unit import POST_NORM_TAU
 
 # Config keys that do not change what a run computes: they never enter its identity.
 NON_SEMANTIC = ("results_dir", "cell", "logger", "retry_failed", "fail_fast", "device", "plugins")
@@ -31,6 +32,7 @@ NON_SEMANTIC_SCALING = ("_target_",)  # the class that runs the method its name 
 # Keys whose named default means what null means (and what runs made before the key existed did), per section.
 # Tuples, not sets: a value may be a list (format.keep_high_precision), which `in` then compares without hashing.
 SPELLINGS_OF_NULL = {"train": (("compile", "auto"), ("eval_precision", "trained")),
+                     "scaling": (("post_norm_tau", POST_NORM_TAU),),
                      "format": (("elsewhere", "fp32"), *((key, FORMAT_DEFAULTS[key]) for key in
                                                          ("rht", "weight_blocks", "pad_weights")),
                                 ("keep_high_precision", []))}
