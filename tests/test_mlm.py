@@ -258,3 +258,20 @@ def test_a_unit_scaled_checkpoint_is_refused_by_a_standard_scaling(make_cfg, pre
     with pytest.raises(ConfigError, match=r"pretrained in unit scaling, .* fine-tune it with scaling=unit"):
         check(make_cfg("model=bert_tiny", "model.pretrained=true", f"model.hub_name={encoder}", "scaling=dynamic",
                            "device=cpu"))
+
+
+def test_the_relative_rule_gives_a_zero_initialised_bias_the_inverse_of_its_output_scale():
+    """A unit-scaled matmul multiplies its bias by alpha: under the relative rule an Adam step moves the output by as
+    much as the regular model's step moves its bias (1/alpha: sqrt(fan_in) for an unconstrained Linear, (fan_in *
+    fan_out)^1/4 inside the stack); a bias with a value of its own keeps the RMS rule."""
+    from bench.numerics.unit import relative_lr_multipliers
+
+    torch.manual_seed(0)
+    model = _encoder("bert")
+    before = {name: float(p.detach().double().pow(2).mean().sqrt()) for name, p in model.named_parameters()}
+    unit_scale(model)
+    by_parameter = relative_lr_multipliers(before, model)
+    multipliers = {name: by_parameter[p] for name, p in model.named_parameters()}
+    assert multipliers["cls.predictions.transform.dense.bias"] == pytest.approx(64 ** 0.5)  # after the stack
+    assert multipliers["bert.encoder.layer.0.intermediate.dense.bias"] == pytest.approx((64 * 128) ** 0.25)
+    assert multipliers["bert.encoder.layer.0.attention.self.query.weight"] == pytest.approx(1 / 0.02, rel=0.05)
