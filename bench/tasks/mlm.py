@@ -70,8 +70,9 @@ def check_config(model: DictConfig) -> None:
 
 
 def describe(model_cfg: dict) -> tuple[str, str]:
-    """(dataset, label): the text by its checksum (as the char-LM's), the encoder's family and size."""
-    dataset = "shakespeare_char" if model_cfg["data"].get("sha256") == SHAKESPEARE_SHA256 else "char_text"
+    """(dataset, label): the text by its checksum (Tiny Shakespeare, or any other `text`), the encoder's family and
+    size."""
+    dataset = "tiny_shakespeare" if model_cfg["data"].get("sha256") == SHAKESPEARE_SHA256 else "text"
     arch = model_cfg["arch"]
     return dataset, f"{model_cfg['name']} ({arch['family']} {arch['layers']}L×{arch['hidden']} MLM, {dataset})"
 
