@@ -248,6 +248,9 @@ def test_a_unit_scaled_pretrained_encoder_fine_tunes_unit_scaled_on_squad(make_c
     pretrained = torch.load(cell / "checkpoint.pt", weights_only=False)["model"]
     name = "bert.encoder.layer.0.attention.self.query.weight"
     assert torch.equal(task.model.state_dict()[name], pretrained[name])
+    # the relative rule as in pretraining (unit init against transformers' N(0, 0.02)), not against the loaded weights
+    multiplier = task.lr_multipliers[dict(task.model.named_parameters())[name]]
+    assert conversion["lr_rule"] == "relative" and multiplier == pytest.approx(50, rel=0.1)
 
 
 def test_a_unit_scaled_checkpoint_is_refused_by_a_standard_scaling(make_cfg, pretrained_unit_encoder):

@@ -614,14 +614,21 @@ def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: 
     if keep_weights:
         head = set((task.source or {}).get("initialised_head", []))
         pretrained = {k: v for k, v in task.model.state_dict().items() if k not in head}
+        # the relative rule compares the two parametrisations' inits, as in pretraining: a standard init of the same
+        # architecture (transformers') against the unit init, before the pretrained weights go back in
+        before = {name: _rms(p) for name, p in type(task.model)(task.model.config).named_parameters()} \
+            if relative_lr else None
         unit_scale(task.model, post_norm_tau=post_norm_tau)
         refuse_unscaled_ops("unit", task)
+        if relative_lr:
+            task.lr_multipliers = relative_lr_multipliers(before, task.model)
         loaded = task.model.load_state_dict(pretrained, strict=False)
         if loaded.unexpected_keys or set(loaded.missing_keys) - head:
             raise RuntimeError(f"the unit-scaled model does not hold the checkpoint's weights: {loaded}")
         task.cross_entropy = unit_cross_entropy
         return {"preserve_function": False, "why": "pretrained unit-scaled: its weights in the unit-scaled model, the "
                 "task head freshly unit-initialised", "kept_weights": len(pretrained), "post_norm_tau": post_norm_tau,
+                "lr_rule": "relative" if relative_lr else "same",
                 "scaled_attention": [n for n, m in task.model.named_modules() if isinstance(m, UnitAttention)]}
     if not preserve:
         before = {name: _rms(p) for name, p in task.model.named_parameters()} if relative_lr else None
