@@ -190,7 +190,8 @@ class Umup(ScalingMethod):
             return umup_task(task, self.hyper)
         except ConfigError as e:
             others = [n for n, cls in SCALING_METHODS.items() if cls.transform is ScalingMethod.transform]
-            raise ConfigError(f"{e}; valid scalings for this model: {', '.join(others)}") from None
+            raise ConfigError(f"{e}; valid for any model (they leave it as it is): {', '.join(others)}; and unit "
+                              "scaling (scaling=unit) covers transformers' BERT and DistilBERT too") from None
 
     def parameter_groups(self, groups, lr):
         return umup_parameter_groups(groups, lr)
