@@ -155,15 +155,13 @@ class UnitScaling(ScalingMethod):
                               f"branch's share of the variance; default {POST_NORM_TAU})")
 
     def transform(self, task, pretrained, optimizer):
+        relative_lr = self.knobs.get("lr_rule", "same") == "relative" and optimizer in ADAM_FAMILY
         source = task.source or {}
         if pretrained and source.get("parametrisation") == self.parametrisation:  # pretrained unit-scaled here
-            return unit_scale_task(task, preserve=False, keep_weights=True,
-                                   post_norm_tau=source.get("post_norm_tau", POST_NORM_TAU),
-                                   relative_lr=self.knobs.get("lr_rule", "same") == "relative"
-                                   and optimizer in ADAM_FAMILY)
+            return unit_scale_task(task, preserve=False, keep_weights=True, relative_lr=relative_lr,
+                                   post_norm_tau=source.get("post_norm_tau", POST_NORM_TAU))
         return unit_scale_task(task, preserve=pretrained, tolerance=self.knobs.get("conversion_tolerance", 1e-4),
-                               relative_lr=self.knobs.get("lr_rule", "same") == "relative" and optimizer in ADAM_FAMILY,
-                               post_norm_tau=self.knobs.get("post_norm_tau", POST_NORM_TAU))
+                               relative_lr=relative_lr, post_norm_tau=self.knobs.get("post_norm_tau", POST_NORM_TAU))
 
 
 @register("umup")

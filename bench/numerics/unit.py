@@ -321,7 +321,7 @@ def unit_scale(model: nn.Module, preserve: bool = False, post_norm_tau: float = 
     return model
 
 
-def weight_post_norm_branches(model: nn.Module, tau: float) -> list[str]:
+def weight_post_norm_branches(model: nn.Module, tau: float) -> None:
     """Weight each residual branch of a transformers post-norm encoder: LayerNorm(x + r f(x)) with r = sqrt(tau / (1 -
     tau)), which is LayerNorm(sqrt(1 - tau) x + sqrt(tau) f(x)) exactly (LayerNorm ignores a common factor): tau is
     the branch's share of the sum's variance when both are unit-scaled. r multiplies both passes, as regular BERT's
@@ -334,32 +334,29 @@ def weight_post_norm_branches(model: nn.Module, tau: float) -> list[str]:
     embedding, then every layer's attention output), so the library's attention scale (which assumes independent
     values) leaves its output at std 1.4-4.7. Unweighted (tau = 0.5) or at the pre-norm rule's 0.1-0.3, that shared
     part swamps each position's own and a masked LM stalls at predicting the commonest piece (measured:
-    bert_mlm_tiny, 400 steps, tau 0.1 stalls, 0.02 trains). Returns the weighted Linears' names."""
+    bert_mlm_tiny, 400 steps, tau 0.1 stalls, 0.02 trains)."""
     ratio = math.sqrt(tau / (1 - tau))
-    weighted = []
-    for name, module in model.named_modules():
+    for module in model.modules():
         attribute = POST_NORM_BRANCH_OUTPUTS.get(type(module).__name__)
         if attribute and isinstance(getattr(module, attribute, None), UnitLinear):
             getattr(module, attribute).branch_weight = ratio
-            weighted.append(f"{name}.{attribute}")
-    return weighted
 
 
 # The name our attention function is registered under in transformers' attention-function registry.
 REGISTRY_ATTENTION = "precision_bench_scaled"
 
 
-def registry_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules of a transformers model that compute attention by calling its attention-function registry
-    (`ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`): the classes it records attentions of. [] for a model
-    that has no such registry (any other model, or a transformers model with attention of its own)."""
+def registry_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """{name: module} of the modules of a transformers model that compute attention by calling its
+    attention-function registry (`ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`): the classes it records
+    attentions of. Empty for a model that has no such registry (any other model, or a transformers model with
+    attention of its own)."""
     if not getattr(type(model), "_supports_attention_backend", False):
-        return []
-    recorded = getattr(model, "_can_record_outputs", None) or {}
-    kinds = recorded.get("attentions")
+        return {}
+    kinds = (getattr(model, "_can_record_outputs", None) or {}).get("attentions") or ()
     kinds = tuple(getattr(kind, "target_class", kind) for kind in (kinds if isinstance(kinds, (list, tuple))
-                                                                    else [kinds] if kinds else []))
-    return [module for module in model.modules() if kinds and isinstance(module, kinds)]
+                                                                    else (kinds,)))
+    return {name: module for name, module in model.named_modules() if kinds and isinstance(module, kinds)}
 
 
 def _registry_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
@@ -389,10 +386,10 @@ def route_registry_attention(model: nn.Module, make_attention) -> list[str]:
 
     AttentionInterface.register(REGISTRY_ATTENTION, _registry_attention)
     AttentionMaskInterface.register(REGISTRY_ATTENTION, sdpa_mask)
-    for module in modules:
+    for module in modules.values():
         module.scaled_attention = make_attention(module)
     model.set_attn_implementation(REGISTRY_ATTENTION)
-    return [name for name, module in model.named_modules() if any(module is m for m in modules)]
+    return list(modules)
 
 
 def _tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -611,32 +608,21 @@ def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: 
     export_encoder): the model is unit-scaled as from scratch and its pretrained weights put back, all but the
     task head the load initialised, which keeps its fresh unit init.
     """
-    if keep_weights:
-        head = set((task.source or {}).get("initialised_head", []))
-        pretrained = {k: v for k, v in task.model.state_dict().items() if k not in head}
-        # the relative rule compares the two parametrisations' inits, as in pretraining: a standard init of the same
-        # architecture (transformers') against the unit init, before the pretrained weights go back in
-        before = {name: _rms(p) for name, p in type(task.model)(task.model.config).named_parameters()} \
-            if relative_lr else None
-        unit_scale(task.model, post_norm_tau=post_norm_tau)
-        refuse_unscaled_ops("unit", task)
-        if relative_lr:
-            task.lr_multipliers = relative_lr_multipliers(before, task.model)
-        loaded = task.model.load_state_dict(pretrained, strict=False)
-        if loaded.unexpected_keys or set(loaded.missing_keys) - head:
-            raise RuntimeError(f"the unit-scaled model does not hold the checkpoint's weights: {loaded}")
-        task.cross_entropy = unit_cross_entropy
-        return {"preserve_function": False, "why": "pretrained unit-scaled: its weights in the unit-scaled model, the "
-                "task head freshly unit-initialised", "kept_weights": len(pretrained), "post_norm_tau": post_norm_tau,
-                "lr_rule": "relative" if relative_lr else "same",
-                "scaled_attention": [n for n, m in task.model.named_modules() if isinstance(m, UnitAttention)]}
     if not preserve:
-        before = {name: _rms(p) for name, p in task.model.named_parameters()} if relative_lr else None
+        head = set((task.source or {}).get("initialised_head", []))
+        pretrained = {k: v for k, v in task.model.state_dict().items() if k not in head} if keep_weights else None
+        # the relative rule compares the two parametrisations' inits: the regular model's own init (from scratch) or,
+        # for a checkpoint pretrained unit-scaled, a standard init of the same architecture (transformers'), as it
+        # was in pretraining, not the loaded weights
+        regular = type(task.model)(task.model.config) if keep_weights and relative_lr else task.model
+        before = {name: _rms(p) for name, p in regular.named_parameters()} if relative_lr else None
         unit_scale(task.model, post_norm_tau=post_norm_tau)
         refuse_unscaled_ops("unit", task)
         task.cross_entropy = unit_cross_entropy
         result = {"preserve_function": False,
-                  "why": "fresh unit-variance init (model.pretrained=false or no checkpoint)",
+                  "why": "pretrained unit-scaled: its weights in the unit-scaled model, the task head freshly "
+                         "unit-initialised" if keep_weights else
+                         "fresh unit-variance init (model.pretrained=false or no checkpoint)",
                   "lr_rule": "relative" if relative_lr else "same",
                   "scaled_attention": [n for n, m in task.model.named_modules() if isinstance(m, UnitAttention)],
                   "post_norm_branches": [n for n, m in task.model.named_modules()
@@ -646,6 +632,11 @@ def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: 
             task.lr_multipliers = relative_lr_multipliers(before, task.model)
             values = sorted(task.lr_multipliers.values())
             result["lr_multiplier"] = {"min": values[0], "median": values[len(values) // 2], "max": values[-1]}
+        if keep_weights:
+            loaded = task.model.load_state_dict(pretrained, strict=False)
+            if loaded.unexpected_keys or set(loaded.missing_keys) - head:
+                raise RuntimeError(f"the unit-scaled model does not hold the checkpoint's weights: {loaded}")
+            result["kept_weights"] = len(pretrained)
         return result
     reference = copy.deepcopy(task.model)
     batch = next(iter(task.train_batches(0)))

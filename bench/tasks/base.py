@@ -120,8 +120,18 @@ def describe(model_cfg: dict) -> tuple[str, str]:
     return dataset, f"{model_cfg['name']} ({dataset})"
 
 
+# What bench.tools.export_encoder marks a pretrained checkpoint's config with, each as `precision_bench_<key>`: the
+# parametrisation it was trained in (a ScalingMethod's) and, under unit scaling, its post-norm branch weight.
+CHECKPOINT_MARKS = ("parametrisation", "post_norm_tau")
+
+
+def checkpoint_marks(config: dict) -> dict:
+    """The marks (CHECKPOINT_MARKS) a checkpoint's config carries, by key; {} for any other checkpoint."""
+    return {key: config[f"precision_bench_{key}"] for key in CHECKPOINT_MARKS if f"precision_bench_{key}" in config}
+
+
 def trained_parametrisation(hub_name) -> str | None:
-    """The parametrisation a local checkpoint directory says it was pretrained in (bench.tools.export_encoder's
-    `precision_bench_parametrisation`), read from its config.json alone; None for any other checkpoint."""
+    """The parametrisation a local checkpoint directory says it was pretrained in (`checkpoint_marks`), read from its
+    config.json alone; None for any other checkpoint."""
     config = Path(str(hub_name)) / "config.json"
-    return json.loads(config.read_text()).get("precision_bench_parametrisation") if config.is_file() else None
+    return checkpoint_marks(json.loads(config.read_text())).get("parametrisation") if config.is_file() else None

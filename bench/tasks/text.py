@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from bench.data import hub
 from bench.errors import ConfigError
-from bench.tasks.base import hub_dataset
+from bench.tasks.base import checkpoint_marks, hub_dataset
 
 _LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -87,12 +87,8 @@ def build_model(cfg: DictConfig, auto_class: str, model_class: str, config_class
     if cfg.pretrained:
         model, loading = getattr(transformers, auto_class).from_pretrained(cfg.hub_name, output_loading_info=True,
                                                                            **model_kwargs)
-        # what a checkpoint bench.tools.export_encoder wrote says it was pretrained in
-        trained_in = {key: getattr(model.config, f"precision_bench_{key}")
-                      for key in ("parametrisation", "post_norm_tau")
-                      if hasattr(model.config, f"precision_bench_{key}")}
         return model, {"pretrained": True, **checkpoint_source(cfg.hub_name), "architecture": type(model).__name__,
-                       **check_loading(model, loading, cfg.hub_name), **trained_in}
+                       **check_loading(model, loading, cfg.hub_name), **checkpoint_marks(model.config.to_dict())}
     config = getattr(transformers, config_class)(vocab_size=vocab_size, **config_kwargs, **model_kwargs)
     return getattr(transformers, model_class)(config), {"pretrained": False, "architecture": model_class,
                                                         "size": dict(config_kwargs)}

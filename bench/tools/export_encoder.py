@@ -5,8 +5,9 @@ paper's second step): the encoder's configuration and weights from the cell's ke
     python -m bench.tools.export_encoder <cell directory> <output directory>
 
 A unit-scaled model's weights compute its function only through unit scaling's ops (N(0, 1) weights, each matmul
-scaled), so the checkpoint says so (`precision_bench_parametrisation`, and the post-norm branch weight): the QA
-task rebuilds it unit-scaled around those weights (scaling=unit), and any other scaling method refuses it.
+scaled), so the checkpoint says so (bench.tasks.base.CHECKPOINT_MARKS: its parametrisation, its post-norm branch
+weight): the QA task rebuilds it unit-scaled around those weights (scaling=unit), and any other scaling method
+refuses it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def export(cell: Path, out: Path) -> Path:
 
     from bench.numerics.scaling_methods import build
     from bench.running.checkpoint import CHECKPOINT_NAME
+    from bench.tasks.base import CHECKPOINT_MARKS
     from bench.tasks.mlm import build_encoder, tokenizer_of
 
     record_path, checkpoint = cell / "result.json", cell / CHECKPOINT_NAME
@@ -40,10 +42,10 @@ def export(cell: Path, out: Path) -> Path:
     tokenizer = tokenizer_of(cfg.model)
     model = build_encoder(cfg.model, tokenizer)
     model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False)["model"])
-    method = build(cfg.scaling)
-    model.config.precision_bench_parametrisation = method.parametrisation
-    if "post_norm_tau" in cfg.scaling:
-        model.config.precision_bench_post_norm_tau = cfg.scaling.post_norm_tau
+    marks = {"parametrisation": build(cfg.scaling).parametrisation, "post_norm_tau": cfg.scaling.get("post_norm_tau")}
+    for key in CHECKPOINT_MARKS:
+        if marks[key] is not None:
+            setattr(model.config, f"precision_bench_{key}", marks[key])
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
