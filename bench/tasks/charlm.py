@@ -115,12 +115,17 @@ class CharGPT(nn.Module):
 
 def check_config(model: DictConfig) -> None:
     check_choice(model.arch.norm, NORMS, "model.arch.norm")
-    if (model.data.source == "local") != bool(model.data.path):
-        raise ConfigError("model.data.source=local reads model.data.path (set both; or neither, to download "
-                          f"{model.data.url})")
+    check_text_source(model.data)
     if model.arch.embedding % model.arch.heads:
         raise ConfigError(f"model.arch.embedding={model.arch.embedding} must be a multiple of "
                           f"model.arch.heads={model.arch.heads}")
+
+
+def check_text_source(data: DictConfig) -> None:
+    """`load_text`'s keys: a local source names its path, a download none."""
+    if (data.source == "local") != bool(data.path):
+        raise ConfigError("model.data.source=local reads model.data.path (set both; or neither, to download "
+                          f"{data.url})")
 
 
 def describe(model_cfg: dict) -> tuple[str, str]:

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from bench.errors import ConfigError, check_choice
 from bench.tasks.base import Task
-from bench.tasks.charlm import SHAKESPEARE_SHA256, load_text
+from bench.tasks.charlm import SHAKESPEARE_SHA256, check_text_source, load_text
 
 IGNORED = -100  # a label the loss skips (transformers' and torch's ignore_index)
 # (masked-LM class, its config class, how the config names depth, width, heads, FFN width, and tying)
@@ -61,9 +61,7 @@ def check_config(model: DictConfig) -> None:
     check_choice(model.arch.family, tuple(ENCODERS), "model.arch.family")
     if not 0 < model.mask_rate < 1:
         raise ConfigError(f"model.mask_rate={model.mask_rate} must be in (0, 1) (BERT's: 0.15)")
-    if (model.data.source == "local") != bool(model.data.path):
-        raise ConfigError("model.data.source=local reads model.data.path (set both; or neither, to download "
-                          f"{model.data.url})")
+    check_text_source(model.data)
     arch = model.arch
     if min(arch.layers, arch.hidden, arch.heads, arch.intermediate, arch.block_size) < 1 or arch.hidden % arch.heads:
         raise ConfigError("model.arch sizes must be >= 1, with hidden divisible by heads")
