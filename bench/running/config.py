@@ -26,6 +26,7 @@ from bench.numerics.precision import EVAL_PRECISIONS
 from bench.numerics.scaling_methods import build as build_scaling_method
 from bench.numerics.scaling_methods import check_parametrisation
 from bench.numerics.specs import FORMAT_SPECS
+from bench.numerics.unit import POST_NORM_TAU
 from bench.running.device import DEVICES, parallel_jobs
 from bench.running.identity import cell_path
 from bench.tasks.base import METRIC_UNITS, TaskSpec, trained_parametrisation
@@ -76,7 +77,7 @@ class ScalingConfig:
     conversion_tolerance: float = 1e-4  # unit, pretrained: largest relative output change the conversion may make
     # unit, from scratch, Adam/AdamW: same | relative (bench.numerics.unit.relative_lr_multipliers)
     lr_rule: str = "same"
-    post_norm_tau: float = 0.02  # unit, from scratch, transformers' post-norm encoders: a branch's variance share
+    post_norm_tau: float = POST_NORM_TAU  # unit, from scratch, transformers' post-norm encoders: a branch's share
     # umup: u-μP's hyper-parameters (bench.numerics.umup.UmupHyper; conf/scaling/umup.yaml sets the paper's 1.0)
     residual_mult: Optional[float] = None
     residual_attn_ratio: Optional[float] = None
