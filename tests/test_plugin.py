@@ -196,6 +196,22 @@ def test_a_plugins_format_without_its_plugin_and_a_plugin_that_cannot_be_importe
     assert "plug-in module 'amd_fp9' (named by the plugins: config key) cannot be imported: ModuleNotFoundError" in said
 
 
+def test_a_typo_in_a_user_methods_options_exits_2_naming_its_options(tmp_path):
+    """Its options are its `Options` dataclass's fields (tests/plugin/channel_scaling.py), checked as the schema is:
+    the command line's typo (Hydra's check, the keys its yaml set), and a yaml's (past Hydra: options are free-form to
+    it)."""
+    said = _refused(tmp_path, "plugins=[channel_scaling]", "model=mlp", "scaling=channel_scale",
+                    "scaling.options.margn=1")
+    assert "unknown config key scaling.options.margn (did you mean scaling.options.margin?)" in said
+    (tmp_path / "conf" / "scaling").mkdir(parents=True)
+    (tmp_path / "conf" / "scaling" / "margins.yaml").write_text(
+        "name: channel_scale\n_target_: channel_scaling.PerChannelWeightScale\noptions: {margn: 1}\n")
+    said = _refused(tmp_path, "model=mlp", "scaling=margins",
+                    searchpath=f"hydra.searchpath=[file://{PLUGIN / 'conf'},file://{tmp_path / 'conf'}]")
+    assert ("unknown key scaling.options.margn (did you mean scaling.options.margin?); scaling=channel_scale's "
+            "options: margin") in said
+
+
 TYPOS = {  # a yaml of each kind with a misspelt key: (folder, file, text, the message's key and suggestion)
     "model": ("model", "mlp_typo.yaml", "defaults: [/model_schema@_here_, _self_]\nname: mlp\n"
               "task: {_target_: mlp_digits.mlp_task, metric: test_accuracy, data_sources: [digits]}\nbatchsize: 16\n",

@@ -194,3 +194,45 @@ def test_a_rule_that_changes_a_static_scale_unscales_by_the_new_one():
         before = p.detach().clone()
         scaler.step(optimizer, [p])
         assert torch.equal(before - p.detach(), torch.full((3,), 0.5)), step
+
+
+def _scaling_node(**values):
+    """A `scaling` node as Hydra composes it: the schema (every built-in knob at its default) and a yaml's keys."""
+    from bench.running.config import ScalingConfig
+
+    return OmegaConf.merge(OmegaConf.structured(ScalingConfig), values)
+
+
+def test_each_method_is_built_with_its_own_frozen_knobs_and_refuses_another_methods():
+    from dataclasses import FrozenInstanceError
+
+    from bench.numerics.scaling_methods import PerTensorKnobs, build
+
+    method = build(_scaling_node(name="per_tensor", _target_="bench.numerics.scaling_methods.PerTensor",
+                                 amax="delayed", history_len=4))
+    assert method.knobs == PerTensorKnobs(amax="delayed", history_len=4)
+    with pytest.raises(FrozenInstanceError):
+        method.knobs.margin = 3
+    unit = build(_scaling_node(name="unit", _target_="bench.numerics.scaling_methods.UnitScaling", lr_rule="relative"))
+    assert unit.knobs.lr_rule == "relative" and not hasattr(unit.knobs, "amax")  # another method's default: dropped
+    with pytest.raises(ConfigError, match=r"scaling.amax=delayed is not a knob of scaling=dynamic but of "
+                                          r"scaling=per_tensor; scaling=dynamic's knobs: backoff_factor, "):
+        build(_scaling_node(name="dynamic", _target_="bench.numerics.scaling_methods.LossScaling", amax="delayed"))
+    with pytest.raises(ConfigError, match="scaling.lr_rule=relative is not a knob of scaling=umup but of scaling=unit"):
+        build(_scaling_node(name="umup", _target_="bench.numerics.scaling_methods.Umup", lr_rule="relative"))
+
+
+def test_a_user_methods_options_are_validated_and_typed_like_the_schema():
+    from bench.numerics.scaling_methods import build
+
+    node = {"name": "hysteresis", "_target_": "tests.plugin.hysteresis.Hysteresis", "loss_scaling": "dynamic"}
+    assert build(_scaling_node(**node, options={"hysteresis": "3"})).options.hysteresis == 3  # typed, as Hydra does
+    assert build(_scaling_node(**node)).options.hysteresis == 2  # its default
+    with pytest.raises(ConfigError, match=r"unknown key scaling.options.hysterisis \(did you mean "
+                                          r"scaling.options.hysteresis\?\); scaling=hysteresis's options: hysteresis"):
+        build(_scaling_node(**node, options={"hysterisis": 3}))
+    with pytest.raises(ConfigError, match="scaling.options of scaling=hysteresis: Value 'abc' of type 'str' could not"):
+        build(_scaling_node(**node, options={"hysteresis": "abc"}))
+    with pytest.raises(ConfigError, match=r"scaling=dynamic takes no scaling.options \(given: margin\)"):
+        build(_scaling_node(name="dynamic", _target_="bench.numerics.scaling_methods.LossScaling",
+                            options={"margin": 1}))

@@ -1,6 +1,7 @@
-"""Scaling methods, each declared once: a class registered under its name(s), built from conf/scaling/<name>.yaml
-(its `_target_` names the class, its other keys are the method's knobs). Everything the rest of the suite does
-differently for a scaling method, it asks the method:
+"""Scaling methods, each declared once: a class registered under its name(s), with a frozen dataclass of its knobs
+(`Knobs`; a user's method may add `Options`, its own knobs under `scaling.options`), built by Hydra's `instantiate`
+from conf/scaling/<name>.yaml (its `_target_` names the class, its other keys are the knobs). Everything the rest of
+the suite does differently for a scaling method, it asks the method:
 
 - what it asks of the precision plan (bench/numerics/plan.py): a scale on every quantised tensor (`site_scale`:
   per_tensor's amax scale), or FP8 operands scaled per row or tile (`tiles`), and the torchao recipe that runs it
@@ -13,18 +14,20 @@ differently for a scaling method, it asks the method:
 
 The registry's order is the tables' order. A scaling method of your own is one subclass, registered with
 `@register("name")` in a module every process of a run imports (your model's module), and one yaml with its
-`_target_` (docs/extending.md).
+`_target_` (docs/extending.md). Hydra's schema for `scaling` (bench/running/config.py ScalingConfig) is the union of
+the built-in methods' knobs, so that every record has the same keys; a method refuses another's key set away from its
+default.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import fields
-from typing import Callable, ClassVar
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from bench.errors import ConfigError, check_choice
+from bench.errors import ConfigError, check_choice, suggestion
 from bench.numerics.blocks import TileScaling
 from bench.numerics.formats import ElementFormat
 from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING, LossScaler, PerTensorScale
@@ -52,6 +55,65 @@ def scaling_order(names) -> list[str]:
     return [n for n in SCALING_METHODS if n in names] + sorted(names - set(SCALING_METHODS))
 
 
+@dataclass(frozen=True)
+class LossScaleKnobs:
+    """The knobs every scaling method has: its loss scaler's (bench/numerics/scaling.py LossScaler)."""
+
+    loss_scaling: str = "none"  # none | static | dynamic
+    init_scale: float = 1.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+@dataclass(frozen=True)
+class PerTensorKnobs(LossScaleKnobs):
+    amax: str = "current"  # current | delayed
+    history_len: int = 16  # delayed: amaxes remembered
+    margin: int = 0  # s = (max / amax) / 2^margin
+    pow2: bool = False  # round s down to a power of two
+
+
+@dataclass(frozen=True)
+class UnitKnobs(LossScaleKnobs):
+    conversion_tolerance: float = 1e-4  # pretrained: largest relative output change the conversion may make
+    lr_rule: str = "same"  # from scratch, Adam/AdamW: same | relative (bench.numerics.unit.relative_lr_multipliers)
+    post_norm_tau: float = POST_NORM_TAU  # from scratch, transformers' post-norm encoders: a branch's share
+
+
+@dataclass(frozen=True)
+class UmupKnobs(LossScaleKnobs):
+    """u-μP's hyper-parameters (bench.numerics.umup.UmupHyper): None in the schema, the paper's 1.0 in
+    conf/scaling/umup.yaml (a record names the values it trained with)."""
+
+    residual_mult: Optional[float] = None
+    residual_attn_ratio: Optional[float] = None
+    attn_softmax_mult: Optional[float] = None
+    ffn_act_mult: Optional[float] = None
+    output_mult: Optional[float] = None
+
+
+BUILT_IN_KNOBS = (LossScaleKnobs, PerTensorKnobs, UnitKnobs, UmupKnobs)
+
+
+def knob_fields() -> list:
+    """The built-in methods' knobs, each once, in declaration order."""
+    return list({f.name: f for knobs in BUILT_IN_KNOBS for f in fields(knobs)}.values())
+
+
+def scaling_schema() -> type:
+    """Hydra's structured config for `scaling` (bench/running/config.py): the union of the built-in methods' knobs,
+    so that every record has the same keys (a method refuses another's key set away from its default), a mutable
+    dataclass as Hydra needs; a method of your own takes its own knobs under `options`."""
+    schema = make_dataclass("ScalingConfig", [
+        ("name", str, field(default="???")),  # omegaconf's MISSING: the yaml names its method
+        ("_target_", Optional[str], field(default=None)),  # the method's class (how it runs, not part of an identity)
+        *[(f.name, f.type, field(default=f.default)) for f in knob_fields()],
+        ("options", Optional[Any], field(default=None))])  # a user's method's own knobs (its `Options` dataclass)
+    schema.__module__ = __name__  # its annotations resolve in this module
+    return schema
+
+
 class ScalingMethod:
     """A scaling method with its knobs (conf/scaling/<name>.yaml). The base class scales nothing and runs the loss
     scaler its `loss_scaling` knob names; subclasses override what they change."""
@@ -60,15 +122,18 @@ class ScalingMethod:
     tiles: ClassVar[TileScaling | None] = None  # FP8 operands scaled per row or tile (an FP8-only recipe)
     torchao_recipe: ClassVar[str | None] = None  # torchao's float8 recipe that runs it natively, where one does
     native_recipe: ClassVar[str | None] = None  # how the record describes that native recipe
+    Knobs: ClassVar[type] = LossScaleKnobs  # its knobs: a frozen dataclass (a subclass of LossScaleKnobs)
+    Options: ClassVar[type | None] = None  # a user's method's own knobs (`scaling.options`): a dataclass, or none
     title: ClassVar[str] = ""  # how messages name it ("" : scaling=<name>)
     parametrisation: ClassVar[str] = "standard (SP)"  # what the tables call the model it trains (lr transfer)
     lr_meaning: ClassVar[str] = "learning rate"  # what model.optimizer.lr means under it (the figures' axis)
 
-    def __init__(self, name: str, loss_scaling: str = "none", init_scale: float = 1.0, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, **knobs):
-        self.name, self.loss_scaling, self.init_scale = name, loss_scaling, init_scale
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
-        self.knobs = knobs  # the schema's other keys (bench/running/config.py ScalingConfig), each method's own
+    def __init__(self, name: str, options: dict | None = None, **knobs):
+        """`knobs`: this method's (`Knobs`' fields; any other key is refused, naming the valid ones); `options`: a
+        user's method's own (`Options`' fields, validated and typed as Hydra validates the schema)."""
+        self.name = name
+        self.knobs = _knobs(type(self), name, knobs)
+        self.options = _options(type(self), name, options)
 
     @classmethod
     def combines_with(cls, spec) -> str | None:
@@ -81,9 +146,9 @@ class ScalingMethod:
 
     def check(self) -> None:
         """Its knobs' values, before anything trains (ConfigError naming the valid choices)."""
-        check_choice(self.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")
-        if self.loss_scaling != LOSS_SCALING[0] and self.init_scale <= 0:
-            raise ConfigError(f"scaling.init_scale={self.init_scale} must be > 0")
+        check_choice(self.knobs.loss_scaling, LOSS_SCALING, "scaling.loss_scaling")
+        if self.knobs.loss_scaling != LOSS_SCALING[0] and self.knobs.init_scale <= 0:
+            raise ConfigError(f"scaling.init_scale={self.knobs.init_scale} must be > 0")
 
     def loss_scaler(self, loss_multiplier: float = 1.0, max_grad_norm: float | None = None,
                     reads_every: int = 16) -> LossScaler:
@@ -91,9 +156,9 @@ class ScalingMethod:
         method's init_scale, growth_factor, backoff_factor and growth_interval. Pass the arguments on to it (the
         run's train.loss_multiplier, train.grad_clip and log_every). A rule of your own: return a LossScaler subclass
         that overrides `update_scale` (docs/extending.md)."""
-        return LossScaler(self.loss_scaling, self.init_scale, self.growth_factor, self.backoff_factor,
-                          self.growth_interval, loss_multiplier=loss_multiplier, max_grad_norm=max_grad_norm,
-                          reads_every=reads_every)
+        k = self.knobs
+        return LossScaler(k.loss_scaling, k.init_scale, k.growth_factor, k.backoff_factor, k.growth_interval,
+                          loss_multiplier=loss_multiplier, max_grad_norm=max_grad_norm, reads_every=reads_every)
 
     def site_scale(self, tensor_class: str, element: ElementFormat,
                    observe: Callable[[torch.Tensor, torch.Tensor], None]) -> object | None:
@@ -123,6 +188,7 @@ class PerTensor(ScalingMethod):
     """s = (max / amax) / 2^margin on every quantised tensor, amax current (torchao's tensorwise) or delayed
     (Transformer Engine's history)."""
 
+    Knobs = PerTensorKnobs
     site_scales = True
     title = "per-tensor scaling"
     torchao_recipe = "tensorwise"
@@ -130,12 +196,11 @@ class PerTensor(ScalingMethod):
 
     def check(self) -> None:
         super().check()
-        check_choice(self.knobs.get("amax", "current"), AMAX_MODES, "scaling.amax")
+        check_choice(self.knobs.amax, AMAX_MODES, "scaling.amax")
 
     def site_scale(self, tensor_class, element, observe):
         k = self.knobs
-        return PerTensorScale(element, k.get("amax", "current"), k.get("history_len", 16), k.get("margin", 0),
-                              k.get("pow2", False), on_scale=observe)
+        return PerTensorScale(element, k.amax, k.history_len, k.margin, k.pow2, on_scale=observe)
 
 
 @register("unit")
@@ -143,42 +208,44 @@ class UnitScaling(ScalingMethod):
     """Unit scaling (Blake et al., ICML 2023): unit-variance init, scaled ops, no loss scale
     (bench/numerics/unit.py)."""
 
+    Knobs = UnitKnobs
     parametrisation = "unit scaling"
 
     def check(self) -> None:
         super().check()
-        check_choice(self.knobs.get("lr_rule", "same"), LR_RULES, "scaling.lr_rule")
-        if not self.knobs.get("conversion_tolerance", 1e-4) > 0:
-            raise ConfigError(f"scaling.conversion_tolerance={self.knobs['conversion_tolerance']} must be > 0")
-        if not 0 < self.knobs.get("post_norm_tau", POST_NORM_TAU) < 1:
-            raise ConfigError(f"scaling.post_norm_tau={self.knobs['post_norm_tau']} must be in (0, 1) (a residual "
+        check_choice(self.knobs.lr_rule, LR_RULES, "scaling.lr_rule")
+        if not self.knobs.conversion_tolerance > 0:
+            raise ConfigError(f"scaling.conversion_tolerance={self.knobs.conversion_tolerance} must be > 0")
+        if not 0 < self.knobs.post_norm_tau < 1:
+            raise ConfigError(f"scaling.post_norm_tau={self.knobs.post_norm_tau} must be in (0, 1) (a residual "
                               f"branch's share of the variance; default {POST_NORM_TAU})")
 
     def transform(self, task, pretrained, optimizer):
-        relative_lr = self.knobs.get("lr_rule", "same") == "relative" and optimizer in ADAM_FAMILY
+        relative_lr = self.knobs.lr_rule == "relative" and optimizer in ADAM_FAMILY
         source = task.source or {}
         if pretrained and source.get("parametrisation") == self.parametrisation:  # pretrained unit-scaled here
             return unit_scale_task(task, preserve=False, keep_weights=True, relative_lr=relative_lr,
                                    post_norm_tau=source.get("post_norm_tau", POST_NORM_TAU))
-        return unit_scale_task(task, preserve=pretrained, tolerance=self.knobs.get("conversion_tolerance", 1e-4),
-                               relative_lr=relative_lr, post_norm_tau=self.knobs.get("post_norm_tau", POST_NORM_TAU))
+        return unit_scale_task(task, preserve=pretrained, tolerance=self.knobs.conversion_tolerance,
+                               relative_lr=relative_lr, post_norm_tau=self.knobs.post_norm_tau)
 
 
 @register("umup")
 class Umup(ScalingMethod):
     """u-μP (Blake et al., ICLR 2025): unit scaling made width-transferable (bench/numerics/umup.py)."""
 
+    Knobs = UmupKnobs
     parametrisation = "u-μP"
     lr_meaning = "learning rate (u-μP's global η)"
 
     @property
     def hyper(self) -> UmupHyper:
-        return UmupHyper(**{f.name: self.knobs[f.name] for f in fields(UmupHyper)})
+        return UmupHyper(**{f.name: getattr(self.knobs, f.name) for f in fields(UmupHyper)})
 
     def check(self) -> None:
         super().check()
         for key in (f.name for f in fields(UmupHyper)):
-            value = self.knobs.get(key)
+            value = getattr(self.knobs, key)
             if not (isinstance(value, (int, float)) and 0 < value < math.inf):
                 raise ConfigError(f"scaling.{key}={value} must be a number > 0 under scaling=umup (the paper's "
                                   "default: 1.0)")
@@ -245,13 +312,53 @@ def scaling_class(name: str) -> type[ScalingMethod]:
     return SCALING_METHODS[name]
 
 
-def build(node) -> ScalingMethod:
-    """The scaling method a config's `scaling` node declares: its `_target_` class (a record made before 0.3.0 has
-    none: the class registered under its name) with the node's other keys as knobs. A user's class is imported by
-    its `_target_`; one its module did not register is registered under the yaml's name."""
-    from hydra.utils import get_class
+def _knobs(cls: type[ScalingMethod], name: str, given: dict) -> LossScaleKnobs:
+    """`cls.Knobs` from `given`. A built-in method's key that is not its own is refused where it is away from the
+    schema's default (Hydra's schema holds every built-in method's knobs), ignored where it is the default."""
+    own = {f.name for f in fields(cls.Knobs)}
+    schema = {f.name: f.default for f in knob_fields()}
+    for key, value in given.items():
+        if key in own or (key in schema and value == schema[key]):
+            continue
+        whose = [n for n, c in SCALING_METHODS.items() if key in {f.name for f in fields(c.Knobs)}]
+        raise ConfigError(f"scaling.{key}={value} is not a knob of scaling={name}"
+                          + (f" but of scaling={'|'.join(whose)}" if whose else suggestion(key, own, "scaling."))
+                          + f"; scaling={name}'s knobs: {', '.join(sorted(own))}"
+                          + (", options.*" if cls.Options else ""))
+    return cls.Knobs(**{key: value for key, value in given.items() if key in own})
 
-    values = dict(node.items())
+
+def _options(cls: type[ScalingMethod], name: str, given: dict | None):
+    """`cls.Options` from `scaling.options`, validated and typed by OmegaConf as Hydra validates the schema (an
+    unknown key or a wrong type: ConfigError naming the valid keys); None where the method declares none."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if cls.Options is None:
+        if given:
+            raise ConfigError(f"scaling={name} takes no scaling.options (given: {', '.join(map(str, given))}); a "
+                              "method of your own declares them as a dataclass, `Options` (docs/extending.md)")
+        return None
+    valid = [f.name for f in fields(cls.Options)]
+    for key in given or {}:
+        if key not in valid:
+            raise ConfigError(f"unknown key scaling.options.{key}{suggestion(key, valid, 'scaling.options.')}; "
+                              f"scaling={name}'s options: {', '.join(valid)}")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.Options), given or {}))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"scaling.options of scaling={name}: {str(e).splitlines()[0]}") from None
+
+
+def build(node) -> ScalingMethod:
+    """The scaling method a config's `scaling` node declares, built by Hydra's `instantiate` from its `_target_` (a
+    record made before 0.3.0 has none: the class registered under its name), the node's other keys its knobs and
+    options. A user's class is imported by its `_target_`; one its module did not register is registered under the
+    yaml's name."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import get_class, instantiate
+
+    values = {key: value for key, value in dict(node.items()).items() if not (key == "options" and value is None)}
     target, name = values.pop("_target_", None), values["name"]
     if not target:
         return scaling_class(name)(**values)
@@ -266,7 +373,10 @@ def build(node) -> ScalingMethod:
         raise ConfigError(f"scaling.name={name} is {SCALING_METHODS[name].__module__}."
                           f"{SCALING_METHODS[name].__qualname__}'s, not {target}'s: give the method its own name")
     register(name)(cls)
-    return cls(**values)
+    try:
+        return instantiate({"_target_": target, **values}, _convert_="all")
+    except InstantiationException as e:  # hydra wraps the constructor's own error: a refused knob is a ConfigError
+        raise (e.__cause__ if isinstance(e.__cause__, ConfigError) else e) from None
 
 
 def combining_with(spec) -> list[str]:

@@ -126,7 +126,10 @@ def composition_error(error: Exception) -> ConfigError | None:
     prefix = cause.full_key.rsplit(".", 1)[0] + "." if "." in cause.full_key else ""
     if isinstance(cause, ConfigKeyError):
         schema = cause.object_type
-        known = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
+        if dataclasses.is_dataclass(schema):
+            known = [f.name for f in dataclasses.fields(schema)]
+        else:  # a free-form node (a user's scaling.options, as its yaml set it): the keys it has
+            known = [str(k) for k in cause.parent_node.keys()] if cause.parent_node is not None else []
         return ConfigError(f"{source}: unknown key {cause.full_key}{suggestion(str(cause.key), known, prefix=prefix)};"
                            f" valid keys there: {', '.join(known)} (every key is documented in conf/README.md)")
     return ConfigError(f"{source}: {cause.full_key}: {str(cause.msg).splitlines()[0]}")

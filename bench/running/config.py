@@ -24,9 +24,8 @@ from bench.errors import ConfigError, check_choice, suggestion  # bench.running.
 from bench.numerics.plan import FormatChoices, PrecisionConfig
 from bench.numerics.precision import EVAL_PRECISIONS
 from bench.numerics.scaling_methods import build as build_scaling_method
-from bench.numerics.scaling_methods import check_parametrisation
+from bench.numerics.scaling_methods import check_parametrisation, scaling_schema
 from bench.numerics.specs import FORMAT_SPECS
-from bench.numerics.unit import POST_NORM_TAU
 from bench.running.device import DEVICES, parallel_jobs
 from bench.running.identity import cell_path
 from bench.tasks.base import METRIC_UNITS, TaskSpec, trained_parametrisation
@@ -57,34 +56,7 @@ OmegaConf.register_new_resolver("bench_cell", _cell_resolver, replace=True)
 FormatConfig = FormatChoices.schema()  # format.*: declared once, in bench/numerics/plan.py
 
 
-@dataclass
-class ScalingConfig:
-    """A scaling method's knobs (bench/numerics/scaling_methods.py: `_target_` names its class). Every built-in
-    method's knobs are declared here, each used by the methods its comment names; a method of your own takes its
-    own under `options`."""
-
-    name: str = MISSING
-    _target_: Optional[str] = None  # the method's class (how it runs, not part of a run's identity)
-    loss_scaling: str = "none"  # none | static | dynamic
-    init_scale: float = 1.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    amax: str = "current"  # per_tensor: current | delayed
-    history_len: int = 16  # per_tensor delayed: amaxes remembered
-    margin: int = 0  # per_tensor: s = (max / amax) / 2^margin
-    pow2: bool = False  # per_tensor: round s down to a power of two
-    conversion_tolerance: float = 1e-4  # unit, pretrained: largest relative output change the conversion may make
-    # unit, from scratch, Adam/AdamW: same | relative (bench.numerics.unit.relative_lr_multipliers)
-    lr_rule: str = "same"
-    post_norm_tau: float = POST_NORM_TAU  # unit, from scratch, transformers' post-norm encoders: a branch's share
-    # umup: u-μP's hyper-parameters (bench.numerics.umup.UmupHyper; conf/scaling/umup.yaml sets the paper's 1.0)
-    residual_mult: Optional[float] = None
-    residual_attn_ratio: Optional[float] = None
-    attn_softmax_mult: Optional[float] = None
-    ffn_act_mult: Optional[float] = None
-    output_mult: Optional[float] = None
-    options: Optional[Any] = None  # a user's scaling method's own knobs (free-form)
+ScalingConfig = scaling_schema()  # scaling.*: each knob declared once, by its method (scaling_methods.py)
 
 
 @dataclass

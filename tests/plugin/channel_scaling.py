@@ -4,6 +4,8 @@ gradients are cast as they are. One class, registered under its name, and conf/s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from bench.errors import ConfigError
@@ -27,20 +29,19 @@ class ChannelScale:
 
 @register("channel_scale")
 class PerChannelWeightScale(ScalingMethod):
-    """Weights scaled per output channel; no loss scale unless `loss_scaling` says so (scaling.options.margin: the
-    headroom, in powers of two, below the format's max)."""
+    """Weights scaled per output channel; no loss scale unless `loss_scaling` says so."""
+
+    @dataclass
+    class Options:  # scaling.options.*
+        margin: int = 0  # the headroom, in powers of two, below the format's max
 
     site_scales = True
     title = "per-channel weight scaling"
 
-    @property
-    def margin(self) -> int:
-        return int((self.knobs.get("options") or {}).get("margin", 0))
-
     def check(self) -> None:
         super().check()
-        if self.margin < 0:
-            raise ConfigError(f"scaling.options.margin={self.margin} must be >= 0")
+        if self.options.margin < 0:
+            raise ConfigError(f"scaling.options.margin={self.options.margin} must be >= 0")
 
     def site_scale(self, tensor_class, element, observe):
-        return ChannelScale(element, self.margin, observe) if tensor_class == "weights" else None
+        return ChannelScale(element, self.options.margin, observe) if tensor_class == "weights" else None

@@ -4,6 +4,8 @@ halved only after `hysteresis` overflows in a row (a clean step restores the all
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from bench.errors import ConfigError
@@ -31,22 +33,22 @@ class HysteresisScaler(LossScaler):
 
 
 class Hysteresis(ScalingMethod):
-    """Dynamic loss scaling with DeepSpeed's hysteresis (scaling.options.hysteresis: overflows in a row before the
-    scale is halved)."""
+    """Dynamic loss scaling with DeepSpeed's hysteresis."""
+
+    @dataclass
+    class Options:  # scaling.options.*
+        hysteresis: int = 2  # overflows in a row before the scale is halved
 
     title = "dynamic loss scaling with hysteresis"
 
-    @property
-    def hysteresis(self) -> int:
-        return int((self.knobs.get("options") or {}).get("hysteresis", 2))
-
     def check(self) -> None:
         super().check()
-        if self.hysteresis < 1:
-            raise ConfigError(f"scaling.options.hysteresis={self.hysteresis} must be >= 1")
+        if self.options.hysteresis < 1:
+            raise ConfigError(f"scaling.options.hysteresis={self.options.hysteresis} must be >= 1")
 
     def loss_scaler(self, loss_multiplier: float = 1.0, max_grad_norm: float | None = None,
                     reads_every: int = 16) -> LossScaler:
-        return HysteresisScaler("dynamic", self.init_scale, self.growth_factor, self.backoff_factor,
-                                self.growth_interval, loss_multiplier=loss_multiplier, max_grad_norm=max_grad_norm,
-                                reads_every=reads_every, hysteresis=self.hysteresis)
+        k = self.knobs
+        return HysteresisScaler("dynamic", k.init_scale, k.growth_factor, k.backoff_factor, k.growth_interval,
+                                loss_multiplier=loss_multiplier, max_grad_norm=max_grad_norm,
+                                reads_every=reads_every, hysteresis=self.options.hysteresis)
