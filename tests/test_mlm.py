@@ -3,6 +3,7 @@ included (bench/numerics/unit.py's registry route): the masking rule, unit scale
 model, one converted forward and backward against the same model written from unit_scaling's functional ops."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,3 +279,161 @@ def test_the_relative_rule_gives_a_zero_initialised_bias_the_inverse_of_its_outp
     assert multipliers["cls.predictions.transform.dense.bias"] == pytest.approx(64 ** 0.5)  # after the stack
     assert multipliers["bert.encoder.layer.0.intermediate.dense.bias"] == pytest.approx((64 * 128) ** 0.25)
     assert multipliers["bert.encoder.layer.0.attention.self.query.weight"] == pytest.approx(1 / 0.02, rel=0.05)
+
+
+# u-μP on transformers encoders (bench/numerics/umup.py). The band is wider than unit scaling's, [2^-7, 2^3], for
+# two measured departures, both of the model rather than of the conversion:
+# - u-μP's logits are q k^T / d_head (μP's), so attention is near uniform at initialisation and the logits' gradients
+#   small: the library's own attention gives query and key gradients of ~0.15 on independent inputs, and BERT's
+#   inputs share part of their value across positions (the segment embedding, then each layer's attention output),
+#   which uniform attention does not average away: query and key gradients 0.016-0.042 here;
+# - for the same reason the attention outputs (the library scales them by its model of uniform attention over
+#   independent values) reach std 4.9 (BERT) and 1.8 (DistilBERT).
+# Without the post-norm branch weights the query gradients fall to 0.0013 and the attention outputs reach 8.0.
+# A plain model: 46 of 48 (BERT) and 35 of 36 (DistilBERT) outside this band.
+UMUP_BAND = (2**-7, 2**3)
+
+
+@pytest.mark.parametrize("family", ["distilbert", "bert"])
+def test_a_umup_encoder_is_unit_scaled_at_initialisation_and_a_plain_one_is_not(family):
+    import functools
+
+    from bench.numerics.umup import umup_scale
+
+    torch.manual_seed(0)
+    umup = _scales(umup_scale(_encoder(family)), functools.partial(U.cross_entropy, mult=1.0))
+    torch.manual_seed(0)
+    plain = _scales(_encoder(family), F.cross_entropy)
+    low, high = UMUP_BAND
+
+    def outside(found):
+        return {name: stds for name, stds in found.items() if not name.endswith(BROADCAST)
+                and not all(low <= s <= high for s in stds if s is not None)}
+
+    assert len(umup) > 30 and any(name.endswith("scaled_attention") for name in umup)
+    assert outside(umup) == {}, outside(umup)
+    assert len(outside(plain)) > 0.9 * len(plain)
+
+
+def test_a_umup_encoder_has_one_readout_its_own_head_and_every_parameter_typed_for_the_optimiser():
+    """The readout is the MLM decoder (the last Linear), not the head's hidden dense that follows the stack too; the
+    decoder is untied from the word embedding (u-μP types them apart) but the head's `bias` is still the decoder's;
+    every parameter carries the library's u-μP type, the encoder layers' their depth; norms have no parameters."""
+    from unit_scaling.optim import lr_scale_func_adam
+
+    from bench.numerics.umup import UmupLinear, UmupReadout, umup_scale
+
+    torch.manual_seed(0)
+    model = umup_scale(_encoder("bert"))
+    readouts = [name for name, m in model.named_modules() if isinstance(m, UmupReadout)]
+    assert readouts == ["cls.predictions.decoder"]
+    assert isinstance(model.cls.predictions.transform.dense, UmupLinear)
+    head = model.cls.predictions
+    assert head.decoder.weight is not model.bert.embeddings.word_embeddings.weight and head.bias is head.decoder.bias
+    params = dict(model.named_parameters())
+    assert all(hasattr(p, "mup_type") for p in params.values())
+    assert not any("LayerNorm" in name for name in params)
+    assert params["bert.encoder.layer.1.intermediate.dense.weight"].mup_scaling_depth == 2
+    # Adam's lr scales (unit_scaling.optim): a hidden weight in the stack fan_in^-1/2 * depth^-1/2, the readout 1,
+    # the embedding 1 (u-μP's Adam rule does not scale embeddings by width here: the library's, read off)
+    assert lr_scale_func_adam(params["bert.encoder.layer.1.intermediate.dense.weight"]) == pytest.approx(
+        64 ** -0.5 * 2 ** -0.5)
+    assert lr_scale_func_adam(params["cls.predictions.decoder.weight"]) == 1.0
+    # a training step leaves them untied (transformers' tie_weights is not called again behind our back)
+    model(input_ids=torch.randint(FIRST, VOCABULARY, (2, 16))).logits.sum().backward()
+    assert head.decoder.weight is not model.bert.embeddings.word_embeddings.weight
+
+
+def _distilbert_from_umup_ops(model, ids):
+    """DistilBERT's masked-LM forward written from unit_scaling's functional u-μP ops with `model`'s weights: the
+    embeddings (U.embedding) summed and U.layer_norm without affine parameters; per layer U.linear with uu.Linear's
+    constraint, U.scaled_dot_product_attention at u-μP's mult = 1 (logits / d_head), U.gelu, the post-norm residual
+    adds as DistilBERT writes them with each branch weighted by sqrt(tau / (1 - tau)); the head's hidden U.linear,
+    and U.linear_readout for the decoder. The library's dropout scales by sqrt(1 - p) in eval mode too (its expected
+    value in training), so U.dropout stands where DistilBERT has a dropout module."""
+    d = model.distilbert
+    hidden = d.embeddings.word_embeddings.weight.shape[1]
+    r = math.sqrt(0.02 / 0.98)
+    positions = torch.arange(ids.shape[1])[None]
+    x = d.embeddings.word_embeddings
+    h = U.embedding(ids, x.weight, x.padding_idx) + U.embedding(positions, d.embeddings.position_embeddings.weight)
+    h = U.dropout(U.layer_norm(h, (hidden,), None, None, 1e-12), 0.1, training=False)
+    for layer in d.transformer.layer:
+        a = layer.attention
+
+        def split(t):
+            return t.view(t.shape[0], t.shape[1], a.n_heads, -1).transpose(1, 2)
+
+        q, k, v = (split(U.linear(h, lin.weight, lin.bias, constraint="to_output_scale"))
+                   for lin in (a.q_lin, a.k_lin, a.v_lin))
+        attended = U.scaled_dot_product_attention(q, k, v, mult=1.0).transpose(1, 2).reshape(h.shape)
+        out = U.linear(attended, a.out_lin.weight, a.out_lin.bias, constraint="to_output_scale")
+        h = U.layer_norm(out * r + h, (hidden,), None, None, 1e-12)
+        f = layer.ffn
+        inner = U.gelu(U.linear(h, f.lin1.weight, f.lin1.bias, constraint="to_output_scale"), mult=1.0)
+        out = U.linear(inner, f.lin2.weight, f.lin2.bias, constraint="to_output_scale")
+        h = U.layer_norm(U.dropout(out * r, 0.1, training=False) + h, (hidden,), None, None, 1e-12)
+    t = model.vocab_transform
+    h = U.gelu(U.linear(h, t.weight, t.bias, constraint="to_output_scale"), mult=1.0)
+    h = U.layer_norm(h, (hidden,), None, None, 1e-12)
+    return U.linear_readout(h, model.vocab_projector.weight, model.vocab_projector.bias, constraint=None)
+
+
+def test_one_umup_step_equals_the_model_written_from_unit_scalings_umup_ops():
+    """Forward logits, the loss (the library's cross-entropy) and every parameter's gradient, bit for bit."""
+    from bench.numerics.umup import umup_scale
+
+    torch.manual_seed(0)
+    model = umup_scale(_encoder("distilbert")).eval()
+    ids = torch.randint(FIRST, VOCABULARY, (4, 64), generator=torch.Generator().manual_seed(0))
+    inputs, labels = _mask(ids, 1)
+    chosen = labels != IGNORED
+
+    def step(forward):
+        model.zero_grad()
+        logits = forward()
+        loss = U.cross_entropy(logits[chosen], labels[chosen], mult=1.0)
+        loss.backward()
+        return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ours = step(lambda: model(input_ids=inputs).logits)
+    reference = step(lambda: _distilbert_from_umup_ops(model, inputs))
+    assert torch.equal(ours[0], reference[0]) and torch.equal(ours[1], reference[1])
+    assert ours[2].keys() == reference[2].keys()
+    assert {n for n in ours[2] if not torch.equal(ours[2][n], reference[2][n])} == set()
+
+
+def test_umups_pre_norm_residual_rule_is_refused_on_a_post_norm_encoder():
+    from bench.numerics.umup import UmupHyper, umup_scale
+
+    with pytest.raises(ConfigError, match=r"scaling.residual_mult=2 and scaling.residual_attn_ratio=1: u-μP's "
+                                          r"residual rule is for pre-norm stacks, and BertForMaskedLM is post-norm"):
+        umup_scale(_encoder("bert"), UmupHyper(residual_mult=2.0))
+
+
+def test_a_umup_masked_lm_cell_trains_from_scratch_and_records_its_conversion(make_cfg, text_file):
+    """bert_mlm_tiny under scaling=umup (u-μP's optimiser defaults from conf/scaling/umup.yaml): the loss falls from
+    its start, and the record names the readout, the routed attention and the weighted branches."""
+    import json
+
+    from bench.running.run import run_cell
+
+    cfg = make_cfg("model=bert_mlm_tiny", "scaling=umup", "model.data.source=local", f"model.data.path={text_file}",
+                   "model.data.sha256=null", "model.arch.block_size=32", "model.iterations=40", "train.log_every=20",
+                   "device=cpu")
+    run_cell(cfg)
+    record = json.loads((Path(cfg.results_dir) / cfg.cell / "result.json").read_text())
+    assert record["status"] == "ok", record.get("traceback")
+    points = record["metrics"]["curve"]["points"]
+    assert points[-1][1] < points[0][1] - 1.0, points  # from ~log(303) = 5.7
+    conversion = record["numerics"]["unit_conversion"]
+    assert conversion["parametrisation"] == "u-μP" and conversion["readout"] == "cls.predictions.decoder"
+    assert len(conversion["scaled_attention"]) == 2 and len(conversion["post_norm_branches"]) == 4
+
+
+def test_umup_refuses_a_pretrained_checkpoint_naming_what_is_valid():
+    from bench.numerics.scaling_methods import scaling_class
+
+    with pytest.raises(ConfigError, match=r"scaling=umup trains from scratch .* valid: model.pretrained=false, or "
+                                          r"scaling=unit"):
+        scaling_class("umup")(name="umup").transform(None, True, "adamw")

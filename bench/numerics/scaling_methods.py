@@ -251,12 +251,15 @@ class Umup(ScalingMethod):
                                   "default: 1.0)")
 
     def transform(self, task, pretrained, optimizer):
+        if pretrained:
+            raise ConfigError("scaling=umup trains from scratch (fresh N(0, 1) weights: a checkpoint's would be "
+                              "thrown away); valid: model.pretrained=false, or scaling=unit, which converts a "
+                              "pretrained checkpoint keeping its function")
         try:
             return umup_task(task, self.hyper)
         except ConfigError as e:
             others = [n for n, cls in SCALING_METHODS.items() if cls.transform is ScalingMethod.transform]
-            raise ConfigError(f"{e}; valid for any model (they leave it as it is): {', '.join(others)}; and unit "
-                              "scaling (scaling=unit) covers transformers' BERT and DistilBERT too") from None
+            raise ConfigError(f"{e}; valid for any model (they leave it as it is): {', '.join(others)}") from None
 
     def parameter_groups(self, groups, lr):
         return umup_parameter_groups(groups, lr)

@@ -305,10 +305,10 @@ def unit_scale(model: nn.Module, preserve: bool = False, post_norm_tau: float = 
     A transformers encoder, from scratch: its attention through `route_registry_attention`, its post-norm residual
     branches weighted by `post_norm_tau` (`weight_post_norm_branches`).
     """
-    ties = _tied_parameters(model)
+    ties = tied_parameters(model)
     _convert(model, preserve, None)
     if not preserve:
-        if route_registry_attention(model, lambda module: UnitAttention(_dropout_of(module))):
+        if route_registry_attention(model, lambda module: UnitAttention(dropout_of(module))):
             weight_post_norm_branches(model, post_norm_tau)
         residuals = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
                      if type(child) is Residual]
@@ -338,7 +338,7 @@ def weight_post_norm_branches(model: nn.Module, tau: float) -> None:
     ratio = math.sqrt(tau / (1 - tau))
     for module in model.modules():
         attribute = POST_NORM_BRANCH_OUTPUTS.get(type(module).__name__)
-        if attribute and isinstance(getattr(module, attribute, None), UnitLinear):
+        if attribute and hasattr(getattr(module, attribute, None), "branch_weight"):  # UnitLinear, u-μP's UmupLinear
             getattr(module, attribute).branch_weight = ratio
 
 
@@ -368,7 +368,7 @@ def _registry_attention(module, query, key, value, attention_mask, scaling=None,
     return module.scaled_attention(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
 
 
-def _dropout_of(module: nn.Module) -> float:
+def dropout_of(module: nn.Module) -> float:
     """The attention-probability dropout a transformers attention module passes to its attention function."""
     dropout = getattr(module, "dropout", 0.0)
     return dropout.p if isinstance(dropout, nn.Dropout) else float(dropout)
@@ -392,7 +392,7 @@ def route_registry_attention(model: nn.Module, make_attention) -> list[str]:
     return list(modules)
 
 
-def _tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
+def tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
     """Every parameter held by more than one module, as its (module name, attribute) owners."""
     owners: dict[int, list[tuple[str, str]]] = {}
     for module_name, module in model.named_modules():
