@@ -1,6 +1,6 @@
-"""Putting one module in another's place where a module's class changes: the emulated formats' rounding modules,
-torchao's MX Linears, evaluation in full precision. (Unit scaling and u-μP build new modules with fresh weights and
-walk the model themselves: which rule applies depends on where a module sits, inside the residual stack or after it.)
+"""Putting one module in another's place: the emulated formats' rounding modules, torchao's MX Linears, evaluation in
+full precision, and unit scaling's and u-μP's modules (which rule applies there depends on where a module sits, which
+the replacement function reads from the module's name or identity).
 
 A swapped-in module of a related class keeps the old one's state (`with_state_of`): the same parameter and buffer
 tensors (an optimiser, a tie or a checkpoint's keys still find them), submodules, hooks and training mode. Nothing

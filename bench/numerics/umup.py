@@ -45,6 +45,7 @@ from unit_scaling.scale import scale_bwd, scale_fwd
 from bench.errors import ConfigError
 from bench.numerics.emulation import CastOp
 from bench.numerics.ops import Add, Attention, CausalAttention, Residual
+from bench.numerics.swap import swap_modules
 from bench.numerics.unit import (
     POST_NORM_TAU,
     UnitAdd,
@@ -149,19 +150,13 @@ def _umup_module(module: nn.Module, hyper: UmupHyper, readout: bool) -> nn.Modul
                       "and DistilBERT)")
 
 
-def _convert(parent: nn.Module, hyper: UmupHyper, readout: nn.Module) -> None:
-    """Convert `parent`'s children in place; `readout` (a Linear) becomes the readout. A residual stack (a
-    ModuleList) becomes the library's DepthModuleList, which tags every parameter inside with its depth."""
-    for name, child in parent.named_children():
-        if type(child) is nn.ModuleList:
-            _convert(child, hyper, readout)
-            setattr(parent, name, uu.DepthModuleList(list(child)))
-            continue
-        replacement = _umup_module(child, hyper, readout=child is readout)
-        if replacement is None:
-            _convert(child, hyper, readout)
-        elif replacement is not child:
-            setattr(parent, name, replacement)
+def _convert(model: nn.Module, hyper: UmupHyper, readout: nn.Module) -> None:
+    """Every module's `_umup_module` in its place (bench/numerics/swap.py), `readout` (a Linear) as the readout;
+    then each residual stack (an nn.ModuleList) as the library's DepthModuleList, which tags every parameter inside
+    with its depth."""
+    swap_modules(model, lambda name, module: _umup_module(module, hyper, readout=module is readout))
+    swap_modules(model, lambda name, module: uu.DepthModuleList(list(module)) if type(module) is nn.ModuleList
+                 else None)
 
 
 def _retie_containers(model: nn.Module, ties: list[list[tuple[nn.Module, str, str]]]) -> None:

@@ -46,6 +46,7 @@ from unit_scaling.scale import scale_bwd, scale_fwd
 from bench.errors import ConfigError
 from bench.numerics.emulation import CastOp
 from bench.numerics.ops import Add, Attention, CausalAttention, Residual
+from bench.numerics.swap import swap_modules
 
 RESIDUAL_CONSTRAINT = "gmean"  # ops with a residual add after them; unit-scaling leaves the rest unconstrained
 # (forward, backward) factors from the paper. ReLU on N(0, 1): output std sqrt(1/2 - 1/(2 pi)) = 0.584
@@ -306,7 +307,7 @@ def unit_scale(model: nn.Module, preserve: bool = False, post_norm_tau: float = 
     branches weighted by `post_norm_tau` (`weight_post_norm_branches`).
     """
     ties = tied_parameters(model)
-    _convert(model, preserve, None)
+    _convert(model, preserve)
     if not preserve:
         if route_registry_attention(model, lambda module: UnitAttention(dropout_of(module))):
             weight_post_norm_branches(model, post_norm_tau)
@@ -401,13 +402,12 @@ def tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
     return [o for o in owners.values() if len(o) > 1]
 
 
-def _convert(model: nn.Module, preserve: bool, constraint: str | None) -> None:
-    for name, child in model.named_children():
-        replacement = _unit_module(child, preserve, constraint)
-        if replacement is None:
-            _convert(child, preserve, RESIDUAL_CONSTRAINT if isinstance(child, nn.ModuleList) else constraint)
-        elif replacement is not child:
-            setattr(model, name, replacement)
+def _convert(model: nn.Module, preserve: bool) -> None:
+    """Every module's `_unit_module` in its place (bench/numerics/swap.py), constrained to the geometric mean inside
+    a residual stack (an nn.ModuleList), unconstrained outside it."""
+    stacks = tuple(f"{name}." for name, module in model.named_modules() if isinstance(module, nn.ModuleList))
+    swap_modules(model, lambda name, module: _unit_module(
+        module, preserve, RESIDUAL_CONSTRAINT if name.startswith(stacks) else None))
 
 
 # Functions that compute attention, or build it by hand (scores, softmax, weighted sum): called by a module that no rule
