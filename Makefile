@@ -43,12 +43,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[$(EXTRAS)]'
 	touch $@
 
-test: setup ## lint (ruff: unused names, undefined names, import order), then the fast offline test suite (slow tests excluded)
-	$(PY) -m ruff check bench tests hydra_plugins
-	$(PY) -m pytest
+# pytest-xdist: TEST_WORKERS processes, each test file on one of them (its module fixtures built once); most tests
+# wait on a subprocess or on Python, so two workers on two cores take about 60% of one worker's time
+TEST_WORKERS ?= 2
 
-test-slow: setup ## only the slow end-to-end tests
-	$(PY) -m pytest -m slow
+test: setup ## lint (ruff: unused names, undefined names, import order), then the fast offline test suite (slow tests excluded; TEST_WORKERS=2 processes)
+	$(PY) -m ruff check bench tests hydra_plugins
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+test-slow: setup ## only the slow end-to-end tests (TEST_WORKERS=2 processes)
+	$(PY) -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile
 
 # make test-xla: torch_xla needs its own torch (XLA_TORCH), so it lives in its own environment; torchao, which
 # needs a newer torch, is left out there (the tests that need it skip).
