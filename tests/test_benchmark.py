@@ -154,7 +154,7 @@ def test_a_gpu_report_step_past_its_limit_ends_with_its_whole_process_group(tmp_
 
 def test_the_benchmark_json_keeps_every_row_measured_before_a_stop(tmp_path, monkeypatch):
     """A section stopped at a time limit (gpu-report's) keeps the rows it measured: the JSON is written row by row."""
-    def stopped():
+    def stopped(quick=False):
         yield benchmark.row("quantise_ns.fp8_e4m3", 1.0, "ns", None)
         raise KeyboardInterrupt  # as a time limit's signal would end it
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value
+from bench.numerics.fused import BLOCKWISE_FROM, fused
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
 
@@ -139,6 +140,7 @@ def mx_scale_exponent(amax: torch.Tensor, spec: ElementFormat, mode: str) -> tor
     return torch.where(amax.isnan(), E8M0_NAN, biased)
 
 
+@fused(BLOCKWISE_FROM)
 def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -1, block: int = MX_BLOCK,
                 rounding: str = "nearest", generator: torch.Generator | None = None) -> Blocked:
     """x in an MX format: blocks of `block` along `dim`, E8M0 scales by `mode`, elements saturated and rounded by
@@ -170,6 +172,7 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     return (x.detach().abs().max().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
 
 
+@fused(BLOCKWISE_FROM)
 def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1,
                    rounding: str = "nearest", generator: torch.Generator | None = None) -> Blocked:
     """x in NVFP4: blocks of 16 along `dim`, E4M3 block scales (under `tensor_scale` when given), E2M1 elements
@@ -229,6 +232,7 @@ def _fp8_runs(x: torch.Tensor, dim: int, run: int, scale_rule, rounding: str, ge
     return _blocked(values, elements, length, dim, scale, amax, 1 / scale)
 
 
+@fused(BLOCKWISE_FROM)
 def rowwise_quantise(x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
                      generator: torch.Generator | None = None) -> Blocked:
     """x in E4M3 with one torchao power-of-two scale per row along `dim` (`scale` holds s: x ~ elements / s),
@@ -236,6 +240,7 @@ def rowwise_quantise(x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
     return _fp8_runs(x, dim, x.shape[dim], torchao_pow2_scale, rounding, generator)
 
 
+@fused(BLOCKWISE_FROM)
 def tile_quantise(x: torch.Tensor, dim: int = -1, tile: int = FP8_TILE, rounding: str = "nearest",
                   generator: torch.Generator | None = None) -> Blocked:
     """x in E4M3 with one Transformer Engine power-of-two scale per 1 x `tile` run along `dim`."""
@@ -259,6 +264,7 @@ def _tiled(w: torch.Tensor, values: torch.Tensor, elements: torch.Tensor, scale:
     return Blocked(whole(values), whole(elements), per_tile(scale), per_tile(amax), per_tile(factor))
 
 
+@fused(BLOCKWISE_FROM)
 def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:
     """A 2-D weight in E4M3 with one Transformer Engine power-of-two scale per `tile` x `tile` square (edge tiles
     shorter); `scale` is (ceil(rows / tile), ceil(cols / tile))."""
@@ -315,6 +321,7 @@ def random_hadamard_transform(x: torch.Tensor, matrix: torch.Tensor, dim: int = 
     return grouped.reshape(-1, *moved.shape[1:]).movedim(0, dim)
 
 
+@fused(BLOCKWISE_FROM)
 def nvfp4_tile_quantise(w: torch.Tensor, tensor_scale: torch.Tensor, rounding: str = "nearest",
                         generator: torch.Generator | None = None) -> Blocked:
     """A 2-D weight in NVFP4 with one E4M3 scale per 16 x 16 tile (NVIDIA's recipe: the forward GEMM, which reduces

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.numerics.fused import ELEMENTWISE_FROM, fused
+
 OVERFLOW_POLICIES = ("saturate", "inf", "nan")
 # Formats whose rounding path already turns overflow into +-inf (native casts, or FP32 range).
 _ROUNDS_OVERFLOW_TO_INF = {"fp32", "tf32", "fp16", "bf16", "fp8_e5m2"}
@@ -199,9 +201,11 @@ def _round_mantissa_bits(x: torch.Tensor, man_bits: int) -> torch.Tensor:
     return torch.where(x.isnan(), x, rounded)
 
 
+@fused(ELEMENTWISE_FROM)
 def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | None = None,
                    ftz: bool = False) -> torch.Tensor:
-    """The forward value of `quantise` (no autograd): x rounded to `fmt`, in x's dtype."""
+    """The forward value of `quantise` (no autograd): x rounded to `fmt`, in x's dtype (one fused pass where that
+    pays: bench/numerics/fused.py)."""
     spec = get_format(fmt)
     policy = resolve_overflow(spec, overflow)
     x32 = x.to(torch.float32)
@@ -248,7 +252,14 @@ def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: to
     format with inf staying inf). So max < |x| < max + spacing overflows with probability (|x| - max) / spacing.
     ftz: as in `quantise_value`."""
     spec = get_format(fmt)
-    policy = resolve_overflow(spec, overflow)
+    draw = torch.rand(x.shape, generator=generator, device=x.device)  # eager: the generator's own stream
+    return _round_up_below(x, draw, spec, resolve_overflow(spec, overflow), ftz)
+
+
+@fused(ELEMENTWISE_FROM)
+def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, policy: str, ftz: bool) -> torch.Tensor:
+    """quantise_stochastic given its uniform draws: |x| rounds up where draw < its distance above the grid point
+    below, in units of the spacing."""
     x32 = x.to(torch.float32)
     top_spacing = 2.0 ** (spec.emax - spec.man_bits)
     magnitude = x32.abs().clamp(max=spec.max + top_spacing)
@@ -259,7 +270,6 @@ def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: to
     else:
         spacing = torch.ldexp(torch.ones_like(magnitude), exponent - spec.man_bits)
     below = torch.floor(magnitude / spacing) * spacing  # exact: spacing is a power of two
-    draw = torch.rand(magnitude.shape, generator=generator, device=x.device)
     rounded = below + spacing * (draw < (magnitude - below) / spacing)
     overflowed = rounded > spec.max
     if policy == "saturate":

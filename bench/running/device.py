@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bench import __version__
-from bench.numerics import hardware
+from bench.numerics import fused, hardware
 
 DEVICES = ("auto", "cpu", "cuda", "xla")
 
@@ -320,6 +320,7 @@ def describe(device: torch.device) -> dict:
         "visible_gpus": visible_gpus(),  # CUDA_VISIBLE_DEVICES's GPUs (or all CUDA sees)
         "gpu_index": device.index if device.type == "cuda" else None,  # the one among them this cell used
         "cpu_16bit_units": hardware.cpu_16bit_units(),  # what decides whether bf16/fp16 run natively on a CPU
+        "fused_quantisers": fused.enabled(),  # emulated rounding fused by inductor (the same bits, another time)
         "started_at": utc_now(),
     }
 

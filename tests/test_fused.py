@@ -1,0 +1,137 @@
+"""The fused quantisers (bench/numerics/fused.py) against their eager selves, bit for bit, on the conformance
+families (bench/tools/conformance.py: scale boundaries, element ties, subnormals, mixed extremes, zeros, random
+values, and all of them as bfloat16 inputs); and when a call takes the fused path. Each specialisation compiles once
+(seconds), so the default suite checks one of each kind and the slow suite every format, policy and mode."""
+
+import pytest
+import torch
+
+from bench.numerics import blocks, fused
+from bench.numerics.formats import FORMATS, OVERFLOW_POLICIES, quantise_stochastic, quantise_value
+from bench.tools.conformance import families
+
+BLOCKED_FIELDS = ("values", "elements", "scale", "amax", "factor", "scale_bits")
+
+
+@pytest.fixture(autouse=True)
+def fused_on(monkeypatch):
+    monkeypatch.setenv(fused.SWITCH, "1")  # on here; off by default (the rest of the suite runs the eager reference)
+
+
+def _inputs(element: str, width: int) -> list[torch.Tensor]:
+    """Every conformance family of `element` in blocks of `width`, as one FP32 tensor and one bfloat16 tensor (one
+    shape each: a compile per dtype, not per family)."""
+    found = families(element, width, count=2**14)
+    bf16 = found.pop("bf16 inputs")
+    return [torch.cat(list(found.values())), bf16]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    views = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+    return t.contiguous().view(views[t.dtype]) if t.dtype in views else t
+
+
+def _same_bit_for_bit(eager: torch.Tensor, fast: torch.Tensor) -> bool:
+    """Every bit the same, but a NaN's payload: NaN where the other has NaN (the one departure measured: FP32's
+    quiet NaN 0x7fc00000 in, eager keeps it, fused gives 0x7fffffff; no value or format here reads a payload)."""
+    if not eager.is_floating_point():
+        return torch.equal(eager, fast)
+    nan = eager.isnan()
+    return torch.equal(nan, fast.isnan()) and torch.equal(_bits(eager)[~nan], _bits(fast)[~nan])
+
+
+def _same_bits(eager, fast, fields=None):
+    if fields is None:
+        return _same_bit_for_bit(eager, fast)
+    return all((getattr(eager, f) is None and getattr(fast, f) is None)
+               or _same_bit_for_bit(getattr(eager, f), getattr(fast, f)) for f in fields)
+
+
+ELEMENT_CASES = [(element, policy, ftz) for element in FORMATS for policy in OVERFLOW_POLICIES for ftz in (False, True)]
+FAST_ELEMENT_CASES = [("fp8_e4m3", "saturate", False), ("bf16", "inf", True), ("fp4_e2m1", "nan", False)]
+
+
+@pytest.mark.parametrize("element, policy, ftz", [
+    pytest.param(*case, marks=() if case in FAST_ELEMENT_CASES else pytest.mark.slow) for case in ELEMENT_CASES])
+def test_element_rounding_fused_is_the_eager_rounding_bit_for_bit(element, policy, ftz):
+    for x in _inputs(element if element in blocks.MX_ELEMENTS else "fp8_e4m3", 32):
+        eager = quantise_value.eager(x, element, policy, ftz)
+        assert _same_bits(eager, quantise_value.fused(x, element, policy, ftz)), (element, policy, ftz, x.dtype)
+
+
+MX_CASES = [(element, mode) for element in blocks.MX_ELEMENTS for mode in blocks.SCALE_MODES]
+
+
+@pytest.mark.parametrize("element, mode", [
+    pytest.param(*case, marks=() if case == ("fp8_e4m3", "floor") else pytest.mark.slow) for case in MX_CASES])
+def test_mx_blocks_fused_are_the_eager_blocks_bit_for_bit(element, mode):
+    for x in _inputs(element, blocks.MX_BLOCK):
+        eager = blocks.mx_quantise.eager(x, element, mode)
+        assert _same_bits(eager, blocks.mx_quantise.fused(x, element, mode), BLOCKED_FIELDS), (element, mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantiser", ["nvfp4 one level", "nvfp4 two levels", "nvfp4 16x16 tiles", "rowwise",
+                                       "1x128 tiles", "128x128 tiles"])
+def test_every_other_block_quantiser_fused_is_its_eager_self_bit_for_bit(quantiser):
+    element, width = ("fp4_e2m1", 16) if quantiser.startswith("nvfp4") else ("fp8_e4m3", 128)
+    for x in _inputs(element, width):
+        x = x.float()  # the block quantisers read FP32 (their callers pass it)
+        call, args = {"nvfp4 one level": (blocks.nvfp4_quantise, ()),
+                      "nvfp4 two levels": (blocks.nvfp4_quantise, (blocks.nvfp4_tensor_scale(x),)),
+                      "nvfp4 16x16 tiles": (blocks.nvfp4_tile_quantise, (blocks.nvfp4_tensor_scale(x),)),
+                      "rowwise": (blocks.rowwise_quantise, ()), "1x128 tiles": (blocks.tile_quantise, ()),
+                      "128x128 tiles": (blocks.tile2d_quantise, ())}[quantiser]
+        if quantiser in ("nvfp4 16x16 tiles", "128x128 tiles"):  # whole square tiles
+            tile = 16 if quantiser.startswith("nvfp4") else 128
+            x = x[: len(x) // tile * tile]
+        assert _same_bits(call.eager(x, *args), call.fused(x, *args), BLOCKED_FIELDS), quantiser
+
+
+def test_stochastic_rounding_fused_rounds_the_same_draws_to_the_same_bits():
+    """The draws stay eager (the generator's own stream); the rounding given them is fused and the same."""
+    x = torch.cat(_inputs("fp8_e4m3", 32)[:1]).flatten()
+    draw = torch.rand(x.shape, generator=torch.Generator().manual_seed(1))
+    for element, policy in (("fp8_e4m3", "saturate"), ("fp8_e5m2", "inf")):
+        spec = FORMATS[element]
+        from bench.numerics.formats import _round_up_below
+
+        eager = _round_up_below.eager(x, draw, spec, policy, False)
+        assert _same_bits(eager, _round_up_below.fused(x, draw, spec, policy, False)), element
+    seeded = [quantise_stochastic(x, "fp8_e4m3", torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert _same_bits(*seeded)
+
+
+def test_a_call_takes_the_fused_path_only_where_it_pays_and_draws_nothing():
+    """Large enough, on CPU, no draws, no gradient recorded, switched on: compiled; otherwise eager."""
+    compiled = quantise_value.compiled
+    small, large = torch.randn(fused.ELEMENTWISE_FROM - 1), torch.randn(fused.ELEMENTWISE_FROM)
+
+    def compiles(call) -> bool:
+        before = len(compiled)
+        call()
+        return len(compiled) > before
+
+    assert not compiles(lambda: quantise_value(small, "fp6_e3m2", "nan"))
+    assert compiles(lambda: quantise_value(large, "fp6_e3m2", "nan"))
+    assert not compiles(lambda: quantise_value(large.requires_grad_(), "fp6_e2m3", "nan"))
+    blocked = blocks.mx_quantise.compiled
+    before = len(blocked)
+    blocks.mx_quantise(torch.randn(64, 32), "fp6_e3m2", rounding="stochastic",
+                       generator=torch.Generator().manual_seed(0))
+    assert len(blocked) == before  # stochastic: eager, whatever the size
+
+
+def test_switched_off_every_quantiser_is_eager(monkeypatch):
+    monkeypatch.delenv(fused.SWITCH)
+    before = len(quantise_value.compiled)
+    quantise_value(torch.randn(fused.ELEMENTWISE_FROM), "fp6_e2m3", "inf", True)
+    assert len(quantise_value.compiled) == before
+
+
+def test_a_record_says_whether_its_quantisers_ran_fused(monkeypatch):
+    from bench.running.device import describe
+
+    assert describe(torch.device("cpu"))["fused_quantisers"] is True  # switched on by the fixture
+    monkeypatch.delenv(fused.SWITCH)
+    assert describe(torch.device("cpu"))["fused_quantisers"] is False
