@@ -236,3 +236,25 @@ def test_a_user_methods_options_are_validated_and_typed_like_the_schema():
     with pytest.raises(ConfigError, match=r"scaling=dynamic takes no scaling.options \(given: margin\)"):
         build(_scaling_node(name="dynamic", _target_="bench.numerics.scaling_methods.LossScaling",
                             options={"margin": 1}))
+
+
+def test_a_yaml_whose_name_is_not_its_methods_registered_name_is_refused():
+    from bench.numerics.scaling_methods import build
+
+    with pytest.raises(ConfigError, match=r"scaling.name=dynamics \(did you mean scaling.name=dynamic\?\): "
+                                          r"bench.numerics.scaling_methods.LossScaling is registered as none, static, "
+                                          r"dynamic"):
+        build(_scaling_node(name="dynamics", _target_="bench.numerics.scaling_methods.LossScaling"))
+    assert build(_scaling_node(name="static", _target_="bench.numerics.scaling_methods.LossScaling")).name == "static"
+
+
+def test_a_method_that_cannot_be_imported_is_one_message_without_hydras_log_before_it(caplog):
+    """Hydra's get_class logs 'Error getting class ...' before it raises; our message says it once (#58)."""
+    import logging
+
+    from bench.numerics.scaling_methods import build
+
+    with caplog.at_level(logging.DEBUG), pytest.raises(ConfigError, match=r"scaling._target_=nowhere.Rule cannot "
+                                                                          r"be imported"):
+        build(_scaling_node(name="rule", _target_="nowhere.Rule"))
+    assert not [r for r in caplog.records if r.name.startswith("hydra")], caplog.text

@@ -21,6 +21,7 @@ default.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Callable, ClassVar, Optional
@@ -357,7 +358,7 @@ def build(node) -> ScalingMethod:
     """The scaling method a config's `scaling` node declares, built by Hydra's `instantiate` from its `_target_` (a
     record made before 0.3.0 has none: the class registered under its name), the node's other keys its knobs and
     options. A user's class is imported by its `_target_`; one its module did not register is registered under the
-    yaml's name."""
+    yaml's name, and a registered one refuses a yaml whose name is not one of its registered names."""
     from hydra.errors import InstantiationException
     from hydra.utils import get_class, instantiate
 
@@ -365,16 +366,24 @@ def build(node) -> ScalingMethod:
     target, name = values.pop("_target_", None), values["name"]
     if not target:
         return scaling_class(name)(**values)
+    hydra_log = logging.getLogger("hydra.utils")  # get_class logs its failure before raising: our message says it
+    level = hydra_log.level
+    hydra_log.setLevel(logging.CRITICAL)
     try:
         cls = get_class(target)
     except Exception as e:  # hydra wraps the import's own error; the message says which
         raise ConfigError(f"scaling._target_={target} cannot be imported ({e}); a scaling method's module must be "
                           "importable (on PYTHONPATH): docs/extending.md") from None
+    finally:
+        hydra_log.setLevel(level)
     if not (isinstance(cls, type) and issubclass(cls, ScalingMethod)):
         raise ConfigError(f"scaling._target_={target} is not a bench.numerics.scaling_methods.ScalingMethod")
     if SCALING_METHODS.get(name, cls) is not cls:
         raise ConfigError(f"scaling.name={name} is {SCALING_METHODS[name].__module__}."
                           f"{SCALING_METHODS[name].__qualname__}'s, not {target}'s: give the method its own name")
+    if (names := [n for n, c in SCALING_METHODS.items() if c is cls]) and name not in names:
+        raise ConfigError(f"scaling.name={name}{suggestion(name, names, 'scaling.name=')}: {target} is registered as "
+                          f"{', '.join(names)}, and a scaling yaml's name is its method's registered name")
     register(name)(cls)
     try:
         return instantiate({"_target_": target, **values}, _convert_="all")
