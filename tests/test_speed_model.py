@@ -276,3 +276,25 @@ def test_a_full_length_batch_larger_than_the_fixture_is_traced_at_its_size(make_
     cfg = make_cfg("model=bert_tiny", "model.batch_size=256", "model.max_length=128")
     traced = trace_cell(cfg, full_length=True)
     assert {m for m, _, _ in traced.linears.values()} == {256 * 128}
+
+
+def test_a_char_lm_is_traced_without_its_text_on_stand_in_text_of_its_vocabulary(make_cfg, tmp_path, monkeypatch):
+    """bench.predict reads no data: where Tiny Shakespeare is not here, the char-LM is traced on stand-in text with
+    its 65 characters, which gives the step a local copy of other text with the same characters gives (same model,
+    same batch shapes), and the note says so; other text that is not here is still refused by name."""
+    from bench.speed.trace import trace_cell
+    from bench.tasks.charlm import SHAKESPEARE_CHARACTERS
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
+    small = ["model.arch.layers=1", "model.arch.embedding=32", "model.arch.block_size=16", "model.batch_size=4"]
+    stand_in = trace_cell(make_cfg("model=charlm", *small))
+    assert stand_in.note.startswith("traced on stand-in text with Tiny Shakespeare's 65 characters")
+    text = tmp_path / "other.txt"
+    text.write_text(" ".join(SHAKESPEARE_CHARACTERS[::-1] * 40))
+    local = trace_cell(make_cfg("model=charlm", *small, "model.data.source=local", f"model.data.path={text}",
+                                "model.data.sha256=null"))
+    assert local.note is None
+    assert (stand_in.parameters, stand_in.flops(), stand_in.linears) == (local.parameters, local.flops(), local.linears)
+    with pytest.raises(ConfigError, match="could not download"):
+        trace_cell(make_cfg("model=charlm", *small, "model.data.sha256=null",
+                            "model.data.url=http://127.0.0.1:9/other.txt"))  # refused at once, with or without internet

@@ -332,15 +332,28 @@ def _cpu_note(error: Exception) -> str:
 HUB_ARCHITECTURES = DATA_DIR / "hub_architectures.yaml"
 
 
+def _stand_in_text(model):
+    """A text model's stand-in text where its text (Tiny Shakespeare) is not here (bench.tasks.charlm)."""
+    from bench.tasks.charlm import stand_in_text
+
+    return stand_in_text(model.data, 64 * (model.arch.block_size + 1) * max(1, model.batch_size))
+
+
 def _traceable(cfg):
     """`cfg`, or, for a pretrained model whose checkpoint (or hub data) is not cached here, the same model built at
     the checkpoint's published architecture (HUB_ARCHITECTURES), randomly initialised, on the shipped fixture: the
-    same step shapes, no download; and a note saying so."""
+    same step shapes, no download; for a text model whose text is not here, the same model on stand-in text of its
+    vocabulary; and a note saying so."""
     from omegaconf import OmegaConf
 
     from bench.data import hub
 
     model = cfg.model
+    if model.get("data") is not None and model.data.get("url") and (stand_in := _stand_in_text(model)) is not None:
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        cfg.model.data.source, cfg.model.data.path, cfg.model.data.sha256 = "local", str(stand_in), None
+        return cfg, ("traced on stand-in text with Tiny Shakespeare's 65 characters: the text is not here, and a "
+                     "trace reads no values")
     if not model.get("pretrained", False) or hub.model_cached(model.hub_name):
         return cfg, None
     known = yaml.safe_load(HUB_ARCHITECTURES.read_text())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -76,6 +77,8 @@ class TransformerBlock(nn.Module):
 
 NORMS = ("pre", "post")
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # Tiny Shakespeare
+# its 65 distinct characters, sorted (nanoGPT's shakespeare_char vocabulary): all a trace of a char-LM needs of the text
+SHAKESPEARE_CHARACTERS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
 class CharGPT(nn.Module):
@@ -139,6 +142,20 @@ def describe(model_cfg: dict) -> tuple[str, str]:
 def text_cache(data: DictConfig) -> Path:
     """Where `data.url` is kept once downloaded: the user's cache (XDG_CACHE_HOME), precision-bench/<file name>."""
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "precision-bench" / Path(data.url).name
+
+
+def stand_in_text(data: DictConfig, length: int) -> Path | None:
+    """For a trace, which reads no values: a file of `length` characters cycling through Tiny Shakespeare's
+    vocabulary, where `data` names Tiny Shakespeare (its sha256) and the text is not here; None otherwise."""
+    if data.get("sha256") != SHAKESPEARE_SHA256 or (data.source == "download" and text_cache(data).is_file()) or (
+            data.source == "local" and Path(data.path).is_file()):
+        return None
+    path = Path(tempfile.gettempdir()) / f"precision-bench-stand-in-{length}.txt"
+    if not path.is_file():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text("".join(SHAKESPEARE_CHARACTERS[i % len(SHAKESPEARE_CHARACTERS)] for i in range(length)))
+        tmp.replace(path)
+    return path
 
 
 def load_text(data: DictConfig) -> str:
