@@ -61,6 +61,10 @@ def test_outside_says_better_or_worse_by_the_models_declared_direction():
     committed = pd.DataFrame([cell | {"value": 1.5, "value_ci_lo": 1.4, "value_ci_hi": 1.6, "published_value": None}])
     assert pair(mine, committed, {"charlm": False})["verdict"][0] == "outside (better)"  # a lower loss
     assert pair(mine, committed, {"charlm": True})["verdict"][0] == "outside (worse)"
+    # the setting as precision.md labels it: BF16 outside the GEMMs said, emulation marked
+    options = {"setting": "fp8-mixed", "format_options": "elsewhere=bf16", "backend": "emulated"}
+    mine, committed = (frame.assign(**options) for frame in (mine, committed))
+    assert pair(mine, committed)["setting"][0] == "fp8-mixed (bf16 elsewhere) †"
 
 
 def test_a_cpu_without_the_committed_runs_bf16_units_is_named_as_the_reason(tmp_path, capsys):
@@ -80,8 +84,10 @@ def test_a_cpu_without_the_committed_runs_bf16_units_is_named_as_the_reason(tmp_
         write(mine, rec)
         compare([str(mine), "--against", str(tmp_path / "tables" / "t")])
         out = capsys.readouterr().out
-        assert ("Your CPU's bf16/fp16 units: none; the committed run's: amx_bf16, avx512_bf16. Rows in bf16 or fp16 "
+        assert ("Your CPU's bf16/fp16 units: none; the reference run's: amx_bf16, avx512_bf16. Rows in bf16 or fp16 "
                 "that differ did so because of the device" in out) == said, out
+        # tables of your own are a reference, not committed ones (#58)
+        assert "reference [95% interval]" in out and "mine − reference" in out and "committed" not in out, out
 
 
 def test_the_committed_default_records_pair_cell_by_cell_and_a_shifted_cell_is_outside(tmp_path, capsys):

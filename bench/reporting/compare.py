@@ -2,7 +2,8 @@
 
 MINE is a results directory (records, as `make sweep` writes them), a records.jsonl.gz (a committed folder's
 records, bench/reporting/archive.py) or wandb://entity/project[/group]. FOLDER is a
-committed table folder (default results/tables/default); its `cells.csv` holds each cell's mean over seeds and the
+committed table folder (default results/tables/default), or tables of your own, which the output calls the
+reference rather than committed ones; its `cells.csv` holds each cell's mean over seeds and the
 95% t interval of that mean, and its `vs_published.csv` the published figure where one exists. Cells pair by
 experiment, model as configured, setting, scaling method, variant and number of training steps (a committed
 folder keeps no configuration hash that is free of its device; committed records would let cells pair by their
@@ -24,10 +25,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.data import DATA_DIR
 from bench.errors import ConfigError
 from bench.reporting import aggregate, archive
 from bench.reporting.statistics import CLIPPED, flag
-from bench.reporting.table_cells import EMULATED, cell_unit, fmt_stat
+from bench.reporting.table_cells import cell_unit, fmt_stat, setting_label
 from bench.running.config import task_spec
 
 KEYS = ["experiment", "model_label", "setting", "scaling", "variant"]
@@ -41,6 +43,7 @@ def _with_steps(cells: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     cells = cells.assign(setting=cells["setting"].astype(str), scaling=cells["scaling"].astype(str),
                          variant=cells["variant"].fillna(""))
     return cells.merge(steps, on=KEYS, how="left")
+COMMITTED_TABLES = DATA_DIR.parents[1] / "results" / "tables"  # this checkout's committed table folders
 DEFAULT_AGAINST = Path("results/tables/default")
 
 
@@ -62,11 +65,18 @@ def committed_cells(folder: Path) -> pd.DataFrame:
     return cells
 
 
+def reference_name(folder: Path) -> str:
+    """How the tables name the folder compared against: "committed" for one of results/tables/ in this checkout,
+    "reference" for any other (your own tables are not committed ones)."""
+    return "committed" if Path(folder).resolve().parent == COMMITTED_TABLES.resolve() else "reference"
+
+
 def compare(mine: pd.DataFrame, committed: pd.DataFrame,
-            higher_is_better: dict[str, bool] | None = None) -> pd.DataFrame:
-    """One row per cell of mine that the committed folder has: both means, the committed interval, the published
+            higher_is_better: dict[str, bool] | None = None, reference: str = "committed") -> pd.DataFrame:
+    """One row per cell of mine that the folder compared against has: both means, its interval, the published
     figure, the difference and the verdict; an outside one says whether it is better or worse, by the direction the
-    model declares (`higher_is_better`, by model name; default higher)."""
+    model declares (`higher_is_better`, by model name; default higher). `reference`: how the columns name that folder
+    (`reference_name`)."""
     paired = mine.merge(committed, on=[*KEYS, "steps"], suffixes=("", "_committed"))
     rows = []
     for _, c in paired.iterrows():
@@ -81,14 +91,14 @@ def compare(mine: pd.DataFrame, committed: pd.DataFrame,
         differs = [what for what, a, b in (("device", c["device"], c["device_committed"]),
                                            ("backend", c["backend"], c["backend_committed"])) if a != b]
         rows.append({
-            "model": c["model_label"], "setting": c["setting"] + (f" {EMULATED}" if c["backend"] == "emulated" else ""),
+            "model": c["model_label"], "setting": setting_label(c),
             "scaling": c["scaling"], "metric": metric,
             "mine": fmt_stat(shown(c["value"]), shown(c["value_std"]), c["value_n"], digits),
-            "committed [95% interval]": "–" if pd.isna(c["value_committed"]) else
+            f"{reference} [95% interval]": "–" if pd.isna(c["value_committed"]) else
             f"{shown(c['value_committed']):.{digits}f}"
             + ("" if pd.isna(lo) else f" [{shown(lo):.{digits}f}, {shown(hi):.{digits}f}]{clipped}"),
             "published": "–" if pd.isna(c.get("published_value")) else f"{c['published_value']:g}",
-            "mine − committed": f"{shown(c['value'] - c['value_committed']):+.{digits}f}",
+            f"mine − {reference}": f"{shown(c['value'] - c['value_committed']):+.{digits}f}",
             "verdict": verdict, "differs": ", ".join(differs)})
     return pd.DataFrame(rows)
 
@@ -123,7 +133,8 @@ def main(argv: list[str] | None = None, api=None) -> int:
         return 2
     directions = {r["config"]["model"]["name"]: task_spec(r["config"]["model"]).get("higher_is_better", True)
                   for r in records}
-    table = compare(_with_steps(aggregate.summarise(frame), frame), committed, directions)
+    reference = reference_name(args.against)
+    table = compare(_with_steps(aggregate.summarise(frame), frame), committed, directions, reference)
     if table.empty:
         print(f"none of the cells in {args.mine} is among {args.against}'s (they pair by experiment, model, setting, "
               "scaling, variant and training steps)")
@@ -136,12 +147,12 @@ def main(argv: list[str] | None = None, api=None) -> int:
     print(f"## Yours ({', '.join(devices)}) beside {args.against} ({', '.join(committed_devices)})\n")
     print(table.drop(columns=["differs"] if not table["differs"].astype(bool).any() else []).to_markdown(
         index=False, disable_numparse=True))
-    print(f"\n{len(table)} cells paired: {int((table['verdict'] == 'within').sum())} within the committed cell's 95% "
+    print(f"\n{len(table)} cells paired: {int((table['verdict'] == 'within').sum())} within the {reference} cell's 95% "
           f"interval of its mean, {outside} outside, {int((table['verdict'] == 'no interval').sum())} without one"
           + ("; a device or backend that differs can move a cell honestly (emulated bf16 on a CPU without "
              "avx512_bf16 is not the native bf16 of one with it)" if table["differs"].astype(bool).any() else "") + ".")
     if None not in units.values() and units["yours"] != units["committed"]:
-        print(f"Your CPU's bf16/fp16 units: {units['yours'] or 'none'}; the committed run's: "
+        print(f"Your CPU's bf16/fp16 units: {units['yours'] or 'none'}; the {reference} run's: "
               f"{units['committed'] or 'none'}. Rows in bf16 or fp16 that differ did so because of the device (native "
               "on one, emulated or slower on the other), not the code.")
     return 1 if outside else 0
