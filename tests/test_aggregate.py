@@ -506,3 +506,29 @@ def test_a_key_one_run_leaves_unset_is_named_null_in_its_variant():
     extra["config"]["model"]["optimizer"] = {"lr": 0.01, "grad_clip": 1.0}
     frame = to_frame([with_clip, without, extra])
     assert sorted(frame["variant"]) == ["", "", "model.optimizer.grad_clip=null"]
+
+
+def test_a_baseline_at_chance_is_flagged_instead_of_quoted():
+    """LeNet declares chance 0.1 (conf/model/lenet.yaml model.task.chance): a 32-true cell at 12% (within a tenth of
+    the way from 10% to 100%) has learned nothing, so Δ and time to target say so instead of quoting a difference
+    and a target it set itself; a 32-true cell at 90% is a baseline as before (#58)."""
+    from bench.reporting.tables import precision_table, time_to_target_table
+
+    def runs(fp32: float) -> list[dict]:
+        found = []
+        for seed in range(3):
+            for fmt, mode, setting, value in (("fp32", "true", "32-true", fp32), ("fp8", "mixed", "fp8-mixed", 0.11)):
+                curve = {"metric": "val_accuracy", "points": [[0, 0.1], [30, value]]}
+                found.append(record(fmt=fmt, mode=mode, setting=setting, seed=seed,
+                                    metrics={"test_accuracy": value + seed / 1000, "curve": curve}))
+        return found
+
+    cells = summarise(to_frame(runs(0.12)))
+    fp8 = precision_table(cells).set_index("setting").loc["fp8-mixed"]
+    note = "32-true at 12.10, near chance (10.00): nothing learned to compare against"
+    assert fp8["Δ vs 32-true"] == f"– ({note})"
+    assert precision_table(cells).set_index("setting").loc["32-true"]["Δ vs 32-true"] == f"baseline {note}"
+    assert time_to_target_table(cells).set_index("setting").loc["fp8-mixed"]["steps to target"] == f"– ({note})"
+    learned = precision_table(summarise(to_frame(runs(0.9)))).set_index("setting")
+    assert learned.loc["32-true"]["Δ vs 32-true"] == "baseline"
+    assert learned.loc["fp8-mixed"]["Δ vs 32-true"].startswith("-79.00")

@@ -298,3 +298,19 @@ def test_a_char_lm_is_traced_without_its_text_on_stand_in_text_of_its_vocabulary
     with pytest.raises(ConfigError, match="could not download"):
         trace_cell(make_cfg("model=charlm", *small, "model.data.sha256=null",
                             "model.data.url=http://127.0.0.1:9/other.txt"))  # refused at once, with or without internet
+
+
+@pytest.mark.parametrize("model", ["charlm", "bert_mlm_tiny"])
+def test_a_model_traced_on_the_meta_device_keeps_its_tied_parameters(make_cfg, model):
+    """Moving a model to the meta device gave each module its own parameter: the char-LM's head counted apart from its
+    embedding, and BERT's MLM head's bias apart from its decoder's (which unit scaling then refused). Traced, the
+    model holds as many parameters as on the CPU."""
+    from bench.speed.trace import _traceable, trace_cell
+    from bench.tasks import build_task
+
+    cfg = make_cfg(f"model={model}", "model.arch.block_size=16", "model.batch_size=4")
+    traced = trace_cell(cfg)
+    on_cpu = build_task(_traceable(cfg)[0].model, torch.device("cpu"), 0).model  # the text (or its stand-in) traced
+    assert traced.parameters == sum(p.numel() for p in on_cpu.parameters())
+    if model == "bert_mlm_tiny":
+        assert trace_cell(make_cfg(f"model={model}", "scaling=unit", "model.arch.block_size=16")).parameters

@@ -31,7 +31,7 @@ from bench.numerics.scaling_methods import scaling_order
 from bench.numerics.specs import FORMAT_SPECS, settings_in_order
 from bench.numerics.telemetry import TENSOR_CLASSES
 from bench.reporting import archive
-from bench.reporting.quality import targets
+from bench.reporting.quality import near_chance, targets
 from bench.reporting.recorded_predictions import DEFAULT_GPUS, predicted
 from bench.reporting.statistics import paired, t_interval, unit
 from bench.running.config import check_declared, task_spec
@@ -274,6 +274,7 @@ def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None) -> pd.Dat
             "backend": precision.get("backend"), "device": device, "status": r["status"],
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
             "metric": metric, "unit": spec["unit"], "higher_is_better": spec["higher_is_better"],
+            "chance": _number(spec.get("chance")),
             "value": _number(metrics.get(metric)), "evaluated_in": evaluated_in(r),
             # of a learning-rate sweep (bench.reporting.tables.lr_transfer_table)
             "lr": _number((cfg["model"].get("optimizer") or {}).get("lr")),
@@ -353,6 +354,7 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     cells["compile_s"] = finished["compile_s"].median()
     cells["metric"] = groups["metric"].first()
     cells["higher_is_better"] = groups["higher_is_better"].first()
+    cells["chance"] = groups["chance"].first()
     cells["lr"] = groups["lr"].first()
     cells["settings"] = groups["settings"].first()  # the same for every seed but in `seed`
     cells["runs"] = groups.size()
@@ -381,14 +383,18 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     for name in frame.attrs.get("gpus", []):
         _predicted_columns(cells, groups, finished, name)
     cells = cells.reset_index()
-    base = cells[cells["setting"] == "32-true"][["baseline_id", "train_s", "peak_bytes", "step_bytes"]]
+    base = cells[cells["setting"] == "32-true"][["baseline_id", "train_s", "peak_bytes", "step_bytes", "value"]]
     base = base.rename(columns={"train_s": "fp32_train_s", "peak_bytes": "fp32_peak_bytes",
-                                "step_bytes": "fp32_step_bytes"})
+                                "step_bytes": "fp32_step_bytes", "value": "fp32_value"})
     base = base.groupby("baseline_id").first().reset_index()  # native and emulated fp32 are one thing
     cells = cells.merge(base, on="baseline_id", how="left")
     cells["speedup_vs_fp32"] = cells["fp32_train_s"] / cells["train_s"]
     cells["memory_ratio_vs_fp32"] = cells["peak_bytes"] / cells["fp32_peak_bytes"]
     cells["step_memory_ratio_vs_fp32"] = cells["step_bytes"] / cells["fp32_step_bytes"]
+    # a 32-true cell that learned nothing is no baseline: its differences and targets say so (bench.reporting.quality)
+    cells["baseline_near_chance"] = [
+        False if pd.isna(h) else near_chance(v, c, bool(h), unit(u).bounds[1 if h else 0])
+        for v, c, h, u in zip(cells["fp32_value"], cells["chance"], cells["higher_is_better"], cells["unit"])]
     for name in frame.attrs.get("gpus", []):  # a predicted speed-up: against the 32-true cell's prediction there
         column = f"predicted_{name}_compiled_s"
         fp32 = cells[cells["setting"] == "32-true"].groupby("baseline_id")[column].first()

@@ -23,6 +23,17 @@ from omegaconf import OmegaConf
 from bench.numerics.scaling_methods import NO_SCALING
 from bench.running.config import CONF_DIR
 
+NEAR_CHANCE = 0.1  # a tenth of the way from chance to a perfect score, or less: nothing learned to compare against
+
+
+def near_chance(value: float, chance: float | None, higher_is_better: bool, best: float) -> bool:
+    """Whether `value` (a 32-true cell's mean) lies within NEAR_CHANCE of the way from the task's declared `chance`
+    to `best` (the unit's perfect score: 1 for a fraction, 0 for a loss); False where chance is not declared."""
+    if chance is None or pd.isna(chance) or pd.isna(value):
+        return False
+    return bool(abs(value - chance) <= NEAR_CHANCE * abs(best - chance)) and (
+        (value <= best) if higher_is_better else (value >= best))
+
 
 def steps_to_target(points: list, target: float, higher_is_better: bool) -> int | None:
     """The step of the first point of `points` ([step, value], in step order) that reaches `target`; None if none."""

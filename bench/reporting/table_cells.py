@@ -122,6 +122,9 @@ def cell_difference(cell, suffix: str = "") -> Paired:
 def fmt_difference(cell, with_n: bool = True) -> str:
     """The paired difference to 32-true (bench.reporting.statistics.format_paired), and where stalled runs took part
     in it, the same without their pairs."""
+    if flag(cell.get("baseline_near_chance")):
+        return ("baseline " if str(cell["setting"]) == "32-true" else "– (") + near_chance_note(cell) + (
+            "" if str(cell["setting"]) == "32-true" else ")")
     if str(cell["setting"]) == "32-true":
         return "baseline"
     text = format_paired(cell_difference(cell), cell_unit(cell), with_n)
@@ -129,6 +132,14 @@ def fmt_difference(cell, with_n: bool = True) -> str:
     if without.n < cell_difference(cell).n:
         text += f"; without stalled runs: {format_paired(without, cell_unit(cell), with_n)}"
     return text
+
+
+def near_chance_note(cell) -> str:
+    """What a table says where the cell's 32-true baseline learned nothing (bench.reporting.quality.near_chance)."""
+    metric_unit = cell_unit(cell)
+    shown = lambda v: f"{metric_unit.shown(v):.{metric_unit.digits}f}"  # noqa: E731
+    return (f"32-true at {shown(cell['fp32_value'])}, near chance ({shown(cell['chance'])}): nothing learned to "
+            "compare against")
 
 
 def fmt_mib(value) -> str:

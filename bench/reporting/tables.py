@@ -45,6 +45,7 @@ from bench.reporting.table_cells import (
     fmt_stat,
     fmt_time,
     metric_text,
+    near_chance_note,
     predicted_cells,
     predicted_gpus,
     published_rows,
@@ -83,7 +84,10 @@ def time_to_target_table(cells: pd.DataFrame) -> pd.DataFrame:
     for _, c in cells.iterrows():
         metric_unit = cell_unit(c)
         judged, reached = int(c["target_judged"]), int(c["target_reached"])
-        if not judged:
+        if flag(c.get("baseline_near_chance")):  # its target is chance: no steps or time worth quoting
+            judged = reached = 0
+            steps = f"– ({near_chance_note(c)})"
+        elif not judged:
             steps = ("no target (no 32-true run with a quality curve)" if pd.isna(c["target"]) else
                      "no quality curve" if c["ok"] else "–")
         elif not reached:

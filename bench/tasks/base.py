@@ -16,6 +16,21 @@ from torch import nn
 from bench.errors import ConfigError
 
 
+def on_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to(device)` keeping its tied parameters tied: moving to another kind of device (the meta device the
+    speed model traces on) gives each module a parameter of its own, which would count a tied head twice and leave
+    BERT's MLM head's bias apart from its decoder's."""
+    from bench.numerics.unit import tied_parameters  # (unit_scaling's import: only when a model is built)
+
+    ties = tied_parameters(model)
+    model = model.to(device)
+    for owners in ties:
+        shared = getattr(model.get_submodule(owners[0][0]), owners[0][1])
+        for module_name, attribute in owners[1:]:
+            setattr(model.get_submodule(module_name), attribute, shared)
+    return model
+
+
 @dataclass
 class Task:
     model: nn.Module
@@ -93,6 +108,10 @@ class TaskSpec:
     metric: str = MISSING  # the primary metric in the record's `metrics`: the tables' value, the paired difference
     unit: str = "fraction"  # the metric's unit (METRIC_UNITS): how tables show it and the range its intervals keep to
     higher_is_better: bool = True
+    # the metric a model reaches by guessing (LeNet's ten digits: 0.1), in its recorded units; a 32-true cell within
+    # a tenth of the way from it to a perfect score has learned nothing to compare against (bench.reporting.quality
+    # near_chance), and the tables say so instead of a difference; null: not declared
+    chance: Optional[float] = None
     # the quality curve (time to target): the validation metric it plots (null: `metric`), and the steps between its
     # evaluations (null: after each epoch, where the task validates); both are how to read and watch a model, not
     # what it computes

@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from bench.errors import ConfigError
-from bench.tasks.base import Task
+from bench.tasks.base import Task, on_device
 from bench.tasks.squad_processing import (
     postprocess_predictions,
     prepare_eval_features,
@@ -46,7 +46,7 @@ def squad_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
                                      intermediate_size=arch.intermediate, num_attention_heads=arch.heads,
                                      max_position_embeddings=max(512, cfg.max_length)),
                                 vocab_size=len(tokenizer))
-    model = model.to(device)
+    model = on_device(model, device)
 
     def train_batches(epoch: int):
         return batches(train_t, cfg.batch_size, torch.Generator().manual_seed(seed * 100_003 + epoch), device)
