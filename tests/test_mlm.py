@@ -96,17 +96,22 @@ BAND = (1 / 16, 4)
 BROADCAST = ("position_embeddings", "token_type_embeddings")
 
 
+def _outside(found: dict, band: tuple[float, float]) -> dict:
+    """The modules of `found` (`_scales`) whose output or gradient std lies outside `band`, broadcast ones apart."""
+    low, high = band
+    return {name: stds for name, stds in found.items() if not name.endswith(BROADCAST)
+            and not all(low <= s <= high for s in stds if s is not None)}
+
+
 @pytest.mark.parametrize("family", ["distilbert", "bert"])
 def test_unit_scaled_encoder_is_unit_scaled_at_initialisation_and_a_plain_one_is_not(family):
     torch.manual_seed(0)
     unit = _scales(unit_scale(_encoder(family)), unit_cross_entropy)
     torch.manual_seed(0)
     plain = _scales(_encoder(family), F.cross_entropy)
-    low, high = BAND
 
     def outside(found):
-        return {name: stds for name, stds in found.items() if not name.endswith(BROADCAST)
-                and not all(low <= s <= high for s in stds if s is not None)}
+        return _outside(found, BAND)
 
     assert len(unit) > 30 and any(name.endswith("scaled_attention") for name in unit)  # attention measured too
     assert outside(unit) == {}, outside(unit)
@@ -148,10 +153,9 @@ def _distilbert_from_unit_scaling_ops(model, ids):
     return U.linear(h, model.vocab_projector.weight, model.vocab_projector.bias, constraint=None)
 
 
-def test_one_converted_step_equals_the_model_written_from_unit_scalings_ops():
-    """Forward logits, the loss and every parameter's gradient, bit for bit."""
-    torch.manual_seed(0)
-    model = unit_scale(_encoder("distilbert")).eval()
+def _assert_one_step_equals(model, written_forward, loss_fn):
+    """One masked-LM step of `model` and of `written_forward(model, inputs)`, its forward written from the library's
+    ops with the same weights: the logits, the loss (`loss_fn`) and every parameter's gradient, bit for bit."""
     ids = torch.randint(FIRST, VOCABULARY, (4, 64), generator=torch.Generator().manual_seed(0))
     inputs, labels = _mask(ids, 1)
     chosen = labels != IGNORED
@@ -159,15 +163,21 @@ def test_one_converted_step_equals_the_model_written_from_unit_scalings_ops():
     def step(forward):
         model.zero_grad()
         logits = forward()
-        loss = unit_cross_entropy(logits[chosen], labels[chosen])
+        loss = loss_fn(logits[chosen], labels[chosen])
         loss.backward()
         return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     ours = step(lambda: model(input_ids=inputs).logits)
-    reference = step(lambda: _distilbert_from_unit_scaling_ops(model, inputs))
+    reference = step(lambda: written_forward(model, inputs))
     assert torch.equal(ours[0], reference[0]) and torch.equal(ours[1], reference[1])
     assert ours[2].keys() == reference[2].keys()
     assert {n for n in ours[2] if not torch.equal(ours[2][n], reference[2][n])} == set()
+
+
+def test_one_converted_step_equals_the_model_written_from_unit_scalings_ops():
+    torch.manual_seed(0)
+    _assert_one_step_equals(unit_scale(_encoder("distilbert")).eval(), _distilbert_from_unit_scaling_ops,
+                            unit_cross_entropy)
 
 
 def test_the_attention_route_is_what_computes_attention():
@@ -304,11 +314,9 @@ def test_a_umup_encoder_is_unit_scaled_at_initialisation_and_a_plain_one_is_not(
     umup = _scales(umup_scale(_encoder(family)), functools.partial(U.cross_entropy, mult=1.0))
     torch.manual_seed(0)
     plain = _scales(_encoder(family), F.cross_entropy)
-    low, high = UMUP_BAND
 
     def outside(found):
-        return {name: stds for name, stds in found.items() if not name.endswith(BROADCAST)
-                and not all(low <= s <= high for s in stds if s is not None)}
+        return _outside(found, UMUP_BAND)
 
     assert len(umup) > 30 and any(name.endswith("scaled_attention") for name in umup)
     assert outside(umup) == {}, outside(umup)
@@ -380,27 +388,12 @@ def _distilbert_from_umup_ops(model, ids):
 
 
 def test_one_umup_step_equals_the_model_written_from_unit_scalings_umup_ops():
-    """Forward logits, the loss (the library's cross-entropy) and every parameter's gradient, bit for bit."""
+    """With the library's cross-entropy."""
     from bench.numerics.umup import umup_scale
 
     torch.manual_seed(0)
-    model = umup_scale(_encoder("distilbert")).eval()
-    ids = torch.randint(FIRST, VOCABULARY, (4, 64), generator=torch.Generator().manual_seed(0))
-    inputs, labels = _mask(ids, 1)
-    chosen = labels != IGNORED
-
-    def step(forward):
-        model.zero_grad()
-        logits = forward()
-        loss = U.cross_entropy(logits[chosen], labels[chosen], mult=1.0)
-        loss.backward()
-        return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    ours = step(lambda: model(input_ids=inputs).logits)
-    reference = step(lambda: _distilbert_from_umup_ops(model, inputs))
-    assert torch.equal(ours[0], reference[0]) and torch.equal(ours[1], reference[1])
-    assert ours[2].keys() == reference[2].keys()
-    assert {n for n in ours[2] if not torch.equal(ours[2][n], reference[2][n])} == set()
+    _assert_one_step_equals(umup_scale(_encoder("distilbert")).eval(), _distilbert_from_umup_ops,
+                            lambda logits, labels: U.cross_entropy(logits, labels, mult=1.0))
 
 
 def test_umups_pre_norm_residual_rule_is_refused_on_a_post_norm_encoder():
