@@ -61,3 +61,21 @@ def restore(model: nn.Module, replaced: dict[str, nn.Module]) -> None:
     for name, module in replaced.items():
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent), attribute, module)
+
+
+def tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Every parameter held by more than one module, as its (module name, attribute) owners."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules():
+        for attribute, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((module_name, attribute))
+    return [o for o in owners.values() if len(o) > 1]
+
+
+def retie(model: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
+    """Make each group of owners `tied_parameters` found share its first owner's parameter again (after a swap or
+    a move to another kind of device gave them parameters of their own)."""
+    for owners in ties:
+        shared = getattr(model.get_submodule(owners[0][0]), owners[0][1])
+        for module_name, attribute in owners[1:]:
+            setattr(model.get_submodule(module_name), attribute, shared)

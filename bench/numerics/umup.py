@@ -45,7 +45,7 @@ from unit_scaling.scale import scale_bwd, scale_fwd
 from bench.errors import ConfigError
 from bench.numerics.emulation import CastOp
 from bench.numerics.ops import Add, Attention, CausalAttention, Residual
-from bench.numerics.swap import swap_modules
+from bench.numerics.swap import swap_modules, tied_parameters
 from bench.numerics.unit import (
     POST_NORM_TAU,
     UnitAdd,
@@ -54,7 +54,6 @@ from bench.numerics.unit import (
     dropout_of,
     refuse_unscaled_ops,
     route_registry_attention,
-    tied_parameters,
     weight_post_norm_branches,
 )
 

@@ -46,7 +46,7 @@ from unit_scaling.scale import scale_bwd, scale_fwd
 from bench.errors import ConfigError
 from bench.numerics.emulation import CastOp
 from bench.numerics.ops import Add, Attention, CausalAttention, Residual
-from bench.numerics.swap import swap_modules
+from bench.numerics.swap import retie, swap_modules, tied_parameters
 
 RESIDUAL_CONSTRAINT = "gmean"  # ops with a residual add after them; unit-scaling leaves the rest unconstrained
 # (forward, backward) factors from the paper. ReLU on N(0, 1): output std sqrt(1/2 - 1/(2 pi)) = 0.584
@@ -315,10 +315,7 @@ def unit_scale(model: nn.Module, preserve: bool = False, post_norm_tau: float = 
                      if type(child) is Residual]
         for (parent, name), tau in zip(residuals, residual_taus(len(residuals))):
             setattr(parent, name, UnitResidual(tau))
-    for owners in ties:
-        shared = getattr(model.get_submodule(owners[0][0]), owners[0][1])
-        for module_name, attribute in owners[1:]:
-            setattr(model.get_submodule(module_name), attribute, shared)
+    retie(model, ties)
     return model
 
 
@@ -391,15 +388,6 @@ def route_registry_attention(model: nn.Module, make_attention) -> list[str]:
         module.scaled_attention = make_attention(module)
     model.set_attn_implementation(REGISTRY_ATTENTION)
     return list(modules)
-
-
-def tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
-    """Every parameter held by more than one module, as its (module name, attribute) owners."""
-    owners: dict[int, list[tuple[str, str]]] = {}
-    for module_name, module in model.named_modules():
-        for attribute, p in module.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append((module_name, attribute))
-    return [o for o in owners.values() if len(o) > 1]
 
 
 def _convert(model: nn.Module, preserve: bool) -> None:

@@ -14,20 +14,16 @@ from omegaconf import MISSING
 from torch import nn
 
 from bench.errors import ConfigError
+from bench.numerics.swap import retie, tied_parameters
 
 
 def on_device(model: nn.Module, device: torch.device) -> nn.Module:
     """`model.to(device)` keeping its tied parameters tied: moving to another kind of device (the meta device the
     speed model traces on) gives each module a parameter of its own, which would count a tied head twice and leave
     BERT's MLM head's bias apart from its decoder's."""
-    from bench.numerics.unit import tied_parameters  # (unit_scaling's import: only when a model is built)
-
     ties = tied_parameters(model)
     model = model.to(device)
-    for owners in ties:
-        shared = getattr(model.get_submodule(owners[0][0]), owners[0][1])
-        for module_name, attribute in owners[1:]:
-            setattr(model.get_submodule(module_name), attribute, shared)
+    retie(model, ties)
     return model
 
 
