@@ -99,8 +99,10 @@ def fused(from_elements: int) -> Callable[[Callable], Callable]:
 
         @functools.wraps(fn)
         def quantiser(x: torch.Tensor, *args, **kwargs):
-            if (x.numel() < from_elements or x.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling()
-                    or (x.requires_grad and torch.is_grad_enabled()) or not enabled() or draws(args, kwargs)):
+            # the switch first: off (the default), a call costs one lookup before the eager quantiser
+            if (not enabled() or x.numel() < from_elements or x.device.type not in ("cpu", "cuda")
+                    or torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled())
+                    or draws(args, kwargs)):
                 return fn(x, *args, **kwargs)
             return run_fused(x, *args, **kwargs)
 
