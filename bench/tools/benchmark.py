@@ -37,11 +37,11 @@ things compared, in one process:
 - trace_share.lenet.<format>: what tracing its step costs a cell (bench/speed/trace.py, the speed model's input and
   its FLOPs) as the same share. Target <= 0.02.
 - aggregate_s.10k: reading, summarising and tabulating 10,000 synthetic records. Target <= 5 s.
-- quantise_ns.<format>: nanoseconds per value of each quantiser as a cell calls it (bench.numerics.formats
-  .quantise_value, the block quantisers: MX, NVFP4, FP8 rowwise and tiles; fused where that pays) on 2^20 float32
-  values, as a 1024 x 1024 matrix. quantise_of_clone.<format>.{eager,fused}: each one's throughput as a fraction of
-  x.clone()'s (the memory floor: one read, one write) on 4096 x 4096, eager and fused (bench/numerics/fused.py).
-  Target for the fused path: >= 0.7.
+- quantise_ns.<format>: nanoseconds per value of bench.numerics.formats.quantise on 2^20 float32 values, and of the
+  block quantisers (MX, NVFP4, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix (fused where that
+  pays: bench/numerics/fused.py). quantise_of_clone.<format>.{eager,fused}: each one's throughput as a fraction of
+  x.clone()'s (the memory floor: one read, one write) on 4096 x 4096, eager and fused. Target for the fused path:
+  >= 0.7.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ from bench.numerics.blocks import (
     tile2d_quantise,
     tile_quantise,
 )
-from bench.numerics.formats import quantise_value
+from bench.numerics.formats import quantise, quantise_value
 from bench.numerics.memory import StepMemory
 from bench.running import device as devices
 from bench.running.compile import CompiledStep
@@ -484,38 +484,49 @@ def aggregate_rows(n: int = 10_000) -> list[dict]:
     return [row("aggregate_s.10k", seconds, "s", "<= 5")]
 
 
-QUANTISERS = {  # name: (the quantiser, its arguments after x); the block ones blocked along the rows of a matrix
-    **{fmt: (quantise_value, (fmt,)) for fmt in ("tf32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")},
-    "mxfp8_e4m3": (mx_quantise, ("fp8_e4m3",)), "mxfp6_e2m3": (mx_quantise, ("fp6_e2m3",)),
-    "mxfp4_e2m1": (mx_quantise, ("fp4_e2m1",)), "nvfp4": (nvfp4_quantise, (None,)),
-    "fp8_rowwise": (rowwise_quantise, ()), "fp8_1x128": (tile_quantise, ()), "fp8_128x128": (tile2d_quantise, ())}
-STOCHASTIC = {"nvfp4_stochastic": lambda x: nvfp4_quantise(x, nvfp4_tensor_scale(x), rounding="stochastic")}
+BLOCK_QUANTISERS = {  # on a (1024, 1024) tensor, blocked along its rows
+    "mxfp8_e4m3": lambda x: mx_quantise(x, "fp8_e4m3"), "mxfp6_e2m3": lambda x: mx_quantise(x, "fp6_e2m3"),
+    "mxfp4_e2m1": lambda x: mx_quantise(x, "fp4_e2m1"), "nvfp4": lambda x: nvfp4_quantise(x, nvfp4_tensor_scale(x)),
+    "nvfp4_stochastic": lambda x: nvfp4_quantise(x, nvfp4_tensor_scale(x), rounding="stochastic"),
+    "fp8_rowwise": rowwise_quantise, "fp8_1x128": tile_quantise, "fp8_128x128": tile2d_quantise}
+ELEMENT_FORMATS = ("tf32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+# quantise_of_clone: each quantiser and its arguments after x (None: the tensor's NVFP4 scale), eager and fused
+FUSED_QUANTISERS = {**{fmt: (quantise_value, (fmt,)) for fmt in ELEMENT_FORMATS},
+                    "mxfp8_e4m3": (mx_quantise, ("fp8_e4m3",)), "mxfp6_e2m3": (mx_quantise, ("fp6_e2m3",)),
+                    "mxfp4_e2m1": (mx_quantise, ("fp4_e2m1",)), "nvfp4": (nvfp4_quantise, (None,)),
+                    "fp8_rowwise": (rowwise_quantise, ()), "fp8_1x128": (tile_quantise, ()),
+                    "fp8_128x128": (tile2d_quantise, ())}
 OF_CLONE_TARGET = ">= 0.7"  # a fused quantiser's throughput as a fraction of x.clone()'s (one read, one write)
 
 
 def quantise_rows(quick: bool = False) -> list[dict]:
-    """quantise_ns: each quantiser as a cell calls it (fused where that pays, bench/numerics/fused.py), on 2^20 values
-    (a 1024 x 1024 matrix for the block ones); quantise_of_clone: its eager and its fused path's throughput as a
-    fraction of clone's, on 2^24 values (4096 x 4096, past every cache; not with `quick`: each fused path compiles)."""
-    cpu, rows = torch.device("cpu"), []
-    for size, big in ((1024, False),) if quick else ((1024, False), (4096, True)):
-        x = torch.randn(size, size, generator=torch.Generator().manual_seed(0)) * 100
-        args = {name: tuple(nvfp4_tensor_scale(x) if a is None else a for a in extra)
-                for name, (_, extra) in QUANTISERS.items()}
-        if not big:
-            for name, (quantiser, _) in QUANTISERS.items():
-                seconds = alternate({name: lambda q=quantiser, a=args[name]: q(x, *a)}, cpu, 5)[name]
-                rows.append(row(f"quantise_ns.{name}", seconds / x.numel() * 1e9, "ns/value", None))
-            for name, quantiser in STOCHASTIC.items():
-                seconds = alternate({name: lambda q=quantiser: q(x)}, cpu, 5)[name]
-                rows.append(row(f"quantise_ns.{name}", seconds / x.numel() * 1e9, "ns/value", None))
-            continue
-        for name, (quantiser, _) in QUANTISERS.items():
-            t = alternate({"clone": x.clone, "eager": lambda q=quantiser, a=args[name]: q.eager(x, *a),
-                           "fused": lambda q=quantiser, a=args[name]: q.fused(x, *a)}, cpu, 3)
-            rows.append(row(f"quantise_of_clone.{name}.eager", t["clone"] / t["eager"], "x clone's throughput"))
-            rows.append(row(f"quantise_of_clone.{name}.fused", t["clone"] / t["fused"], "x clone's throughput",
-                            OF_CLONE_TARGET))
+    """quantise_ns: `quantise` on 2^20 values and the block quantisers on the same values as a 1024 x 1024 matrix, as
+    a cell calls them (fused where that pays, bench/numerics/fused.py); then, but with `quick` (each fused path
+    compiles), `of_clone_rows`."""
+    x = torch.randn(2**20) * 100
+    rows = []
+    for fmt in ELEMENT_FORMATS:
+        seconds = alternate({fmt: lambda fmt=fmt: quantise(x, fmt)}, torch.device("cpu"), 5)[fmt]
+        rows.append(row(f"quantise_ns.{fmt}", seconds / x.numel() * 1e9, "ns/value", None))
+    matrix = x.reshape(1024, 1024)
+    for name, quantiser in BLOCK_QUANTISERS.items():
+        seconds = alternate({name: lambda q=quantiser: q(matrix)}, torch.device("cpu"), 5)[name]
+        rows.append(row(f"quantise_ns.{name}", seconds / x.numel() * 1e9, "ns/value", None))
+    return rows if quick else rows + of_clone_rows()
+
+
+def of_clone_rows() -> list[dict]:
+    """quantise_of_clone: each quantiser's eager and fused throughput as a fraction of clone's, on 4096 x 4096 FP32
+    values (past every cache)."""
+    x = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0)) * 100
+    rows = []
+    for name, (quantiser, extra) in FUSED_QUANTISERS.items():
+        args = tuple(nvfp4_tensor_scale(x) if a is None else a for a in extra)
+        t = alternate({"clone": x.clone, "eager": lambda q=quantiser, a=args: q.eager(x, *a),
+                       "fused": lambda q=quantiser, a=args: q.fused(x, *a)}, torch.device("cpu"), 3)
+        rows.append(row(f"quantise_of_clone.{name}.eager", t["clone"] / t["eager"], "x clone's throughput"))
+        rows.append(row(f"quantise_of_clone.{name}.fused", t["clone"] / t["fused"], "x clone's throughput",
+                        OF_CLONE_TARGET))
     return rows
 
 
