@@ -122,10 +122,10 @@ def cell_difference(cell, suffix: str = "") -> Paired:
 def fmt_difference(cell, with_n: bool = True) -> str:
     """The paired difference to 32-true (bench.reporting.statistics.format_paired), and where stalled runs took part
     in it, the same without their pairs."""
+    baseline = str(cell["setting"]) == "32-true"
     if flag(cell.get("baseline_near_chance")):
-        return ("baseline " if str(cell["setting"]) == "32-true" else "– (") + near_chance_note(cell) + (
-            "" if str(cell["setting"]) == "32-true" else ")")
-    if str(cell["setting"]) == "32-true":
+        return f"baseline {near_chance_note(cell)}" if baseline else f"– ({near_chance_note(cell)})"
+    if baseline:
         return "baseline"
     text = format_paired(cell_difference(cell), cell_unit(cell), with_n)
     without = cell_difference(cell, "_without_stalled")

@@ -85,7 +85,7 @@ def time_to_target_table(cells: pd.DataFrame) -> pd.DataFrame:
         metric_unit = cell_unit(c)
         judged, reached = int(c["target_judged"]), int(c["target_reached"])
         if flag(c.get("baseline_near_chance")):  # its target is chance: no steps or time worth quoting
-            judged = reached = 0
+            reached = 0  # (the predicted times below say "–")
             steps = f"– ({near_chance_note(c)})"
         elif not judged:
             steps = ("no target (no 32-true run with a quality curve)" if pd.isna(c["target"]) else
