@@ -144,11 +144,15 @@ def text_cache(data: DictConfig) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "precision-bench" / Path(data.url).name
 
 
+def text_file(data: DictConfig) -> Path:
+    """Where `data`'s text is read from: `data.path` (source=local), else its download's place in the cache."""
+    return Path(data.path) if data.source == "local" else text_cache(data)
+
+
 def stand_in_text(data: DictConfig, length: int) -> Path | None:
     """For a trace, which reads no values: a file of `length` characters cycling through Tiny Shakespeare's
     vocabulary, where `data` names Tiny Shakespeare (its sha256) and the text is not here; None otherwise."""
-    if data.get("sha256") != SHAKESPEARE_SHA256 or (data.source == "download" and text_cache(data).is_file()) or (
-            data.source == "local" and Path(data.path).is_file()):
+    if data.get("sha256") != SHAKESPEARE_SHA256 or text_file(data).is_file():
         return None
     path = Path(tempfile.gettempdir()) / f"precision-bench-stand-in-{length}.txt"
     if not path.is_file():
@@ -161,23 +165,20 @@ def stand_in_text(data: DictConfig, length: int) -> Path | None:
 def load_text(data: DictConfig) -> str:
     """`data.path` (source=local), else `data.url` (downloaded once into the user's cache); checked against
     `data.sha256` when that is set, so a different or truncated file never trains silently."""
-    if data.source == "local":
-        path = Path(data.path)
-        if not path.is_file():
-            raise ConfigError(f"model.data.path={data.path}: no such file")
-    else:
-        path = text_cache(data)
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                with urllib.request.urlopen(data.url, timeout=60) as response:
-                    body = response.read()
-            except OSError as e:
-                raise ConfigError(f"could not download {data.url} ({e}); without internet, pass model.data.path= a "
-                                  "local copy") from e
-            tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(body)
-            tmp.replace(path)
+    path = text_file(data)
+    if not path.is_file() and data.source == "local":
+        raise ConfigError(f"model.data.path={data.path}: no such file")
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with urllib.request.urlopen(data.url, timeout=60) as response:
+                body = response.read()
+        except OSError as e:
+            raise ConfigError(f"could not download {data.url} ({e}); without internet, pass model.data.path= a "
+                              "local copy") from e
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(body)
+        tmp.replace(path)
     raw = path.read_bytes()
     if data.sha256 and hashlib.sha256(raw).hexdigest() != data.sha256:
         raise ConfigError(f"{path}: sha256 {hashlib.sha256(raw).hexdigest()} is not the expected {data.sha256} "
