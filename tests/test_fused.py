@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.numerics import blocks, fused
-from bench.numerics.formats import FORMATS, OVERFLOW_POLICIES, quantise_stochastic, quantise_value
+from bench.numerics.formats import FORMATS, OVERFLOW_POLICIES, _round_up_below, quantise_stochastic, quantise_value
 from bench.tools.conformance import families
 
 BLOCKED_FIELDS = ("values", "elements", "scale", "amax", "factor", "scale_bits")
@@ -94,8 +94,6 @@ def test_stochastic_rounding_fused_rounds_the_same_draws_to_the_same_bits():
     draw = torch.rand(x.shape, generator=torch.Generator().manual_seed(1))
     for element, policy in (("fp8_e4m3", "saturate"), ("fp8_e5m2", "inf")):
         spec = FORMATS[element]
-        from bench.numerics.formats import _round_up_below
-
         eager = _round_up_below.eager(x, draw, spec, policy, False)
         assert _same_bits(eager, _round_up_below.fused(x, draw, spec, policy, False)), element
     seeded = [quantise_stochastic(x, "fp8_e4m3", torch.Generator().manual_seed(5)) for _ in range(2)]
