@@ -10,10 +10,12 @@ holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
 - the call draws no random numbers: stochastic rounding (`rounding="stochastic"`, or a `generator`) stays eager,
   because a compiled graph draws from inductor's own generator, not the eager one's stream;
 - no gradient is being recorded through x (the quantisers run inside autograd Functions' forward passes);
-- the environment says `PRECISION_BENCH_FUSED=1`. Off by default: on this 2-core CPU the fused quantisers are 2-4x
-  faster than eager ones alone, but LeNet's and BERT-tiny's emulated training steps got slower with them (FP8 1.44 ->
-  1.76x FP32, MXFP8 2.0 -> 2.8x; only NVIDIA's NVFP4 recipe gained, 2.78 -> 2.52x), and why is not found yet
-  (docs/performance.md). Records say which ran (`env.fused_quantisers`).
+- the environment says `PRECISION_BENCH_FUSED=1`. Off by default: alone the fused quantisers are 2-4x faster
+  than the eager ones, but inside LeNet's and BERT-tiny's emulated steps a compiled call's guards and dispatch
+  (60-120 µs) cost what the passes it replaces do, and MXFP8 steps got slower (docs/performance.md). Records say
+  which ran (`env.fused_quantisers`).
+A BF16 or FP16 x enters the compiled graph as FP32 and its result leaves in x's dtype: inductor's CPU code for a
+16-bit tensor cast to FP8 and back ran 2x slower than torch's eager casts.
 
 Exactness. Inductor may fuse a cast to a 16-bit type and back into nothing: `x.to(bf16).to(fp32)`, the rounding
 itself, comes back unrounded unless `emulate_precision_casts` is set, which it is here. Everything else the
@@ -38,6 +40,7 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True}  # keep x.to(bf16/fp16).to(
 SWITCH = "PRECISION_BENCH_FUSED"  # =1: fused where it pays; otherwise (the default) every quantiser eager
 ELEMENTWISE_FROM = 1 << 16  # element rounding: compiled from 65,536 elements (the measured crossover, 2 threads)
 BLOCKWISE_FROM = 1 << 12  # block and tile quantisers (ten or more eager passes): from 4,096 elements
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # compiled on their FP32 widening (the module docstring says why)
 
 
 FELL_BACK: list[str] = []  # the specialisations that failed to compile in this process (they run eagerly)
@@ -90,6 +93,9 @@ def fused(from_elements: int) -> Callable[[Callable], Callable]:
                 compiled[key] = _compiled(fn, len(compiled))
             if key is not None and compiled[key] is not None:
                 try:
+                    if x.dtype in SIXTEEN_BIT:  # FP32 in, and back: inductor's 16-bit code is slower than eager
+                        result = compiled[key](x.float(), *args, **kwargs)
+                        return result.to(x.dtype) if isinstance(result, torch.Tensor) else result
                     return compiled[key](x, *args, **kwargs)
                 except Exception as e:  # dynamo's limits, or inductor cannot compile here: eager from now on
                     compiled[key] = None
