@@ -45,8 +45,9 @@ def test_every_block_format_matches_its_reference_except_the_named_departures(ro
     """0 differing scale bytes and 0 differing dequantised values against torchao (every MX element format and scale
     mode, NVFP4 one- and two-level, rowwise FP8), ml_dtypes (element casts), and between edge, transposed and plain
     inputs, on every input family; what differs is confined to the named departures, each where it belongs."""
-    assert len(table) == 5 * (4 + 3) + 2 + 2 + 2  # MX, its edge/transposed/ml_dtypes rows; NVFP4 x 2; rowwise FP8 x 2;
-    # NVIDIA's recipe: 16 x 16 tiles against their definition, the RHT'd weight-gradient operand against scipy + torchao
+    assert len(table) == 5 * (4 + 3) + 2 + 2 + 2 + 4  # MX, its edge/transposed/ml_dtypes rows; NVFP4 x 2; rowwise FP8
+    # x 2; NVIDIA's recipe: 16 x 16 tiles against their definition, the RHT'd weight-gradient operand against scipy +
+    # torchao; Transformer Engine's rules: NVFP4 under either scale rule, its tiles and its BF16 transform
     assert set(rows["family"]) >= {"random", "zero", "scale boundaries", "element ties", "subnormal",
                                    "mixed extremes", "bf16 inputs"}
     assert table["values"].min() >= 1024
@@ -63,10 +64,16 @@ def test_every_block_format_matches_its_reference_except_the_named_departures(ro
     assert set(floor["scale mode"]) == {"E4M3 block x FP32 tensor", "E4M3 block x FP32 tensor, along the tokens"}
     assert set(floor["family"]) == {"zero", "subnormal"}
     rht = where["rht_fp32_arithmetic"]
-    assert set(rht["format"]) == {"NVFP4 + RHT (weight-gradient operands)"}
+    assert set(rht["format"]) <= {"NVFP4 + RHT (weight-gradient operands)",
+                                  "NVFP4 + RHT in BF16 (weight-gradient operands)"}
     assert set(rht["family"]) <= {"subnormal", "mixed extremes"}
     assert table[table["format"] == "NVFP4 16x16 weight tiles"][list(DEPARTURES)].sum().sum() == 0
-    assert (rows[rows["family"] == "random"][list(DEPARTURES)] == 0).all().all()  # random inputs never reach them
+    te = rows["reference"].str.startswith("Transformer Engine")
+    assert set(rows[te & (rows["torchao_scale_clamp"] + rows["torchao_scale_order"] > 0)]["scale mode"]) == {
+        "scale_rule=torchao"}  # every difference from TE's rules is torchao's rule, none is scale_rule=te's
+    assert rows[te & (rows["scale mode"] == "scale_rule=torchao")]["torchao_scale_clamp"].sum() > 0
+    plain = rows[~te & (rows["family"] == "random")]
+    assert (plain[list(DEPARTURES)] == 0).all().all()  # random inputs never reach the torchao references' departures
 
 
 def test_the_committed_conformance_tables_are_what_the_command_writes(rows, table):
@@ -127,8 +134,10 @@ def test_each_named_departure_has_its_example():
     gives 32); a zero tensor under two-level NVFP4 (torchao NaN, ours 0)."""
     examples = departure_examples().set_index("departure")
     assert list(examples.index) == list(DEPARTURES)
-    assert examples.loc["rceil_float32_log2", ["element", "torchao", "ours"]].tolist() == ["24", "24", "32"]
-    assert examples.loc["tensor_scale_floor", ["torchao", "ours"]].tolist() == ["nan", "0"]
+    assert examples.loc["rceil_float32_log2", ["element", "reference", "ours"]].tolist() == ["24", "24", "32"]
+    assert examples.loc["tensor_scale_floor", ["reference", "ours"]].tolist() == ["nan", "0"]
+    assert examples.loc["torchao_scale_clamp", ["reference", "ours"]].tolist() == ["0.001953125", "0.015625"]
+    assert examples.loc["torchao_scale_order", ["reference", "ours"]].tolist() == ["176", "160"]
 
 
 # E4M3: emax 8, max 448, 3 mantissa bits. (amax, floor, ceil, even, rceil) unbiased scale exponents, by hand:

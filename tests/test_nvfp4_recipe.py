@@ -214,18 +214,50 @@ LINEARS = ["h.0.attn.c_attn", "h.0.mlp.c_fc", "h.1.attn.c_attn", "h.1.mlp.c_fc",
     (("last:2",), ["h.1.mlp.c_fc", "lm_head"]),
     (("*.c_fc", "lm_head"), ["h.0.mlp.c_fc", "h.1.mlp.c_fc", "lm_head"]),
     (("first:1", "h.0.*"), ["h.0.attn.c_attn", "h.0.mlp.c_fc"]),
+    (("head",), ["lm_head"]),
+    (("last_blocks:1",), ["h.1.attn.c_attn", "h.1.mlp.c_fc"]),
+    (("head", "first_blocks:1"), ["h.0.attn.c_attn", "h.0.mlp.c_fc", "lm_head"]),
+    (("first_blocks:2",), LINEARS[:4]),
 ])
-def test_keep_high_precision_selects_layers_by_position_or_glob(patterns, kept):
-    assert kept_layers(LINEARS, patterns) == kept
+def test_keep_high_precision_selects_layers_by_position_block_head_or_glob(patterns, kept):
+    assert kept_layers(LINEARS, patterns, blocks="h") == kept
+
+
+def test_the_paper_layer_choice_on_the_char_lm_keeps_its_head_and_last_block(make_cfg, text_file):
+    """format=nvfp4_recipe's default: the output head and the last of the char-LM's 4 blocks in BF16 (the paper
+    keeps its head, and whole blocks); keep_high_precision=null quantises them; [head] keeps the head alone."""
+    from bench.running.run import build_task, preflight
+
+    def kept(*overrides):
+        cfg = make_cfg("model=charlm", f"model.data.path={text_file}", "model.data.source=local",
+                       "model.data.sha256=null", *overrides)
+        _, precision = preflight(cfg)
+        task = build_task(cfg.model, torch.device("cpu"), 0)
+        precision.prepare(task.model, cfg.model.task.blocks)
+        return (precision.conversion or {}).get("kept_by_request", [])
+
+    assert kept("format=nvfp4_recipe") == [f"h.3.{m}" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                 "mlp.c_proj")] + ["lm_head"]
+    assert kept("format=nvfp4") == []  # plain NVFP4 quantises every Linear, as its pinned runs did
+    assert kept("format=nvfp4", "format.keep_high_precision=[head]") == ["lm_head"]
+    assert kept("format=nvfp4_recipe", "format.keep_high_precision=null", "format.pad_weights=true") == []
 
 
 @pytest.mark.parametrize("patterns,message", [
-    (("*.c_proj",), r"'\*.c_proj' matches no Linear layer; valid: first:<n>, last:<n>, or a glob over these: h.0"),
+    (("*.c_proj",), r"'\*.c_proj' matches no Linear layer; valid: first:<n>, last:<n>, head, or a glob over these: "
+                    "h.0"),
     (("last:9",), "last:9 asks for 9 Linear layers; the model has 5"),
+    (("last_blocks:3",), r"last_blocks:3 asks for 3 blocks; the model has 2 \(h.\*\)"),
 ])
 def test_a_keep_high_precision_pattern_that_keeps_nothing_is_refused(patterns, message):
     with pytest.raises(PrecisionError, match=message):
-        kept_layers(LINEARS, patterns)
+        kept_layers(LINEARS, patterns, blocks="h")
+
+
+def test_counting_blocks_of_a_model_that_declares_none_is_refused_naming_the_valid_choices():
+    with pytest.raises(PrecisionError, match=r"last_blocks:1 counts blocks, and this model declares none "
+                                             r"\(model.task.blocks\); valid: first:<n>, last:<n>, head"):
+        kept_layers(["7", "9", "11"], ("last_blocks:1",))
 
 
 def test_kept_layers_compute_outside_the_format_and_the_record_says_their_share_of_the_gemm_flops(make_cfg):
@@ -282,7 +314,8 @@ def test_the_switches_enter_a_runs_identity_and_place_only_when_not_default(make
     (["format=fp8", "format.weight_blocks=16x16"], "needs a format in blocks of 16"),
     (["format=nvfp4", "format.weight_blocks=32x32"], "valid: 1x16, 16x16"),
     (["format=bf16", "format.keep_high_precision=[last:1]"], "applies to the formats of the GEMM operands only"),
-    (["format=nvfp4", "format.keep_high_precision=[last:0]"], "valid: first:<n> or last:<n> with n >= 1"),
+    (["format=nvfp4", "format.keep_high_precision=[last:0]"], "first_blocks:<n> or last_blocks:<n> with n >= 1"),
+    (["format=nvfp4", "format.keep_high_precision=[last_blocks:x]"], "last_blocks:<n> with n >= 1, head"),
     (["format=nvfp4", "format.rht_seed=4"], "valid: format.rht=true with it"),
 ])
 def test_switches_that_do_not_apply_are_refused_naming_the_valid_choices(make_cfg, overrides, message):
@@ -294,7 +327,7 @@ def test_switches_that_do_not_apply_are_refused_naming_the_valid_choices(make_cf
     (["format=nvfp4", "format.weight_blocks=16x16"],
      r"format.weight_blocks=16x16: 7 is 120 x 400, not whole 16 x 16 tiles .*valid: format.pad_weights=true"),
     pytest.param(["format=nvfp4", "format.keep_high_precision=[conv*]"],
-                 "'conv\\*' matches no Linear layer; valid: first:<n>, last:<n>, or a glob over these: 7, 9, 11",
+                 "'conv\\*' matches no Linear layer; valid: first:<n>, last:<n>, head, or a glob over these: 7, 9, 11",
                  marks=pytest.mark.slow),  # the same preflight path as above; kept_layers' message is tested fast
 ])
 def test_mistakes_only_the_model_shows_exit_2_before_training_writing_nothing(tmp_path, overrides, message):

@@ -17,6 +17,14 @@ FP32 per-tensor scale t = tensor amax / (448 * 6) (torchao's per_tensor_amax_to_
 that a zero or tiny tensor cannot turn into NaN: see nvfp4_tensor_scale), the stored block scale is
 amax / 6 / t and the elements x * ((1 / t) / s), as torchao's nvfp4_quantize computes them (a reciprocal times,
 not a division: the same bits as its Triton kernel).
+Transformer Engine (format.scale_rule=te; read from its CUDA source, transformer_engine/common/cast/nvfp4/) orders
+the same arithmetic otherwise, in FP32: S_enc = min(2688 / tensor amax, FLT_MAX) (1 for a zero tensor), the
+block scale s = E4M3(amax x (S_enc x fl(1/6))) with **no lower clamp** (subnormal E4M3 scales, and 0 for a block
+under 2^-10 of S_enc's unit), the elements x x min(1 / (s x (1 / S_enc)), FLT_MAX), and dequantisation by
+(s x tensor amax) x fl(1/2688). The two rules differ on ties (an exact 168 as a block scale: 160 by torchao's
+order, 176 by TE's) and, much more, on blocks far below the tensor's amax, which torchao's clamp flushes.
+Departures from TE, named: a NaN element stays NaN (TE's satfinite cast writes +6); the values carry the tensor's
+decode factor per element, where TE's GEMM applies it once to the FP32 result (a last-bit difference there).
 
 FP8 with finer scales than one per tensor, E4M3 elements throughout, power-of-two scales s (x * s is cast,
 divided by s again for the GEMM):
@@ -71,6 +79,8 @@ NVFP4_SCALE_MIN = 2.0**-6  # torch.finfo(float8_e4m3fn).tiny: torchao's clamp be
 # the floor of the two-level tensor scale t: (1 / t) / NVFP4_SCALE_MIN, the largest factor an element is
 # multiplied by, is then 2^127, still finite
 NVFP4_TENSOR_SCALE_MIN = 2.0**-121
+FLOAT32_MAX = torch.finfo(torch.float32).max
+SCALE_RULES = ("torchao", "te")  # NVFP4's scale arithmetic: torchao's (the default) or Transformer Engine's
 
 
 @dataclass
@@ -110,13 +120,14 @@ def _blocked(values: torch.Tensor, elements: torch.Tensor, length: int, dim: int
                    per_block(factor), None if scale_bits is None else per_block(scale_bits))
 
 
-def _round_elements(x: torch.Tensor, element: str, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
-    """Scaled values onto the element grid, saturating: RNE, or stochastic
-    (bench.numerics.formats.quantise_stochastic)."""
+def _round_elements(x: torch.Tensor, element: str, rounding: str, generator: torch.Generator | None,
+                    sr_bits: int | None = None) -> torch.Tensor:
+    """Scaled values onto the element grid, saturating: RNE, or stochastic from an FP32 uniform or `sr_bits`
+    random bits (bench.numerics.formats.quantise_stochastic)."""
     if rounding == "nearest":
         return quantise_value(x, element, overflow="saturate")
     if rounding == "stochastic":
-        return quantise_stochastic(x, element, generator)
+        return quantise_stochastic(x, element, generator, bits=sr_bits)
     raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
 
 
@@ -174,17 +185,20 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
 
 @fused(BLOCKWISE_FROM)
 def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1,
-                   rounding: str = "nearest", generator: torch.Generator | None = None) -> Blocked:
-    """x in NVFP4: blocks of 16 along `dim`, E4M3 block scales (under `tensor_scale` when given), E2M1 elements
-    rounded by `rounding` (NVIDIA's NVFP4 training recipe rounds gradients stochastically)."""
+                   rounding: str = "nearest", generator: torch.Generator | None = None,
+                   sr_bits: int | None = None) -> Blocked:
+    """x in NVFP4 by torchao's rule: blocks of 16 along `dim`, E4M3 block scales (under `tensor_scale` when given),
+    E2M1 elements rounded by `rounding` (NVIDIA's NVFP4 training recipe rounds gradients stochastically, from
+    `sr_bits` random bits where given)."""
     blocks, length = _blocks(x, dim, NVFP4_BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
-    elements, stored, scale = _nvfp4_scaled(blocks, amax, tensor_scale, rounding, generator)
+    elements, stored, scale = _nvfp4_scaled(blocks, amax, tensor_scale, rounding, generator, sr_bits)
     return _blocked(elements * scale, elements, length, dim, stored, amax, scale)
 
 
 def _nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_scale: torch.Tensor | None, rounding: str,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  generator: torch.Generator | None, sr_bits: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4's step for blocks (1 x 16, or 16 x 16 tiles) with their `amax`: the stored E4M3 scale
     E4M3(clamp(amax / 6 [/ t], 2^-6, 448)), the elements x * ((1 / t) / s) rounded to E2M1, and the factor s [* t]
     that dequantises them."""
@@ -198,8 +212,45 @@ def _nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_scale: torch.
         stored = quantise_value((block_scale / tensor_scale).clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX), "fp8_e4m3")
         scaled = blocks * ((1.0 / tensor_scale) / stored)
         scale = stored * tensor_scale
-    elements = _round_elements(scaled.clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX), "fp4_e2m1", rounding, generator)
+    elements = _round_elements(scaled.clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX), "fp4_e2m1", rounding, generator,
+                               sr_bits)
     return elements, stored, scale
+
+
+def te_nvfp4_encode_scale(tensor_amax: torch.Tensor) -> torch.Tensor:
+    """Transformer Engine's FP32 tensor encode scale S_enc = min(2688 / amax, FLT_MAX): 1 where amax is 0 or
+    infinite (the quotient 0), FLT_MAX where it is NaN (CUDA's fminf drops a NaN)."""
+    amax = tensor_amax.detach().float()
+    encode = (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX / amax).clamp(max=FLOAT32_MAX)
+    return torch.where((amax == 0) | (encode == 0), 1.0, torch.where(amax.isnan(), FLOAT32_MAX, encode))
+
+
+def _te_nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_amax: torch.Tensor, rounding: str,
+                     generator: torch.Generator | None, sr_bits: int | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4's step by Transformer Engine's arithmetic (the module docstring), for blocks with their `amax`: the
+    stored E4M3 scale, the elements on the E2M1 grid, and the factor (s x amax_t) x fl(1 / 2688) that dequantises
+    them as TE's dequantiser does."""
+    encode = te_nvfp4_encode_scale(tensor_amax)
+    decode = 1.0 / encode
+    per_amax = encode * torch.tensor(1 / NVFP4_ELEMENT_MAX, dtype=torch.float32)  # fl(S_enc x fl(1/6)) first
+    stored = quantise_value((amax * per_amax).clamp(max=FLOAT32_MAX), "fp8_e4m3", overflow="saturate")
+    inverse = (1.0 / (stored * decode)).clamp(max=FLOAT32_MAX)  # a zero block's 1/0 = inf held at FLT_MAX
+    elements = _round_elements((blocks * inverse).clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX), "fp4_e2m1",
+                               rounding, generator, sr_bits)
+    per_2688 = torch.tensor(1 / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX), dtype=torch.float32)
+    return elements, stored, stored * tensor_amax.detach().float() * per_2688  # TE's order: (s x amax) x fl(1/2688)
+
+
+@fused(BLOCKWISE_FROM)
+def te_nvfp4_quantise(x: torch.Tensor, tensor_amax: torch.Tensor, dim: int = -1, rounding: str = "nearest",
+                      generator: torch.Generator | None = None, sr_bits: int | None = None) -> Blocked:
+    """x in NVFP4 by Transformer Engine's rule (format.scale_rule=te): blocks of 16 along `dim` under the FP32
+    encode scale of `tensor_amax` (x's own, or its transform's), E2M1 elements rounded by `rounding`."""
+    blocks, length = _blocks(x, dim, NVFP4_BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    elements, stored, scale = _te_nvfp4_scaled(blocks, amax, tensor_amax, rounding, generator, sr_bits)
+    return _blocked(elements * scale, elements, length, dim, stored, amax, scale)
 
 
 def torchao_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -332,4 +383,15 @@ def nvfp4_tile_quantise(w: torch.Tensor, tensor_scale: torch.Tensor, rounding: s
     squares = _square_tiles(w, NVFP4_TILE)
     amax = squares.abs().amax((1, 3), keepdim=True)
     elements, stored, scale = _nvfp4_scaled(squares, amax, tensor_scale, rounding, generator)
+    return _tiled(w, elements * scale, elements, stored, amax, scale)
+
+
+@fused(BLOCKWISE_FROM)
+def te_nvfp4_tile_quantise(w: torch.Tensor, tensor_amax: torch.Tensor) -> Blocked:
+    """A 2-D weight in 16 x 16 NVFP4 tiles by Transformer Engine's rule (format.scale_rule=te): one E4M3 scale per
+    tile from the tile's amax, under the encode scale of `tensor_amax`, elements rounded to nearest (TE rounds
+    weights to nearest: stochastic rounding is for gradients)."""
+    squares = _square_tiles(w, NVFP4_TILE)
+    amax = squares.abs().amax((1, 3), keepdim=True)
+    elements, stored, scale = _te_nvfp4_scaled(squares, amax, tensor_amax, "nearest", None, None)
     return _tiled(w, elements * scale, elements, stored, amax, scale)

@@ -18,6 +18,8 @@ from bench.numerics.blocks import (
     nvfp4_tile_quantise,
     random_hadamard_transform,
     rowwise_quantise,
+    te_nvfp4_quantise,
+    te_nvfp4_tile_quantise,
     tile2d_quantise,
     tile_quantise,
 )
@@ -166,7 +168,9 @@ class BlockOperands:
     `weight_tiles`, the weight in 16 x 16 tiles, quantised once for the forward and the input-gradient GEMMs;
     `rht`, the 16 x 16 random Hadamard transform applied to both operands of the weight-gradient GEMM along the
     tokens before they are blocked (their tensor scales from the transformed amax, as Transformer Engine takes it),
-    its output rounded to `rht_output` (bf16: Transformer Engine's transform reads and writes BF16)."""
+    its output rounded to `rht_output` (bf16: Transformer Engine's transform reads and writes BF16);
+    `scale_rule`, NVFP4's scale arithmetic, torchao's or Transformer Engine's (te: the transform's input rounded to
+    BF16 too, as TE reads it); `sr_bits`, the random bits of a stochastic rounding (None: an FP32 uniform)."""
 
     recipe: Recipe
     scale_mode: str
@@ -175,10 +179,15 @@ class BlockOperands:
     weight_tiles: bool = False
     rht: torch.Tensor | None = field(default=None, compare=False)
     rht_output: str = "fp32"
+    scale_rule: str = "torchao"
+    sr_bits: int | None = None
 
     def _blocked(self, t: torch.Tensor, tensor_class: str, element: str, dim: int, rounding: str) -> torch.Tensor:
-        if self.recipe.block == "nvfp4":  # dynamic two-level scaling: this tensor's amax sets its FP32 scale
-            blocked = nvfp4_quantise(t, nvfp4_tensor_scale(t), dim, rounding)
+        # NVFP4: dynamic two-level scaling, this tensor's amax sets its FP32 scale
+        if self.recipe.block == "nvfp4" and self.scale_rule == "te":
+            blocked = te_nvfp4_quantise(t, t.detach().abs().max(), dim, rounding, sr_bits=self.sr_bits)
+        elif self.recipe.block == "nvfp4":
+            blocked = nvfp4_quantise(t, nvfp4_tensor_scale(t), dim, rounding, sr_bits=self.sr_bits)
         else:
             blocked = mx_quantise(t, element, self.scale_mode, dim, rounding=rounding)
         return self._observed(t, tensor_class, element, blocked)
@@ -196,7 +205,9 @@ class BlockOperands:
 
     def tiled_weight(self, t: torch.Tensor) -> torch.Tensor:
         """The weight in 16 x 16 NVFP4 tiles under its tensor scale, rounded to nearest: both GEMMs' operand."""
-        return self._observed(t, "weights", self.recipe.inputs, nvfp4_tile_quantise(t, nvfp4_tensor_scale(t)))
+        tiles = (te_nvfp4_tile_quantise(t, t.detach().abs().max()) if self.scale_rule == "te"
+                 else nvfp4_tile_quantise(t, nvfp4_tensor_scale(t)))
+        return self._observed(t, "weights", self.recipe.inputs, tiles)
 
     def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self._blocked(t, "gradients", self.recipe.grads, dim, self.rounding)
@@ -205,6 +216,8 @@ class BlockOperands:
         """The weight-gradient GEMM's operands (tokens, out) and (tokens, in), blocked along the tokens: transformed
         first where the recipe has the RHT (both alike, zero-padded to whole groups of 16 tokens: exact)."""
         if self.rht is not None:
+            if self.scale_rule == "te":  # TE's transform reads BF16 (and refuses anything else)
+                grad, x = (quantise_value(t, "bf16") for t in (grad, x))
             grad, x = (random_hadamard_transform(t, self.rht, 0) for t in (grad, x))
             if self.rht_output != "fp32":
                 grad, x = (quantise_value(t, self.rht_output) for t in (grad, x))

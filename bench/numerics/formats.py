@@ -29,6 +29,7 @@ import torch
 from bench.numerics.fused import ELEMENTWISE_FROM, fused
 
 OVERFLOW_POLICIES = ("saturate", "inf", "nan")
+SR_BITS = (8,)  # stochastic rounding from n random bits per element (Transformer Engine's NVFP4 cvt.rs: 8)
 # Formats whose rounding path already turns overflow into +-inf (native casts, or FP32 range).
 _ROUNDS_OVERFLOW_TO_INF = {"fp32", "tf32", "fp16", "bf16", "fp8_e5m2"}
 _NATIVE_CAST = {"fp16", "bf16", "fp8_e5m2"}  # torch's cast is RNE with IEEE overflow: the rounding itself
@@ -240,7 +241,7 @@ def _flush_subnormals(r: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
 
 
 def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: torch.Generator | None = None,
-                        overflow: str = "saturate", ftz: bool = False) -> torch.Tensor:
+                        overflow: str = "saturate", ftz: bool = False, bits: int | None = None) -> torch.Tensor:
     """x rounded to `fmt` stochastically: |x| goes to the grid point above it with probability
     (|x| - below) / spacing and to the one below otherwise, so E[result] = x inside the range and the chance of
     rounding up is proportional to the distance. Values on the grid stay; NaN stays NaN. Seeded by `generator`
@@ -250,16 +251,28 @@ def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: to
     where RNE's overflow begins), and a value rounded there has overflowed: `overflow` decides, as in
     `quantise_value` ('saturate': max, the block formats' rule; 'inf': +-inf; 'nan': NaN, an infinite input of a
     format with inf staying inf). So max < |x| < max + spacing overflows with probability (|x| - max) / spacing.
-    ftz: as in `quantise_value`."""
+    ftz: as in `quantise_value`.
+
+    bits: None draws an FP32 uniform (unbiased to within 2^-24); n draws n random bits, as a GPU's stochastic
+    rounding does (Transformer Engine's NVFP4 `cvt.rs` takes 8 per element), and sees only the top n bits of the
+    distance: |x| rounds up with probability floor(2^n * distance / spacing) / 2^n, biased toward zero by up to
+    2^-n of a spacing."""
     spec = get_format(fmt)
-    draw = torch.rand(x.shape, generator=generator, device=x.device)  # eager: the generator's own stream
-    return _round_up_below(x, draw, spec, resolve_overflow(spec, overflow), ftz)
+    if bits is None:
+        draw = torch.rand(x.shape, generator=generator, device=x.device)  # eager: the generator's own stream
+    elif bits in SR_BITS:
+        draw = torch.randint(0, 1 << bits, x.shape, generator=generator, device=x.device).float() / (1 << bits)
+    else:
+        raise ValueError(f"stochastic rounding with {bits} random bits is not offered; valid: null (an FP32 "
+                         f"uniform), {', '.join(map(str, SR_BITS))}")
+    return _round_up_below(x, draw, spec, resolve_overflow(spec, overflow), ftz, bits)
 
 
 @fused(ELEMENTWISE_FROM)
-def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, policy: str, ftz: bool) -> torch.Tensor:
+def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, policy: str, ftz: bool,
+                    bits: int | None = None) -> torch.Tensor:
     """quantise_stochastic given its uniform draws: |x| rounds up where draw < its distance above the grid point
-    below, in units of the spacing."""
+    below, in units of the spacing (truncated to `bits` bits where given: draws are then multiples of 2^-bits)."""
     x32 = x.to(torch.float32)
     top_spacing = 2.0 ** (spec.emax - spec.man_bits)
     magnitude = x32.abs().clamp(max=spec.max + top_spacing)
@@ -270,7 +283,10 @@ def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, po
     else:
         spacing = torch.ldexp(torch.ones_like(magnitude), exponent - spec.man_bits)
     below = torch.floor(magnitude / spacing) * spacing  # exact: spacing is a power of two
-    rounded = below + spacing * (draw < (magnitude - below) / spacing)
+    distance = (magnitude - below) / spacing  # exact, in [0, 1)
+    if bits is not None:
+        distance = torch.floor(distance * (1 << bits)) / (1 << bits)
+    rounded = below + spacing * (draw < distance)
     overflowed = rounded > spec.max
     if policy == "saturate":
         rounded = rounded.clamp(max=spec.max)

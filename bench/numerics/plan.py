@@ -23,8 +23,8 @@ import torch
 from omegaconf import MISSING
 
 from bench.errors import ConfigError, check_choice
-from bench.numerics.blocks import MX_BLOCK, ROUNDINGS, SCALE_MODES, TileScaling
-from bench.numerics.formats import OVERFLOW_POLICIES
+from bench.numerics.blocks import MX_BLOCK, ROUNDINGS, SCALE_MODES, SCALE_RULES, TileScaling
+from bench.numerics.formats import OVERFLOW_POLICIES, SR_BITS
 from bench.numerics.native import TORCHAO_MXFP8
 from bench.numerics.scaling_methods import SCALING_METHODS, ScalingMethod, scaling_class
 from bench.numerics.specs import (
@@ -39,7 +39,9 @@ from bench.numerics.specs import (
 
 BACKENDS = ("auto", "native", "emulated")
 WEIGHT_BLOCKS = ("1x16", "16x16")  # NVFP4's weight: 1 x 16 blocks per GEMM, or 16 x 16 tiles serving both
-LAYER_COUNT = re.compile(r"(first|last):(\d+)$")  # format.keep_high_precision's first:<n> / last:<n>
+# format.keep_high_precision's counts: first:<n> / last:<n> Linear layers, first_blocks:<n> / last_blocks:<n> blocks
+LAYER_COUNT = re.compile(r"(first|last)(_blocks)?:(\d+)$")
+HEAD = "head"  # format.keep_high_precision's name for the output head: the last Linear layer in module order
 
 
 class PrecisionError(ConfigError):
@@ -96,6 +98,8 @@ class FormatChoices:
     rht_seed: Optional[int] = None  # its random signs: null = Transformer Engine's fixed vector | an integer draws them
     weight_blocks: str = "1x16"  # 1x16 (per GEMM) | 16x16 (tiles, one quantised weight for forward and backward)
     pad_weights: bool = False  # 16x16 on a Linear whose dims are not multiples of 16: shorter edge tiles (else refused)
+    scale_rule: str = "torchao"  # NVFP4's scale arithmetic: torchao | te (Transformer Engine's: numerics/blocks.py)
+    sr_bits: Optional[int] = None  # NVFP4's stochastic rounding: null = an FP32 uniform | 8 (random bits, as TE's)
     # fp8 and block formats: Linear layers kept out of the format, computing as `elsewhere` does (BF16 or FP32):
     # module-name globs (`*.lm_head`), `first:<n>` or `last:<n>` (the first or last n Linear layers in module order)
     keep_high_precision: Optional[List[str]] = None
@@ -170,6 +174,17 @@ class PrecisionConfig(FormatChoices):
             if value != default and spec.block != "nvfp4":
                 raise PrecisionError(f"format.{key}={value} needs a format in blocks of 16 ({', '.join(sixteen)}), "
                                      f"not format={self.format}; valid there: format.{key}={default}")
+        check_choice(self.scale_rule, SCALE_RULES, "format.scale_rule", PrecisionError)
+        if self.scale_rule != FORMAT_DEFAULTS["scale_rule"] and spec.block != "nvfp4":
+            raise PrecisionError(f"format.scale_rule={self.scale_rule} is NVFP4's ({', '.join(sixteen)}), not "
+                                 f"format={self.format}'s; valid there: format.scale_rule=torchao")
+        if self.sr_bits is not None:
+            check_choice(self.sr_bits, SR_BITS, "format.sr_bits", PrecisionError)
+            if spec.block != "nvfp4" or self.rounding != "stochastic":
+                raise PrecisionError(f"format.sr_bits={self.sr_bits} sets the random bits of NVFP4's stochastic "
+                                     f"rounding ({', '.join(sixteen)} with format.rounding=stochastic), not of "
+                                     f"format={self.format} with format.rounding={self.rounding}; valid there: "
+                                     "format.sr_bits=null")
         if self.rht_seed is not None and not self.rht:
             raise PrecisionError(f"format.rht_seed={self.rht_seed} draws the signs of a transform that is off; "
                                  "valid: format.rht=true with it, or format.rht_seed=null")
@@ -179,9 +194,10 @@ class PrecisionConfig(FormatChoices):
                                      f"({', '.join(n for n, s in FORMAT_SPECS.items() if s.gemm_only)}), not to "
                                      f"format={self.format}; valid there: null")
             count = LAYER_COUNT.match(pattern)
-            if pattern.startswith(("first:", "last:")) and (count is None or int(count[2]) < 1):
-                raise PrecisionError(f"format.keep_high_precision: {pattern!r} is not valid; valid: first:<n> or "
-                                     "last:<n> with n >= 1, or a glob over module names such as '*.lm_head'")
+            if pattern.startswith(("first", "last")) and ":" in pattern and (count is None or int(count[3]) < 1):
+                raise PrecisionError(f"format.keep_high_precision: {pattern!r} is not valid; valid: first:<n>, "
+                                     "last:<n>, first_blocks:<n> or last_blocks:<n> with n >= 1, head, or a glob over "
+                                     "module names such as '*.lm_head'")
 
     @property
     def format(self) -> str:
@@ -359,24 +375,46 @@ def plan(config: PrecisionConfig, method: ScalingMethod, device: torch.device) -
     return replace(made, native_recipe=_native_recipe(made, method))
 
 
-def kept_layers(linears: list[str], patterns: tuple[str, ...]) -> list[str]:
+def blocks_of(linears: list[str], holder: str) -> list[str]:
+    """The model's blocks, in order, from its Linear layers' names: the children of module `holder` (`h` -> `h.0`,
+    `h.1`, ...) that hold a Linear."""
+    inside = (name[len(holder) + 1:].split(".")[0] for name in linears if name.startswith(holder + "."))
+    return [f"{holder}.{child}" for child in dict.fromkeys(inside)]
+
+
+def kept_layers(linears: list[str], patterns: tuple[str, ...], blocks: str | None = None) -> list[str]:
     """The Linear layers (`linears`: their module names, in module order) that format.keep_high_precision keeps out
-    of the format: `first:<n>`, `last:<n>`, or every name a glob matches. A pattern that keeps nothing is a
-    mistake (a typo, a layer renamed): PrecisionError naming the layers there are."""
+    of the format: `first:<n>`, `last:<n>`; `first_blocks:<n>`, `last_blocks:<n>`, every Linear inside the first or
+    last n children of module `blocks` (the model spec's `blocks`; None: it declares none); `head`, the last Linear;
+    or every name a glob matches. A pattern that keeps nothing is a mistake (a typo, a layer renamed):
+    PrecisionError naming what there is."""
     kept: set[str] = set()
     for pattern in patterns:
         count = LAYER_COUNT.match(pattern)
-        if count:
-            n = int(count[2])
+        if count and count[2]:
+            if blocks is None:
+                raise PrecisionError(f"format.keep_high_precision: {pattern} counts blocks, and this model declares "
+                                     "none (model.task.blocks); valid: first:<n>, last:<n>, head, or a glob over "
+                                     f"these: {', '.join(linears)}")
+            n, named = int(count[3]), blocks_of(linears, blocks)
+            if n > len(named):
+                raise PrecisionError(f"format.keep_high_precision: {pattern} asks for {n} blocks; the model has "
+                                     f"{len(named)} ({blocks}.*)")
+            inside = named[:n] if count[1] == "first" else named[-n:]
+            chosen = [name for name in linears if any(name.startswith(block + ".") for block in inside)]
+        elif count:
+            n = int(count[3])
             if n > len(linears):
                 raise PrecisionError(f"format.keep_high_precision: {pattern} asks for {n} Linear layers; the model "
                                      f"has {len(linears)}")
             chosen = linears[:n] if count[1] == "first" else linears[-n:]
+        elif pattern == HEAD:
+            chosen = linears[-1:]
         else:
             chosen = fnmatch.filter(linears, pattern)
         if not chosen:
             raise PrecisionError(f"format.keep_high_precision: {pattern!r} matches no Linear layer; valid: first:<n>, "
-                                 f"last:<n>, or a glob over these: {', '.join(linears)}")
+                                 f"last:<n>, head, or a glob over these: {', '.join(linears)}")
         kept.update(chosen)
     return [name for name in linears if name in kept]
 

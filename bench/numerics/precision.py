@@ -144,7 +144,8 @@ class Precision:
             self.block = BlockOperands(decided.recipe, c.scale_mode, c.rounding, self.telemetry,
                                        weight_tiles=c.weight_blocks == "16x16",
                                        rht=rht_matrix(c.rht_seed) if c.rht else None,
-                                       rht_output="bf16" if decided.elsewhere == "bf16" else "fp32")
+                                       rht_output="bf16" if decided.elsewhere == "bf16" or c.scale_rule == "te"
+                                       else "fp32", scale_rule=c.scale_rule, sr_bits=c.sr_bits)
         else:
             self.block = None
         # While bench.numerics.memory counts a step, it listens here: (input, output, tensor class, format) of every
@@ -183,12 +184,13 @@ class Precision:
         if self.site_listener is not None:
             self.site_listener(x, rounded, tensor_class, fmt)
 
-    def _kept(self, model: nn.Module) -> list[str]:
+    def _kept(self, model: nn.Module, blocks: str | None) -> list[str]:
         """The Linear layers format.keep_high_precision keeps out of the format (PrecisionError where a pattern keeps
-        none, or where nothing would be left in the format); every other Linear checked against 16 x 16 tiles."""
+        none, or where nothing would be left in the format); every other Linear checked against 16 x 16 tiles.
+        `blocks`: the module name of the model's list of blocks (its spec's `blocks`), or None."""
         c = self.plan.config
         linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        kept = kept_layers(list(linears), c.keep_high_precision)
+        kept = kept_layers(list(linears), c.keep_high_precision, blocks)
         if c.keep_high_precision and len(kept) == len(linears):
             raise PrecisionError(f"format.keep_high_precision={list(c.keep_high_precision)} keeps every Linear layer "
                                  f"({len(linears)}) out of {self.format}: nothing would be in the format; keep fewer")
@@ -202,13 +204,14 @@ class Precision:
                         f"format (format.keep_high_precision=[{name}])")
         return kept
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def prepare(self, model: nn.Module, blocks: str | None = None) -> nn.Module:
         """Make `model` compute in this precision and return the model to train: `model` itself, changed in place,
         or its replacement where the model is itself a module the precision replaces (a bare Linear); `conversion`
-        says what was done."""
+        says what was done. `blocks`: the module name of the model's list of blocks (model.task.blocks), which
+        format.keep_high_precision's first_blocks/last_blocks count."""
         if self.plan.spec.recipe is None:
             return model
-        kept = self._kept(model) if self.plan.spec.gemm_only else []
+        kept = self._kept(model, blocks) if self.plan.spec.gemm_only else []
         if self.plan.spec.native_path == "torchao":
             self.plan = for_model(self.plan, torchao_mx_converts if self.plan.spec.block else torchao_converts, model)
         if self.native:
@@ -356,6 +359,7 @@ class Precision:
                 "rounding_of_gradients": self.block.rounding, "kept_in_high_precision": kept} if tiles else {
                 "kind": p.recipe.block, "block_size": 16 if p.recipe.block == "nvfp4" else 32,
                 "scale_mode": self.block.scale_mode if p.recipe.block == "mx" else "E4M3 block x FP32 tensor amax",
+                **({"scale_rule": c.scale_rule, "sr_bits": c.sr_bits} if p.recipe.block == "nvfp4" else {}),
                 "rounding_of_gradients": self.block.rounding, "kept_in_high_precision": kept,
                 **(self._nvfp4_recipe() if p.recipe.block == "nvfp4" else {})},
         }

@@ -191,7 +191,8 @@ def _number(value):
 
 # Format options that make another recipe of a block format, and their defaults (the format's own recipe).
 RECIPE_OPTIONS = {key: FORMAT_DEFAULTS[key] for key in ("gradients", "scale_mode", "elsewhere", "rht", "rht_seed",
-                                                         "weight_blocks", "pad_weights", "keep_high_precision")} \
+                                                         "weight_blocks", "pad_weights", "keep_high_precision",
+                                                         "scale_rule", "sr_bits")} \
     | {"elsewhere": "fp32"}  # null and fp32 both: FP32 outside the GEMMs
 
 

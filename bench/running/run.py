@@ -112,7 +112,8 @@ def check_model(cfg: DictConfig) -> None:
         with torch.no_grad():
             task.compute_loss(*task.forward(task.model, next(iter(task.train_batches(0))), lambda x: x))
         if by_layer:
-            Precision.from_config(cfg, torch.device("cpu")).prepare(task.model)  # PrecisionError names the layer
+            Precision.from_config(cfg, torch.device("cpu")).prepare(task.model, cfg.model.task.get("blocks"))
+            # (PrecisionError names the layer)
     _MODELS_CHECKED.add(key)
 
 
@@ -173,7 +174,7 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     started = time.perf_counter()
     trace = trace_task(task, optimizer_over)
     trace_s = time.perf_counter() - started
-    task.model = precision.prepare(task.model)
+    task.model = precision.prepare(task.model, cfg.model.task.get("blocks"))
     optimizer = optimizer_over(task.model)
     schedule = build_schedule(cfg.model.optimizer, optimizer, total_steps(task, cfg.train))
     return Cell(task, build_scaler(cfg, precision), optimizer, schedule, conversion, trace, trace_s)

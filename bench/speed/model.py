@@ -160,7 +160,8 @@ def _runner_path(cfg, trace: StepTrace, target: GPU) -> Recipe | NoNativePath:
             decided = plan(PrecisionConfig.from_config(cfg), build(cfg.scaling), device)
         except ConfigError as e:  # format.backend=native where the GPU has no native path
             return NoNativePath(target.name, str(e))
-    kept = tuple(kept_layers(list(trace.linears), decided.config.keep_high_precision)) if decided.spec.gemm_only else ()
+    kept = tuple(kept_layers(list(trace.linears), decided.config.keep_high_precision, cfg.model.task.get("blocks"))
+                 ) if decided.spec.gemm_only else ()
     if not decided.native and decided.spec.block == "nvfp4":
         return _nvfp4_path(decided, target, kept)
     if not decided.native:

@@ -114,6 +114,9 @@ class TaskSpec:
     curve_metric: Optional[str] = None
     eval_every: Optional[int] = None
     report: list = field(default_factory=list)  # the metrics the dashboard charts ([]: just `metric`)
+    # the module name of the model's list of repeated blocks (charlm: h; BERT: bert.encoder.layer), which
+    # format.keep_high_precision's first_blocks:<n> / last_blocks:<n> count; null: the model declares none
+    blocks: Optional[str] = None
     data_sources: list = field(default_factory=lambda: ["local"])  # the valid `model.data.source` values
     hub_model: Optional[str] = None  # transformers Auto class that `make prepare` loads `model.hub_name` with
     check: Optional[str] = None  # function (model config) -> None, raising bench.errors.ConfigError on a bad key

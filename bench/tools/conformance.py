@@ -29,6 +29,7 @@ import torch
 from bench.numerics.blocks import (
     MX_ELEMENTS,
     SCALE_MODES,
+    SCALE_RULES,
     TE_RHT_SIGNS,
     mx_quantise,
     nvfp4_quantise,
@@ -37,6 +38,8 @@ from bench.numerics.blocks import (
     random_hadamard_transform,
     rht_matrix,
     rowwise_quantise,
+    te_nvfp4_quantise,
+    te_nvfp4_tile_quantise,
     te_pow2_scale,
     torchao_pow2_scale,
 )
@@ -69,6 +72,14 @@ DEPARTURES = {
                           "block's factor (1 / t) / s overflows (zeros NaN, every other element saturated); ours "
                           "floors t at 2^-121 (bench.numerics.blocks.nvfp4_tensor_scale): zeros stay zeros, values "
                           "finite",
+    "torchao_scale_clamp": "format.scale_rule=torchao against Transformer Engine's rules: torchao clamps a block "
+                           "scale to E4M3's smallest normal 2^-6, TE keeps subnormal scales (and 0 for a zero block), "
+                           "so a block far below the tensor's amax loses its small elements to zero; counted in the "
+                           "blocks whose TE scale is under 2^-6",
+    "torchao_scale_order": "format.scale_rule=torchao against Transformer Engine's rules, in every other block: "
+                           "torchao computes (amax / 6) / t and x * ((1 / t) / s), TE amax * (S_enc * fl(1/6)) and "
+                           "x * (1 / (s * S_dec)); the two settle exact ties (an E4M3 midpoint such as 168) and "
+                           "last-bit products differently",
 }
 NO_DEPARTURES = dict.fromkeys(DEPARTURES, 0)
 
@@ -344,6 +355,99 @@ def tile_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(s[:, 0, :, 0].copy()), torch.from_numpy(values.reshape(a.shape))
 
 
+def te_nvfp4_reference(blocks: np.ndarray, tensor_amax: float) -> tuple[np.ndarray, np.ndarray]:
+    """NVFP4 by Transformer Engine's rules, written from its CUDA source (transformer_engine/common/cast/nvfp4/
+    core_nvfp4.cuh, quantize_transpose_nvfp4.cuh, dequantize_nvfp4.cuh) in numpy float32 (each operation rounds
+    once, as TE's IEEE float ops) with ml_dtypes' casts: an independent reference for te_nvfp4_quantise and
+    te_nvfp4_tile_quantise. `blocks` (n, 16 or 256), finite; returns each block's stored E4M3 scale and the
+    dequantised values, as TE's dequantiser computes them."""
+    import ml_dtypes
+
+    f32, top = np.float32, np.float32(FLOAT32_MAX)
+    amax = f32(tensor_amax)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        encode = min(f32(448.0) * f32(6.0) / amax, top)
+        encode = f32(1.0) if amax == 0 or encode == 0 else encode
+        decode = f32(1.0) / encode
+        block_amax = np.abs(blocks).max(-1)
+        scale = np.minimum(block_amax * (encode * (f32(1.0) / f32(6.0))), top)
+        scale = np.minimum(scale, f32(448.0)).astype(ml_dtypes.float8_e4m3fn).astype(f32)
+        inverse = np.minimum(f32(1.0) / (scale * decode), top)
+        elements = np.clip(blocks * inverse[:, None], f32(-6.0), f32(6.0)).astype(ml_dtypes.float4_e2m1fn)
+        final = scale * amax * (f32(1.0) / f32(2688.0))
+        return scale, elements.astype(f32) * final[:, None]
+
+
+def _te_rows(x: torch.Tensor) -> torch.Tensor:
+    """A family's finite rows (width 16), FP32: Transformer Engine's cast writes +6 for a NaN, ours NaN (named in
+    bench/numerics/blocks.py), so rows holding one are left out."""
+    return x.float()[x.float().isfinite().all(-1)]
+
+
+def compare_nvfp4_with_te(x: torch.Tensor, rule: str) -> dict:
+    """NVFP4 of a family's finite rows under its own tensor amax against te_nvfp4_reference: scales and values.
+    Under scale_rule=te every difference is a mismatch; under torchao each is a named departure (DEPARTURES)."""
+    rows = _te_rows(x)
+    counts = {"values": rows.numel(), "scale_mismatches": 0, "value_mismatches": 0, **NO_DEPARTURES}
+    if not rows.numel():
+        return counts
+    amax = rows.abs().max()
+    scale, values = te_nvfp4_reference(rows.numpy().reshape(-1, 16), float(amax))
+    scale, values = torch.from_numpy(scale).reshape(rows.shape[0], -1), torch.from_numpy(values).reshape(rows.shape)
+    ours = te_nvfp4_quantise(rows, amax) if rule == "te" else nvfp4_quantise(rows, nvfp4_tensor_scale(rows))
+    scale_differs, value_differs = ~_same(scale, ours.scale), ~_same(values, ours.values)
+    if rule == "te":
+        return counts | {"scale_mismatches": int(scale_differs.sum()), "value_mismatches": int(value_differs.sum())}
+    clamped = _per_element(scale < 2.0**-6, 16)
+    differs = _per_element(scale_differs, 16) | value_differs
+    return counts | {"torchao_scale_clamp": int((differs & clamped).sum()),
+                     "torchao_scale_order": int((differs & ~clamped).sum())}
+
+
+def compare_te_tiles_with_reference(x: torch.Tensor) -> dict:
+    """16 x 16 weight tiles by TE's rules (te_nvfp4_tile_quantise) against te_nvfp4_reference on each tile."""
+    w = _as_tiles(x)
+    counts = {"values": w.numel(), "scale_mismatches": 0, "value_mismatches": 0, **NO_DEPARTURES}
+    if not w.numel():
+        return counts
+    amax = w.abs().max()
+    tiles = w.reshape(w.shape[0] // 16, 16, w.shape[1] // 16, 16).permute(0, 2, 1, 3).reshape(-1, 256)
+    scale, values = te_nvfp4_reference(tiles.numpy(), float(amax))
+    values = torch.from_numpy(values).reshape(w.shape[0] // 16, w.shape[1] // 16, 16, 16).permute(0, 2, 1, 3)
+    ours = te_nvfp4_tile_quantise(w, amax)
+    return counts | {"scale_mismatches": int((~_same(torch.from_numpy(scale), ours.scale.flatten())).sum()),
+                     "value_mismatches": int((~_same(values.reshape(w.shape), ours.values)).sum())}
+
+
+def compare_te_rht_with_reference(x: torch.Tensor) -> dict:
+    """A weight-gradient operand under scale_rule=te, as bench/numerics/emulation.py makes it (BF16 in, the
+    transform, BF16 out, NVFP4 along the tokens under the transformed amax), against the reference: ml_dtypes'
+    BF16 casts around scipy's Hadamard matrix times TE's signs in float64, then te_nvfp4_reference. Where the two
+    transforms differ (ours sums in FP32) the blocks they fall in are counted apart (rht_fp32_arithmetic)."""
+    import ml_dtypes
+    import scipy.linalg
+
+    w = _as_tiles(x)
+    counts = {"values": w.numel(), "scale_mismatches": 0, "value_mismatches": 0, **NO_DEPARTURES}
+    if not w.numel():
+        return counts
+    matrix = np.diag(np.array(TE_RHT_SIGNS, dtype=np.float64)) @ (scipy.linalg.hadamard(16) / 4.0)
+    bf16_in = w.numpy().astype(ml_dtypes.bfloat16).astype(np.float64)
+    transformed = (matrix.T @ bf16_in.reshape(-1, 16, w.shape[1])).reshape(w.shape)
+    reference_t = torch.from_numpy(transformed.astype(ml_dtypes.bfloat16).astype(np.float32))
+    ours_t = quantise_value(random_hadamard_transform(quantise_value(w, "bf16"), rht_matrix(None), 0), "bf16")
+    by_tokens = lambda t: t.t().contiguous()  # blocks of 16 along the tokens, as rows
+    if not torch.equal(reference_t.abs().max(), ours_t.abs().max()):
+        return counts | {"rht_fp32_arithmetic": w.numel()}
+    _, values = te_nvfp4_reference(by_tokens(reference_t).numpy().reshape(-1, 16), float(reference_t.abs().max()))
+    ours = te_nvfp4_quantise(ours_t, ours_t.abs().max(), dim=0).values
+    differs = ~_same(torch.from_numpy(values).reshape(w.shape[1], -1), by_tokens(ours))
+    transform_differs = _per_element((~_same(by_tokens(reference_t), by_tokens(ours_t))).reshape(
+        w.shape[1], -1, 16).any(-1), 16)
+    return counts | {"value_mismatches": int((differs & ~transform_differs).sum()),
+                     "rht_fp32_arithmetic": int((differs & transform_differs).sum())}
+
+
 def _as_tiles(x: torch.Tensor) -> torch.Tensor:
     """A family's finite rows (width 16) as a weight of whole 16 x 16 tiles, zero rows added (zeros change no amax)."""
     finite = x.float()[x.float().isfinite().all(-1)]
@@ -473,6 +577,13 @@ def conformance_rows(count: int = RANDOM_VALUES) -> pd.DataFrame:
             compare_tiles_with_definition(x))
         add("scipy Hadamard x TE signs, torchao nvfp4_quantize", "NVFP4 + RHT (weight-gradient operands)",
             "E4M3 block x FP32 tensor, along the tokens", family, compare_rht_with_reference(x))
+        for rule in SCALE_RULES:
+            add("Transformer Engine's rules (numpy, ml_dtypes)", "NVFP4", f"scale_rule={rule}", family,
+                compare_nvfp4_with_te(x, rule))
+        add("Transformer Engine's rules (numpy, ml_dtypes)", "NVFP4 16x16 weight tiles", "scale_rule=te", family,
+            compare_te_tiles_with_reference(x))
+        add("Transformer Engine's rules (numpy, ml_dtypes)", "NVFP4 + RHT in BF16 (weight-gradient operands)",
+            "scale_rule=te, along the tokens", family, compare_te_rht_with_reference(x))
     return pd.DataFrame(rows)
 
 
@@ -483,7 +594,9 @@ NOTES = {"torchao on the zero-padded tensor": "a block shorter than 32 at the te
          "definition, cast by ml_dtypes": "format.weight_blocks=16x16 (finite rows, zero-padded to whole tiles; "
                                           "torchao's 2-D kernel is Triton-only)",
          "scipy Hadamard x TE signs, torchao nvfp4_quantize": "format.rht (finite rows, zero-padded to whole groups "
-                                                               "of 16 tokens)"}
+                                                               "of 16 tokens)",
+         "Transformer Engine's rules (numpy, ml_dtypes)": "format.scale_rule (finite rows: TE writes +6 for a NaN "
+                                                          "element, ours NaN)"}
 
 
 def conformance_table(rows: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -519,15 +632,34 @@ def departure_examples() -> pd.DataFrame:
              ("rceil_float32_log2", "MX fp4_e2m1, rceil", rceil, lambda x: _mx_pair(x, "fp4_e2m1", "rceil")),
              ("e2m1_nan_code", "NVFP4, element code", nan_block, lambda x: _nvfp4_pair(x, False, elements=True)),
              ("rht_fp32_arithmetic", "NVFP4 + RHT, weight-gradient operand", rht_wide, _rht_values),
-             ("tensor_scale_floor", "NVFP4 two-level", torch.zeros(1, 16), lambda x: _nvfp4_pair(x, True))]
+             ("tensor_scale_floor", "NVFP4 two-level", torch.zeros(1, 16), lambda x: _nvfp4_pair(x, True)),
+             ("torchao_scale_clamp", "NVFP4 two-level, scale_rule=torchao against TE's rules", _far_below_block(),
+              _te_pair),
+             ("torchao_scale_order", "NVFP4 two-level, scale_rule=torchao against TE's rules",
+              torch.tensor([[768.0] + [0.0] * 15, [288.0] + [0.0] * 15]), _te_pair)]
     rows = []
     for name, fmt, x, pair in cases:
         theirs, ours = pair(x)
         i = int((~_same(theirs, ours)).flatten().nonzero()[0])
         rows.append({"departure": name, "format": fmt, "block (first elements)": _short(x[0, :4]),
-                     "element": f"{x.flatten()[i].item():.9g}", "torchao": f"{theirs.flatten()[i].item():.9g}",
+                     "element": f"{x.flatten()[i].item():.9g}", "reference": f"{theirs.flatten()[i].item():.9g}",
                      "ours": f"{ours.flatten()[i].item():.9g}"})
     return pd.DataFrame(rows)
+
+
+def _far_below_block() -> torch.Tensor:
+    """A tensor of amax 2688 (S_enc = 1) with a block of amax 0.012: TE's scale is the E4M3 subnormal 2^-9,
+    torchao's is clamped to 2^-6."""
+    x = torch.zeros(2, 16)
+    x[0, 0], x[1, 0] = 2688.0, 0.012
+    x[1, 1:] = torch.linspace(0.001, 0.011, 15)
+    return x.flip(0)
+
+
+def _te_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block scales by TE's rules (te_nvfp4_reference) and by ours under scale_rule=torchao."""
+    scale, _ = te_nvfp4_reference(x.numpy(), float(x.abs().max()))
+    return torch.from_numpy(scale), nvfp4_quantise(x, nvfp4_tensor_scale(x)).scale.flatten()
 
 
 def _rht_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
