@@ -3,6 +3,7 @@ resume after a kill or a preemption signal, and one offline W&B run per cell."""
 
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.errors import ConfigError
 from bench.tools.chaos import raising_cell
 from tests.conftest import CONF
 
@@ -371,3 +373,36 @@ def test_block_formats_preset_declares_each_row_once_and_every_cell_passes_the_c
             precision = build_precision(cell, torch.device("cpu"))
             made = (precision.setting, cell.scaling.name, cell.format.rounding, format_options(cell.format))
             assert made == (row.setting, row.scaling, row.rounding, row.options) and row.label == setting.label
+
+
+def test_nvfp4_recipe_preset_rows_are_the_cells_it_makes_and_each_pairing_names_a_row(make_cfg, tmp_path,
+                                                                                      monkeypatch):
+    """Each labelled setting selects the cell the runner makes of it (on the char-LM's config, unbuilt); every
+    `against` names a row; one that names none stops the table's declaration with the labels there are."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from bench.reporting import experiment_tables
+    from bench.reporting.aggregate import format_options
+    from bench.running.run import build_precision
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        sweep = compose("config", overrides=["experiment=nvfp4_recipe"], return_hydra_config=True).hydra.sweeper
+    layout, rows = experiment_tables.declared_table("nvfp4_recipe")
+    assert layout == "ablation" and len(rows) == len(sweep.settings) == 12
+    assert {row.against for row in rows} == {"", "full recipe"}
+    for setting, row in zip(sweep.settings, rows):
+        cell = make_cfg("experiment=nvfp4_recipe", *setting.overrides.split())
+        precision = build_precision(cell, torch.device("cpu"))
+        options = format_options(OmegaConf.to_container(cell.format))  # as a record's config holds it
+        made = (precision.setting, cell.scaling.name, cell.format.rounding, options)
+        assert made == (row.setting, row.scaling, row.rounding, row.options) and row.label == setting.label
+    (tmp_path / "experiment").mkdir()
+    shutil.copytree(CONF / "format", tmp_path / "format")
+    (tmp_path / "experiment" / "typo.yaml").write_text(
+        "hydra:\n  sweeper:\n    table: ablation\n    settings:\n      - {overrides: 'format=bf16', label: BF16}\n"
+        "      - {overrides: 'format=nvfp4', label: plain, against: 'ful recipe'}\n")
+    monkeypatch.setattr(experiment_tables, "CONF_DIR", tmp_path)
+    with pytest.raises(ConfigError, match="'plain' is paired against 'ful recipe', which labels no setting; "
+                                          "valid: BF16, plain"):
+        experiment_tables.declared_table("typo")

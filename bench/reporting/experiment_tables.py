@@ -13,6 +13,7 @@ import pandas as pd
 import yaml
 from omegaconf import OmegaConf
 
+from bench.errors import ConfigError
 from bench.numerics.scaling_methods import NO_SCALING, SCALING_METHODS, scaling_order
 from bench.numerics.specs import FORMAT_SPECS
 from bench.reporting.aggregate import RECIPE_OPTIONS, format_options
@@ -102,6 +103,7 @@ class BlockRow(NamedTuple):
     label: str
     bits: float
     options: str = ""
+    against: str = ""  # an ablation row's second reference: the label of another row it is paired with too
 
     def selects(self, frame: pd.DataFrame) -> pd.Series:
         """Which rows of `frame` (runs or cells) are this row's cell."""
@@ -124,6 +126,11 @@ def declared_table(experiment: str) -> tuple[str, list[BlockRow]] | None:
         return None
     rows = [_row(setting) for setting in sweeper.get("settings") or []
             if hasattr(setting, "keys") and "label" in setting]
+    labels = [row.label for row in rows]
+    for row in rows:
+        if row.against and row.against not in labels:
+            raise ConfigError(f"conf/experiment/{experiment}.yaml: setting {row.label!r} is paired against "
+                              f"{row.against!r}, which labels no setting; valid: {', '.join(labels)}")
     return sweeper["table"], rows
 
 
@@ -140,7 +147,7 @@ def _row(setting) -> BlockRow:
                     overrides.get("scaling", NO_SCALING),
                     overrides.get("format.rounding", defaults.get("rounding", "nearest")),
                     setting["label"],
-                    float(setting.get("bits") or "nan"), format_options(fmt))
+                    float(setting.get("bits") or "nan"), format_options(fmt), str(setting.get("against") or ""))
 
 
 def _differences_to_fp32(here: pd.DataFrame, mine: pd.DataFrame, scaling: str, metric: str) -> list[float]:
@@ -261,21 +268,33 @@ def labelled_rows_table(runs: pd.DataFrame, cells: pd.DataFrame, labelled: list[
 def ablation_table(runs: pd.DataFrame, cells: pd.DataFrame, labelled: list[BlockRow]) -> pd.DataFrame:
     """An ablation: the cells a preset labels, in its order, each beside the first (its baseline: BF16 in the NVFP4
     recipe's): the metric (mean ± std over seeds), the runs that finished, and the paired difference to the
-    baseline, seed by seed, with a 95% t interval."""
+    baseline, seed by seed, with a 95% t interval; and, for a row that names another as `against` (the full recipe
+    less one part), its paired difference to that row too, in a column of its own."""
     ok = runs[(runs["status"] == "ok") & runs["value"].notna()]
+    by_label = {row.label: row for row in labelled}
+    second = list(dict.fromkeys(row.against for row in labelled if row.against))
     rows = []
     for (label, design), part in cells.groupby(["model_label", "design_id"], sort=False):
         here = ok[ok["design_id"] == design]
-        baseline = here[labelled[0].selects(here)].drop_duplicates("seed").set_index("seed")["value"]
+
+        def values(row: BlockRow) -> pd.Series:
+            return here[row.selects(here)].drop_duplicates("seed").set_index("seed")["value"]
+
+        def paired_against(mine: pd.Series, reference: pd.Series) -> list[float]:
+            return [v - reference[s] for s, v in mine.items() if s in reference.index]
+
         for row in labelled:
             for _, c in part[row.selects(part)].iterrows():
-                mine = here[row.selects(here)]
-                differences = [v - baseline[s] for v, s in zip(mine["value"], mine["seed"]) if s in baseline.index]
+                mine = values(row)
+                text = {f"Δ vs {labelled[0].label}": paired_text(paired_against(mine, values(labelled[0])),
+                                                                  cell_unit(c), row == labelled[0])}
+                for reference in second:
+                    text[f"Δ vs {reference}"] = (
+                        paired_text(paired_against(mine, values(by_label[reference])), cell_unit(c), False)
+                        if row.against == reference else "baseline" if row.label == reference else "–")
                 rows.append({"model": label, "cell": row.label, "setting": setting_label(c),
                              "options": c["format_options"] or "–", "gradients rounded": row.rounding,
-                             "runs ok": f"{int(c['ok'])}/{int(c['runs'])}",
-                             "mean ± std": metric_text(c),
-                             f"Δ vs {labelled[0].label}": paired_text(differences, cell_unit(c), row == labelled[0])})
+                             "runs ok": f"{int(c['ok'])}/{int(c['runs'])}", "mean ± std": metric_text(c), **text})
     return pd.DataFrame(rows)
 
 

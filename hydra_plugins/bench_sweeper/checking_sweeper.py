@@ -209,11 +209,12 @@ class CheckingSweeper(BasicSweeper):
         try:  # Hydra's basic sweeper creates the sweep directory before it composes any cell
             check_results_dir(Path(self.config.results_dir))
             if self.table is not None:
-                from bench.reporting.experiment_tables import DECLARED_TABLES
+                from bench.reporting.experiment_tables import DECLARED_TABLES, declared_table
 
                 if self.table not in DECLARED_TABLES:
                     raise ConfigError(f"hydra.sweeper.table={self.table!r} is not a table; valid: "
                                       f"{', '.join(DECLARED_TABLES)}{suggestion(self.table, DECLARED_TABLES)}")
+                declared_table(str(self.config.get("experiment_name")))  # its rows: each pairing names a row
             if not self._cells_run_here:
                 check_slurm_accounting()
         except ConfigError as e:
