@@ -281,6 +281,7 @@ def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None) -> pd.Dat
             "lr": _number((cfg["model"].get("optimizer") or {}).get("lr")),
             "exact_match": _number(metrics.get("exact_match")), "f1": _number(metrics.get("f1")),
             "steps": _number(r["timing"].get("steps")),
+            "final_train_loss": _number(metrics.get("final_train_loss")),  # at `steps`: where a loss curve ends
             # the training loop without the steps that compiled (timing.compile), which are counted apart: a
             # speed-up compares steady steps, and an eager run's two times are one
             "train_s": _number(r["timing"].get("train_s_without_compile", r["timing"].get("train_s"))),

@@ -1,17 +1,21 @@
-"""Plots beside the tables (PNG and SVG): metric vs train time, format x scaling heatmap, loss curves and
-loss-scale trajectories, one set per model as configured and per settings variant, in the tables' units.
-Emulated cells are drawn hollow: their time is the emulation's, not the format's. A cell with diverged or
-failed runs is crossed: its point is the mean of the runs that finished."""
+"""Plots beside the tables (PNG and SVG): metric vs time to target (on a GPU, predicted by the speed model), format x
+scaling heatmap, loss curves and loss-scale trajectories, one set per model as configured and per settings variant,
+in the tables' units. Emulated cells are drawn hollow. A cell with diverged or failed runs is crossed: its point is
+the mean of the runs that finished; one with stalled runs is drawn without them and marked ¶. Legends sit outside
+the data."""
 
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.lines
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
@@ -19,9 +23,10 @@ from bench.numerics.scaling import LOSS_SCALING
 from bench.numerics.scaling_methods import SCALING_METHODS, scaling_class, scaling_order
 from bench.reporting.experiment_tables import BlockRow, best_learning_rates, declared_table_of, parametrisation
 from bench.reporting.statistics import SIGNIFICANT
-from bench.reporting.table_cells import cell_unit, fmt_difference
+from bench.reporting.table_cells import STALLED, cell_unit, fmt_difference
 
-MARKERS = dict(zip(SCALING_METHODS, "os^Dv"))  # the first five methods, in the registry's order
+MARKER_CYCLE = "os^Dv<>pPhX*"  # one per scaling method: the registry's in its order, then plug-ins as they appear
+TIME_GPUS = ("H100", "B200", "A100", "H200", "V100")  # metric_vs_time's x-axis: the first GPU with a time
 # The same records draw the same bytes (a committed figure is checked against its records): SVG element ids
 # from a fixed salt, and no creation date in either file.
 plt.rcParams["svg.hashsalt"] = "precision-bench"
@@ -30,8 +35,8 @@ METADATA = {".svg": {"Date": None}, ".png": {}}
 
 def _save(fig, directory: Path, name: str) -> list[Path]:
     for ax in fig.axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6, ncol=3)
+        if ax.get_legend_handles_labels()[0] and ax.get_legend() is None:  # outside the data, to the right
+            ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     paths = [directory / f"{name}.png", directory / f"{name}.svg"]
     for path in paths:
         fig.savefig(path, bbox_inches="tight", dpi=120, metadata=METADATA[path.suffix])
@@ -52,32 +57,84 @@ def _with_interval(c) -> tuple[float, list | None]:
     return value, [[value - shown(c["value_ci_lo"])], [shown(c["value_ci_hi"]) - value]]
 
 
+def scaling_markers(scalings) -> dict[str, str]:
+    """A distinct marker per scaling method: the registry's methods in its order, then any other (a plug-in) as it
+    comes, so a plug-in never shares `none`'s circle."""
+    known = [m for m in SCALING_METHODS]
+    ordered = known + [s for s in dict.fromkeys(map(str, scalings)) if s not in known]
+    return {name: MARKER_CYCLE[i % len(MARKER_CYCLE)] for i, name in enumerate(ordered)}
+
+
+def time_axis(part: pd.DataFrame) -> tuple[pd.Series, pd.Series, pd.Series, str]:
+    """The x-axis of metric_vs_time: each cell's time to target on the first GPU of TIME_GPUS with a prediction for
+    any cell (the speed model's step x the cell's steps to target; its own measured step where it ran natively
+    there), with the 95% interval of its steps as error bars; else the measured train time on this device."""
+    for name in TIME_GPUS:
+        column = f"predicted_{name}_to_target_s"
+        if column in part and part[column].notna().any():
+            step = part[f"predicted_{name}_compiled_s"]
+            measured = part[f"predicted_{name}_error"].notna() if f"predicted_{name}_error" in part else False
+            step = step.where(~measured, part["step_median_s"]) if "step_median_s" in part else step
+            time = part["steps_to_target"] * step
+            return (time, time - part["steps_to_target_lo"] * step, part["steps_to_target_hi"] * step - time,
+                    f"time to target on {name} (s), predicted by the speed model (measured where the cell ran natively "
+                    f"there): mean over seeds, bars 95% interval\n(how far off the model has been: "
+                    "results/bench/speed_model_validation.md)")
+    return (part["train_s"], part["train_s"] - part["train_s_min"], part["train_s_max"] - part["train_s"],
+            "train time on this device (s): median over seeds, bars min–max")
+
+
 def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     settings = list(dict.fromkeys(part["setting"].astype(str)))
     colours = dict(zip(settings, plt.cm.tab10.colors))
-    for _, c in part.iterrows():
+    markers = scaling_markers(part["scaling"].astype(str))
+    time, below, above, time_label = time_axis(part)
+    left_out = []
+    for index, c in part.iterrows():
         emulated = c["backend"] == "emulated"
         colour = colours[str(c["setting"])]
+        if pd.isna(time[index]):
+            left_out.append(f"{c['setting']}/{c['scaling']}")
+            continue
+        stalled = bool(c.get("stalled")) and not pd.isna(c.get("value_without_stalled"))
         value, interval = _with_interval(c)
-        time_range = None if c["train_s_n"] < 2 else [[c["train_s"] - c["train_s_min"]],
-                                                          [c["train_s_max"] - c["train_s"]]]
-        ax.errorbar(c["train_s"], value, yerr=interval, xerr=time_range, fmt="none",
-                    ecolor=colour, elinewidth=0.8, capsize=2)
-        ax.scatter(c["train_s"], value, marker=MARKERS.get(str(c["scaling"]), "o"), s=60,
+        if stalled:  # the runs that learned, marked: a stalled run's metric would stretch the axis for one point
+            value, interval = cell_unit(c).shown(c["value_without_stalled"]), None
+            ax.annotate(STALLED, (time[index], value), xytext=(5, 3), textcoords="offset points", fontsize=9)
+        spread = None if pd.isna(below[index]) else [[max(below[index], 0)], [max(above[index], 0)]]
+        ax.errorbar(time[index], value, yerr=interval, xerr=spread, fmt="none", ecolor=colour, elinewidth=0.8,
+                    capsize=2)
+        ax.scatter(time[index], value, marker=markers[str(c["scaling"])], s=60,
                    facecolors="none" if emulated else colour, edgecolors=colour, linewidths=1.5)
         if c["diverged"] or c["failed"]:
-            ax.scatter(c["train_s"], value, marker="x", s=90, color="red", linewidths=1.2)
+            ax.scatter(time[index], value, marker="x", s=90, color="red", linewidths=1.2)
     for setting in settings:
         ax.scatter([], [], color=colours[setting], label=setting)
     for scaling in dict.fromkeys(part["scaling"].astype(str)):
-        ax.scatter([], [], marker=MARKERS.get(scaling, "o"), facecolors="none", edgecolors="grey", label=scaling)
+        ax.scatter([], [], marker=markers[scaling], color="grey", label=f"scaling={scaling}")
+    if (part["backend"] == "emulated").any():
+        ax.scatter([], [], marker="o", facecolors="none", edgecolors="black", label="hollow: emulated here")
     if (part["diverged"] + part["failed"]).any():
         ax.scatter([], [], marker="x", color="red", label="some runs diverged/failed")
-    ax.set_xlabel("train time (s): median over seeds, bars min–max; hollow = emulated")
+    if part.get("stalled", pd.Series(dtype=float)).fillna(0).astype(bool).any():
+        ax.scatter([], [], marker="$¶$", color="black", label=f"{STALLED} without its stalled runs")
+    if left_out:
+        ax.text(0.0, -0.22, "not shown (no time on the GPU, or the target never reached): " + ", ".join(left_out),
+                transform=ax.transAxes, fontsize=6, wrap=True)
+    shown = time.dropna()
+    if not shown.empty and (shown + above.reindex(shown.index).fillna(0)).max() > 2 * shown.max():
+        ax.set_xlim(0, 1.5 * shown.max())  # an interval many times the points' span runs off the edge
+    ax.set_xlabel(time_label, fontsize=8)
     ax.set_ylabel(f"{_metric_label(part)}: mean over seeds, bars 95% t interval")
-    ax.set_title(f"{title}: {part['metric'].iloc[0]} vs train time", fontsize=9)
+    ax.set_title(f"{title}: {part['metric'].iloc[0]} vs time to target", fontsize=9)
     return _save(fig, directory, f"{name}_metric_vs_time")
+
+
+def text_colour(rgba) -> str:
+    """Black or white, whichever reads on a cell of colour `rgba` (its relative luminance, WCAG's weights)."""
+    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3]]
+    return "black" if 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2] > 0.179 else "white"
 
 
 def heatmap(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[Path]:
@@ -91,16 +148,19 @@ def heatmap(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[
         i, j = rows.index((str(c["setting"]), c["backend"])), columns.index(str(c["scaling"]))
         grid[i, j] = cell_unit(c).shown(c["value"])
         if not np.isnan(grid[i, j]):  # the mean, then the paired difference to 32-true with its 95% interval
-            texts[i, j] = f"{grid[i, j]:.3g}\n{fmt_difference(c, with_n=False)}"
-    fig, ax = plt.subplots(figsize=(1.6 * len(columns) + 2, 0.7 * len(rows) + 1.5))
+            texts[i, j] = f"{grid[i, j]:.3g}\n" + fmt_difference(c, with_n=False).replace(
+                "; without stalled runs: ", "\nwithout stalled runs:\n")
+    fig, ax = plt.subplots(figsize=(2.0 * len(columns) + 2, 0.8 * len(rows) + 1.5))
     image = ax.imshow(grid, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(columns)), columns)
     ax.set_yticks(range(len(rows)), labels)
     for (i, j), text in np.ndenumerate(texts):
-        ax.text(j, i, text, ha="center", va="center", color="w", fontsize=6)
+        colour = "black" if np.isnan(grid[i, j]) else text_colour(image.cmap(image.norm(grid[i, j])))
+        ax.text(j, i, text, ha="center", va="center", color=colour, fontsize=7, wrap=True)
     fig.colorbar(image, ax=ax, label=_metric_label(part))
-    ax.set_title(f"{title}: {part['metric'].iloc[0]} by format and scaling\n(mean; Δ vs 32-true [95% interval], "
-                 f"{SIGNIFICANT} = excludes 0)", fontsize=9)
+    interval = ("Δ vs 32-true [95% interval], " f"{SIGNIFICANT} = excludes 0" if part["value_ci_lo"].notna().any()
+                else "Δ vs 32-true; one seed per cell: no interval")
+    ax.set_title(f"{title}: {part['metric'].iloc[0]} by format and scaling\n(mean; {interval})", fontsize=9)
     return _save(fig, directory, f"{name}_heatmap")
 
 
@@ -109,35 +169,74 @@ def loss_curves(runs: pd.DataFrame, title: str, directory: Path, name: str) -> l
     scalings = [str(x) for x in dict.fromkeys(runs["scaling"].astype(str))]
     colours = dict(zip(dict.fromkeys(runs["setting"].astype(str)), plt.cm.tab10.colors))
     fig, axes = plt.subplots(1, len(scalings), figsize=(3.2 * len(scalings) + 1, 3.6), sharey=True, squeeze=False)
+    drawn: list[str] = []  # the settings with a curve, in order: the legend's
     for ax, scaling in zip(axes[0], scalings):
         labelled = set()
         for _, r in runs[runs["scaling"].astype(str) == scaling].iterrows():
             setting = str(r["setting"])
-            if r["losses"]:
-                steps, losses = zip(*r["losses"])
-                ax.plot(steps, losses, lw=0.8, color=colours[setting],
-                        label=None if setting in labelled else setting)
+            if points := curve_points(r):
+                steps, losses = zip(*points)
+                ax.plot(steps, losses, lw=0.8, color=colours[setting])
                 labelled.add(setting)
+        drawn += [setting for setting in colours if setting in labelled and setting not in drawn]
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(PLAIN)
+        ax.yaxis.set_minor_formatter(PLAIN_MINOR)
         ax.set_xlabel("step")
         ax.set_title(scaling, fontsize=9)
     axes[0][0].set_ylabel("training loss")
     fig.suptitle(f"{title}: training loss (one line per seed)", fontsize=9)
+    if drawn:  # one legend for the panels, outside them
+        axes[0][-1].legend([matplotlib.lines.Line2D([], [], color=colours[s], lw=0.8) for s in drawn], drawn,
+                           fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, directory, f"{name}_loss_curves")
+
+
+def curve_points(run) -> list[tuple[int, float]]:
+    """A run's logged training losses, to its last step: the loss it ended on (the record's final_train_loss, at
+    `steps`) where the log stopped short of it."""
+    points = [tuple(p) for p in run["losses"] or []]
+    final, steps = run.get("final_train_loss"), run.get("steps")
+    if points and final is not None and not pd.isna(final) and steps and points[-1][0] < steps:
+        points.append((int(steps), float(final)))
+    return points
+
+
+# plain tick labels on a log axis ("0.3", "2"), never "3×10^-1"; minor ticks labelled only where a decade has no major
+PLAIN = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+PLAIN_MINOR = matplotlib.ticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5))
+
+
+def trajectory_groups(runs: pd.DataFrame) -> list[tuple[tuple, str]]:
+    """The loss-scale trajectories to draw, identical ones merged: ((steps, scales), label naming every run that
+    followed it, by scaling method, setting and seeds), so that no line hides another."""
+    groups: dict[tuple, dict[tuple[str, str], list]] = {}
+    for _, r in runs.iterrows():
+        history = r["loss_scale_history"]
+        if history and r["loss_scaling"] in LOSS_SCALING[1:]:  # a loss scale that is not 1
+            steps = tuple([h[0] for h in history] + [r["steps"]])  # hold the last scale to the end of the run
+            scales = tuple([h[1] for h in history] + [history[-1][1]])
+            groups.setdefault((steps, scales), {}).setdefault((str(r["scaling"]), str(r["setting"])), []).append(
+                int(r["seed"]))
+    drawn = []
+    for trajectory, members in groups.items():
+        by_scaling: dict[str, list[str]] = {}
+        for (scaling, setting), seeds in members.items():
+            by_scaling.setdefault(scaling, []).append(f"{setting} s{','.join(map(str, sorted(seeds)))}")
+        label = "; ".join(f"{scaling}: {', '.join(parts)}" for scaling, parts in by_scaling.items())
+        drawn.append((trajectory, textwrap.fill(label, 70)))
+    return drawn
 
 
 def loss_scale_trajectories(runs: pd.DataFrame, title: str, directory: Path, name: str) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4))
-    for _, r in runs.iterrows():
-        history = r["loss_scale_history"]
-        if history and r["loss_scaling"] in LOSS_SCALING[1:]:  # a loss scale that is not 1
-            steps = [h[0] for h in history] + [r["steps"]]  # hold the last scale to the end of the run
-            scales = [h[1] for h in history] + [history[-1][1]]
-            ax.step(steps, scales, where="post", lw=1, label=f"{r['setting']}/{r['scaling']}/s{r['seed']}")
+    styles = ["-", "--", "-.", ":"]
+    for k, ((steps, scales), label) in enumerate(trajectory_groups(runs)):
+        ax.step(steps, scales, where="post", lw=1.2, ls=styles[k // 10 % len(styles)], label=label)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss scale")
-    ax.set_title(f"{title}: loss-scale trajectories (static and dynamic)", fontsize=9)
+    ax.set_title(f"{title}: loss-scale trajectories (static and dynamic; identical runs share a line)", fontsize=9)
     return _save(fig, directory, f"{name}_loss_scale")
 
 
@@ -149,7 +248,8 @@ def metric_vs_bits(part: pd.DataFrame, title: str, directory: Path, name: str,
     # one colour per format and recipe, both roundings
     formats = list(dict.fromkeys((r.setting, r.scaling, r.options) for r in block_rows))
     for block_row in block_rows:
-        setting, scaling, rounding, label, bits, options = block_row
+        setting, scaling, options = block_row.setting, block_row.scaling, block_row.options
+        rounding, label, bits = block_row.rounding, block_row.label, block_row.bits
         match = part[block_row.selects(part)]
         if match.empty:
             continue
