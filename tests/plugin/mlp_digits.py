@@ -26,15 +26,43 @@ def check(model: DictConfig) -> None:
 
 
 def describe(model_cfg: dict) -> tuple[str, str]:
-    return "digits", f"mlp ({model_cfg['arch']['hidden']} hidden, digits)"
+    return "digits", f"{model_cfg['name']} ({model_cfg['arch']['hidden']} hidden, digits)"
 
 
 def mlp_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
+    model = nn.Sequential(nn.Flatten(), nn.Linear(32 * 32, cfg.arch.hidden), nn.ReLU(),
+                          nn.Linear(cfg.arch.hidden, 10)).to(device)
+    return digits_task(model, cfg, device, seed)
+
+
+class Block(nn.Module):
+    """A residual block with BatchNorm: conv, BN, ReLU, conv, BN, plus the input."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+                                  nn.ReLU(inplace=True), nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(channels))
+
+    def forward(self, x):
+        return torch.relu(x + self.body(x))
+
+
+def resnet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
+    """A tiny ResNet with BatchNorm (running statistics: buffers, not parameters), in-place ReLUs and a max-pool, on
+    the same digits."""
+    width = cfg.arch.hidden
+    model = nn.Sequential(nn.Conv2d(1, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
+                          nn.ReLU(inplace=True), nn.MaxPool2d(2), Block(width), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(width, 10)).to(device)
+    return digits_task(model, cfg, device, seed)
+
+
+def digits_task(model: nn.Module, cfg: DictConfig, device: torch.device, seed: int) -> Task:
+    """`model` trained on the digits (1 x 32 x 32 images)."""
     x_train, y_train, x_test, y_test = (t.to(device) for t in load_digits(cfg.data.test_fraction))
     held_out = len(y_train) // 10  # the validation split, for the quality curve (never the test set)
     x_train, y_train, x_val, y_val = x_train[held_out:], y_train[held_out:], x_train[:held_out], y_train[:held_out]
-    model = nn.Sequential(nn.Flatten(), nn.Linear(32 * 32, cfg.arch.hidden), nn.ReLU(),
-                          nn.Linear(cfg.arch.hidden, 10)).to(device)
     batches_per_epoch = len(y_train) // cfg.batch_size
 
     def train_batches(epoch: int):
