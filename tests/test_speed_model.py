@@ -246,7 +246,7 @@ def test_nvfp4_is_predicted_on_fp4_gpus_as_transformer_engine_runs_it_and_says_s
     traced = trace_cell(cfg)
     found = recipe_on(cfg, traced, gpu("B200"))
     assert isinstance(found, Recipe) and found.rht and found.weight_tiles and "Transformer Engine" in found.note
-    assert found.kept == ("h.3.mlp.c_fc", "h.3.mlp.c_proj", "lm_head")
+    assert found.kept == ("h.3.attn.c_attn", "h.3.attn.c_proj", "h.3.mlp.c_fc", "h.3.mlp.c_proj", "lm_head")
     assert "compute capability >= 10.0" in str(recipe_on(cfg, traced, gpu("H100")))
     assert speed.predictions(cfg, traced, [gpu("B200")])["B200"]["note"] == speed.NVFP4_NOTE
 
