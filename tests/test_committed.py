@@ -169,7 +169,7 @@ def test_a_device_subfolder_is_remade_into_itself_not_over_the_cpu_folder(two_ru
 def test_the_nvfp4_ablation_pairs_each_cell_with_bf16_seed_by_seed_as_its_records_say(tmp_path):
     """The ablation remade from the committed records (as the committed one), its differences against ones computed
     here from the records alone: each cell picked by its format node (not by the table's selectors), its validation
-    loss minus BF16's of the same seed, averaged."""
+    loss minus BF16's of the same seed, averaged; and each "full − X" minus the full recipe's, seed by seed."""
     import pandas as pd
 
     folder = tmp_path / "nvfp4_recipe"
@@ -178,24 +178,33 @@ def test_the_nvfp4_ablation_pairs_each_cell_with_bf16_seed_by_seed_as_its_record
     committed.regenerate(folder, plots_too=False)
     assert filecmp.cmp(folder / "ablation.csv", TABLES / "nvfp4_recipe" / "ablation.csv", shallow=False)
     records, problems = archive.read(folder / archive.ARCHIVE)
-    assert not problems and len(records) == 33
+    assert not problems and len(records) == 36
 
     def losses(name, rounding="nearest", **switches):
         chosen = {}
         for r in records:
             f = r["config"]["format"]
-            wanted = {"rht": False, "weight_blocks": "1x16", "keep_high_precision": None} | switches
+            wanted = {"rht": False, "weight_blocks": "1x16", "keep_high_precision": ["head"], "scale_rule": "te",
+                      "sr_bits": 8 if rounding == "stochastic" else None} | switches
             if f["name"] == name and f["rounding"] == rounding and all(f.get(k) == v for k, v in wanted.items()):
                 chosen[r["config"]["seed"]] = r["metrics"]["val_loss"]
         return chosen
 
-    bf16 = losses("bf16")
+    bf16 = losses("bf16", keep_high_precision=None, scale_rule="torchao")
+    full = losses("nvfp4_recipe", "stochastic", rht=True, weight_blocks="16x16",
+                  keep_high_precision=["head", "last_blocks:1"])
     table = pd.read_csv(folder / "ablation.csv").set_index("cell")
-    for cell, mine in (("NVFP4 plain", losses("nvfp4")),
-                       ("plain + stochastic gradients", losses("nvfp4", "stochastic")),
-                       ("full recipe", losses("nvfp4_recipe", "stochastic", rht=True, weight_blocks="16x16",
-                                              keep_high_precision=["last:3"]))):
-        assert sorted(mine) == sorted(bf16) == [0, 1, 2], cell
-        difference = sum(mine[s] - bf16[s] for s in bf16) / 3
-        assert table.loc[cell, "Δ vs BF16"].startswith(f"{difference:+.3f} ["), (cell, difference)
-    assert table.loc["BF16", "Δ vs BF16"] == "baseline"
+    for cell, mine, reference, column in (
+            ("NVFP4 plain", losses("nvfp4"), bf16, "Δ vs BF16"),
+            ("plain + stochastic gradients", losses("nvfp4", "stochastic"), bf16, "Δ vs BF16"),
+            ("full recipe", full, bf16, "Δ vs BF16"),
+            ("full - RHT", losses("nvfp4_recipe", "stochastic", weight_blocks="16x16",
+                                  keep_high_precision=["head", "last_blocks:1"]), full, "Δ vs full recipe"),
+            ("full recipe, torchao's scale rule",
+             losses("nvfp4_recipe", "stochastic", rht=True, weight_blocks="16x16", scale_rule="torchao",
+                    sr_bits=None, keep_high_precision=["head", "last_blocks:1"]), full, "Δ vs full recipe")):
+        assert sorted(mine) == sorted(reference) == [0, 1, 2], cell
+        difference = sum(mine[s] - reference[s] for s in reference) / 3
+        assert table.loc[cell, column].startswith(f"{difference:+.3f} ["), (cell, difference)
+    assert table.loc["BF16", "Δ vs BF16"] == "baseline" and table.loc["full recipe", "Δ vs full recipe"] == "baseline"
+    assert table.loc["NVFP4 plain", "Δ vs full recipe"] == "–"

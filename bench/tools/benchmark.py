@@ -17,7 +17,7 @@ things compared, in one process:
   made inside the transformers model (.in_model), which a bare loop makes too. Target: ~0.
 - emulation_ratio.<model>.<format>: step time of an emulated format / fp32, same loop and model; the formats
   include FP8 rowwise/block scaling, the block formats (bench/numerics/blocks.py) and NVIDIA's whole NVFP4 recipe
-  (format=nvfp4_recipe, BERT-tiny only). Targets on CPU: <= 1.5 for fp8, <= 2.5 for mxfp8, <= 3 for nvfp4_recipe
+  (format=nvfp4_recipe, BERT-tiny only). Targets on CPU: <= 1.25 for fp8, <= 1.75 for mxfp8, <= 2 for nvfp4_recipe
   (`--emulated nvfp4_recipe,...` measures only those settings). telemetry_ratio.<model>.fp8: fp8 with telemetry on
   every step / off (target <= 1.5).
 - compile_speedup.<model>.<format>: step time of our loop eager / compiled (train.compile=true, inductor), for
@@ -302,7 +302,7 @@ EMULATED = {"tf32": ["format=tf32"], "fp16": ["format=fp16"], "bf16": ["format=b
             "nvfp4_recipe": ["format=nvfp4_recipe"]}
 # NVIDIA's whole NVFP4 recipe keeps the last 3 Linear layers in BF16: LeNet has only 3, so it runs on BERT-tiny only
 EMULATED_ON = {"nvfp4_recipe": ("bert_tiny",)}
-EMULATION_TARGETS = {"fp8": "<= 1.5", "mxfp8": "<= 2.5", "nvfp4_recipe": "<= 3"}  # on CPU
+EMULATION_TARGETS = {"fp8": "<= 1.25", "mxfp8": "<= 1.75", "nvfp4_recipe": "<= 2"}  # on CPU (#56's, raised)
 
 
 def emulation_rows(steps: int, repeats: int, only: list[str] | None = None) -> list[dict]:
