@@ -71,8 +71,8 @@ def test_mx_blocks_fused_are_the_eager_blocks_bit_for_bit(element, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantiser", ["nvfp4 one level", "nvfp4 two levels", "nvfp4 16x16 tiles", "rowwise",
-                                       "1x128 tiles", "128x128 tiles"])
+@pytest.mark.parametrize("quantiser", ["nvfp4 one level", "nvfp4 two levels", "nvfp4 16x16 tiles", "nvfp4 te",
+                                       "nvfp4 te 16x16 tiles", "rowwise", "1x128 tiles", "128x128 tiles"])
 def test_every_other_block_quantiser_fused_is_its_eager_self_bit_for_bit(quantiser):
     element, width = ("fp4_e2m1", 16) if quantiser.startswith("nvfp4") else ("fp8_e4m3", 128)
     for x in _inputs(element, width):
@@ -80,9 +80,11 @@ def test_every_other_block_quantiser_fused_is_its_eager_self_bit_for_bit(quantis
         call, args = {"nvfp4 one level": (blocks.nvfp4_quantise, ()),
                       "nvfp4 two levels": (blocks.nvfp4_quantise, (blocks.nvfp4_tensor_scale(x),)),
                       "nvfp4 16x16 tiles": (blocks.nvfp4_tile_quantise, (blocks.nvfp4_tensor_scale(x),)),
+                      "nvfp4 te": (blocks.te_nvfp4_quantise, (x[x.isfinite()].abs().max(),)),
+                      "nvfp4 te 16x16 tiles": (blocks.te_nvfp4_tile_quantise, (x[x.isfinite()].abs().max(),)),
                       "rowwise": (blocks.rowwise_quantise, ()), "1x128 tiles": (blocks.tile_quantise, ()),
                       "128x128 tiles": (blocks.tile2d_quantise, ())}[quantiser]
-        if quantiser in ("nvfp4 16x16 tiles", "128x128 tiles"):  # whole square tiles
+        if quantiser in ("nvfp4 16x16 tiles", "nvfp4 te 16x16 tiles", "128x128 tiles"):  # whole square tiles
             tile = 16 if quantiser.startswith("nvfp4") else 128
             x = x[: len(x) // tile * tile]
         assert _same_bits(call.eager(x, *args), call.fused(x, *args), BLOCKED_FIELDS), quantiser
