@@ -326,6 +326,9 @@ def test_switches_that_do_not_apply_are_refused_naming_the_valid_choices(make_cf
 @pytest.mark.parametrize("overrides,message", [
     (["format=nvfp4", "format.weight_blocks=16x16"],
      r"format.weight_blocks=16x16: 7 is 120 x 400, not whole 16 x 16 tiles .*valid: format.pad_weights=true"),
+    pytest.param(["format=nvfp4", "format.keep_high_precision=[last_blocks:1]"],
+                 r"last_blocks:1 counts blocks, and this model declares none \(model.task.blocks\)",
+                 marks=pytest.mark.slow),
     pytest.param(["format=nvfp4", "format.keep_high_precision=[conv*]"],
                  "'conv\\*' matches no Linear layer; valid: first:<n>, last:<n>, head, or a glob over these: 7, 9, 11",
                  marks=pytest.mark.slow),  # the same preflight path as above; kept_layers' message is tested fast

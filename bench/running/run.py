@@ -111,9 +111,8 @@ def check_model(cfg: DictConfig) -> None:
             pass  # a pretrained conversion that changed the function: measured, so recorded by the run
         with torch.no_grad():
             task.compute_loss(*task.forward(task.model, next(iter(task.train_batches(0))), lambda x: x))
-        if by_layer:
+        if by_layer:  # PrecisionError names the layer
             Precision.from_config(cfg, torch.device("cpu")).prepare(task.model, cfg.model.task.get("blocks"))
-            # (PrecisionError names the layer)
     _MODELS_CHECKED.add(key)
 
 
