@@ -322,5 +322,6 @@ DECLARED_TABLES = {
     "ablation": Table(
         ablation_table,
         "An ablation: each cell the preset names beside its first (the baseline), the paired difference seed by seed "
-        "with a 95% t interval"),
+        "with a 95% t interval; a cell the preset pairs against another (`against`) has that difference too, in a "
+        "column of its own"),
 }
