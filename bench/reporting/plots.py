@@ -127,7 +127,8 @@ def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -
         ax.set_xlim(0, 1.5 * shown.max())  # an interval many times the points' span runs off the edge
     ax.set_xlabel(time_label, fontsize=8)
     ax.set_ylabel(f"{_metric_label(part)}: mean over seeds, bars 95% t interval")
-    ax.set_title(f"{title}: {part['metric'].iloc[0]} vs time to target", fontsize=9)
+    against = "time to target" if time_label.startswith("time to target") else "train time"
+    ax.set_title(f"{title}: {part['metric'].iloc[0]} vs {against}", fontsize=9)
     return _save(fig, directory, f"{name}_metric_vs_time")
 
 
