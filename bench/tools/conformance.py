@@ -636,7 +636,7 @@ def departure_examples() -> pd.DataFrame:
              ("torchao_scale_clamp", "NVFP4 two-level, scale_rule=torchao against TE's rules", _far_below_block(),
               _te_pair),
              ("torchao_scale_order", "NVFP4 two-level, scale_rule=torchao against TE's rules",
-              torch.tensor([[768.0] + [0.0] * 15, [288.0] + [0.0] * 15]), _te_pair)]
+              torch.tensor([[288.0] + [0.0] * 15, [768.0] + [0.0] * 15]), _te_pair)]  # the block of amax 288 first
     rows = []
     for name, fmt, x, pair in cases:
         theirs, ours = pair(x)
