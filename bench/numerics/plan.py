@@ -391,23 +391,18 @@ def kept_layers(linears: list[str], patterns: tuple[str, ...], blocks: str | Non
     kept: set[str] = set()
     for pattern in patterns:
         count = LAYER_COUNT.match(pattern)
-        if count and count[2]:
-            if blocks is None:
+        if count:  # the first or last n Linear layers, or n blocks (each standing for the Linears inside it)
+            if count[2] and blocks is None:
                 raise PrecisionError(f"format.keep_high_precision: {pattern} counts blocks, and this model declares "
                                      "none (model.task.blocks); valid: first:<n>, last:<n>, head, or a glob over "
                                      f"these: {', '.join(linears)}")
-            n, named = int(count[3]), blocks_of(linears, blocks)
-            if n > len(named):
-                raise PrecisionError(f"format.keep_high_precision: {pattern} asks for {n} blocks; the model has "
-                                     f"{len(named)} ({blocks}.*)")
-            inside = named[:n] if count[1] == "first" else named[-n:]
-            chosen = [name for name in linears if any(name.startswith(block + ".") for block in inside)]
-        elif count:
+            units, what = (blocks_of(linears, blocks), "blocks") if count[2] else (linears, "Linear layers")
             n = int(count[3])
-            if n > len(linears):
-                raise PrecisionError(f"format.keep_high_precision: {pattern} asks for {n} Linear layers; the model "
-                                     f"has {len(linears)}")
-            chosen = linears[:n] if count[1] == "first" else linears[-n:]
+            if n > len(units):
+                raise PrecisionError(f"format.keep_high_precision: {pattern} asks for {n} {what}; the model has "
+                                     f"{len(units)}" + (f" ({blocks}.*)" if count[2] else ""))
+            inside = units[:n] if count[1] == "first" else units[-n:]
+            chosen = [name for name in linears if any(name == unit or name.startswith(unit + ".") for unit in inside)]
         elif pattern == HEAD:
             chosen = linears[-1:]
         else:

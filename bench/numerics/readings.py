@@ -21,14 +21,18 @@ class Readings:
         self.length, self.width = max(1, min(length, self.MAX_START)), width
         self.window: torch.Tensor | None = None
         self.pending = 0  # rows pushed since the last read: the window's first rows (XLA: its last)
-        self.shifts = False  # XLA: the window shifts by a row per push (the module docstring says why)
+
+    @property
+    def shifts(self) -> bool:
+        """On XLA the window shifts by a row per push (the module docstring says why); elsewhere rows are written in
+        place."""
+        return self.window.device.type == "xla"
 
     def push(self, row: torch.Tensor) -> None:
         """Append `row` (`width` values; FP32, which holds a 16-bit value exactly) without reading it."""
         row = row.detach().reshape(1, self.width).float()
         if self.window is None:
             self.window = torch.zeros(self.length, self.width, device=row.device)
-            self.shifts = row.device.type == "xla"
         if self.pending == self.length:  # more rows than the window holds before a read: widen it (one new shape)
             halves = [torch.zeros_like(self.window), self.window]
             self.window = torch.cat(halves if self.shifts else halves[::-1])
