@@ -33,13 +33,15 @@ def _cells(**columns):
 def test_the_time_axis_is_a_gpus_time_to_target_measured_where_the_cell_ran_there():
     cells = _cells(predicted_H100_to_target_s=[0.2, 0.18], predicted_H100_compiled_s=[0.002, 0.0015],
                    predicted_H100_error=[0.1, np.nan])  # the first ran natively on an H100: its own step
-    time, below, above, label = plots.time_axis(cells)
+    time, below, above, quantity, label = plots.time_axis(cells)
     assert time.tolist() == pytest.approx([100 * 0.05, 120 * 0.0015])
     assert below.tolist() == pytest.approx([10 * 0.05, 20 * 0.0015])
     assert above.tolist() == pytest.approx([10 * 0.05, 20 * 0.0015])
     assert label.startswith("time to target on H100 (s), predicted by the speed model")
-    time, _, _, label = plots.time_axis(_cells())  # no prediction anywhere: this device's train time
+    assert quantity == "time to target"
+    time, _, _, quantity, label = plots.time_axis(_cells())  # no prediction anywhere: this device's train time
     assert time.tolist() == [5.0, 7.0] and label.startswith("train time on this device")
+    assert quantity == "train time"
 
 
 def test_a_loss_curve_reaches_the_last_step_with_the_recorded_final_loss():

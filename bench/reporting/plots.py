@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
 import matplotlib
 
@@ -60,28 +61,38 @@ def _with_interval(c) -> tuple[float, list | None]:
 def scaling_markers(scalings) -> dict[str, str]:
     """A distinct marker per scaling method: the registry's methods in its order, then any other (a plug-in) as it
     comes, so a plug-in never shares `none`'s circle."""
-    known = [m for m in SCALING_METHODS]
+    known = list(SCALING_METHODS)
     ordered = known + [s for s in dict.fromkeys(map(str, scalings)) if s not in known]
     return {name: MARKER_CYCLE[i % len(MARKER_CYCLE)] for i, name in enumerate(ordered)}
 
 
-def time_axis(part: pd.DataFrame) -> tuple[pd.Series, pd.Series, pd.Series, str]:
-    """The x-axis of metric_vs_time: each cell's time to target on the first GPU of TIME_GPUS with a prediction for
-    any cell (the speed model's step x the cell's steps to target; its own measured step where it ran natively
-    there), with the 95% interval of its steps as error bars; else the measured train time on this device."""
+class TimeAxis(NamedTuple):
+    """metric_vs_time's x-axis: each cell's time, the error bar below and above it, what the time is (the title's
+    words), and the axis label."""
+
+    time: pd.Series
+    below: pd.Series
+    above: pd.Series
+    quantity: str
+    label: str
+
+
+def time_axis(part: pd.DataFrame) -> TimeAxis:
+    """Each cell's time to target on the first GPU of TIME_GPUS with a prediction for any cell (the speed model's
+    step x the cell's steps to target; its own measured step where it ran natively there: its prediction has an
+    error), with the 95% interval of its steps as error bars; else the measured train time on this device."""
     for name in TIME_GPUS:
-        column = f"predicted_{name}_to_target_s"
-        if column in part and part[column].notna().any():
-            step = part[f"predicted_{name}_compiled_s"]
-            measured = part[f"predicted_{name}_error"].notna() if f"predicted_{name}_error" in part else False
-            step = step.where(~measured, part["step_median_s"]) if "step_median_s" in part else step
+        if f"predicted_{name}_to_target_s" in part and part[f"predicted_{name}_to_target_s"].notna().any():
+            measured = part[f"predicted_{name}_error"].notna()
+            step = part[f"predicted_{name}_compiled_s"].where(~measured, part["step_median_s"])
             time = part["steps_to_target"] * step
-            return (time, time - part["steps_to_target_lo"] * step, part["steps_to_target_hi"] * step - time,
-                    f"time to target on {name} (s), predicted by the speed model (measured where the cell ran natively "
-                    f"there): mean over seeds, bars 95% interval\n(how far off the model has been: "
-                    "results/bench/speed_model_validation.md)")
-    return (part["train_s"], part["train_s"] - part["train_s_min"], part["train_s_max"] - part["train_s"],
-            "train time on this device (s): median over seeds, bars min–max")
+            return TimeAxis(time, time - part["steps_to_target_lo"] * step, part["steps_to_target_hi"] * step - time,
+                            "time to target",
+                            f"time to target on {name} (s), predicted by the speed model (measured where the cell ran "
+                            f"natively there): mean over seeds, bars 95% interval\n(how far off the model has been: "
+                            "results/bench/speed_model_validation.md)")
+    return TimeAxis(part["train_s"], part["train_s"] - part["train_s_min"], part["train_s_max"] - part["train_s"],
+                    "train time", "train time on this device (s): median over seeds, bars min–max")
 
 
 def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[Path]:
@@ -89,7 +100,7 @@ def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -
     settings = list(dict.fromkeys(part["setting"].astype(str)))
     colours = dict(zip(settings, plt.cm.tab10.colors))
     markers = scaling_markers(part["scaling"].astype(str))
-    time, below, above, time_label = time_axis(part)
+    time, below, above, quantity, time_label = time_axis(part)
     left_out = []
     for index, c in part.iterrows():
         emulated = c["backend"] == "emulated"
@@ -97,7 +108,7 @@ def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -
         if pd.isna(time[index]):
             left_out.append(f"{c['setting']}/{c['scaling']}")
             continue
-        stalled = bool(c.get("stalled")) and not pd.isna(c.get("value_without_stalled"))
+        stalled = c["stalled"] > 0 and pd.notna(c["value_without_stalled"])
         value, interval = _with_interval(c)
         if stalled:  # the runs that learned, marked: a stalled run's metric would stretch the axis for one point
             value, interval = cell_unit(c).shown(c["value_without_stalled"]), None
@@ -117,7 +128,7 @@ def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -
         ax.scatter([], [], marker="o", facecolors="none", edgecolors="black", label="hollow: emulated here")
     if (part["diverged"] + part["failed"]).any():
         ax.scatter([], [], marker="x", color="red", label="some runs diverged/failed")
-    if part.get("stalled", pd.Series(dtype=float)).fillna(0).astype(bool).any():
+    if (part["stalled"] > 0).any():
         ax.scatter([], [], marker="$¶$", color="black", label=f"{STALLED} without its stalled runs")
     if left_out:
         ax.text(0.0, -0.22, "not shown (no time on the GPU, or the target never reached): " + ", ".join(left_out),
@@ -127,8 +138,7 @@ def metric_vs_time(part: pd.DataFrame, title: str, directory: Path, name: str) -
         ax.set_xlim(0, 1.5 * shown.max())  # an interval many times the points' span runs off the edge
     ax.set_xlabel(time_label, fontsize=8)
     ax.set_ylabel(f"{_metric_label(part)}: mean over seeds, bars 95% t interval")
-    against = "time to target" if time_label.startswith("time to target") else "train time"
-    ax.set_title(f"{title}: {part['metric'].iloc[0]} vs {against}", fontsize=9)
+    ax.set_title(f"{title}: {part['metric'].iloc[0]} vs {quantity}", fontsize=9)
     return _save(fig, directory, f"{name}_metric_vs_time")
 
 
@@ -198,7 +208,7 @@ def curve_points(run) -> list[tuple[int, float]]:
     `steps`) where the log stopped short of it."""
     points = [tuple(p) for p in run["losses"] or []]
     final, steps = run.get("final_train_loss"), run.get("steps")
-    if points and final is not None and not pd.isna(final) and steps and points[-1][0] < steps:
+    if points and pd.notna(final) and steps and points[-1][0] < steps:
         points.append((int(steps), float(final)))
     return points
 
