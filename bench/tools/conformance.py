@@ -378,16 +378,16 @@ def te_nvfp4_reference(blocks: np.ndarray, tensor_amax: float) -> tuple[np.ndarr
         return scale, elements.astype(f32) * final[:, None]
 
 
-def _te_rows(x: torch.Tensor) -> torch.Tensor:
-    """A family's finite rows (width 16), FP32: Transformer Engine's cast writes +6 for a NaN, ours NaN (named in
-    bench/numerics/blocks.py), so rows holding one are left out."""
+def _finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """A family's rows that hold no NaN or inf, as FP32 (Transformer Engine's cast writes +6 for a NaN, ours NaN:
+    named in bench/numerics/blocks.py; the tile and transform references take finite weights)."""
     return x.float()[x.float().isfinite().all(-1)]
 
 
 def compare_nvfp4_with_te(x: torch.Tensor, rule: str) -> dict:
     """NVFP4 of a family's finite rows under its own tensor amax against te_nvfp4_reference: scales and values.
     Under scale_rule=te every difference is a mismatch; under torchao each is a named departure (DEPARTURES)."""
-    rows = _te_rows(x)
+    rows = _finite_rows(x)
     counts = {"values": rows.numel(), "scale_mismatches": 0, "value_mismatches": 0, **NO_DEPARTURES}
     if not rows.numel():
         return counts
@@ -450,7 +450,7 @@ def compare_te_rht_with_reference(x: torch.Tensor) -> dict:
 
 def _as_tiles(x: torch.Tensor) -> torch.Tensor:
     """A family's finite rows (width 16) as a weight of whole 16 x 16 tiles, zero rows added (zeros change no amax)."""
-    finite = x.float()[x.float().isfinite().all(-1)]
+    finite = _finite_rows(x)
     return torch.nn.functional.pad(finite, (0, 0, 0, -finite.shape[0] % 16))
 
 
