@@ -26,6 +26,7 @@ from bench.numerics.blocks import (
 from bench.numerics.formats import FORMATS, quantise_stochastic, quantise_value, resolve_overflow
 from bench.numerics.specs import Recipe
 from bench.numerics.telemetry import QuantTelemetry
+from bench.numerics.tensor_cores import Accumulation, matmul
 
 
 class TensorSite:
@@ -43,13 +44,14 @@ class TensorSite:
         self.ftz = ftz
         self.telemetry = telemetry
         self.scaler = scaler  # a bench.numerics.scaling.PerTensorScale, or None
+        self.last_scale: torch.Tensor | None = None  # the scale of the tensor made last (a tensor-core GEMM reads it)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scaler is None:
             self.telemetry.observe(self.tensor_class, x, self.spec)
             rounded = self._round(x)
         else:
-            scale = self.scaler.scale_for(x)
+            scale = self.last_scale = self.scaler.scale_for(x)
             scaled = x * scale
             self.telemetry.observe(self.tensor_class, scaled, self.spec)
             rounded = self._round(scaled) / scale
@@ -108,6 +110,58 @@ class OpCasts:
         return cast(y, self.output, self.grad_output)
 
 
+def _operand(value: torch.Tensor, site: TensorSite) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a site made (value = its codes / its scale), as the codes a tensor core reads and the scale its GEMM
+    divides out after: value * scale is the codes within two FP32 (or, under BF16 autocast, BF16) roundings, far
+    inside half a step of the element format, so rounding it again gives them back exactly."""
+    scale = site.last_scale
+    if scale is None:
+        return value, None
+    return quantise_value(value.float() * scale, site.spec, site.overflow, site.ftz), scale
+
+
+def _descaled(y: torch.Tensor, *scales: torch.Tensor | None) -> torch.Tensor:
+    """A scaled GEMM's FP32 result times its operands' inverse scales (torch._scaled_mm's scale_a * scale_b, taken
+    as one FP32 factor: an assumption about cuBLAS's epilogue)."""
+    factor = None
+    for scale in scales:
+        if scale is not None:
+            factor = scale.reciprocal() if factor is None else factor * scale.reciprocal()
+    return y if factor is None else y * factor
+
+
+class _TensorCoreLinear(torch.autograd.Function):
+    """y = x W^T + b with each of its three GEMMs accumulated as a GPU's tensor cores do
+    (bench.numerics.tensor_cores.matmul) on the codes its rounding sites made, each scaled GEMM's result divided by
+    its operands' scales after, as torch._scaled_mm does; the bias added in FP32 after the GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, casts: OpCasts, accumulation: Accumulation):
+        (x_codes, x_scale), (w_codes, w_scale) = _operand(x, casts.activation), _operand(weight, casts.weight)
+        ctx.save_for_backward(x_codes, w_codes, x_scale, w_scale)
+        ctx.casts, ctx.accumulation, ctx.has_bias = casts, accumulation, bias is not None
+        x_2d = x_codes.reshape(-1, x.shape[-1])
+        y = matmul(x_2d, w_codes, gpu=accumulation.gpu, a_format=casts.activation.spec.name,
+                   b_format=casts.weight.spec.name, promote_every=accumulation.promotion(0))
+        y = _descaled(y, x_scale, w_scale).reshape(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_codes, w_codes, x_scale, w_scale = ctx.saved_tensors
+        casts, accumulation = ctx.casts, ctx.accumulation
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        g_codes, g_scale = _operand(grad_2d, casts.grad_output)
+        g_format, x_2d = casts.grad_output.spec.name, x_codes.reshape(-1, x_codes.shape[-1])
+        # grad_input = grad W reduces over out_features; grad_weight = grad^T x over the tokens
+        grad_x = matmul(g_codes, w_codes.t(), gpu=accumulation.gpu, a_format=g_format,
+                        b_format=casts.weight.spec.name, promote_every=accumulation.promotion(1))
+        grad_w = matmul(g_codes.t(), x_2d.t(), gpu=accumulation.gpu, a_format=g_format,
+                        b_format=casts.activation.spec.name, promote_every=accumulation.promotion(2))
+        return (_descaled(grad_x, g_scale, w_scale).reshape(x_codes.shape), _descaled(grad_w, g_scale, x_scale),
+                grad_2d.sum(0) if ctx.has_bias else None, None, None)
+
+
 def emulated_gemm(function, *tensors, rounded=lambda *t: t):
     """`function` (a linear, a conv or a blocked GEMM) on its emulated operands (`rounded` makes them) in FP32,
     autocast off: the operands hold the format's values, and an autocast GEMM would round them again (NVFP4's tensor
@@ -131,11 +185,15 @@ class CastOp:
 
     casts: OpCasts | None = None
     operands: BlockOperands | FP8TileOperands | None = None
+    accumulation: Accumulation | None = None  # a GPU's tensor cores (format.accumulation); None: exact FP32
 
     def linear(self, x, weight, bias):
-        """F.linear as the precision computes it: on block-scaled GEMM operands, or on rounded inputs and output."""
+        """F.linear as the precision computes it: on block-scaled GEMM operands, or on rounded inputs and output,
+        accumulated exactly or as the run's tensor cores do."""
         if self.operands is not None:
             return emulated_gemm(lambda *t: _BlockLinear.apply(*t, self.operands), x, weight, bias)
+        if self.accumulation is not None and self.casts is not None:
+            return self.gemm(lambda *t: _TensorCoreLinear.apply(*t, self.casts, self.accumulation), x, weight, bias)
         return self.gemm(F.linear, x, weight, bias)
 
     def gemm(self, function, x, weight, bias):

@@ -27,6 +27,7 @@ from bench.numerics.blocks import MX_BLOCK, ROUNDINGS, SCALE_MODES, SCALE_RULES,
 from bench.numerics.formats import OVERFLOW_POLICIES, SR_BITS
 from bench.numerics.native import TORCHAO_MXFP8
 from bench.numerics.scaling_methods import SCALING_METHODS, ScalingMethod, scaling_class
+from bench.numerics.tensor_cores import Accumulation
 from bench.numerics.specs import (
     ELSEWHERE,
     FORMAT_SPECS,
@@ -103,6 +104,9 @@ class FormatChoices:
     # fp8 and block formats: Linear layers kept out of the format, computing as `elsewhere` does (BF16 or FP32):
     # module-name globs (`*.lm_head`), `first:<n>` or `last:<n>` (the first or last n Linear layers in module order)
     keep_high_precision: Optional[List[str]] = None
+    # the emulated GEMMs' accumulation: exact (in FP32) | a GPU's tensor cores (bench/numerics/tensor_cores.py), FP8
+    # fast where torchao's tensorwise recipe is (<GPU>), or in every GEMM (<GPU>-fast), or promoted (<GPU>-promoted)
+    accumulation: str = "exact"
 
     @classmethod
     def schema(cls) -> type:
@@ -158,6 +162,7 @@ class PrecisionConfig(FormatChoices):
                                      f"only ({', '.join(n for n, s in FORMAT_SPECS.items() if s.gemm_only)}), not to "
                                      f"format={self.format}; valid there: null or fp32")
         self._check_recipe_switches()
+        self._check_accumulation()
         if self.gradients is not None and self.gradients not in spec.gradient_elements:
             valid = {name: ", ".join(s.gradient_elements) for name, s in FORMAT_SPECS.items() if s.gradient_elements}
             raise PrecisionError(f"format.gradients={self.gradients} does not go with format={self.format}; valid: "
@@ -198,6 +203,36 @@ class PrecisionConfig(FormatChoices):
                 raise PrecisionError(f"format.keep_high_precision: {pattern!r} is not valid; valid: first:<n>, "
                                      "last:<n>, first_blocks:<n> or last_blocks:<n> with n >= 1, head, or a glob over "
                                      "module names such as '*.lm_head'")
+
+    def _check_accumulation(self) -> None:
+        """A tensor-core model needs GEMMs on per-tensor-scaled operands in its input types (`accumulation_model`)."""
+        if self.accumulation == FORMAT_DEFAULTS["accumulation"]:
+            return
+        spec, tiled = self.spec, self.scaling in SCALING_METHODS and scaling_class(self.scaling).tiles is not None
+        modelled = [n for n, s in FORMAT_SPECS.items() if s.recipe is not None and not s.block]
+        if spec.recipe is None or spec.block:
+            why = "FP32 GEMMs run on CUDA cores (TF32 off)" if spec.recipe is None else \
+                "block-scaled GEMMs (scales applied inside the MMA) are not in the tensor-core data"
+            raise PrecisionError(f"format.accumulation={self.accumulation} models the tensor cores of GEMMs on "
+                                 f"per-tensor formats ({', '.join(modelled)}), not format={self.format}: {why}; valid "
+                                 "there: format.accumulation=exact")
+        if tiled:
+            raise PrecisionError(f"format.accumulation={self.accumulation} models GEMMs on per-tensor-scaled operands; "
+                                 f"scaling={self.scaling} scales rows or tiles, which the tensor-core data does not "
+                                 "cover; valid: format.accumulation=exact, or scaling=per_tensor")
+        self.accumulation_model  # noqa: B018 - parsed here so that a mistake is refused with the config
+
+    @property
+    def accumulation_model(self) -> Accumulation | None:
+        """format.accumulation as a tensor-core model of this format's GEMM operands; None where exact."""
+        if self.accumulation == FORMAT_DEFAULTS["accumulation"]:
+            return None
+        recipe = self.spec.recipe
+        operands = (recipe.inputs, self.gradients or recipe.grads)
+        try:
+            return Accumulation.parse(self.accumulation, operands, fp8=any(t.startswith("fp8") for t in operands))
+        except ConfigError as error:
+            raise PrecisionError(str(error)) from None
 
     @property
     def format(self) -> str:
@@ -327,6 +362,10 @@ EMULATION_RULES = (
                   "this recipe is emulated ({support})"),
     # torchao's FP8 recipes scale every tensor themselves: FP8 without their scales (scaling=none, static, dynamic,
     # unit, or a method of the user's) exists only as emulation
+    EmulationRule(lambda p, m: p.config.accumulation != FORMAT_DEFAULTS["accumulation"],
+                  "format.accumulation={accumulation} models a GPU's tensor cores on emulated GEMMs; native kernels "
+                  "accumulate as this device does: " + _AUTO,
+                  "format.accumulation={accumulation} models a GPU's tensor cores, which only emulation can ({support})"),
     EmulationRule(lambda p, m: _torchao_float8(p) and m.torchao_recipe is None,
                   "native FP8 (torchao) always scales per tensor; use scaling=per_tensor, or format.backend=auto or "
                   "emulated to study FP8 without per-tensor scales",
@@ -370,6 +409,7 @@ def plan(config: PrecisionConfig, method: ScalingMethod, device: torch.device) -
     for rule in EMULATION_RULES:
         if rule.applies(made, method):
             words = {"fmt": config.format, "method": method.name, "support": support.why,
+                     "accumulation": config.accumulation,
                      "title": method.title or f"scaling={method.name}", "differs": ", ".join(_torchao_mx_differs(made))}
             return _emulated(made, rule.refusal.format(**words), rule.reason.format(**words))
     return replace(made, native_recipe=_native_recipe(made, method))

@@ -70,6 +70,7 @@ from bench.numerics.plan import (  # noqa: F401 - PrecisionConfig and PrecisionE
 from bench.numerics.scaling_methods import ScalingMethod, build, scaling_class
 from bench.numerics.swap import restore, swap_modules, swapped, with_state_of
 from bench.numerics.telemetry import QuantTelemetry
+from bench.numerics.tensor_cores import Accumulation
 
 # train.eval_precision: every evaluation (per-epoch validation and the final test) in the precision the cell trained
 # in, native or emulated (its autocast, its rounding sites, its torchao layers), or in FP32 (none of them)
@@ -231,14 +232,26 @@ class Precision:
             return model
         model = swapped(model, lambda name, module: with_state_of(EMULATED_MODULES[type(module)], module)
                         if type(module) in EMULATED_MODULES and name not in kept else None)
+        accumulation = self.plan.config.accumulation_model
         for name, module in model.named_modules():
             if name not in kept and isinstance(module, CastOp):
                 module.casts = OpCasts(self.recipe, self._site)
+                if accumulation is not None:
+                    module.accumulation = self._accumulating(name, module, accumulation)
         if kept:
             self.conversion = {"kept_by_request": kept}
         if self.mode == "true":
             self._round_tensors(model.parameters())
         return model
+
+    def _accumulating(self, name: str, module: nn.Module, accumulation: Accumulation) -> Accumulation:
+        """The tensor-core model for one emulated op: Linear layers only (a convolution's implicit GEMM orders K
+        as cuDNN's kernel does, which nothing here models)."""
+        if not isinstance(module, nn.Linear):
+            raise PrecisionError(f"format.accumulation={self.plan.config.accumulation} models the GEMMs of Linear "
+                                 f"layers; {name} is a {type(module).__name__.removeprefix('Emulated')}; valid for "
+                                 "this model: format.accumulation=exact")
+        return accumulation
 
     def _convert_with_torchao(self, model: nn.Module, kept: list[str]) -> nn.Module:
         """Native FP8 and MXFP8: torchao converts the Linear layers its kernels take, but those `kept` (by
@@ -348,6 +361,7 @@ class Precision:
             "overflow": {e: "saturate" if self.block else resolve_overflow(FORMATS[e], c.overflow) for e in elements},
             "ftz": c.ftz,
             "rounding_of_gradients": c.rounding,
+            "accumulation": c.accumulation_model.describe() if c.accumulation_model else c.accumulation,
             "fp32_precision_flags": p.flags,
             "native_recipe": p.native_recipe,
             "keep_high_precision": {  # format.keep_high_precision: asked, the layers it kept, what they compute in

@@ -34,7 +34,8 @@ NON_SEMANTIC_SCALING = ("_target_",)  # the class that runs the method its name 
 SPELLINGS_OF_NULL = {"train": (("compile", "auto"), ("eval_precision", "trained")),
                      "scaling": (("post_norm_tau", POST_NORM_TAU),),
                      "format": (("elsewhere", "fp32"), *((key, FORMAT_DEFAULTS[key]) for key in
-                                                         ("rht", "weight_blocks", "pad_weights", "scale_rule")),
+                                                         ("rht", "weight_blocks", "pad_weights", "scale_rule",
+                                                          "accumulation")),
                                 ("keep_high_precision", []))}
 
 
@@ -92,7 +93,7 @@ PATH_KEYS = ("experiment_name", "seed", "format.name", "format.mode")
 # So are NVIDIA's NVFP4 switches: format=nvfp4_recipe turns them on in its yaml, and `format.rht=false` (a spelling of
 # null, so absent from the path as an override) must not put "the recipe less RHT" where the whole recipe's runs are.
 ALWAYS_IN_PATH = ("format.elsewhere", "format.rht", "format.rht_seed", "format.weight_blocks", "format.pad_weights",
-                  "format.keep_high_precision", "format.scale_rule", "format.sr_bits")
+                  "format.keep_high_precision", "format.scale_rule", "format.sr_bits", "format.accumulation")
 OVERRIDES_MAX = 120  # characters of `key=value,...` before a path's overrides are shortened to keys and a hash
 
 
