@@ -142,3 +142,123 @@ def test_a_pair_the_data_does_not_cover_is_refused_naming_the_covered_ones():
         mma(torch.ones(1, 4), torch.ones(1, 4), torch.zeros(1), gpu="V100", inputs="bf16")
     with pytest.raises(ConfigError, match="no tensor-core model for H900"):
         mma(torch.ones(1, 4), torch.ones(1, 4), torch.zeros(1), gpu="H900", inputs="fp16")
+
+
+# An independent float64 form of the model (the one this module had before its integer kernel, itself replayed
+# against the hardware): every product and aligned sum exact in float64, one case at a time over K.
+def _reference_step(a, b, c, core, output):
+    from bench.numerics.tensor_cores import element
+
+    def exponent(x, floor):
+        return torch.clamp(torch.frexp(x)[1].to(torch.float64) - 1, min=floor)
+
+    products = a * b
+    live = products != 0
+    floor = element(core.inputs).emin
+    exponents = torch.where(live, exponent(a, floor) + exponent(b, floor), torch.full_like(products, -1e9))
+    c_exponent = torch.where(c != 0, exponent(torch.where(c != 0, c, 1.0), -126), torch.full_like(c, -1e9))
+    lowest = core.fp16_out_min_exponent if output == "fp16" and core.inputs == "fp16" else core.min_exponent
+    largest = torch.clamp(torch.maximum(exponents.amax(dim=1), c_exponent), min=lowest)
+    quantum = torch.ldexp(torch.ones_like(largest), (largest - 23 - core.extra_bits).to(torch.int64))
+    value = (torch.trunc(products / quantum[:, None]).sum(dim=1) + torch.trunc(c / quantum)) * quantum
+    fraction_bits = element(output).man_bits + (min(core.extra_bits, 0) if output == "fp32" else 0)
+    emin, emax = element(output).emin, element(output).emax
+    magnitude = value.abs()
+    grid = torch.ldexp(torch.ones_like(value), (torch.clamp(exponent(torch.where(magnitude > 0, magnitude, 1.0), emin),
+                                                            min=emin) - fraction_bits).to(torch.int64))
+    kept = (torch.trunc if output == "fp32" else torch.round)(magnitude / grid) * grid
+    largest_value = (2 - 2.0 ** -fraction_bits) * 2.0 ** emax
+    kept = torch.where(kept > largest_value, largest_value if output == "fp32" else float("inf"), kept)
+    return torch.copysign(kept, value)
+
+
+def _reference_dot(a, b, gpu, inputs, promote_every=None):
+    from bench.numerics.tensor_cores import tensor_core
+
+    core = tensor_core(gpu, inputs)
+    a, b = a.double(), b.double()
+    total = torch.zeros(a.shape[0], dtype=torch.float32)
+    interval = promote_every or a.shape[1]
+    for start in range(0, a.shape[1], interval):
+        d = torch.zeros(a.shape[0], dtype=torch.float64)
+        for s in range(start, min(start + interval, a.shape[1]), core.block):
+            part = [torch.nn.functional.pad(x[:, s:s + core.block], (0, -x[:, s:s + core.block].shape[1] % core.block))
+                    for x in (a, b)]
+            d = _reference_step(*part, d, core, "fp32")
+        total = d.float() if promote_every is None else total + d.float()
+    return total
+
+
+def _operands(fmt, rows, k, generator, spread=3.0):
+    """Values exact in `fmt` over a wide exponent range, with zeros and (for FP8) subnormals among them."""
+    from bench.numerics.formats import quantise_value
+
+    x = torch.randn(rows, k, generator=generator) * torch.exp2(torch.randn(rows, k, generator=generator) * spread)
+    x[torch.rand(rows, k, generator=generator) < 0.05] = 0
+    return quantise_value(x, fmt)
+
+
+def _eager(monkeypatch):
+    """matmul on the model's eager kernels (what devices inductor does not build for run)."""
+    from bench.numerics import tensor_cores
+
+    monkeypatch.setattr(tensor_cores, "_kernels", lambda step, device: (tensor_cores.split, step))
+
+
+@pytest.mark.parametrize("gpu,fmt,promote", [
+    ("H100", "fp8_e4m3", None), ("H100", "fp8_e4m3", 128), ("H100", "fp8_e5m2", 64), ("Ada", "fp8_e4m3", None),
+    ("H100", "bf16", None), ("A100", "fp16", None), ("A100", "tf32", None), ("B200", "bf16", None),
+    ("V100", "fp16", None)])
+def test_a_whole_gemm_is_each_outputs_chain_of_steps_bit_for_bit(gpu, fmt, promote, monkeypatch):
+    """matmul (rows in chunks, K padded to whole blocks) against the float64 model one output at a time, fast and
+    promoted."""
+    from bench.numerics import tensor_cores
+    from bench.numerics.tensor_cores import input_type, matmul
+
+    _eager(monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    a, b = _operands(fmt, 23, 200, g), _operands(fmt, 9, 200, g)
+    monkeypatch.setattr(tensor_cores, "STEP_ELEMENTS", 32 * 9 * 5)  # chunks of 5 rows (and a last of 3)
+    got = matmul(a, b, gpu=gpu, a_format=fmt, promote_every=promote)
+    want = _reference_dot(a.repeat_interleave(9, 0), b.repeat(23, 1), gpu, input_type(fmt), promote).reshape(23, 9)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, (a.double() @ b.double().t()).float())  # the model is not exact FP32 arithmetic
+
+
+@pytest.mark.parametrize("fmt,promote", [("fp8_e4m3", 128), pytest.param("bf16", None, marks=pytest.mark.slow)])
+def test_the_compiled_kernels_are_the_eager_ones_bit_for_bit(fmt, promote, monkeypatch):
+    """The kernels CPU and CUDA compile (torch.compile) against the eager ones, mixed FP8 operands too."""
+    from bench.numerics.tensor_cores import matmul
+
+    g = torch.Generator().manual_seed(5)
+    a, b = _operands(fmt, 48, 320, g), _operands(fmt, 40, 320, g)
+    other = "fp8_e5m2" if fmt.startswith("fp8") else fmt
+    compiled = [matmul(a, b, gpu="H100", a_format=fmt, promote_every=promote),
+                matmul(b, a, gpu="H100", a_format=other, b_format=fmt)]
+    _eager(monkeypatch)
+    assert torch.equal(compiled[0], matmul(a, b, gpu="H100", a_format=fmt, promote_every=promote))
+    assert torch.equal(compiled[1], matmul(b, a, gpu="H100", a_format=other, b_format=fmt))
+
+
+def test_mixed_fp8_operands_read_each_in_its_own_format(monkeypatch):
+    """E5M2 x E4M3: values in both formats give the same D as E4M3 x E4M3 (one model, two splits), and an E5M2
+    subnormal (2^-16, below E4M3's range) is read exactly, not flushed."""
+    from bench.numerics.formats import quantise_value
+    from bench.numerics.tensor_cores import matmul
+
+    _eager(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    both = quantise_value(quantise_value(torch.randn(8, 96, generator=g), "fp8_e5m2"), "fp8_e4m3")
+    w = _operands("fp8_e4m3", 5, 96, g)
+    assert torch.equal(matmul(both, w, gpu="H100", a_format="fp8_e5m2", b_format="fp8_e4m3"),
+                       matmul(both, w, gpu="H100", a_format="fp8_e4m3"))
+    tiny = torch.zeros(1, 32)
+    tiny[0, 0] = 2.0 ** -16
+    assert matmul(tiny, torch.ones(1, 32), gpu="H100", a_format="fp8_e5m2", b_format="fp8_e4m3").item() == 2.0 ** -16
+
+
+def test_the_promotion_interval_must_be_whole_blocks():
+    from bench.numerics.tensor_cores import matmul
+
+    with pytest.raises(ConfigError, match="not a multiple of H100's 32-element block"):
+        matmul(torch.ones(2, 64), torch.ones(2, 64), gpu="H100", a_format="fp8_e4m3", promote_every=48)
