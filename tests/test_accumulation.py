@@ -20,7 +20,7 @@ def eager_kernels(monkeypatch):
     each small shape here would cost more than running it."""
     from bench.numerics import tensor_cores
 
-    monkeypatch.setattr(tensor_cores, "_kernels", lambda step, device: (tensor_cores.split, step))
+    monkeypatch.setattr(tensor_cores, "_kernels", lambda step, device: (tensor_cores.split, step.chain))
 
 
 def _linear(fmt, scaling, accumulation, seed=0, k=256, out=24):

@@ -202,7 +202,7 @@ def _eager(monkeypatch):
     """matmul on the model's eager kernels (what devices inductor does not build for run)."""
     from bench.numerics import tensor_cores
 
-    monkeypatch.setattr(tensor_cores, "_kernels", lambda step, device: (tensor_cores.split, step))
+    monkeypatch.setattr(tensor_cores, "_kernels", lambda step, device: (tensor_cores.split, step.chain))
 
 
 @pytest.mark.parametrize("gpu,fmt,promote", [

@@ -36,7 +36,8 @@ from bench.numerics.formats import FORMATS, ElementFormat
 TENSOR_CORES = Path(__file__).with_suffix(".yaml")  # the parameters, as data beside this module
 PROMOTION_INTERVAL = 128  # elements: CUTLASS's default (4 MMAs of K = 32) and DeepSeek-V3's (§3.3.2); an assumption
 ZERO_EXPONENT = -(1 << 20)  # a zero operand's or accumulator's exponent: below every alignment, it never sets one
-STEP_ELEMENTS = 1 << 24  # products per kernel call at most (rows of the output are taken in chunks below it)
+STEP_ELEMENTS = 1 << 24  # products per step at most (rows of the output are taken in chunks below it)
+GROUP_BLOCKS = 8  # blocks one compiled call chains: fewer calls from Python, graphs still quick to compile
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class _Step:
     """One tensor-core step for one operand pairing and output: the integer constants of the alignment and of the
     output's rounding, so that a compiled kernel sees them as constants."""
 
+    block: int
     left: int  # a significand product is shifted left by this (the aligned grid's bits below it) ...
     right: int  # ... then right by (E - e_a - e_b) + this, truncating
     extra_bits: int
@@ -137,6 +139,13 @@ class _Step:
         total = total + torch.where(c < 0, -c_aligned, c_aligned)
         return self._round(total, largest - 23 - self.extra_bits)
 
+    def chain(self, sa, ea, sb, eb, c):
+        """D after the blocks of (k, ...) operands (k a multiple of the block), each step's D the next one's C."""
+        for start in range(0, sa.shape[0], self.block):
+            end = start + self.block
+            c = self(sa[start:end], ea[start:end], sb[start:end], eb[start:end], c)
+        return c
+
     def _round(self, total, grid):
         """total * 2^grid (exact integers) rounded to the output, subnormals kept; toward zero saturates, to nearest
         overflows to infinity."""
@@ -159,7 +168,7 @@ def _step(core: TensorCore, a_format: str, b_format: str, output: str) -> _Step:
     """The step for `core` on (a_format, b_format) operands writing `output`."""
     shift = 23 + core.extra_bits - element(a_format).man_bits - element(b_format).man_bits  # aligned: product << shift
     out, most = element(output), 2 ** (element(a_format).man_bits + element(b_format).man_bits + 2)  # |product| <
-    return _Step(left=max(shift, 0), right=max(shift, 0) - shift, extra_bits=core.extra_bits,
+    return _Step(block=core.block, left=max(shift, 0), right=max(shift, 0) - shift, extra_bits=core.extra_bits,
                  lowest=core.fp16_out_min_exponent if output == "fp16" and core.inputs == "fp16" else core.min_exponent,
                  fraction_bits=out.man_bits + (min(core.extra_bits, 0) if output == "fp32" else 0),
                  output_emin=out.emin, output_emax=out.emax, nearest=output == "fp16",
@@ -182,10 +191,10 @@ RECOMPILE_LIMIT = 256  # shapes one compiled function may take (a model has a fe
 
 
 def _kernels(step: _Step, device: torch.device):
-    """(split, step) as compiled kernels where inductor builds them (CPU, CUDA), else as eager torch."""
+    """(split, step.chain) as compiled kernels where inductor builds them (CPU, CUDA), else as eager torch."""
     if device.type in ("cpu", "cuda"):
-        return _compiled(split), _compiled(step.__call__)
-    return split, step
+        return _compiled(split), _compiled(step.chain)
+    return split, step.chain
 
 
 def _core(gpu: str, a_format: str, b_format: str) -> TensorCore:
@@ -210,11 +219,7 @@ def mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, gpu: str, inputs: 
     core = tensor_core(gpu, inputs)
     step = _step(core, inputs, inputs, output)
     (sa, ea), (sb, eb) = (split(_padded(x, core.block).t(), element(inputs)) for x in (a, b))
-    d = c.to(torch.float32)
-    for start in range(0, sa.shape[0], core.block):
-        d = step(sa[start:start + core.block], ea[start:start + core.block], sb[start:start + core.block],
-                 eb[start:start + core.block], d)
-    return d
+    return step.chain(sa, ea, sb, eb, c.to(torch.float32))
 
 
 def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -234,7 +239,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, gpu: str, a_format: str, b_forma
     core = _core(gpu, a_format, b_format)
     if promote_every is not None and promote_every % core.block:
         raise ConfigError(f"promote_every={promote_every} is not a multiple of {gpu}'s {core.block}-element block")
-    split_kernel, kernel = _kernels(_step(core, a_format, b_format, "fp32"), a.device)
+    split_kernel, chain = _kernels(_step(core, a_format, b_format, "fp32"), a.device)
     # the reduced dimension outermost and each operand contiguous along its rows: the kernel's loads vectorise
     (sa, ea), (sb, eb) = (split_kernel(_padded(x, core.block).t().contiguous(), element(fmt))
                           for x, fmt in ((a, a_format), (b, b_format)))
@@ -245,11 +250,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, gpu: str, a_format: str, b_forma
     for first in range(0, a.shape[0], rows):
         xa, xe = sa[:, first:first + rows, None], ea[:, first:first + rows, None]
         total = torch.zeros(xa.shape[1], n, dtype=torch.float32, device=a.device)
-        interval = promote_every or k
+        interval, group = promote_every or k, GROUP_BLOCKS * core.block
         for start in range(0, k, interval):
-            d = torch.zeros_like(total)
-            for s in range(start, min(start + interval, k), core.block):
-                d = kernel(xa[s:s + core.block], xe[s:s + core.block], sb[s:s + core.block], eb[s:s + core.block], d)
+            d, stop = torch.zeros_like(total), min(start + interval, k)
+            for s in range(start, stop, group):
+                e = min(s + group, stop)
+                d = chain(xa[s:e], xe[s:e], sb[s:e], eb[s:e], d)
             total = d if promote_every is None else total + d  # FP32 addition, round to nearest even
         out[first:first + rows] = total
     return out

@@ -20,6 +20,9 @@ things compared, in one process:
   (format=nvfp4_recipe, BERT-tiny only). Targets on CPU: <= 1.25 for fp8, <= 1.75 for mxfp8, <= 2 for nvfp4_recipe
   (`--emulated nvfp4_recipe,...` measures only those settings). telemetry_ratio.<model>.fp8: fp8 with telemetry on
   every step / off (target <= 1.5).
+- accumulation_ratio.bert_tiny.fp8+H100: BERT-tiny's FP8 (per-tensor) step with every GEMM accumulated as H100's
+  tensor cores do (format.accumulation=H100, bench/numerics/tensor_cores.py) / accumulated exactly; a fifth of the
+  steps, 3 rounds. Target on CPU: <= 4.
 - compile_speedup.<model>.<format>: step time of our loop eager / compiled (train.compile=true, inductor), for
   fp32, bf16 and emulated fp8, the medians of 3 alternating runs (steps that compiled left out, as records do);
   compile_step_ms, and compile_s: the first compile's time (the steps that compiled, whole).
@@ -329,6 +332,24 @@ def emulation_rows(steps: int, repeats: int, only: list[str] | None = None) -> l
     return rows
 
 
+ACCUMULATED = {"fp8+per_tensor": ["format=fp8", "scaling=per_tensor"],
+               "fp8+per_tensor+H100": ["format=fp8", "scaling=per_tensor", "format.accumulation=H100"]}
+ACCUMULATION_TARGET = "<= 4"  # #52's, on CPU
+
+
+def accumulation_rows(steps: int, repeats: int) -> list[dict]:
+    """BERT-tiny's FP8 step with every GEMM accumulated as H100's tensor cores do (format.accumulation=H100:
+    compiled integer kernels) over the same step accumulated exactly, alternating rounds after a warm-up that
+    compiles each GEMM shape."""
+    loops, device = {}, None
+    for name, args in ACCUMULATED.items():
+        cfg, precision, cell = make_cell(*MODELS["bert_tiny"], *args, f"train.log_every={NO_TELEMETRY}")
+        loops[name], device = our_loop(cfg, precision, cell, batches(cell, steps)), precision.device
+    t = alternate(loops, device, repeats)
+    return [row("accumulation_ratio.bert_tiny.fp8+H100", t["fp8+per_tensor+H100"] / t["fp8+per_tensor"],
+                "x exactly accumulated fp8 step time", ACCUMULATION_TARGET if device.type == "cpu" else None)]
+
+
 COMPILED_FORMATS = {"fp32": ["format=fp32"], "bf16": ["format=bf16"], "fp8": ["format=fp8"]}
 
 
@@ -530,7 +551,7 @@ def of_clone_rows() -> list[dict]:
     return rows
 
 
-SECTIONS = ("harness", "emulation", "compile", "peers", "accounting", "host_syncs", "native", "speed_model",
+SECTIONS = ("harness", "emulation", "accumulation", "compile", "peers", "accounting", "host_syncs", "native", "speed_model",
             "aggregate", "quantise")
 CUDA_ONLY = ("host_syncs", "native")
 
@@ -564,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown emulated setting(s) {', '.join(unknown)}; valid: {', '.join(EMULATED)}")
     measure = {"harness": lambda: harness_rows(steps, repeats),
                "emulation": lambda: emulation_rows(steps, repeats, emulated),
+               "accumulation": lambda: accumulation_rows(max(1, steps // 5), min(repeats, 3)),
                "compile": lambda: compile_rows(steps, min(repeats, 3)),
                "peers": lambda: peer_rows(steps, repeats), "accounting": lambda: accounting_rows(repeats),
                "host_syncs": lambda: host_sync_rows(steps),
