@@ -35,7 +35,7 @@ from bench.reporting.quality import near_chance, targets
 from bench.reporting.recorded_predictions import DEFAULT_GPUS, predicted
 from bench.reporting.statistics import paired, t_interval, unit
 from bench.running.config import check_declared, task_spec
-from bench.running.identity import comparison_ids, config_hash, semantic_config
+from bench.running.identity import SPELLINGS_OF_NULL, comparison_ids, config_hash, semantic_config
 from bench.running.learning import learning_of, stalled_verdict
 from bench.running.record import (
     RECORD_KEYS,
@@ -108,6 +108,14 @@ def _unset(value) -> bool:
     return not isinstance(value, (list, dict, str)) and pd.isna(value)
 
 
+def _unset_text(column: str) -> str:
+    """What a key a run leaves unset means: its named spelling of null where it has one (format.accumulation=exact,
+    format.elsewhere=fp32), else null."""
+    section, _, key = column.partition(".")
+    named = dict(SPELLINGS_OF_NULL.get(section, ()))
+    return _option_text(named[key]) if key in named else "null"
+
+
 def variants(frame: pd.DataFrame) -> pd.Series:
     """For each run, the settings in which it differs from its experiment's usual runs, as `key=value, ...`.
 
@@ -133,7 +141,7 @@ def variants(frame: pd.DataFrame) -> pd.Series:
                 for index in values.index[values != usual]:
                     value = per_run.at[index, column]
                     # a key a run leaves unset (null, so out of its identity: e.g. grad_clip under scaling=umup)
-                    item = f"{column}={'null' if _unset(value) else value}"
+                    item = f"{column}={_unset_text(column) if _unset(value) else value}"
                     labels[index] = f"{labels[index]}, {item}" if labels[index] else item
     return labels
 
@@ -192,7 +200,7 @@ def _number(value):
 # Format options that make another recipe of a block format, and their defaults (the format's own recipe).
 RECIPE_OPTIONS = {key: FORMAT_DEFAULTS[key] for key in ("gradients", "scale_mode", "elsewhere", "rht", "rht_seed",
                                                          "weight_blocks", "pad_weights", "keep_high_precision",
-                                                         "scale_rule", "sr_bits")} \
+                                                         "scale_rule", "sr_bits", "accumulation")} \
     | {"elsewhere": "fp32"}  # null and fp32 both: FP32 outside the GEMMs
 
 
