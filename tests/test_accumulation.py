@@ -129,7 +129,8 @@ def test_a_convolution_is_refused_before_it_trains(make_cfg):
     from bench.running.run import run_cell
 
     cfg = make_cfg("model=lenet", "format=fp8", "scaling=per_tensor", "format.accumulation=H100", "train.max_steps=1")
-    with pytest.raises(ConfigError, match="Linear layers; 0 is a Conv2d; valid for this model: format.accumulation=exact"):
+    with pytest.raises(ConfigError, match="Linear layers; 0 is a Conv2d; valid for this model: "
+                                          "format.accumulation=exact"):
         run_cell(cfg)
 
 

@@ -27,7 +27,6 @@ from bench.numerics.blocks import MX_BLOCK, ROUNDINGS, SCALE_MODES, SCALE_RULES,
 from bench.numerics.formats import OVERFLOW_POLICIES, SR_BITS
 from bench.numerics.native import TORCHAO_MXFP8
 from bench.numerics.scaling_methods import SCALING_METHODS, ScalingMethod, scaling_class
-from bench.numerics.tensor_cores import Accumulation
 from bench.numerics.specs import (
     ELSEWHERE,
     FORMAT_SPECS,
@@ -37,6 +36,7 @@ from bench.numerics.specs import (
     native_support,
     stochastic_formats,
 )
+from bench.numerics.tensor_cores import Accumulation
 
 BACKENDS = ("auto", "native", "emulated")
 WEIGHT_BLOCKS = ("1x16", "16x16")  # NVFP4's weight: 1 x 16 blocks per GEMM, or 16 x 16 tiles serving both
@@ -365,7 +365,8 @@ EMULATION_RULES = (
     EmulationRule(lambda p, m: p.config.accumulation != FORMAT_DEFAULTS["accumulation"],
                   "format.accumulation={accumulation} models a GPU's tensor cores on emulated GEMMs; native kernels "
                   "accumulate as this device does: " + _AUTO,
-                  "format.accumulation={accumulation} models a GPU's tensor cores, which only emulation can ({support})"),
+                  "format.accumulation={accumulation} models a GPU's tensor cores, which only emulation can "
+                  "({support})"),
     EmulationRule(lambda p, m: _torchao_float8(p) and m.torchao_recipe is None,
                   "native FP8 (torchao) always scales per tensor; use scaling=per_tensor, or format.backend=auto or "
                   "emulated to study FP8 without per-tensor scales",

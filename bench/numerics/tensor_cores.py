@@ -93,7 +93,7 @@ def split(x: torch.Tensor, fmt: ElementFormat) -> tuple[torch.Tensor, torch.Tens
     fp32_exponent = torch.where(biased == 0, -126, biased - 127)
     significand = (bits & 0x7FFFFF) | torch.where(biased == 0, 0, 0x800000)
     exponent = torch.clamp(fp32_exponent, min=fmt.emin)
-    significand = significand >> (23 - fmt.man_bits + exponent - fp32_exponent)
+    significand = significand >> torch.clamp(23 - fmt.man_bits + exponent - fp32_exponent, max=31)  # int32 shifts
     return (torch.where(bits < 0, -significand, significand),
             torch.where(significand == 0, ZERO_EXPONENT, exponent).to(torch.int32))
 
@@ -131,7 +131,8 @@ class _Step:
         products = sa * sb
         negative = products >> 31  # all ones where the product is negative, else zero
         magnitude = (products ^ negative) - negative
-        aligned = (magnitude << self.left) >> torch.clamp(largest - exponents + self.right, 0, 62)
+        # int32 shifts stop at 31 (past it C++ leaves them undefined); the shifted magnitude is under 2^28, so 31 is 0
+        aligned = (magnitude << self.left) >> torch.clamp(largest - exponents + self.right, 0, 31)
         total = ((aligned ^ negative) - negative).sum(0, dtype=torch.int32 if self.narrow else torch.int64).long()
         c_shift = largest - c_exponent - self.extra_bits  # C's significand onto the grid 2^(E - 23 - extra_bits)
         c_aligned = torch.where(c_shift >= 0, c_magnitude >> torch.clamp(c_shift, 0, 62),

@@ -551,8 +551,8 @@ def of_clone_rows() -> list[dict]:
     return rows
 
 
-SECTIONS = ("harness", "emulation", "accumulation", "compile", "peers", "accounting", "host_syncs", "native", "speed_model",
-            "aggregate", "quantise")
+SECTIONS = ("harness", "emulation", "accumulation", "compile", "peers", "accounting", "host_syncs", "native",
+            "speed_model", "aggregate", "quantise")
 CUDA_ONLY = ("host_syncs", "native")
 
 
