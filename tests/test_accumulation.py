@@ -125,13 +125,40 @@ def test_an_uncovered_accumulation_is_refused_naming_the_valid_choices(make_cfg,
         check(make_cfg("model=lenet", *overrides))
 
 
-def test_a_convolution_is_refused_before_it_trains(make_cfg):
-    from bench.running.run import run_cell
+def test_a_convolution_is_an_implicit_gemm_on_its_patches():
+    """Conv2d (stride 2, padding 2) with format.accumulation=H100: its output is the tensor-core GEMM of the E4M3
+    codes of its input's patches (im2col) against the flattened weight, descaled, plus the bias; the weight gradient
+    the promoted GEMM of the E5M2 gradient codes against the patches."""
+    import torch.nn.functional as F
 
-    cfg = make_cfg("model=lenet", "format=fp8", "scaling=per_tensor", "format.accumulation=H100", "train.max_steps=1")
-    with pytest.raises(ConfigError, match="Linear layers; 0 is a Conv2d; valid for this model: "
-                                          "format.accumulation=exact"):
-        run_cell(cfg)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 5, padding=2, stride=2)
+    layer = Precision.of("fp8", CPU, "per_tensor", accumulation="H100", backend="emulated").prepare(conv)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 15, 15, generator=g).requires_grad_()
+    y = layer(x)
+    grad = torch.randn(y.shape, generator=g)
+    y.backward(grad)
+    codes = lambda t, fmt, top: (quantise_value(t.detach() * (top / t.detach().abs().max()), fmt),
+                                 top / t.detach().abs().max())
+    (xq, xs), (wq, ws), (gq, gs) = (codes(x, "fp8_e4m3", 448.0), codes(layer.weight, "fp8_e4m3", 448.0),
+                                    codes(grad, "fp8_e5m2", 57344.0))
+    patches = F.unfold(xq, 5, padding=2, stride=2).transpose(1, 2).reshape(-1, 75)  # (positions, C x 5 x 5)
+    out = matmul(patches, wq.reshape(8, -1), gpu="H100", a_format="fp8_e4m3") * (xs.reciprocal() * ws.reciprocal())
+    want = (out + layer.bias.detach()).reshape(2, 64, 8).transpose(1, 2).reshape(2, 8, 8, 8)
+    assert torch.equal(y.detach(), want)
+    g_rows = gq.reshape(2, 8, 64).transpose(1, 2).reshape(-1, 8)
+    grad_w = matmul(g_rows.t(), patches.t(), gpu="H100", a_format="fp8_e5m2", b_format="fp8_e4m3", promote_every=128)
+    assert torch.equal(layer.weight.grad, (grad_w * (gs.reciprocal() * xs.reciprocal())).reshape(8, 3, 5, 5))
+
+
+def test_a_convolution_without_one_implicit_gemm_is_refused_before_it_trains():
+    from bench.numerics.plan import PrecisionError
+
+    precision = Precision.of("fp8", CPU, "per_tensor", accumulation="H100", backend="emulated")
+    with pytest.raises(PrecisionError, match="0 has groups=2; valid: groups=1 with numeric padding, or "
+                                             "format.accumulation=exact"):
+        precision.prepare(nn.Sequential(nn.Conv2d(4, 4, 3, groups=2)))
 
 
 def test_an_accumulating_cell_trains_records_its_model_and_is_another_run(make_cfg):

@@ -211,7 +211,30 @@ class EmulatedLinear(CastOp, nn.Linear):
 
 class EmulatedConv2d(CastOp, nn.Conv2d):
     def forward(self, x):
+        if self.accumulation is not None and self.casts is not None:
+            return self.gemm(self._tensor_core_conv, x, self.weight, self.bias)
         return self.gemm(self._conv_forward, x, self.weight, self.bias)
+
+    def _tensor_core_conv(self, x, weight, bias):
+        """The convolution as an implicit GEMM through the tensor-core model: each output position's patch (channels x
+        kernel, im2col's order: K as cuDNN orders it is not known) against the flattened weight. The input gradient
+        sums the overlapping patches' gradients in FP32 (F.fold), where cuDNN runs a GEMM over out channels x kernel."""
+        n, _, height, width = x.shape
+        patches = F.unfold(x, self.kernel_size, dilation=self.dilation, padding=self.padding, stride=self.stride)
+        y = _TensorCoreLinear.apply(patches.transpose(1, 2), weight.reshape(weight.shape[0], -1), bias, self.casts,
+                                    self.accumulation)
+        rows, cols = ((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
+                      zip((height, width), self.padding, self.dilation, self.kernel_size, self.stride))
+        return y.transpose(1, 2).reshape(n, -1, rows, cols)
+
+    @property
+    def implicit_gemm(self) -> str | None:
+        """Why this convolution has no implicit GEMM here (None: it has one)."""
+        if self.groups != 1:
+            return f"groups={self.groups}"
+        if isinstance(self.padding, str) or self.padding_mode != "zeros":
+            return f"padding={self.padding!r}, padding_mode={self.padding_mode!r}"
+        return None
 
 
 EMULATED_MODULES = {nn.Linear: EmulatedLinear, nn.Conv2d: EmulatedConv2d}

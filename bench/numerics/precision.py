@@ -43,6 +43,7 @@ from bench.numerics.emulation import (
     EMULATED_MODULES,
     BlockOperands,
     CastOp,
+    EmulatedConv2d,
     EmulatedLinear,
     FP8TileOperands,
     OpCasts,
@@ -245,12 +246,13 @@ class Precision:
         return model
 
     def _accumulating(self, name: str, module: nn.Module, accumulation: Accumulation) -> Accumulation:
-        """The tensor-core model for one emulated op: Linear layers only (a convolution's implicit GEMM orders K
-        as cuDNN's kernel does, which nothing here models)."""
-        if not isinstance(module, nn.Linear):
-            raise PrecisionError(f"format.accumulation={self.plan.config.accumulation} models the GEMMs of Linear "
-                                 f"layers; {name} is a {type(module).__name__.removeprefix('Emulated')}; valid for "
-                                 "this model: format.accumulation=exact")
+        """The tensor-core model for one emulated op: a Linear, or a convolution with an implicit GEMM (one group,
+        numeric zero padding)."""
+        why = module.implicit_gemm if isinstance(module, EmulatedConv2d) else None
+        if why is not None:
+            raise PrecisionError(f"format.accumulation={self.plan.config.accumulation} models a convolution as one "
+                                 f"implicit GEMM; {name} has {why}; valid: groups=1 with numeric padding, or "
+                                 "format.accumulation=exact")
         return accumulation
 
     def _convert_with_torchao(self, model: nn.Module, kept: list[str]) -> nn.Module:
