@@ -178,3 +178,15 @@ def test_an_accumulating_cell_trains_records_its_model_and_is_another_run(make_c
     exact = make_cfg(*args)
     assert ident(cell) != ident(exact) and ident(make_cfg(*args, "format.accumulation=exact")) == ident(exact)
     assert "format.accumulation" in cell_path(cell, {}, [])
+
+
+def test_a_compiled_step_is_refused_and_auto_runs_eagerly_saying_why(make_cfg):
+    """train.compile=true cannot trace through the model's own compiled kernels: exit 2 before training; auto runs
+    the step eagerly on any device, the record saying why."""
+    from bench.running.compile import CompiledStep
+
+    with pytest.raises(ConfigError, match="train.compile=true with format.accumulation=H100.*valid: train.compile=auto"):
+        check(make_cfg("model=lenet", "format=fp8", "format.accumulation=H100", "train.compile=true"))
+    precision = Precision.of("bf16", CPU, accumulation="H100", backend="emulated")
+    step = CompiledStep.for_task(None, torch.device("cuda"), task=None, precision=precision)
+    assert not step.enabled and "format.accumulation=H100" in step.eager_because

@@ -82,6 +82,12 @@ class CompiledStep:
             outputs, targets = task.forward(model, batch, precision.inputs)
             return task.compute_loss(outputs, targets)
 
+        if precision.plan.config.accumulation_model is not None:  # its GEMMs run their own compiled kernels
+            step = cls(False, device, forward_and_loss)
+            step.requested = "auto" if setting is None else setting
+            step.eager_because = (f"format.accumulation={precision.plan.config.accumulation}: every GEMM runs the "
+                                  "tensor-core model's own compiled kernels")
+            return step
         return cls(setting, device, forward_and_loss)
 
     def __call__(self, model, batch, eager: bool = False):

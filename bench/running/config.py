@@ -306,6 +306,10 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"train.epochs={cfg.train.epochs} must be >= 1")
     if not (cfg.train.compile in (None, "auto") or isinstance(cfg.train.compile, bool)):
         raise ConfigError(f"train.compile={cfg.train.compile!r} is not a choice; valid: null, auto, true, false")
+    if cfg.train.compile is True and cfg.format.get("accumulation", "exact") != "exact":
+        raise ConfigError(f"train.compile=true with format.accumulation={cfg.format.accumulation}: the tensor-core "
+                          "model runs its own compiled kernels in every GEMM, which a compiled step cannot trace "
+                          "through; valid: train.compile=auto (eager with it) or false")
     if cfg.train.checkpoint_every is not None and cfg.train.checkpoint_every < 1:
         raise ConfigError(f"train.checkpoint_every={cfg.train.checkpoint_every} must be >= 1 (or null)")
     if cfg.train.max_steps is not None and cfg.train.max_steps < 1:
