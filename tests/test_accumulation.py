@@ -185,7 +185,8 @@ def test_a_compiled_step_is_refused_and_auto_runs_eagerly_saying_why(make_cfg):
     the step eagerly on any device, the record saying why."""
     from bench.running.compile import CompiledStep
 
-    with pytest.raises(ConfigError, match="train.compile=true with format.accumulation=H100.*valid: train.compile=auto"):
+    with pytest.raises(ConfigError, match="train.compile=true with format.accumulation=H100.*valid: "
+                                          "train.compile=auto"):
         check(make_cfg("model=lenet", "format=fp8", "format.accumulation=H100", "train.compile=true"))
     precision = Precision.of("bf16", CPU, accumulation="H100", backend="emulated")
     step = CompiledStep.for_task(None, torch.device("cuda"), task=None, precision=precision)
