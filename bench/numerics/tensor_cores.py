@@ -178,13 +178,19 @@ def _step(core: TensorCore, a_format: str, b_format: str, output: str) -> _Step:
 
 @lru_cache(maxsize=None)
 def _compiled(function):
-    """`function` compiled for static shapes (twice as fast as dynamic ones on CPU); a model's few GEMM shapes each
-    compile once, so the recompile limit is raised for this function's calls alone."""
+    """`function` compiled for static shapes (twice as fast as dynamic ones on CPU). A model's few GEMM shapes each
+    compile once, more than dynamo's default of 8 per function: the limit is raised for this function's calls alone,
+    set and restored around each (a config.patch context would double a call's overhead)."""
     compiled = torch.compile(function, dynamic=False, fullgraph=True)
+    config = torch._dynamo.config
 
     def kernel(*args):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        before = config.recompile_limit
+        config.recompile_limit = max(before, RECOMPILE_LIMIT)
+        try:
             return compiled(*args)
+        finally:
+            config.recompile_limit = before
     return kernel
 
 
