@@ -230,7 +230,7 @@ class PrecisionConfig(FormatChoices):
         recipe = self.spec.recipe
         operands = (recipe.inputs, self.gradients or recipe.grads)
         try:
-            return Accumulation.parse(self.accumulation, operands, fp8=any(t.startswith("fp8") for t in operands))
+            return Accumulation.parse(self.accumulation, operands)
         except ConfigError as error:
             raise PrecisionError(str(error)) from None
 

@@ -363,7 +363,7 @@ class Precision:
             "overflow": {e: "saturate" if self.block else resolve_overflow(FORMATS[e], c.overflow) for e in elements},
             "ftz": c.ftz,
             "rounding_of_gradients": c.rounding,
-            "accumulation": c.accumulation_model.describe() if c.accumulation_model else c.accumulation,
+            "accumulation": accumulation.describe() if (accumulation := c.accumulation_model) else c.accumulation,
             "fp32_precision_flags": p.flags,
             "native_recipe": p.native_recipe,
             "keep_high_precision": {  # format.keep_high_precision: asked, the layers it kept, what they compute in

@@ -58,10 +58,12 @@ def _dynamo_graphs() -> int:
 class CompiledStep:
     """`loss = step(model, batch)`: the forward and the loss, compiled when asked (compile_wanted)."""
 
-    def __init__(self, setting, device: torch.device, forward_and_loss: Callable):
+    def __init__(self, setting, device: torch.device, forward_and_loss: Callable, eager_because: str | None = None):
+        """`eager_because`: a reason the step runs eagerly whatever the setting (the cell's own compiled kernels)."""
         self.requested = "auto" if setting is None else setting
-        self.enabled = compile_wanted(setting, device)
-        self.eager_because: str | None = None if self.enabled else f"train.compile={self.requested} on {device.type}"
+        self.enabled = eager_because is None and compile_wanted(setting, device)
+        self.eager_because: str | None = None if self.enabled else \
+            eager_because or f"train.compile={self.requested} on {device.type}"
         self._eager = forward_and_loss
         self._compiled = None
         self.compiled_now = False  # whether dynamo compiled during the last call
@@ -82,13 +84,10 @@ class CompiledStep:
             outputs, targets = task.forward(model, batch, precision.inputs)
             return task.compute_loss(outputs, targets)
 
-        if precision.plan.config.accumulation_model is not None:  # its GEMMs run their own compiled kernels
-            step = cls(False, device, forward_and_loss)
-            step.requested = "auto" if setting is None else setting
-            step.eager_because = (f"format.accumulation={precision.plan.config.accumulation}: every GEMM runs the "
-                                  "tensor-core model's own compiled kernels")
-            return step
-        return cls(setting, device, forward_and_loss)
+        config = precision.plan.config
+        own_kernels = None if config.accumulation_model is None else \
+            f"format.accumulation={config.accumulation}: every GEMM runs the tensor-core model's own compiled kernels"
+        return cls(setting, device, forward_and_loss, own_kernels)
 
     def __call__(self, model, batch, eager: bool = False):
         self.compiled_now = False

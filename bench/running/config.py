@@ -21,7 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from bench import plugins
 from bench.data import DATA_DIR
 from bench.errors import ConfigError, check_choice, suggestion  # bench.running.config.ConfigError: the same class
-from bench.numerics.plan import FormatChoices, PrecisionConfig
+from bench.numerics.plan import FORMAT_DEFAULTS, FormatChoices, PrecisionConfig
 from bench.numerics.precision import EVAL_PRECISIONS
 from bench.numerics.scaling_methods import build as build_scaling_method
 from bench.numerics.scaling_methods import check_parametrisation, scaling_schema
@@ -306,7 +306,7 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"train.epochs={cfg.train.epochs} must be >= 1")
     if not (cfg.train.compile in (None, "auto") or isinstance(cfg.train.compile, bool)):
         raise ConfigError(f"train.compile={cfg.train.compile!r} is not a choice; valid: null, auto, true, false")
-    if cfg.train.compile is True and cfg.format.get("accumulation", "exact") != "exact":
+    if cfg.train.compile is True and cfg.format.accumulation != FORMAT_DEFAULTS["accumulation"]:
         raise ConfigError(f"train.compile=true with format.accumulation={cfg.format.accumulation}: the tensor-core "
                           "model runs its own compiled kernels in every GEMM, which a compiled step cannot trace "
                           "through; valid: train.compile=auto (eager with it) or false")
