@@ -50,6 +50,15 @@ def test_native_rows_measure_what_the_device_runs_natively():
     assert rows["native.tiny.fp32.mfu"]["value"] is None  # a CPU has no entry in the peak table
 
 
+def test_native_cells_run_only_the_pairs_asked_for():
+    shapes = {"tiny": (["model=bert_tiny", "model.batch_size=4", "model.doc_stride=8"], 32),
+              "other": (["model=bert_tiny", "model.batch_size=2", "model.doc_stride=8"], 24)}
+    metrics = {r["metric"] for r in benchmark.native_rows(
+        steps=1, repeats=1, shapes=shapes, formats={"fp32": ["format=fp32"], "bf16-true": ["format=bf16-true"]},
+        compiled=False, cells={("tiny", "bf16-true"), ("other", "fp32")})}
+    assert {m.split(".")[1] + ":" + m.split(".")[2] for m in metrics} == {"tiny:bf16-true", "other:fp32"}
+
+
 @pytest.mark.slow
 def test_native_rows_time_the_compiled_loop_too_and_compare_it_with_its_compiled_baselines():
     shapes = {"tiny": (["model=bert_tiny", "model.batch_size=4", "model.doc_stride=8"], 32)}
@@ -122,10 +131,14 @@ def test_gpu_report_on_a_machine_without_cuda_prints_its_plan_and_exits_0(capsys
 
     assert gpu_report.main([]) == 0
     out = capsys.readouterr().out
-    assert "no CUDA device here" in out and "bench.tools.doctor" in out and "train.compile=true" in out
-    assert "--only harness,host_syncs,native" in out and "model.arch.hidden=768" in out  # harness: LeNet's goal
-    assert "--native-formats fp32,bf16-mixed,bf16-true,fp8-bf16-elsewhere" in out  # what the goals compare
-    assert set(gpu_report.NATIVE_FORMATS) <= set(benchmark.NATIVE_FORMATS)
+    assert "no CUDA device here" in out and "train.compile=true" in out and "model.arch.hidden=768" in out
+    assert "gpu_gemms capture" in out and "gpu_gemms curve" in out  # the tensor-core replay's data, the GEMM curve
+    assert "--only native,harness,host_syncs" in out  # harness: LeNet's goal
+    # what the goals compare, and nothing a 15-minute GPU cannot spare
+    assert ("--native-cells distilbert:fp32,distilbert:bf16-true,bert_base:bf16-mixed,bert_base:fp8-bf16-elsewhere"
+            in out)
+    assert {tuple(c.split(":")) for c in gpu_report.NATIVE_CELLS} <= {
+        (m, f) for m in benchmark.PAPER_SHAPES for f in benchmark.NATIVE_FORMATS}
     assert sum(limit for *_, limit in gpu_report.steps()) <= 9 * 60
 
 

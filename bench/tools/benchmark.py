@@ -411,14 +411,17 @@ PAPER_SHAPES = {"distilbert": (["model=distilbert_tiny", "model.arch.layers=6", 
 
 
 def native_rows(steps: int, repeats: int, shapes: dict = PAPER_SHAPES, formats: dict = NATIVE_FORMATS,
-                compiled: bool = True) -> Iterator[dict]:
+                compiled: bool = True, cells: set[tuple[str, str]] | None = None) -> Iterator[dict]:
     """Native formats at the papers' shapes (random init, synthetic token batches of full length), eager and,
     with `compiled`, with the forward and loss compiled (rows `.compiled.*`; speed-ups compiled over compiled).
+    `cells`, (model, format) pairs, limits which run (a GPU lent for minutes cannot compile every pair).
     Yields each format's rows as soon as they are measured (a run stopped at a time limit keeps them), and a
     model's speed-ups after its last format."""
     for model, (args, seq_len) in shapes.items():
         step_s = {}
         for name, fmt_args in formats.items():
+            if cells is not None and (model, name) not in cells:
+                continue
             cfg, precision, cell = make_cell(*args, *fmt_args, f"model.max_length={seq_len}", "format.backend=native",
                                              "device=auto")
             template = next(iter(cell.task.train_batches(0)))
@@ -564,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="alternating rounds per figure (default 7)")
     parser.add_argument("--native-formats", default=",".join(NATIVE_FORMATS),
                         help=f"comma-separated formats of the native rows (default all: {','.join(NATIVE_FORMATS)})")
+    parser.add_argument("--native-cells", help=f"comma-separated model:format pairs of the native rows, instead of "
+                                               f"every format on every model (models: {', '.join(PAPER_SHAPES)})")
     parser.add_argument("--emulated", help=f"comma-separated settings of the emulation rows (default all: "
                                            f"{','.join(EMULATED)})")
     parser.add_argument("--only", default=",".join(SECTIONS),
@@ -576,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
     native = args.native_formats.split(",")
     if unknown := [name for name in native if name not in NATIVE_FORMATS]:
         parser.error(f"unknown native format(s) {', '.join(unknown)}; valid: {', '.join(NATIVE_FORMATS)}")
+    cells = {tuple(pair.split(":", 1)) for pair in args.native_cells.split(",")} if args.native_cells else None
+    if unknown := [":".join(c) for c in cells or () if c[0] not in PAPER_SHAPES or c[1] not in NATIVE_FORMATS]:
+        parser.error(f"unknown native cell(s) {', '.join(unknown)}; models: {', '.join(PAPER_SHAPES)}; "
+                     f"formats: {', '.join(NATIVE_FORMATS)}")
     datasets.disable_progress_bars()
     steps, repeats = (5, 1) if args.quick else (100, 7)
     steps, repeats = args.steps or steps, args.repeats or repeats
@@ -590,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                "peers": lambda: peer_rows(steps, repeats), "accounting": lambda: accounting_rows(repeats),
                "host_syncs": lambda: host_sync_rows(steps),
                "native": lambda: native_rows(steps=args.steps or (10 if not args.quick else 2), repeats=repeats,
-                                             formats={name: NATIVE_FORMATS[name] for name in native}),
+                                             formats={name: NATIVE_FORMATS[name] for name in native},
+                                             cells=cells),
                "speed_model": speed_model_rows,
                "aggregate": lambda: aggregate_rows(200 if args.quick else 10_000),
                "quantise": lambda: quantise_rows(quick=args.quick)}
@@ -604,8 +614,8 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps({"device": name, "env": env, "rows": rows}, indent=2) + "\n")
 
     save()
-    for section in SECTIONS:
-        if section not in sections or (section in CUDA_ONLY and device.type != "cuda"):
+    for section in sections:  # in the order asked: a run stopped at a time limit has measured the first ones
+        if section in CUDA_ONLY and device.type != "cuda":
             continue
         start = time.perf_counter()
         for measured in measure[section]():

@@ -2,20 +2,23 @@
 
     python -m bench.tools.gpu_report [--dry-run]
 
-On a CUDA machine, in turn, each under its own time limit (9 minutes in all): `make doctor`; `make bench`'s
-harness rows (LeNet's launch-bound step), host-sync count and native rows at the papers' shapes, eager and
-compiled, for the settings the issue's goals compare (fp32, bf16-mixed, bf16-true, FP8 with BF16 elsewhere); a
-short compiled run of Raschka's DistilBERT shape (6 x 768, sequences of 512) on the shipped IMDb fixture in fp32,
-bf16-mixed and FP8, then its tables under results/tables/<device>/. The benchmark writes
-results/bench/cuda-<device>-<date>.json row by row. A step that fails or runs out of time is reported (its
-process group killed: no compile worker or launcher job is left on the GPU to disturb the next step) and the
-next one runs; the exit code is 1 if any did. On a machine without CUDA it prints what it would run and exits 0.
+On a CUDA machine, in turn, each under its own time limit (9 minutes in all, for a GPU lent for 15): the GPU's
+GEMM outputs on adversarial inputs, for the CPU replay of the tensor-core model (bench.tools.gpu_gemms capture); the
+GEMM curve per kernel and one compiled Linear per FP8 recipe (gpu_gemms curve); `make bench`'s native rows, eager
+and compiled, for the pairs the issue's goals compare (bf16-true against fp32 on DistilBERT at Raschka's shape, FP8
+with BF16 elsewhere against bf16-mixed on BERT-base at NVIDIA's), then its harness (LeNet's launch-bound step) and
+host-sync rows; a short compiled run of Raschka's DistilBERT shape (6 x 768, sequences of 512) on the shipped IMDb
+fixture in fp32, bf16-mixed and FP8, then its tables under results/tables/<device>/. Each step writes as it goes
+(results/bench/cuda-<device>-<date>*). A step that fails or runs out of time is reported (its process group killed:
+no compile worker or launcher job is left on the GPU to disturb the next step) and the next one runs; the exit code
+is 1 if any did. On a machine without CUDA it prints what it would run and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
 import os
 import re
 import signal
@@ -28,9 +31,9 @@ import torch
 RASCHKA_SHAPE = ["model=distilbert_tiny", "model.arch.layers=6", "model.arch.hidden=768", "model.arch.heads=12",
                  "model.arch.intermediate=3072", "model.max_length=512", "model.batch_size=12"]
 RUNS = "results/runs/gpu-report"
-# the native rows the goals compare: bf16-true against fp32 (Raschka's 4.17x), FP8 as torchao trains it against
-# bf16-mixed; the other native settings cost a compile each, which a 9-minute report cannot spare
-NATIVE_FORMATS = ("fp32", "bf16-mixed", "bf16-true", "fp8-bf16-elsewhere")
+# the native rows the goals compare: bf16-true against fp32 (Raschka's 4.17x) on DistilBERT, FP8 as torchao trains
+# it against bf16-mixed on BERT-base; every other pair costs a compile, which a 9-minute report cannot spare
+NATIVE_CELLS = ("distilbert:fp32", "distilbert:bf16-true", "bert_base:bf16-mixed", "bert_base:fp8-bf16-elsewhere")
 
 
 def device_slug() -> str:
@@ -41,15 +44,19 @@ def device_slug() -> str:
 
 def steps(python: str = sys.executable) -> list[tuple[str, list[str], int]]:
     """(what, command, seconds allowed)."""
+    stem = f"results/bench/cuda-{device_slug()}-{dt.date.today().isoformat()}"
     return [
-        ("doctor", [python, "-m", "bench.tools.doctor"], 60),
-        ("harness, host syncs, native rows eager and compiled",
-         [python, "-m", "bench.tools.benchmark", "--out", "results/bench", "--only", "harness,host_syncs,native",
-          "--repeats", "3", "--native-formats", ",".join(NATIVE_FORMATS)], 330),
+        ("GEMM outputs for the tensor-core replay",
+         [python, "-m", "bench.tools.gpu_gemms", "capture", f"{stem}-gemm-outputs.npz"], 60),
+        ("GEMM curve and compiled Linears",
+         [python, "-m", "bench.tools.gpu_gemms", "curve", f"{stem}-gemm-curve.csv", "--deadline", "130"], 170),
+        ("native rows eager and compiled, harness, host syncs",
+         [python, "-m", "bench.tools.benchmark", "--out", "results/bench", "--only", "native,harness,host_syncs",
+          "--repeats", "3", "--native-cells", ",".join(NATIVE_CELLS)], 200),
         ("compiled Raschka-shape run", [python, "-m", "bench.run", "-m", *RASCHKA_SHAPE, "format=fp32,bf16,fp8",
                                         "train.compile=true", "train.max_steps=40", "experiment_name=gpu_report",
-                                        f"results_dir={RUNS}"], 120),
-        ("its tables", [python, "-m", "bench.aggregate", RUNS, "--out", f"results/tables/{device_slug()}"], 30),
+                                        f"results_dir={RUNS}"], 90),
+        ("its tables", [python, "-m", "bench.aggregate", RUNS, "--out", f"results/tables/{device_slug()}"], 20),
     ]
 
 
