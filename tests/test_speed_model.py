@@ -314,3 +314,43 @@ def test_a_model_traced_on_the_meta_device_keeps_its_tied_parameters(make_cfg, m
     assert traced.parameters == sum(p.numel() for p in on_cpu.parameters())
     if model == "bert_mlm_tiny":
         assert trace_cell(make_cfg(f"model={model}", "scaling=unit", "model.arch.block_size=16")).parameters
+
+
+def test_the_h100_gemm_curve_is_scored_out_of_sample_each_gemm_at_the_models_gemm_time(tmp_path):
+    """Our H100's GEMM curve (bench.tools.gpu_gemms curve) is validate data, not fit data: every GEMM shape x kernel
+    a time row and every FP8 kernel a speed-up row, each compiled Linear likewise; a GEMM row's prediction is
+    gemm_time of its shape at its kernel's rate (bf16 out). Declared `fit` instead, its rows leave every goal's count
+    (so a refit could not hide behind them), and the committed scorecard carries them."""
+    from bench.speed.gemm import gemm_time, rate
+    from bench.tools import speed_validation as validation
+
+    keys = ("ours_h100_gemms", "ours_h100_compiled_linears")
+    rows = validation.with_uses(validation.published_rows(("gemm_curve",)))
+    assert {r.source for r in rows} == set(keys) and {r.use for r in rows} == {"validate"}
+    assert sum(r.source == keys[0] for r in rows) == 131 * (5 + 4)  # 131 shapes: a time per kernel, 4 speed-ups
+    assert sum(r.source == keys[1] for r in rows) == 8 * (3 + 2)
+
+    h100, c = gpu("H100"), speed.CONSTANTS
+    factors = {"fp8_no_fast_accum": c.fp8_no_fast_accum, "fp8_rowwise": c.fp8_rowwise}
+    shape = [r for r in rows if r.model == "GEMM M,K,N = 8192,4096,1024" and r.unit == "s"]
+    assert [r.what for r in shape] == list(validation.GEMM_KERNELS)
+    for r in shape:
+        kernel = validation.GEMM_KERNELS[r.what]
+        expected = gemm_time(1, 8192, 4096, 1024, kernel, h100, flops_per_s=rate(h100, kernel.element, factors, kernel),
+                             bytes_per_s=h100.tb_s * 1e12 * c.memory_efficiency,
+                             operand_bytes=speed.ELEMENT_BYTES[kernel.element], output_bytes=2,
+                             latency_s=c.gemm_latency_s).seconds
+        assert r.predict(c) == pytest.approx(expected, rel=1e-12)
+    assert len({round(r.predict(c), 12) for r in shape}) > 2  # the kernels' factors reach the prediction
+
+    picked = [r for r in rows if r.model in ("GEMM M,K,N = 8192,4096,1024", "Linear 8192→8192 on 8192 tokens")]
+    declared = validation.sources()
+    switched = tmp_path / "figures.yaml"
+    switched.write_text(yaml.safe_dump({"sources": declared | {k: declared[k] | {"use": "fit"} for k in keys}}))
+    scored = validation.against_goals(validation.table(picked, c))
+    assert scored[0].startswith("- speed-ups (validate, 6 rows)") and any("one GEMM timed alone" in s for s in scored)
+    as_fit = validation.against_goals(validation.table(validation.with_uses(picked, validation.sources(switched)), c))
+    assert as_fit[0].startswith("- speed-ups (validate, 0 rows)") and not any("timed alone" in s for s in as_fit)
+
+    committed = (ROOT / "results" / "bench" / "speed_model_validation.md").read_text()
+    assert all(f"  - {k}: " in committed for k in keys) and "- one GEMM timed alone, ours (validate" in committed

@@ -265,3 +265,37 @@ def test_the_promotion_interval_must_be_whole_blocks():
 
     with pytest.raises(ConfigError, match="not a multiple of H100's 32-element block"):
         matmul(torch.ones(2, 64), torch.ones(2, 64), gpu="H100", a_format="fp8_e4m3", promote_every=48)
+
+
+# GEMM outputs of a real H100 through cuBLAS (torch.mm, torch._scaled_mm), made by `python -m bench.tools.gpu_gemms
+# capture` on 2026-11-27 (issue #49): 8 x 8 corners of GEMMs run at M = N = 4096 (and 16, where cuBLAS splits K)
+H100_GEMMS = Path(__file__).parents[1] / "results/bench/cuda-nvidia-h100-80gb-hbm3-2026-11-27-gemm-outputs.npz"
+
+
+def test_cublas_gemms_on_an_h100_match_the_model_bit_for_bit_at_a_training_size():
+    """K chained in order through the tensor cores, FP8 without fast accumulation promoted every 128 elements, the
+    16-bit outputs rounded to nearest: every output of every setting (bf16, fp16, tf32, FP8 fast and promoted,
+    E5M2 x E4M3) on normal, positive and large-first inputs."""
+    from bench.tools.gpu_gemms import replay
+
+    counts = replay(H100_GEMMS, size=4096, max_k=128)  # K up to 8192: the slow test below
+    assert len(counts) == 10 and all(total for _, total in counts.values())
+    assert {setting: bad for setting, (bad, _) in counts.items() if bad} == {}
+
+
+def test_the_h100_data_tells_the_promotion_interval_and_fast_accumulation_apart():
+    """The replay would notice a wrong model: promoting every 256 (or 64) elements, or not at all, misses."""
+    from bench.tools.gpu_gemms import replay
+
+    for promote in (64, 256, 10**6):
+        counts = replay(H100_GEMMS, size=4096, max_k=512, promote_every=promote,
+                        settings=("e4m3.slow", "e5m2xe4m3.slow", "e4m3.fast"))
+        assert counts["e4m3.slow"][0] > 0 and counts["e5m2xe4m3.slow"][0] > 0, promote
+        assert counts["e4m3.fast"][0] == 0  # fast accumulation never promotes
+
+
+@pytest.mark.slow
+def test_cublas_gemms_on_an_h100_match_the_model_up_to_k_8192():
+    from bench.tools.gpu_gemms import replay
+
+    assert {s: bad for s, (bad, _) in replay(H100_GEMMS, size=4096).items() if bad} == {}

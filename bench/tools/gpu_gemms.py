@@ -4,15 +4,17 @@ it measured:
 
     python -m bench.tools.gpu_gemms capture OUT.npz   # GEMM outputs on adversarial inputs, for a CPU replay
     python -m bench.tools.gpu_gemms curve OUT.csv [--deadline S]   # GEMM and Linear times by shape and kernel
+    python -m bench.tools.gpu_gemms replay OUT.npz   # on any machine: the captured outputs against our model
 
 `capture` runs cuBLAS's GEMMs (torch.mm, torch._scaled_mm with fast accumulation on and off) on inputs made to
 expose the accumulator: a large first term followed by small ones, sums of positive terms crossing powers of two,
 and signed normals, at K from 32 to 8,192. Only an 8 x 8 corner of A and B is stored: each output depends only on
 its row of A and column of B, so the GEMM can run at a training-like size (the rest random) and still be replayed
-from the corner alone (bench.tools.tensor_core_replay). `curve` times single GEMMs per kernel (bf16; FP8 tensor-
-and row-scaled, fast accumulation on and off) over M, K, N in {1024, ..., 16384} and BERT-base's Linear shapes,
-then, until its deadline, one compiled Linear's forward and backward in bf16 and under torchao's tensorwise and
-row-wise FP8 recipes. On a machine without CUDA both run on the CPU at small sizes (a smoke test of the plumbing).
+from the corner alone (`replay`, against bench.numerics.tensor_cores, on any machine). `curve` times single GEMMs
+per kernel (bf16; FP8 tensor- and row-scaled, fast accumulation on and off) over M, K, N in {1024, ..., 16384} and
+BERT-base's Linear shapes, then, until its deadline, one compiled Linear's forward and backward in bf16 and under
+torchao's tensorwise and row-wise FP8 recipes (bench/tools/speed_validation.py scores the speed model on both).
+On a machine without CUDA, capture and curve run on the CPU at small sizes (a smoke test of the plumbing).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from bench.numerics import tensor_cores as tc
 
 KS = (32, 128, 512, 2048, 8192)  # the reduced dimension of each captured GEMM
 CORNER = 8  # rows of A and columns of B stored per case
@@ -119,6 +123,45 @@ def capture(path: Path, sizes: tuple[int, ...]) -> None:
         np.savez_compressed(path, **arrays)
         print(f"capture: {setting} done", flush=True)
     np.savez_compressed(path, **arrays)
+
+
+OUR_FORMATS = {"bf16": "bf16", "fp16": "fp16", "tf32": "tf32", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2"}
+
+
+def model_of(setting: str, a: torch.Tensor, b: torch.Tensor, gpu: str = "H100",
+             promote_every: int = tc.PROMOTION_INTERVAL) -> torch.Tensor:
+    """What the tensor-core model says `setting` computes for a (M x K) @ b (K x N): K chained in order through
+    `gpu`'s tensor cores, FP8 without fast accumulation promoted to FP32 every `promote_every` elements, the output
+    rounded to nearest even where it is 16-bit."""
+    a_fmt, b_fmt, call, out = SETTINGS[setting]
+    result = tc.matmul(a, b.t().contiguous(), gpu=gpu, a_format=OUR_FORMATS[a_fmt], b_format=OUR_FORMATS[b_fmt],
+                       promote_every=promote_every if call == "scaled" else None)
+    return result.to(OUT_DTYPES[out]).float()
+
+
+def stored(data, fmt: str, family: str, k: int, name: str) -> torch.Tensor:
+    """A stored corner operand (`capture`'s bits) as float32 values."""
+    dtype = INPUTS[fmt]
+    return torch.from_numpy(data[f"in/{fmt}/{family}/{k}/{name}"]).view(dtype).float()
+
+
+def replay(path: Path, size: int, max_k: int | None = None, settings=SETTINGS, **model) -> dict[str, tuple[int, int]]:
+    """Per setting (of `settings`), (outputs whose bits differ from the model's, outputs) over the GEMMs captured at
+    padded size `size` (and K <= max_k)."""
+    data = np.load(path)
+    counts = {}
+    for key in data.files:
+        if not key.startswith("out/") or not key.endswith(f"/{size}"):
+            continue
+        _, setting, family, k, _ = key.split("/")
+        if setting not in settings or (max_k is not None and int(k) > max_k):
+            continue
+        a_fmt, b_fmt, *_ = SETTINGS[setting]
+        ours = model_of(setting, stored(data, a_fmt, family, k, "a"), stored(data, b_fmt, family, k, "b"), **model)
+        gpu = torch.from_numpy(data[key])
+        bad, total = counts.get(setting, (0, 0))
+        counts[setting] = bad + int((ours.view(torch.int32) != gpu.view(torch.int32)).sum()), total + gpu.numel()
+    return counts
 
 
 def _time(fn, device: torch.device, budget_s: float = 0.01) -> float:
@@ -235,11 +278,20 @@ def main(argv: list[str] | None = None) -> int:
     cap = sub.add_parser("capture", help="GEMM outputs on adversarial inputs (.npz)")
     cap.add_argument("out", type=Path)
     cap.add_argument("--sizes", default="16,4096", help="padded M = N at which each GEMM runs (default 16,4096)")
+    rep = sub.add_parser("replay", help="the captured outputs against the tensor-core model (mismatches per setting)")
+    rep.add_argument("data", type=Path)
+    rep.add_argument("--gpu", default="H100")
     cur = sub.add_parser("curve", help="GEMM and compiled-Linear times (.csv)")
     cur.add_argument("out", type=Path)
     cur.add_argument("--deadline", type=float, default=150.0, help="seconds before no new Linear starts")
     cur.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke test)")
     args = parser.parse_args(argv)
+    if args.part == "replay":
+        sizes = sorted({int(key.rsplit("/", 1)[1]) for key in np.load(args.data).files if key.startswith("out/")})
+        for size in sizes:
+            for setting, (bad, total) in replay(args.data, size, gpu=args.gpu).items():
+                print(f"M = N = {size:5d}  {setting:18s} {bad:4d} of {total} outputs differ")
+        return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.part == "capture":
         capture(args.out, tuple(int(s) for s in args.sizes.split(",")))

@@ -8,7 +8,8 @@ Which figures fit the model's constants and which only score it is decided per s
   accumulation), then our H100's eager DistilBERT rows (the host's costs and FP32's CUDA-core efficiency);
 - validate: everything else: torchao's row-wise single-Linear table (216 shapes), its Llama3-8B steps on H100 and
   B200, R1 (Raschka's A100 ratios), R3 and NVIDIA's pre-training tables (BERT-large throughput), our H100's other
-  rows (BERT-base eager, two compiled steps timed by hand, the char-LM's cells);
+  rows (BERT-base eager, two compiled steps timed by hand, the char-LM's cells, its GEMM curve: single GEMMs per
+  kernel and compiled Linears per FP8 recipe);
 - stated: Transformer Engine's and FBGEMM's GEMM figures, which gave the efficiencies and kernel factors.
 The fit minimises the fit rows' squared log error (Nelder-Mead), stage by stage, and writes
 bench/data/speed_constants.yaml; results/bench/speed_model_validation.{csv,md} show every row, its use and its error,
@@ -23,6 +24,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import pandas as pd
@@ -31,8 +33,9 @@ import yaml
 
 from bench.data import DATA_DIR
 from bench.speed import model as speed
+from bench.speed.gemm import GemmKernel
 from bench.speed.model import CONSTANTS, NoNativePath, predict, recipe_on
-from bench.speed.profiles import gpu
+from bench.speed.profiles import GPU, gpu
 from bench.speed.trace import StepTrace, trace_cell, trace_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,8 +121,13 @@ def step(overrides: list[str], target: str, compiled: bool, trace: Callable[[], 
     return lambda constants: predict(traced, recipe, profile, compiled, constants, shards).step_s
 
 
+# the measurements whose eager DistilBERT rows fit the constants: every later run is scored, not fitted
+FITTED_MEASUREMENTS = "cuda-nvidia-h100-80gb-hbm3-2026-11-22.json"
+
+
 def measured_rows() -> list[Row]:
-    """The H100's eager native rows of `make bench` (results/bench/cuda-*.json): DistilBERT's fit the constants."""
+    """The H100's native rows of `make bench` (results/bench/cuda-*.json): the first run's eager DistilBERT rows fit
+    the constants; everything else, later runs' (make gpu-report's) included, validates."""
     rows = []
     for path in MEASURED:
         data = json.loads(path.read_text())
@@ -132,8 +140,8 @@ def measured_rows() -> list[Row]:
                     seconds = taken.get(f"native.{model}.{setting}{suffix}.step_s")
                     if seconds is None:
                         continue
-                    source = "ours_h100_distilbert_eager" if model == "distilbert" and mode == "eager" \
-                        else "ours_h100_other"
+                    source = ("ours_h100_distilbert_eager" if path.name == FITTED_MEASUREMENTS
+                              and model == "distilbert" and mode == "eager" else "ours_h100_other")
                     rows.append(Row(source, label, name, setting, mode, seconds,
                                     step([*shape, *overrides], name, mode == "compiled")))
         if "accounting_share.lenet.fp32" in taken:
@@ -303,8 +311,56 @@ def bert_large_rows(key: str, source: dict) -> list[Row]:
     return rows
 
 
+# gpu_gemms' GEMM kernels as the model prices them: torch._scaled_mm's FP8 kernels, tensor- or row-scaled
+GEMM_KERNELS = {"bf16": GemmKernel("bf16"), "fp8_tensorwise_fast": GemmKernel("fp8", "tensor"),
+                "fp8_tensorwise": GemmKernel("fp8", "tensor", fast_accum=False),
+                "fp8_rowwise_fast": GemmKernel("fp8", "row"), "fp8_rowwise": GemmKernel("fp8", "row", fast_accum=False)}
+LINEAR_RECIPES = {"bf16": BF16_TRUE} | {r: speed.Recipe(f"fp8 {r}", "fp8", "bf16", "bf16", "fp8", casts=r)
+                                        for r in ("tensorwise", "rowwise")}  # bf16 weights, as gpu_gemms makes them
+GEMM_MODE, LINEAR_MODE = "one GEMM", "one compiled Linear"  # timed alone: scored apart from the training steps
+HOST_BOUND_S = 2e-3  # a compiled Linear timed from Python under this is the host's (0.6-1.5 ms at any small shape)
+
+
+def gemm_seconds(m: int, k: int, n: int, kernel: GemmKernel, profile: GPU) -> Callable[[speed.Constants], float]:
+    """The model's time for one M x K x N GEMM of `kernel` with a bf16 output on `profile`: its GEMM pricing
+    (gemm_time at the profile's rate for the kernel), as a step's GEMM op of that shape is priced."""
+    op = SimpleNamespace(gemm=(1, m, k, n))
+    return lambda constants: speed._Costs(BF16_TRUE, profile, constants).gemm(op, kernel, 0.0)
+
+
+def linear_seconds(m: int, k: int, n: int, recipe: speed.Recipe, profile: GPU) -> Callable[[speed.Constants], float]:
+    """The model's time for one compiled Linear's forward and backward on `profile`: its three GEMMs and its recipe's
+    casts, as bench.predict --gemms prices a Linear (gemm_breakdown; the GPU's time only, no host)."""
+    trace = _traced(f"single linear {m} {k} {n}", lambda: single_linear(m, k, n))
+    return lambda constants: sum(p["format_s"] for p in speed.gemm_breakdown(trace, recipe, BF16_TRUE, profile,
+                                                                              constants))
+
+
+def gemm_curve_rows(key: str, source: dict) -> list[Row]:
+    """Our H100's GEMM curve (bench.tools.gpu_gemms curve, the source's `part` of its CSV): each GEMM's or compiled
+    Linear's time per kernel or recipe, and each FP8 one's speed-up over bf16 at that shape (a shape timed twice: the
+    median)."""
+    taken = pd.read_csv(ROOT / source["csv"])
+    taken = taken[taken["part"] == source["part"]].groupby(["m", "k", "n", "kernel"], sort=False)["seconds"].median()
+    gemms, profile = source["part"] == "gemm", gpu(source["gpu"])
+    rows = []
+    for (m, k, n), by_kernel in taken.groupby(level=["m", "k", "n"], sort=False):
+        by_kernel = by_kernel.droplevel(["m", "k", "n"])
+        if gemms:
+            label, mode = f"GEMM M,K,N = {m},{k},{n}", GEMM_MODE
+            times = {kern: gemm_seconds(m, k, n, GEMM_KERNELS[kern], profile) for kern in by_kernel.index}
+        else:
+            host = " (host-bound)" if by_kernel.max() < HOST_BOUND_S else ""
+            label, mode = f"Linear {k}→{n} on {m} tokens{host}", LINEAR_MODE
+            times = {r: linear_seconds(m, k, n, LINEAR_RECIPES[r], profile) for r in by_kernel.index}
+        rows += [Row(key, label, source["gpu"], kern, mode, s, times[kern]) for kern, s in by_kernel.items()]
+        rows += [Row(key, label, source["gpu"], f"{kern} / bf16", mode, by_kernel["bf16"] / s,
+                     ratio(times["bf16"], times[kern]), "x") for kern, s in by_kernel.items() if kern != "bf16"]
+    return rows
+
+
 KINDS = {"single_linear": single_linear_rows, "llama3_8b": llama_rows, "distilbert_ratio": raschka_rows,
-         "bert_large": bert_large_rows}
+         "bert_large": bert_large_rows, "gemm_curve": gemm_curve_rows}
 
 
 def published_rows(kinds=tuple(KINDS)) -> list[Row]:
@@ -364,11 +420,15 @@ def table(rows: list[Row], constants: speed.Constants) -> pd.DataFrame:
 def against_goals(frame: pd.DataFrame) -> list[str]:
     """The goals, on validate rows only: every predicted speed-up on the same side of 1.0 as the published one, and
     within ±20% on 80% of them; steps within ±25% where the script's overhead is known (ours), and the rest of the
-    steps (published with a script's overhead the model does not know) shown beside them, without a goal."""
+    steps (published with a script's overhead the model does not know) shown beside them, without a goal; single
+    GEMMs and Linears timed alone (ours) apart from the steps, per kernel, without a goal. Where a source's speed-ups
+    compare several settings over several shapes, each setting's too."""
+    frame = frame.assign(**{c: "" for c in ("mode", "setting") if c not in frame})
     valid = frame[frame["use"] == "validate"]
     ratios = valid[valid["unit"] == "x"]
     side = ((ratios["measured_value"] > 1) == (ratios["predicted_value"] > 1)) | (ratios["measured_value"] == 1)
-    steps = valid[valid["unit"] == "s"]
+    timed = valid[(valid["unit"] == "s") & valid["mode"].isin((GEMM_MODE, LINEAR_MODE))]
+    steps = valid[(valid["unit"] == "s") & ~valid.index.isin(timed.index)]
     known = steps["source"].str.startswith("ours_")
 
     def within(part: pd.DataFrame, goal: float) -> str:
@@ -380,10 +440,20 @@ def against_goals(frame: pd.DataFrame) -> list[str]:
     for key, part in ratios.groupby("source", sort=False):
         same = ((part["measured_value"] > 1) == (part["predicted_value"] > 1)).sum()
         lines.append(f"  - {key}: {same} of {len(part)} on the right side of 1.0; {within(part, GOALS['ratio'])}")
+        settings = part.groupby("setting", sort=False)
+        if len(settings) > 1 and (settings.size() > 1).all():
+            for what, rows in settings:
+                same = ((rows["measured_value"] > 1) == (rows["predicted_value"] > 1)).sum()
+                lines.append(f"    - {what}: {same} of {len(rows)} on the right side of 1.0; "
+                             f"{within(rows, GOALS['ratio'])}")
     lines.append(f"- steps whose script overhead is known (ours, validate): {within(steps[known], GOALS['step'])} "
                  "(goal: all)")
     lines.append(f"- steps published with a script's overhead not modelled (validate, no goal): "
                  f"{within(steps[~known], GOALS['step'])}")
+    for mode, part in timed.groupby("mode", sort=False):
+        lines.append(f"- {mode} timed alone, ours (validate, no goal): {within(part, GOALS['step'])}")
+        lines += [f"  - {what}: median predicted / measured {(rows['error_value'] + 1).median():.2f}; "
+                  f"{within(rows, GOALS['step'])}" for what, rows in part.groupby("setting", sort=False)]
     return lines
 
 
