@@ -117,7 +117,7 @@ predict: setup ## the speed model's step time, speed-ups and memory for cells no
 speed-validation: setup ## fit the speed model's constants on its fit rows, validate on every other GPU figure we have (results/bench/speed_model_validation.md)
 	$(PY) -m bench.tools.speed_validation
 
-gpu-report: setup ## on a CUDA machine, the GPU checks in one command (~9 min): doctor, native rows eager and compiled, a compiled Raschka-shape run; elsewhere prints the plan
+gpu-report: setup ## on a CUDA machine, the GPU checks in one command (~9 min): GEMM outputs for the tensor-core replay, the GEMM curve, native rows eager and compiled, a compiled Raschka-shape run; elsewhere prints the plan
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m bench.tools.gpu_report
 

@@ -208,3 +208,8 @@ def test_the_nvfp4_ablation_pairs_each_cell_with_bf16_seed_by_seed_as_its_record
         assert table.loc[cell, column].startswith(f"{difference:+.3f} ["), (cell, difference)
     assert table.loc["BF16", "Δ vs BF16"] == "baseline" and table.loc["full recipe", "Δ vs full recipe"] == "baseline"
     assert table.loc["NVFP4 plain", "Δ vs full recipe"] == "–"
+
+
+def test_a_folder_a_tool_made_names_that_tool_not_a_preset_that_does_not_exist():
+    assert committed.make_command("gpu_report", "nvidia-h100-80gb-hbm3").startswith("make gpu-report")
+    assert committed.make_command("umup_fp8") == "make committed-tables EXPERIMENT=umup_fp8"

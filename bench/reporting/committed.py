@@ -28,9 +28,15 @@ INDEX = "README.md"
 TOOL_FOLDERS = {"raschka_memory": "make raschka-memory"}
 
 
+# Experiments a tool runs rather than a conf/experiment preset (its records kept by `bench.aggregate --keep-records`)
+TOOL_EXPERIMENTS = {"gpu_report": "make gpu-report, then bench.aggregate --keep-records"}
+
+
 def make_command(experiment: str, parent: str = "") -> str:
     """The command that makes an experiment's committed folder from nothing (a sweep, then its tables and records),
     into a device's subfolder such as `h100` when `parent` names one (to be run on that device)."""
+    if experiment in TOOL_EXPERIMENTS:
+        return TOOL_EXPERIMENTS[experiment]
     return ("make committed-tables" + ("" if experiment == "default" else f" EXPERIMENT={experiment}")
             + (f" COMMITTED={ROOT.as_posix()}/{parent}" if parent else ""))
 
