@@ -125,6 +125,20 @@ def test_bench_predict_tables_every_cell_on_every_gpu_it_names(capsys):
     assert "predicted, not measured" in out
 
 
+def test_bench_predict_gives_a_cell_its_gpu_would_emulate_the_memory_the_format_holds_where_it_is_native(capsys):
+    """NVFP4 has no native path on an H100, but the bytes of its step do not depend on the GPU: the H100 row carries
+    the B200's memory and says so; a setting native nowhere (FP8 without per-tensor scales) still has none."""
+    from bench.reporting.predict_cells import main as predict
+
+    assert predict(["model=lenet", "format=nvfp4,fp8", "scaling=none", "gpu=H100,B200"]) == 0
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| lenet")]
+    by = {(r[1], r[3]): r for r in rows}
+    h100, b200 = by["nvfp4-mixed", "H100"], by["nvfp4-mixed", "B200"]
+    assert h100[4] == "–" and h100[8] == b200[8] != "–" and "memory as B200 stores the format" in h100[-1]
+    assert by["fp8-mixed", "H100"][8] == by["fp8-mixed", "B200"][8] == "–"
+
+
 @pytest.mark.parametrize("args, says", [(["gpu=H900"], "unknown GPU 'H900'; known: V100, A100, H100, H200, B200"),
                                         (["format=fp9"], "format=fp9 is not an option"),
                                         (["model.optimizer.lrr=1"], "did you mean model.optimizer.lr?"),

@@ -96,6 +96,20 @@ def _baseline(cell: list[str], fmt: str, target):
     return recipe
 
 
+def _stored_natively(cfg, trace, asked: list):
+    """(the recipe, the GPU's name) of the first GPU (those asked for, then every shipped profile) with a native path
+    for the cell: a step's bytes depend on how the format is stored, not on which GPU stores it, so a cell its GPU
+    would emulate still gets the memory the format holds; (None, None) where no GPU has a path."""
+    from bench.speed.model import NoNativePath, recipe_on
+    from bench.speed.profiles import shipped_gpus
+
+    for target in [*asked, *shipped_gpus().values()]:
+        recipe = recipe_on(cfg, trace, target)
+        if not isinstance(recipe, NoNativePath):
+            return recipe, target.name
+    return None, None
+
+
 def rows(overrides: list[str], gpus: list) -> list[dict]:
     """One row per cell and GPU."""
     from omegaconf import OmegaConf
@@ -114,9 +128,11 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
             row = {"model": label, "scaling": cfg.scaling.name, "GPU": target.name}
             if isinstance(recipe, NoNativePath):
                 setting = format_spec(cfg.format.name).setting(cfg.format.mode)
+                stored, where = _stored_natively(cfg, trace, gpus)
+                memory = f"{step_memory(trace, stored)['total'] / 2**20:.4g}" if stored else "–"
+                note = f"{recipe}; memory as {where} stores the format" if stored else str(recipe)
                 out.append(row | {"setting": setting, "compiled step": "–", "eager step": "–",
-                                  "vs 32-true": "–", "vs bf16-mixed": "–", "memory (MiB)": "–",
-                                  "note": str(recipe)})
+                                  "vs 32-true": "–", "vs bf16-mixed": "–", "memory (MiB)": memory, "note": note})
                 continue
             compiled = predict(trace, recipe, target, compiled=True)
             eager = predict(trace, recipe, target, compiled=False)
