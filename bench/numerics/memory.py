@@ -53,6 +53,15 @@ def _storage_key(t: torch.Tensor) -> int:
     return base.untyped_storage().data_ptr()
 
 
+def _state_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """A tensor subclass's inner tensors (torchao's low-bit optimiser states: codes, block scales, code book), which
+    are what it holds: its own dtype is the FP32 it stands for."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return None
+    names, _ = t.__tensor_flatten__()
+    return [getattr(t, name) for name in names]
+
+
 def _own_bytes(t: torch.Tensor) -> int:
     """The tensor's own elements (a view of a larger buffer, such as a batch sliced from its dataset, holds only
     those for the step's sake)."""
@@ -139,7 +148,9 @@ class StepMemory:
         """Bytes of parameters, gradients or optimiser state as the run's format stores them."""
         total = 0.0
         for t in tensors:
-            if self.stored_format is not None and t.is_floating_point() and t.dim() > 0:
+            if (parts := _state_parts(t)) is not None:
+                total += sum(p.numel() * p.element_size() for p in parts)
+            elif self.stored_format is not None and t.is_floating_point() and t.dim() > 0:
                 total += t.numel() * self.stored_format.storage_bytes
             else:
                 total += t.numel() * t.element_size()

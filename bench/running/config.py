@@ -33,6 +33,8 @@ from bench.tasks.charlm import SHAKESPEARE_SHA256
 
 SCHEDULES = ("none", "linear", "cosine")
 OPTIMIZERS = ("sgd", "adam", "adamw")
+# model.optimizer.state_format: the optimiser's moments as stored (bench/tasks/optimizer.py); adam and adamw only
+STATE_FORMATS = ("fp32", "bf16", "int8", "int4", "fp8")
 LOGGERS = ("none", "wandb")
 
 CONF_DIR = DATA_DIR.parents[1] / "conf"  # the Hydra configs, beside the package in the checkout
@@ -71,6 +73,7 @@ class OptimizerConfig:
     warmup_steps: int = 0  # cosine: linear warm-up
     min_lr: float = 0.0  # cosine: the learning rate at the end of the decay
     grad_clip: Optional[float] = None  # clip the gradients' global norm (after unscaling) to this
+    state_format: str = "fp32"  # the moments as stored: fp32 | bf16 | int8 | int4 | fp8 (adam/adamw; torchao's)
 
 
 @dataclass
@@ -341,6 +344,11 @@ def _check_model(model: DictConfig) -> None:
     check_choice(model.task.unit, METRIC_UNITS, "model.task.unit")
     check_choice(model.optimizer.name, OPTIMIZERS, "model.optimizer.name")
     check_choice(model.optimizer.schedule, SCHEDULES, "model.optimizer.schedule")
+    check_choice(model.optimizer.state_format, STATE_FORMATS, "model.optimizer.state_format")
+    if model.optimizer.state_format != "fp32" and model.optimizer.name not in ("adam", "adamw"):
+        raise ConfigError(f"model.optimizer.state_format={model.optimizer.state_format} needs an Adam optimiser "
+                          f"(model.optimizer.name=adam or adamw; this model's is {model.optimizer.name}): valid for "
+                          f"{model.optimizer.name}: fp32")
     if model.optimizer.grad_clip is not None and not model.optimizer.grad_clip > 0:
         raise ConfigError(f"model.optimizer.grad_clip={model.optimizer.grad_clip} must be > 0 (or null: no clipping)")
     for key in ("_target_", "describe", *(["check"] if model.task.check else [])):

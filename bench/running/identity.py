@@ -36,7 +36,8 @@ SPELLINGS_OF_NULL = {"train": (("compile", "auto"), ("eval_precision", "trained"
                      "format": (("elsewhere", "fp32"), *((key, FORMAT_DEFAULTS[key]) for key in
                                                          ("rht", "weight_blocks", "pad_weights", "scale_rule",
                                                           "accumulation")),
-                                ("keep_high_precision", []))}
+                                ("keep_high_precision", [])),
+                     "model": (("optimizer.state_format", "fp32"),)}
 
 
 def _identity_form(value):
@@ -68,12 +69,18 @@ def semantic_config(config: dict) -> dict:
         semantic["train"] = {k: v for k, v in semantic["train"].items() if k not in NON_SEMANTIC_TRAIN}
     for section, spellings in SPELLINGS_OF_NULL.items():
         if isinstance(semantic.get(section), dict):
-            semantic[section] = {k: v for k, v in semantic[section].items() if (k, v) not in spellings}
+            semantic[section] = _without_null_spellings(semantic[section], spellings)
     if isinstance(semantic.get("model"), dict):
         semantic["model"] = {k: v for k, v in semantic["model"].items() if k not in NON_SEMANTIC_MODEL}
     if isinstance(semantic.get("scaling"), dict):
         semantic["scaling"] = {k: v for k, v in semantic["scaling"].items() if k not in NON_SEMANTIC_SCALING}
     return semantic
+
+
+def _without_null_spellings(section: dict, spellings: tuple, prefix: str = "") -> dict:
+    """`section` less the keys (dotted below it: `optimizer.state_format`) whose value spells null."""
+    return {k: _without_null_spellings(v, spellings, f"{prefix}{k}.") if isinstance(v, dict) else v
+            for k, v in section.items() if (f"{prefix}{k}", v) not in spellings}
 
 
 def config_hash(config: dict) -> str:

@@ -54,7 +54,7 @@ from bench.running.record import (
 from bench.running.train import build_schedule, total_steps, train
 from bench.tasks import Task, build_task
 from bench.tasks.base import check_metric_unit
-from bench.tasks.optimizer import build_optimizer
+from bench.tasks.optimizer import build_optimizer, traced_config
 
 if TYPE_CHECKING:  # the speed model (and torch._dynamo under it, ~1 s) is imported by a cell that runs, not before
     from bench.speed.trace import StepTrace
@@ -162,16 +162,18 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     method = precision.method
     conversion = transform_task(method, task, cfg.model.get("pretrained", False), cfg.model.optimizer.name)
 
-    def optimizer_over(model: torch.nn.Module) -> torch.optim.Optimizer:
-        """The cell's optimiser, over `model` (the task's, or the traced copy of it: the same parameters by name)."""
+    def optimizer_over(model: torch.nn.Module, traced: bool = False) -> torch.optim.Optimizer:
+        """The cell's optimiser, over `model` (the task's, or the traced copy of it: the same parameters by name;
+        traced, with FP32 states: `traced_config`)."""
         factors = task.lr_multipliers and {mine: task.lr_multipliers.get(theirs, 1.0) for mine, theirs in
                                            zip(model.parameters(), task.model.parameters())}
-        return build_optimizer(cfg.model.optimizer, model.parameters(), factors, method.parameter_groups)
+        chosen = traced_config(cfg.model.optimizer) if traced else cfg.model.optimizer
+        return build_optimizer(chosen, model.parameters(), factors, method.parameter_groups)
 
     from bench.speed.trace import trace_task  # (its import, torch._dynamo's seconds, outside the trace's time)
 
     started = time.perf_counter()
-    trace = trace_task(task, optimizer_over)
+    trace = trace_task(task, lambda model: optimizer_over(model, traced=True))
     trace_s = time.perf_counter() - started
     task.model = precision.prepare(task.model, cfg.model.task.get("blocks"))
     optimizer = optimizer_over(task.model)

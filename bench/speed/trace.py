@@ -374,7 +374,7 @@ def trace_cell(cfg, batch=None, full_length: bool = False) -> StepTrace:
     training batch); `full_length`: a text model's batch at full length (bench.tasks.text.full_length_batch)."""
     from bench.numerics.scaling_methods import build as build_scaling_method
     from bench.tasks import build_task
-    from bench.tasks.optimizer import build_optimizer
+    from bench.tasks.optimizer import build_optimizer, traced_config
 
     cfg, offline = _traceable(cfg)
     if batch is None and full_length:
@@ -400,7 +400,7 @@ def trace_cell(cfg, batch=None, full_length: bool = False) -> StepTrace:
         method.transform(task, pretrained=False, optimizer=None)
 
         def optimizer(model):
-            return build_optimizer(cfg.model.optimizer, model.parameters(), task.lr_multipliers,
+            return build_optimizer(traced_config(cfg.model.optimizer), model.parameters(), task.lr_multipliers,
                                    method.parameter_groups)
 
         return trace_step(task, optimizer, batch=None if batch is None else batch(task, device))
@@ -410,6 +410,9 @@ def trace_cell(cfg, batch=None, full_length: bool = False) -> StepTrace:
     except (NotImplementedError, RuntimeError) as e:
         traced = traced_on(torch.device("cpu"))
         traced.note = _cpu_note(e)
-    if offline:
-        traced.note = "; ".join(filter(None, [offline, traced.note]))
+    states = cfg.model.optimizer.get("state_format", "fp32")
+    unpriced = f"optimiser states priced as FP32 (state_format={states} is not in the speed model)" \
+        if states != "fp32" else None
+    if offline or unpriced:
+        traced.note = "; ".join(filter(None, [offline, traced.note, unpriced]))
     return traced

@@ -48,4 +48,53 @@ def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None,
             for p in params:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return optimizer
+    if cfg.get("state_format", "fp32") != "fp32":
+        return low_bit_adam(cfg, groups)
     return (adam if cfg.name == "adam" else adamw)(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), **kernel)
+
+
+def traced_config(cfg: DictConfig) -> DictConfig:
+    """The optimiser the speed model's tracer steps: FP32 states. torchao's low-bit steps compile inside, which a
+    traced step (under a dispatch mode, on the meta device) cannot do, and the speed model does not price state
+    formats yet: its optimiser step and memory are FP32 states' (the prediction's note says so)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(cfg, {"state_format": "fp32"}) if cfg.get("state_format", "fp32") != "fp32" else cfg
+
+
+def low_bit_adam(cfg: DictConfig, groups: list) -> torch.optim.Optimizer:
+    """Adam or AdamW whose moments are stored in `cfg.state_format`: torchao's block-wise int8 (bitsandbytes' 8-bit
+    Adam: blocks of 256, a dynamic-tree code), int4 (blocks of 128) and FP8 (E4M3, blocks of 256) states, or BF16
+    states (`_BF16StateAdam`, on torchao's same step). As torchao and bitsandbytes do, a tensor under 4,096 elements
+    (biases, norms) keeps FP32 moments; every step is computed in FP32 and only the stored moments are rounded."""
+    from torchao import optim as low_bit
+
+    classes = {("adamw", "int8"): low_bit.AdamW8bit, ("adamw", "int4"): low_bit.AdamW4bit,
+               ("adamw", "fp8"): low_bit.AdamWFp8, ("adam", "int8"): low_bit.Adam8bit,
+               ("adam", "int4"): low_bit.Adam4bit, ("adam", "fp8"): low_bit.AdamFp8}
+    if cfg.state_format == "bf16":
+        return _BF16StateAdam(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), is_adamw=cfg.name == "adamw")
+    return classes[cfg.name, cfg.state_format](groups, lr=cfg.lr, betas=(0.9, cfg.beta2))
+
+
+def _bf16_state_adam():
+    from torchao.optim.adam import _AdamBase
+
+    class BF16StateAdam(_AdamBase):
+        """torchao's Adam step with its two moments stored in BF16 (rounded to nearest after each FP32 update),
+        on tensors of 4,096 elements or more, as its low-bit states are: torchao has no BF16-state Adam for FP32
+        parameters."""
+
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, is_adamw=True):
+            super().__init__(params, lr, betas, eps, weight_decay, False, block_size=1,
+                             bf16_stochastic_round=False, is_adamw=is_adamw)
+
+        @staticmethod
+        def _subclass_zeros(p: torch.Tensor, signed: bool, block_size: int) -> torch.Tensor:
+            return torch.zeros_like(p, dtype=torch.bfloat16)
+
+    return BF16StateAdam
+
+
+def _BF16StateAdam(*args, **kwargs) -> torch.optim.Optimizer:  # noqa: N802 - a class, made when torchao is imported
+    return _bf16_state_adam()(*args, **kwargs)

@@ -1,0 +1,132 @@
+"""model.optimizer.state_format: Adam's moments stored in BF16, int8, int4 or FP8 (torchao's low-bit optimisers),
+what they hold in a record's memory, and a cell interrupted and resumed with them (issue #55)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from bench.errors import ConfigError
+from bench.running.config import check
+from bench.running.identity import cell_path, run_id
+from bench.running.run import run_cell
+from bench.tasks.optimizer import build_optimizer
+
+
+def _adamw(state_format: str, lr: float = 1e-2):
+    return OmegaConf.create({"name": "adamw", "lr": lr, "beta2": 0.99, "weight_decay": 0.1, "momentum": 0.0,
+                             "decay_matrices_only": False, "state_format": state_format})
+
+
+def test_bf16_states_round_the_moments_to_nearest_after_each_fp32_update():
+    """Against Adam written out by hand: the moments updated in FP32 from their stored BF16 values, the step taken
+    with the unrounded FP32 moments, then the moments stored to nearest BF16 (what torchao's step does for its own
+    states). A tensor under 4,096 elements keeps FP32 moments, as torchao's and bitsandbytes' states do."""
+    torch.manual_seed(0)
+    big, small = torch.randn(64, 64) * 0.1, torch.randn(10) * 0.1
+    params = [torch.nn.Parameter(big.clone()), torch.nn.Parameter(small.clone())]
+    optimizer = build_optimizer(_adamw("bf16"), params)
+    lr, (b1, b2), eps, wd = 1e-2, (0.9, 0.99), 1e-8, 0.1
+    m, v, p = torch.zeros_like(big, dtype=torch.bfloat16), torch.zeros_like(big, dtype=torch.bfloat16), big.clone()
+    for step in range(1, 4):
+        grad = torch.randn(64, 64)
+        params[0].grad, params[1].grad = grad.clone(), torch.randn(10)
+        optimizer.step()
+        p = p - lr * wd * p
+        m32, v32 = m.float().lerp(grad, 1 - b1), v.float().lerp(grad.square(), 1 - b2)
+        m, v = m32.bfloat16(), v32.bfloat16()
+        p = p - lr * (m32 / (1 - b1**step)) / (v32.sqrt() / (1 - b2**step) ** 0.5 + eps)
+    state = optimizer.state[params[0]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    # torchao's step is compiled: inductor's lerp and fused multiply-adds may land an FP32 moment on the other side
+    # of a BF16 rounding boundary from eager's, so a few stored moments differ by one BF16 step
+    for ours, hand in ((state["exp_avg"], m), (state["exp_avg_sq"], v)):
+        torch.testing.assert_close(ours.float(), hand.float(), rtol=2**-7, atol=0)
+        assert (ours == hand).float().mean() > 0.99
+    torch.testing.assert_close(params[0].detach(), p, rtol=0, atol=1e-6)  # the steps themselves are ~1e-2
+    assert optimizer.state[params[1]]["exp_avg"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("state_format, kind", [("int8", "OptimState8bit"), ("int4", "OptimState4bit"),
+                                                 ("fp8", "OptimStateFp8")])
+def test_low_bit_states_are_torchaos_and_train_close_to_fp32_states(state_format, kind):
+    """torchao's AdamW8bit, AdamW4bit and AdamWFp8 store the moments of tensors of 4,096 elements and more; after a
+    few steps the weights stay within a small fraction of the FP32-state run's change (the states' rounding moves
+    each step by a few percent at most)."""
+    torch.manual_seed(0)
+    start, grads = torch.randn(128, 128) * 0.1, [torch.randn(128, 128) for _ in range(5)]
+    finals = {}
+    for fmt in ("fp32", state_format):
+        p = torch.nn.Parameter(start.clone())
+        optimizer = build_optimizer(_adamw(fmt, lr=1e-3), [p])
+        for g in grads:
+            p.grad = g.clone()
+            optimizer.step()
+        finals[fmt] = p.detach()
+        if fmt != "fp32":
+            assert type(optimizer.state[p]["exp_avg"]).__name__ == kind
+    moved = (finals["fp32"] - start).abs().mean()
+    assert (finals[state_format] - finals["fp32"]).abs().mean() < 0.2 * moved
+    assert not torch.equal(finals[state_format], finals["fp32"])  # the states' rounding reached the weights
+
+
+def test_a_state_format_is_refused_where_it_has_no_optimiser(make_cfg):
+    with pytest.raises(ConfigError, match="needs an Adam optimiser .* valid for sgd: fp32"):
+        check(make_cfg("model=lenet", "model.optimizer.state_format=int8"))
+    with pytest.raises(ConfigError, match="fp32, bf16, int8, int4, fp8"):
+        check(make_cfg("model=charlm", "model.optimizer.state_format=int2"))
+
+
+def test_fp32_states_are_todays_runs_and_a_low_bit_format_a_run_of_its_own(make_cfg):
+    base = OmegaConf.to_container(make_cfg("model=charlm"), resolve=True)
+    spelled = OmegaConf.to_container(make_cfg("model=charlm", "model.optimizer.state_format=fp32"), resolve=True)
+    del base["model"]["optimizer"]["state_format"]  # a record made before the key existed
+    assert run_id(spelled) == run_id(base)
+    int8 = make_cfg("model=charlm", "model.optimizer.state_format=int8")
+    assert run_id(OmegaConf.to_container(int8, resolve=True)) != run_id(base)
+    assert cell_path(int8, overrides=["model.optimizer.state_format=int8"]).endswith(
+        ",model.optimizer.state_format=int8")
+
+
+def _charlm(make_cfg, text_file, *overrides):
+    # embedding 64: every matrix has >= 4,096 elements, so torchao stores its moments in the low-bit format
+    return make_cfg("model=charlm", "model.data.source=local", f"model.data.path={text_file}", "model.data.sha256=null",
+                    "model.iterations=4", "model.arch.layers=1", "model.arch.embedding=64", "model.arch.block_size=16",
+                    "model.batch_size=4", "train.log_every=2", *overrides)
+
+
+def test_a_record_counts_the_bytes_low_bit_states_hold(make_cfg, text_file):
+    """The record's optimiser state is what the states hold: int8 codes plus one FP32 scale per 256 elements (and
+    a 256-entry code book per state) for the quantised tensors, FP32 for the rest: under a third of FP32 states."""
+    records = {fmt: run_cell(_charlm(make_cfg, text_file, f"model.optimizer.state_format={fmt}",
+                                     f"experiment_name={fmt}"))
+               for fmt in ("fp32", "int8")}
+    assert all(r["status"] == "ok" for r in records.values())
+    fp32, int8 = (records[f]["memory"]["step"]["optimizer_state"] for f in ("fp32", "int8"))
+    params = records["fp32"]["memory"]["step"]["parameters"] // 4
+    assert 0 < fp32 - 2 * 4 * params <= 4 * 32  # two FP32 moments per parameter, and a step count per tensor
+    assert int8 < fp32 / 3
+    assert records["int8"]["memory"]["step"]["parameters"] == records["fp32"]["memory"]["step"]["parameters"]
+
+
+@pytest.mark.slow
+def test_a_cell_with_int8_states_interrupted_after_its_checkpoint_resumes_bit_for_bit(make_cfg, text_file,
+                                                                                       monkeypatch):
+    from tests.conftest import interrupted_at_checkpoint_then_resumed
+
+    keep = ["train.checkpoint_every=2", "train.keep_checkpoint=true", "model.optimizer.state_format=int8"]
+    straight = _charlm(make_cfg, text_file, *keep)
+    assert run_cell(straight)["status"] == "ok"
+    interrupted = _charlm(make_cfg, text_file, *keep, "experiment_name=interrupted")
+    record = interrupted_at_checkpoint_then_resumed(interrupted, monkeypatch, 2)
+    assert record["status"] == "ok" and record["resumed_from"]["step"] == 2
+    reference, resumed = (torch.load(Path(c.results_dir) / c.cell / "checkpoint.pt", weights_only=False)
+                          for c in (straight, interrupted))
+    assert all(torch.equal(reference["model"][k], resumed["model"][k]) for k in reference["model"])
+    for key, state in reference["optimizer"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            ours, theirs = state[name], resumed["optimizer"]["state"][key][name]
+            assert type(ours) is type(theirs) and torch.equal(ours.dequantize() if hasattr(ours, "dequantize")
+                                                             else ours, theirs.dequantize()
+                                                             if hasattr(theirs, "dequantize") else theirs)
