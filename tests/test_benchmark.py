@@ -236,3 +236,10 @@ def test_the_harness_median_gets_an_interval_and_the_rounds_it_would_take_to_tel
     assert math.isclose(spread, 0.02, rel_tol=0.1), spread
     assert benchmark.rounds_to_resolve(tight) <= 2 < 100 < benchmark.rounds_to_resolve(wide)
     assert benchmark.median_interval(wide) == benchmark.median_interval(wide)  # seeded: the same rounds, the same
+
+
+def test_the_optimizer_rows_time_each_state_format_against_fp32_states():
+    rows = {r["metric"]: r["value"] for r in benchmark.optimizer_rows(repeats=1)}
+    assert set(rows) == {"optimizer_ratio.bf16", "optimizer_ratio.int8", "optimizer_ratio.int4",
+                         "optimizer_ratio.fp8", "optimizer_step_ms.fp32"}
+    assert all(v > 0 for v in rows.values())

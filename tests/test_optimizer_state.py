@@ -130,3 +130,27 @@ def test_a_cell_with_int8_states_interrupted_after_its_checkpoint_resumes_bit_fo
             assert type(ours) is type(theirs) and torch.equal(ours.dequantize() if hasattr(ours, "dequantize")
                                                              else ours, theirs.dequantize()
                                                              if hasattr(theirs, "dequantize") else theirs)
+
+
+def test_the_committed_ablation_tells_each_state_format_apart(tmp_path):
+    """A state format is a column of the design, as the format is (design_id leaves it out), and a recipe option
+    of the cell: each labelled row of experiment=optimizer_precision is its own runs, not the first row's again."""
+    import shutil
+
+    import pandas as pd
+
+    from bench.reporting import committed
+
+    folder = tmp_path / "optimizer_precision"
+    shutil.copytree(Path(__file__).parents[1] / "results/tables/optimizer_precision", folder,
+                    ignore=shutil.ignore_patterns("*.png", "*.svg", "*.csv", "*.md", "*.tex"))
+    _, problems = committed.regenerate(folder, plots_too=False)
+    assert not problems
+    table = pd.read_csv(folder / "ablation.csv")
+    assert len(table) == 10 and table["cell"].is_unique
+    assert set(table["options"]) == {"–", "state_format=bf16", "state_format=int8", "state_format=int4",
+                                     "state_format=fp8"}
+    means = dict(zip(table["cell"], table["mean ± std"]))
+    assert means["FP32, int4 states"] != means["FP32, FP32 states"]
+    paired = dict(zip(table["cell"], table["Δ vs FP32, FP32 states"]))  # paired by seed across state formats
+    assert all("(n=3)" in paired[f"FP32, {s} states"] for s in ("BF16", "int8", "int4", "FP8"))

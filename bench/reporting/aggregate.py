@@ -204,10 +204,12 @@ RECIPE_OPTIONS = {key: FORMAT_DEFAULTS[key] for key in ("gradients", "scale_mode
     | {"elsewhere": "fp32"}  # null and fp32 both: FP32 outside the GEMMs
 
 
-def format_options(fmt: dict) -> str:
-    """The recipe options a run's format departs from its defaults in, as "key=value, ..." ("" for none)."""
-    return ", ".join(f"{k}={_option_text(fmt.get(k))}" for k, default in RECIPE_OPTIONS.items()
-                     if fmt.get(k) is not None and fmt.get(k) != default)
+def format_options(fmt: dict, state_format: str | None = None) -> str:
+    """The recipe options a run's format departs from its defaults in, and the optimiser's state format where it is
+    not FP32 (model.optimizer.state_format), as "key=value, ..." ("" for none)."""
+    options = [f"{k}={_option_text(fmt.get(k))}" for k, default in RECIPE_OPTIONS.items()
+               if fmt.get(k) is not None and fmt.get(k) != default]
+    return ", ".join(options + ([f"state_format={state_format}"] if state_format not in (None, "fp32") else []))
 
 
 def _option_text(value) -> str:
@@ -279,7 +281,7 @@ def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None) -> pd.Dat
             "settings": _flatten(semantic),  # its semantic config as dotted keys: variants, published_table
             "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
             "rounding": cfg["format"].get("rounding", "nearest"),  # of the gradient operands (fp8, block formats)
-            "format_options": format_options(cfg["format"]),
+            "format_options": format_options(cfg["format"], (cfg["model"].get("optimizer") or {}).get("state_format")),
             "backend": precision.get("backend"), "device": device, "status": r["status"],
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
             "metric": metric, "unit": spec["unit"], "higher_is_better": spec["higher_is_better"],

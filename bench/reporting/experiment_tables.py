@@ -147,7 +147,9 @@ def _row(setting) -> BlockRow:
                     overrides.get("scaling", NO_SCALING),
                     overrides.get("format.rounding", defaults.get("rounding", "nearest")),
                     setting["label"],
-                    float(setting.get("bits") or "nan"), format_options(fmt), str(setting.get("against") or ""))
+                    float(setting.get("bits") or "nan"),
+                    format_options(fmt, overrides.get("model.optimizer.state_format")),
+                    str(setting.get("against") or ""))
 
 
 def _differences_to_fp32(here: pd.DataFrame, mine: pd.DataFrame, scaling: str, metric: str) -> list[float]:

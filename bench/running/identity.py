@@ -7,7 +7,7 @@ aggregation pairs runs by (`comparison_ids`). Each word has one meaning:
   its *overrides*: every other semantic key set on the command line or by a sweep, `,key=value` (`cell_path`);
 - aggregation groups runs over seeds by `config_id` (the configuration without its seed), finds a configuration's
   32-true baseline by `baseline_id` (without seed and format) and a format x scaling layout's columns by
-  `design_id` (without seed, format and scaling). A table's *variant* (bench/reporting/aggregate.py) is what a
+  `design_id` (without seed, format, scaling and the optimiser's state format). A table's *variant* (bench/reporting/aggregate.py) is what a
   cell does differently from its experiment's usual runs, for the reader.
 """
 
@@ -152,7 +152,12 @@ def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[
 
 
 def comparison_ids(semantic: dict) -> dict[str, str]:
-    """The ids aggregation pairs a run by, from its semantic config (with the device it ran on)."""
+    """The ids aggregation pairs a run by, from its semantic config (with the device it ran on). A design's columns
+    are its numeric choices: the format, the scaling method and the optimiser's state format."""
+    design = {k: v for k, v in semantic.items() if k not in ("seed", "format", "scaling")}
+    optimizer = (design.get("model") or {}).get("optimizer") or {}
+    if "state_format" in optimizer:
+        design["model"] = design["model"] | {"optimizer": {k: v for k, v in optimizer.items() if k != "state_format"}}
     return {"config_id": config_hash({k: v for k, v in semantic.items() if k != "seed"}),
             "baseline_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format")}),
-            "design_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format", "scaling")})}
+            "design_id": config_hash(design)}

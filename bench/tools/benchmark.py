@@ -45,6 +45,9 @@ things compared, in one process:
   pays: bench/numerics/fused.py). quantise_of_clone.<format>.{eager,fused}: each one's throughput as a fraction of
   x.clone()'s (the memory floor: one read, one write) on 4096 x 4096, eager and fused. Target for the fused path:
   >= 0.7.
+- optimizer_ratio.<state_format>: one AdamW step over the char-LM's matrices with its moments in BF16, int8, int4
+  or FP8 (model.optimizer.state_format, torchao's optimisers) over the same step with FP32 moments, after a warm-up
+  that compiles torchao's per-tensor steps; optimizer_step_ms.fp32 the FP32 step itself. No target.
 """
 
 from __future__ import annotations
@@ -554,8 +557,33 @@ def of_clone_rows() -> list[dict]:
     return rows
 
 
+def optimizer_rows(repeats: int) -> list[dict]:
+    """optimizer_ratio.<state_format>: one AdamW step over the char-LM's matrices (4 blocks x 128, 3.1 M values) with
+    its moments in each state format (model.optimizer.state_format), over the same step with FP32 moments, after
+    a warm-up that compiles torchao's per-tensor steps."""
+    from omegaconf import OmegaConf
+
+    from bench.running.config import STATE_FORMATS
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(128, 128)] * 16 + [(128, 512)] * 8 + [(512, 128)] * 8  # attention's 4 and the MLP's 2, per block
+    steps = {}
+    for state_format in STATE_FORMATS:
+        params = [torch.nn.Parameter(torch.randn(*shape, generator=generator) * 0.02) for shape in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator) * 1e-3
+        cfg = OmegaConf.create({"name": "adamw", "lr": 1e-3, "beta2": 0.99, "weight_decay": 0.1, "momentum": 0.0,
+                                "decay_matrices_only": True, "state_format": state_format})
+        optimizer = build_optimizer(cfg, params)
+        optimizer.step()  # the warm-up: states made, torchao's steps compiled
+        steps[state_format] = optimizer.step
+    seconds = alternate(steps, torch.device("cpu"), repeats)
+    return [row(f"optimizer_ratio.{fmt}", seconds[fmt] / seconds["fp32"], "x FP32 AdamW's step (median)")
+            for fmt in STATE_FORMATS if fmt != "fp32"] + [row("optimizer_step_ms.fp32", seconds["fp32"] * 1e3, "ms")]
+
+
 SECTIONS = ("harness", "emulation", "accumulation", "compile", "peers", "accounting", "host_syncs", "native",
-            "speed_model", "aggregate", "quantise")
+            "speed_model", "aggregate", "quantise", "optimizer")
 CUDA_ONLY = ("host_syncs", "native")
 
 
@@ -603,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
                                              cells=cells),
                "speed_model": speed_model_rows,
                "aggregate": lambda: aggregate_rows(200 if args.quick else 10_000),
-               "quantise": lambda: quantise_rows(quick=args.quick)}
+               "quantise": lambda: quantise_rows(quick=args.quick),
+               "optimizer": lambda: optimizer_rows(min(repeats, 5))}
     env = devices.describe(device)
     name = re.sub(r"[^A-Za-z0-9]+", "-", f"{device.type}-{env['device_name']}").strip("-").lower()
     args.out.mkdir(parents=True, exist_ok=True)
