@@ -7,8 +7,8 @@ aggregation pairs runs by (`comparison_ids`). Each word has one meaning:
   its *overrides*: every other semantic key set on the command line or by a sweep, `,key=value` (`cell_path`);
 - aggregation groups runs over seeds by `config_id` (the configuration without its seed), finds a configuration's
   32-true baseline by `baseline_id` (without seed and format) and a format x scaling layout's columns by
-  `design_id` (without seed, format, scaling and the optimiser's state format). A table's *variant* (bench/reporting/aggregate.py) is what a
-  cell does differently from its experiment's usual runs, for the reader.
+  `design_id` (without seed, format, scaling and the optimiser's state format). A table's *variant*
+  (bench/reporting/aggregate.py) is what a cell does differently from its experiment's usual runs, for the reader.
 """
 
 from __future__ import annotations
