@@ -115,13 +115,13 @@ def test_bench_lists_no_model_by_name():
 
 def test_bench_lists_no_format_by_name_outside_the_registry():
     """Each format is declared once, in bench/numerics/specs.py; besides it only the element formats' own table
-    (formats.py: fp32 and bf16 are element formats too) and the speed model's bytes and peaks per element type name
-    them."""
+    (formats.py: fp32 and bf16 are element formats too), the speed model's bytes and peaks per element type, and the
+    storage types of the optimiser's moments and of master weights (declared once each, in their homes) name them."""
     from bench.numerics import specs
 
     names = set(specs.FORMAT_SPECS) | set(specs.settings_in_order())
     skip = {BENCH / "numerics" / "specs.py", BENCH / "numerics" / "formats.py", BENCH / "speed" / "model.py",
-            BENCH / "speed" / "gemm.py"}
+            BENCH / "speed" / "gemm.py", BENCH / "tasks" / "optimizer.py", BENCH / "numerics" / "master_weights.py"}
     assert _lists_naming(names, skip) == []
 
 

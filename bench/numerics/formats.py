@@ -275,7 +275,8 @@ def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, po
     below, in units of the spacing (truncated to `bits` bits where given: draws are then multiples of 2^-bits)."""
     x32 = x.to(torch.float32)
     top_spacing = 2.0 ** (spec.emax - spec.man_bits)
-    magnitude = x32.abs().clamp(max=spec.max + top_spacing)
+    bound = spec.max + top_spacing  # BF16's (2^128) is past FP32's range, which then bounds |x| by itself
+    magnitude = x32.abs() if bound > torch.finfo(torch.float32).max else x32.abs().clamp(max=bound)
     # floor(log2 |x|) in range, from float32's exponent field (an FP32 subnormal reads -127: below every emin)
     exponent = ((magnitude.view(torch.int32) >> 23) - 127).clamp(min=spec.emin, max=spec.emax)
     if spec.emin - spec.man_bits >= -126:  # every spacing a normal float32: written as its exponent field

@@ -82,13 +82,15 @@ class StepMemory:
     """Counts one training step: enter `saving()` around the forward pass, call `finish()` after the optimiser
     step for the bytes per category and their total."""
 
-    def __init__(self, model: nn.Module, precision):
+    def __init__(self, model: nn.Module, precision, master_weights: str = "fp32"):
         self.model, self.precision = model, precision
         self.params = {_storage_key(p): p for p in model.parameters()}
         self.saved: dict[int, tuple[str, float]] = {}  # storage -> (category, bytes)
         self.made: dict[int, SiteOutput] = {}  # storage -> what a rounding site made there (emulated runs)
         emulated = not precision.native and precision.recipe is not None
         self.stored_format = FORMATS[precision.recipe.inputs] if emulated and precision.mode == "true" else None
+        # BF16 master weights (bench/numerics/master_weights.py): parameters and gradients held in two bytes
+        self.parameter_format = FORMATS["bf16"] if master_weights != "fp32" else self.stored_format
         self.sixteen_bit_values = (FORMATS[precision.recipe.inputs] if emulated and precision.recipe.sixteen_bit_kernel
                                    and not precision.plan.site_scales else None)
 
@@ -144,14 +146,15 @@ class StepMemory:
                     return True
         return False
 
-    def _stored(self, tensors) -> float:
-        """Bytes of parameters, gradients or optimiser state as the run's format stores them."""
+    def _stored(self, tensors, stored_format=None) -> float:
+        """Bytes of parameters, gradients or optimiser state as the run stores them (`stored_format`: the type
+        floating-point tensors are held in, where not their own)."""
         total = 0.0
         for t in tensors:
             if (parts := _state_parts(t)) is not None:
                 total += sum(p.numel() * p.element_size() for p in parts)
-            elif self.stored_format is not None and t.is_floating_point() and t.dim() > 0:
-                total += t.numel() * self.stored_format.storage_bytes
+            elif stored_format is not None and t.is_floating_point() and t.dim() > 0:
+                total += t.numel() * stored_format.storage_bytes
             else:
                 total += t.numel() * t.element_size()
         return total
@@ -159,9 +162,10 @@ class StepMemory:
     def finish(self, optimizer: torch.optim.Optimizer) -> dict:
         params = list(self.model.parameters())
         state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        breakdown = {"parameters": self._stored(params),
-                     "gradients": self._stored(p.grad for p in params if p.grad is not None),
-                     "optimizer_state": self._stored(state), "weight_copies": 0.0, "activations": 0.0}
+        breakdown = {"parameters": self._stored(params, self.parameter_format),
+                     "gradients": self._stored((p.grad for p in params if p.grad is not None), self.parameter_format),
+                     "optimizer_state": self._stored(state, self.stored_format), "weight_copies": 0.0,
+                     "activations": 0.0}
         for category, size in self.saved.values():
             breakdown[category] += size
         self.saved.clear()

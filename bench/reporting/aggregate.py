@@ -35,7 +35,7 @@ from bench.reporting.quality import near_chance, targets
 from bench.reporting.recorded_predictions import DEFAULT_GPUS, predicted
 from bench.reporting.statistics import paired, t_interval, unit
 from bench.running.config import check_declared, task_spec
-from bench.running.identity import SPELLINGS_OF_NULL, comparison_ids, config_hash, semantic_config
+from bench.running.identity import NUMERIC_CHOICES, SPELLINGS_OF_NULL, comparison_ids, config_hash, semantic_config
 from bench.running.learning import learning_of, stalled_verdict
 from bench.running.record import (
     RECORD_KEYS,
@@ -204,12 +204,23 @@ RECIPE_OPTIONS = {key: FORMAT_DEFAULTS[key] for key in ("gradients", "scale_mode
     | {"elsewhere": "fp32"}  # null and fp32 both: FP32 outside the GEMMs
 
 
-def format_options(fmt: dict, state_format: str | None = None) -> str:
-    """The recipe options a run's format departs from its defaults in, and the optimiser's state format where it is
-    not FP32 (model.optimizer.state_format), as "key=value, ..." ("" for none)."""
+def format_options(fmt: dict, choices: dict | None = None) -> str:
+    """The recipe options a run's format departs from its defaults in, then its numeric choices outside the format
+    (`choices`: identity.NUMERIC_CHOICES' last key -> value) where not FP32, as "key=value, ..." ("" for none)."""
     options = [f"{k}={_option_text(fmt.get(k))}" for k, default in RECIPE_OPTIONS.items()
                if fmt.get(k) is not None and fmt.get(k) != default]
-    return ", ".join(options + ([f"state_format={state_format}"] if state_format not in (None, "fp32") else []))
+    return ", ".join(options + [f"{k}={v}" for k, v in (choices or {}).items() if v not in (None, "fp32")])
+
+
+def numeric_choices(cfg: dict) -> dict:
+    """A run's NUMERIC_CHOICES (model.optimizer.state_format, train.master_weights) by their last key."""
+    found = {}
+    for dotted in NUMERIC_CHOICES:
+        value = cfg
+        for key in dotted.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        found[dotted.rsplit(".", 1)[1]] = value
+    return found
 
 
 def _option_text(value) -> str:
@@ -281,7 +292,7 @@ def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None) -> pd.Dat
             "settings": _flatten(semantic),  # its semantic config as dotted keys: variants, published_table
             "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
             "rounding": cfg["format"].get("rounding", "nearest"),  # of the gradient operands (fp8, block formats)
-            "format_options": format_options(cfg["format"], (cfg["model"].get("optimizer") or {}).get("state_format")),
+            "format_options": format_options(cfg["format"], numeric_choices(cfg)),
             "backend": precision.get("backend"), "device": device, "status": r["status"],
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
             "metric": metric, "unit": spec["unit"], "higher_is_better": spec["higher_is_better"],

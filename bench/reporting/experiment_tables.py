@@ -35,6 +35,7 @@ from bench.reporting.table_cells import (
     status_note,
 )
 from bench.running.config import CONF_DIR
+from bench.running.identity import NUMERIC_CHOICES
 
 BPC_PER_NAT = 1 / math.log(2)
 BITS = Unit("bits per character", BPC_PER_NAT, 3, (0.0, math.inf))  # a loss in nats, shown in bits
@@ -148,7 +149,7 @@ def _row(setting) -> BlockRow:
                     overrides.get("format.rounding", defaults.get("rounding", "nearest")),
                     setting["label"],
                     float(setting.get("bits") or "nan"),
-                    format_options(fmt, overrides.get("model.optimizer.state_format")),
+                    format_options(fmt, {key.rsplit(".", 1)[1]: overrides.get(key) for key in NUMERIC_CHOICES}),
                     str(setting.get("against") or ""))
 
 

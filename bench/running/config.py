@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from bench import plugins
 from bench.data import DATA_DIR
 from bench.errors import ConfigError, check_choice, suggestion  # bench.running.config.ConfigError: the same class
+from bench.numerics.master_weights import MASTER_WEIGHTS
 from bench.numerics.plan import FORMAT_DEFAULTS, FormatChoices, PrecisionConfig
 from bench.numerics.precision import EVAL_PRECISIONS
 from bench.numerics.scaling_methods import build as build_scaling_method
@@ -30,11 +31,10 @@ from bench.running.device import DEVICES, parallel_jobs
 from bench.running.identity import cell_path
 from bench.tasks.base import METRIC_UNITS, TaskSpec, trained_parametrisation
 from bench.tasks.charlm import SHAKESPEARE_SHA256
+from bench.tasks.optimizer import STATE_FORMATS
 
 SCHEDULES = ("none", "linear", "cosine")
 OPTIMIZERS = ("sgd", "adam", "adamw")
-# model.optimizer.state_format: the optimiser's moments as stored (bench/tasks/optimizer.py); adam and adamw only
-STATE_FORMATS = ("fp32", "bf16", "int8", "int4", "fp8")
 LOGGERS = ("none", "wandb")
 
 CONF_DIR = DATA_DIR.parents[1] / "conf"  # the Hydra configs, beside the package in the checkout
@@ -220,6 +220,7 @@ class TrainConfig:
     keep_checkpoint: bool = False  # keep the final checkpoint (weights, optimiser) after a finished run
     compile: Any = None  # torch.compile the forward and loss: null or auto (on CUDA only), true, false
     eval_precision: str = "trained"  # trained (evaluate as the cell trained: autocast, rounding sites) | fp32
+    master_weights: str = "fp32"  # a mixed run's parameters: fp32 | bf16 | bf16_stochastic | bf16_kahan
 
 
 @dataclass
@@ -299,6 +300,11 @@ def check(cfg: DictConfig) -> None:
     PrecisionConfig.from_config(cfg)  # the format's choices and their combinations with the scaling method
     check_choice(cfg.device, DEVICES, "device")
     check_choice(cfg.train.eval_precision, EVAL_PRECISIONS, "train.eval_precision")
+    check_choice(cfg.train.master_weights, MASTER_WEIGHTS, "train.master_weights")
+    if cfg.train.master_weights != "fp32" and str(cfg.format.mode).lower() == "true":
+        raise ConfigError(f"train.master_weights={cfg.train.master_weights}: format {cfg.format.name} in mode true "
+                          "already stores the parameters in its own type; master weights apply to mixed formats "
+                          "(valid under mode true: fp32)")
     check_choice(cfg.logger.name, LOGGERS, "logger")
     if not (cfg.train.loss_multiplier > 0 and math.isfinite(cfg.train.loss_multiplier)):
         raise ConfigError(f"train.loss_multiplier={cfg.train.loss_multiplier} must be finite and > 0")

@@ -7,7 +7,7 @@ aggregation pairs runs by (`comparison_ids`). Each word has one meaning:
   its *overrides*: every other semantic key set on the command line or by a sweep, `,key=value` (`cell_path`);
 - aggregation groups runs over seeds by `config_id` (the configuration without its seed), finds a configuration's
   32-true baseline by `baseline_id` (without seed and format) and a format x scaling layout's columns by
-  `design_id` (without seed, format, scaling and the optimiser's state format). A table's *variant*
+  `design_id` (without seed, format, scaling and NUMERIC_CHOICES). A table's *variant*
   (bench/reporting/aggregate.py) is what a cell does differently from its experiment's usual runs, for the reader.
 """
 
@@ -31,7 +31,7 @@ NON_SEMANTIC_MODEL = ("task",)  # the model's declaration (bench/tasks/base.py T
 NON_SEMANTIC_SCALING = ("_target_",)  # the class that runs the method its name (in the identity) names
 # Keys whose named default means what null means (and what runs made before the key existed did), per section.
 # Tuples, not sets: a value may be a list (format.keep_high_precision), which `in` then compares without hashing.
-SPELLINGS_OF_NULL = {"train": (("compile", "auto"), ("eval_precision", "trained")),
+SPELLINGS_OF_NULL = {"train": (("compile", "auto"), ("eval_precision", "trained"), ("master_weights", "fp32")),
                      "scaling": (("post_norm_tau", POST_NORM_TAU),),
                      "format": (("elsewhere", "fp32"), *((key, FORMAT_DEFAULTS[key]) for key in
                                                          ("rht", "weight_blocks", "pad_weights", "scale_rule",
@@ -151,13 +151,26 @@ def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[
     return f"{path},{text}"
 
 
+# Numeric choices outside the format: like the format and the scaling method, columns of a design, not designs
+NUMERIC_CHOICES = ("model.optimizer.state_format", "train.master_weights")
+
+
+def _without(config: dict, dotted: str) -> dict:
+    head, _, rest = dotted.partition(".")
+    if head not in config:
+        return config
+    if not rest:
+        return {k: v for k, v in config.items() if k != head}
+    inner = config[head]
+    return config | {head: _without(inner, rest)} if isinstance(inner, dict) else config
+
+
 def comparison_ids(semantic: dict) -> dict[str, str]:
     """The ids aggregation pairs a run by, from its semantic config (with the device it ran on). A design's columns
-    are its numeric choices: the format, the scaling method and the optimiser's state format."""
+    are its numeric choices: the format, the scaling method and NUMERIC_CHOICES."""
     design = {k: v for k, v in semantic.items() if k not in ("seed", "format", "scaling")}
-    optimizer = (design.get("model") or {}).get("optimizer") or {}
-    if "state_format" in optimizer:
-        design["model"] = design["model"] | {"optimizer": {k: v for k, v in optimizer.items() if k != "state_format"}}
+    for dotted in NUMERIC_CHOICES:
+        design = _without(design, dotted)
     return {"config_id": config_hash({k: v for k, v in semantic.items() if k != "seed"}),
             "baseline_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format")}),
             "design_id": config_hash(design)}

@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from bench.numerics.master_weights import MasterWeights
 from bench.numerics.memory import StepMemory
 from bench.numerics.precision import Precision
 from bench.numerics.readings import Readings
@@ -127,6 +128,8 @@ class TrainingLoop:
             resume = {k: v for k, v in resume.items() if k != "per_epoch"} | {"validations": resume["per_epoch"]}
         self.out = TrainOutcome(**resume) if resume else TrainOutcome()
         self.step_loss = CompiledStep.for_task(cfg.get("compile"), device, task, precision)
+        self.master = MasterWeights(cfg.get("master_weights", "fp32"), self.model, optimizer)
+        self.master.start()
         self.timer = StepTimer(device)
         self.out.step_time_method = self.timer.method
         self.unread_steps: list[int] = []  # steps whose losses are still on the device, in losses_on_device
@@ -188,7 +191,8 @@ class TrainingLoop:
         out, precision = self.out, self.precision
         self.timer.start()
         precision.telemetry.sampling = sampled
-        counting = StepMemory(self.model, precision) if self.count_memory and out.step_memory is None else None
+        counting = StepMemory(self.model, precision, self.master.mode) \
+            if self.count_memory and out.step_memory is None else None
         with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
             loss = self.step_loss(self.model, batch, eager=counting is not None)  # saved-tensor hooks count eagerly
         if self.step_loss.compiled_now:
@@ -203,8 +207,10 @@ class TrainingLoop:
         self.unread_steps.append(out.steps)
         self.losses_on_device.push(loss)
         precision.after_backward(self.model)
+        self.master.after_backward()
         self.scaler.step(self.optimizer, self.params, check=sampled)
         precision.after_step(self.model, self.optimizer)  # idempotent: a step the scaler skipped changed nothing
+        self.master.after_step()  # likewise
         if self.schedule is not None:
             self.schedule.step()
         if counting:

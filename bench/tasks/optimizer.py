@@ -9,6 +9,9 @@ import torch
 from omegaconf import DictConfig
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+# model.optimizer.state_format: Adam's moments as stored (`low_bit_adam`), a storage type, not a GEMM format
+STATE_FORMATS = ("fp32", "bf16", "int8", "int4", "fp8")
+
 
 def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None,
                     parameter_groups: Callable[[list, float], list] | None = None) -> torch.optim.Optimizer:

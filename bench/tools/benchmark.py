@@ -563,7 +563,7 @@ def optimizer_rows(repeats: int) -> list[dict]:
     a warm-up that compiles torchao's per-tensor steps."""
     from omegaconf import OmegaConf
 
-    from bench.running.config import STATE_FORMATS
+    from bench.tasks.optimizer import STATE_FORMATS
 
     generator = torch.Generator().manual_seed(0)
     shapes = [(128, 128)] * 16 + [(128, 512)] * 8 + [(512, 128)] * 8  # attention's 4 and the MLP's 2, per block
