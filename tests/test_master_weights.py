@@ -73,8 +73,9 @@ def test_bf16_master_weights_with_bf16_moments_are_torchaos_adamw_on_bf16_parame
 
 
 def test_master_weights_are_refused_where_the_format_already_stores_the_parameters(make_cfg):
-    with pytest.raises(ConfigError, match=r"already stores the parameters .* \(valid under mode true: fp32\)"):
+    with pytest.raises(ConfigError, match=r"already stores the parameters .* valid here: fp32\)"):
         check(make_cfg("model=lenet", "format=bf16-true", "train.master_weights=bf16_kahan"))
+    check(make_cfg("model=lenet", "format=fp32", "train.master_weights=bf16_kahan"))  # 32-true: FP32 parameters
     with pytest.raises(ConfigError, match="fp32, bf16, bf16_stochastic, bf16_kahan"):
         check(make_cfg("model=lenet", "train.master_weights=fp16"))
 
@@ -120,3 +121,20 @@ def test_a_kahan_cell_interrupted_after_its_checkpoint_resumes_bit_for_bit(make_
     assert all(torch.equal(reference["model"][k], resumed["model"][k]) for k in reference["model"])
     for key, state in reference["optimizer"]["state"].items():
         assert torch.equal(state[COMPENSATION].float(), resumed["optimizer"]["state"][key][COMPENSATION].float())
+
+
+def test_bench_predict_models_the_memory_the_record_counts_for_bf16_weights_and_low_bit_moments(make_cfg, tmp_path):
+    """The memory model (bench.predict's column) knows the parameters' and moments' storage: LeNet's bf16-mixed step
+    with BF16 master weights and a Kahan compensation, counted to the byte; the char-LM's int8 moments within the
+    FP32 moments torchao keeps for its small tensors."""
+    from bench.speed.model import recipe_on, step_memory
+    from bench.speed.profiles import gpu
+    from bench.speed.trace import trace_cell
+
+    for mode in ("bf16", "bf16_kahan"):
+        cfg = make_cfg("model=lenet", "format=bf16", "format.backend=native", "train.max_steps=1",
+                       f"train.master_weights={mode}", f"results_dir={tmp_path / mode}")
+        counted = run_cell(cfg)["memory"]["step"]
+        modelled = step_memory(trace_cell(cfg), recipe_on(cfg, trace_cell(cfg), gpu("H100")))
+        for part in ("parameters", "gradients", "optimizer_state"):
+            assert modelled[part] == counted[part], (mode, part, modelled, counted)

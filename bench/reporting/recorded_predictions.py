@@ -29,11 +29,13 @@ def _cache_dir() -> Path:
 
 
 def trace_key(config: dict) -> dict:
-    """What a cell's traced step depends on: its model (but the optimiser's values) and scaling method."""
+    """What a cell's traced step depends on: its model (but the optimiser's values) and scaling method, and what it
+    stores beyond the trace (its master weights; the state format is the optimiser's)."""
     semantic = semantic_config(config)
     model = dict(semantic.get("model", {}))
     model["optimizer"] = {k: v for k, v in (model.get("optimizer") or {}).items() if k not in VALUES_ONLY}
-    return {"model": model, "scaling": semantic.get("scaling")}
+    master = (semantic.get("train") or {}).get("master_weights")
+    return {"model": model, "scaling": semantic.get("scaling")} | ({"master_weights": master} if master else {})
 
 
 _TRACES: dict = {}  # trace_key (as JSON) -> its traced step, for this process

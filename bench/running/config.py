@@ -301,10 +301,11 @@ def check(cfg: DictConfig) -> None:
     check_choice(cfg.device, DEVICES, "device")
     check_choice(cfg.train.eval_precision, EVAL_PRECISIONS, "train.eval_precision")
     check_choice(cfg.train.master_weights, MASTER_WEIGHTS, "train.master_weights")
-    if cfg.train.master_weights != "fp32" and str(cfg.format.mode).lower() == "true":
+    if cfg.train.master_weights != "fp32" and str(cfg.format.mode).lower() == "true" \
+            and FORMAT_SPECS[cfg.format.name].recipe is not None:  # fp32 (32-true) stores FP32 parameters
         raise ConfigError(f"train.master_weights={cfg.train.master_weights}: format {cfg.format.name} in mode true "
-                          "already stores the parameters in its own type; master weights apply to mixed formats "
-                          "(valid under mode true: fp32)")
+                          "already stores the parameters in its own type; master weights apply where they are FP32 "
+                          "(the mixed formats, fp32; valid here: fp32)")
     check_choice(cfg.logger.name, LOGGERS, "logger")
     if not (cfg.train.loss_multiplier > 0 and math.isfinite(cfg.train.loss_multiplier)):
         raise ConfigError(f"train.loss_multiplier={cfg.train.loss_multiplier} must be finite and > 0")

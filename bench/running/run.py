@@ -170,10 +170,11 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
         chosen = traced_config(cfg.model.optimizer) if traced else cfg.model.optimizer
         return build_optimizer(chosen, model.parameters(), factors, method.parameter_groups)
 
-    from bench.speed.trace import trace_task  # (its import, torch._dynamo's seconds, outside the trace's time)
+    from bench.speed.trace import stores, trace_task  # (torch._dynamo's import seconds, outside the trace's time)
 
     started = time.perf_counter()
     trace = trace_task(task, lambda model: optimizer_over(model, traced=True))
+    stores(trace, cfg)
     trace_s = time.perf_counter() - started
     task.model = precision.prepare(task.model, cfg.model.task.get("blocks"))
     optimizer = optimizer_over(task.model)

@@ -487,7 +487,8 @@ def step_memory(trace: StepTrace, recipe: Recipe) -> dict:
     where no step is run: bench/numerics/memory.py counts a real first step for a record): parameters, their
     gradients and the optimiser's state at the stored type (the state: what the optimiser step reads beyond the
     parameters and gradients), and the activations saved for the backward pass (every tensor the forward pass makes
-    and the backward pass reads) at the type outside the GEMMs, a converted GEMM's own operands in its format."""
+    and the backward pass reads) at the type outside the GEMMs, a converted GEMM's own operands in its format; the
+    optimiser's moments and the parameters as the cell stores them (`StepTrace.state_format`, `master_weights`)."""
     parameters = trace.parameters
     read_by_optimizer = sum(sum(o.reads) for o in trace.ops if o.phase == "optimizer" and o.kind != "view")
     stored, elsewhere = ELEMENT_BYTES[recipe.stored], ELEMENT_BYTES[recipe.elsewhere]
@@ -502,7 +503,13 @@ def step_memory(trace: StepTrace, recipe: Recipe) -> dict:
     # autocast's 16-bit copy of each GEMM's weight (an FP8 recipe's FP8 one) is saved for the backward pass too
     copies = sum(n * (ELEMENT_BYTES[recipe.linear] if recipe.casts and _converted(recipe, trace, name) else elsewhere)
                  for name, n in trace.gemm_weights.items()) if recipe.autocast or recipe.casts else 0
-    breakdown = {"parameters": parameters * stored, "gradients": parameters * stored,
-                 "optimizer_state": max(0, read_by_optimizer - 2 * parameters) * stored,
+    from bench.tasks.optimizer import STATE_BYTES
+
+    weights = ELEMENT_BYTES["bf16"] if trace.master_weights != "fp32" else stored  # BF16 master weights, gradients
+    moments = max(0, read_by_optimizer - 2 * parameters) * (stored if trace.state_format == "fp32"
+                                                            else STATE_BYTES[trace.state_format])
+    compensation = parameters * ELEMENT_BYTES["bf16"] if trace.master_weights == "bf16_kahan" else 0
+    breakdown = {"parameters": parameters * weights, "gradients": parameters * weights,
+                 "optimizer_state": moments + compensation,
                  "weight_copies": copies, "activations": sum(saved.values())}
     return {k: int(v) for k, v in breakdown.items()} | {"total": int(sum(breakdown.values()))}

@@ -82,6 +82,8 @@ class StepTrace:
     note: str | None = None
     module_types: dict[str, str] = field(default_factory=dict)
     gemm_weights: dict[str, int] = field(default_factory=dict)  # Linear/Conv2d name -> its weight's elements
+    state_format: str = "fp32"  # model.optimizer.state_format: the optimiser's moments as stored (traced as FP32)
+    master_weights: str = "fp32"  # train.master_weights: the parameters as stored (traced as FP32)
 
     def flops(self, phase: str | None = None) -> int:
         return sum(o.flops for o in self.ops if phase is None or o.phase == phase)
@@ -324,6 +326,13 @@ def trace_task(task, optimizer_factory) -> StepTrace:
         return traced
 
 
+def stores(trace: StepTrace, cfg) -> None:
+    """What the cell stores that its traced step (FP32 parameters and moments) does not show: its state format and
+    master weights, for the memory model (bench/speed/model.py step_memory)."""
+    trace.state_format = cfg.model.optimizer.get("state_format", "fp32")
+    trace.master_weights = cfg.train.get("master_weights", "fp32")
+
+
 def _cpu_note(error: Exception) -> str:
     return (f"traced on the CPU: the meta device could not run the step ({type(error).__name__}: "
             f"{str(error).splitlines()[0][:160]})")
@@ -410,9 +419,9 @@ def trace_cell(cfg, batch=None, full_length: bool = False) -> StepTrace:
     except (NotImplementedError, RuntimeError) as e:
         traced = traced_on(torch.device("cpu"))
         traced.note = _cpu_note(e)
-    states = cfg.model.optimizer.get("state_format", "fp32")
-    unpriced = f"optimiser states priced as FP32 (state_format={states} is not in the speed model)" \
-        if states != "fp32" else None
+    stores(traced, cfg)
+    unpriced = f"the optimiser step's time priced with FP32 moments (state_format={traced.state_format}'s reads, " \
+        "writes and quantisation are not in the speed model; its memory is)" if traced.state_format != "fp32" else None
     if offline or unpriced:
         traced.note = "; ".join(filter(None, [offline, traced.note, unpriced]))
     return traced

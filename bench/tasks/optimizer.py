@@ -11,6 +11,9 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 # model.optimizer.state_format: Adam's moments as stored (`low_bit_adam`), a storage type, not a GEMM format
 STATE_FORMATS = ("fp32", "bf16", "int8", "int4", "fp8")
+# bytes a moment's element takes in each (the block formats: their codes and an FP32 scale per block of 256, int4's
+# of 128), as the memory model counts them: torchao's FP32 moments for tensors under 4,096 elements are left out
+STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / 256, "int4": 0.5 + 4 / 128, "fp8": 1 + 4 / 256}
 
 
 def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None,
