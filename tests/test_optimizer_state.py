@@ -147,9 +147,10 @@ def test_the_committed_ablation_tells_each_state_format_apart(tmp_path):
     _, problems = committed.regenerate(folder, plots_too=False)
     assert not problems
     table = pd.read_csv(folder / "ablation.csv")
-    assert len(table) == 10 and table["cell"].is_unique
+    assert len(table) == 16 and table["cell"].is_unique
     assert set(table["options"]) == {"–", "state_format=bf16", "state_format=int8", "state_format=int4",
-                                     "state_format=fp8"}
+                                     "state_format=fp8", "master_weights=bf16", "master_weights=bf16_stochastic",
+                                     "master_weights=bf16_kahan"}
     means = dict(zip(table["cell"], table["mean ± std"]))
     assert means["FP32, int4 states"] != means["FP32, FP32 states"]
     paired = dict(zip(table["cell"], table["Δ vs FP32, FP32 states"]))  # paired by seed across state formats
