@@ -138,3 +138,15 @@ def test_bench_predict_models_the_memory_the_record_counts_for_bf16_weights_and_
         modelled = step_memory(trace_cell(cfg), recipe_on(cfg, trace_cell(cfg), gpu("H100")))
         for part in ("parameters", "gradients", "optimizer_state"):
             assert modelled[part] == counted[part], (mode, part, modelled, counted)
+
+
+def test_stochastic_rounding_of_the_weights_is_unbiased():
+    """One SGD step of 1e-3 from 1.0 puts each of 4,096 weights at 0.999, between BF16's 1 - 2^-8 and 1: each must
+    round down with probability 0.001 / 2^-8 = 0.256, independently. The count of weights rounded down is then
+    Binomial(4096, 0.256); a count more than 5 standard deviations from its mean fails this test, which a correct
+    rounding does with probability under 6e-7 (the false-alarm rate)."""
+    weights = _sgd_steps("bf16_stochastic", 1)
+    down = int((weights == 1 - 2**-8).sum())
+    assert down + int((weights == 1.0).sum()) == 4096  # every weight on one of the two grid points
+    p, n = 1e-3 / 2**-8, 4096
+    assert abs(down - n * p) < 5 * (n * p * (1 - p)) ** 0.5

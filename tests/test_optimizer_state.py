@@ -155,3 +155,31 @@ def test_the_committed_ablation_tells_each_state_format_apart(tmp_path):
     assert means["FP32, int4 states"] != means["FP32, FP32 states"]
     paired = dict(zip(table["cell"], table["Δ vs FP32, FP32 states"]))  # paired by seed across state formats
     assert all("(n=3)" in paired[f"FP32, {s} states"] for s in ("BF16", "int8", "int4", "FP8"))
+
+
+def test_the_speed_model_prices_the_optimiser_step_by_the_bytes_its_moments_and_weights_move(make_cfg, text_file):
+    """The fused FP32 AdamW step reads each weight, gradient and moment and writes weights and moments (4 bytes
+    each); int8 moments move 1 + 4/256 bytes, BF16 master weights 2, a Kahan compensation adds a read and a write of
+    2: the bytes per element the model streams are those, by hand, and the predicted optimiser part follows them."""
+    from bench.speed.model import _optimizer_bytes_per_element, predict, recipe_on
+    from bench.speed.profiles import gpu
+    from bench.speed.trace import trace_cell
+
+    h100 = gpu("H100")
+
+    def traced(*overrides):  # 4 blocks x 512: a step moving ~0.3 GB, past a kernel's floor
+        cfg = make_cfg("model=charlm", "model.data.source=local", f"model.data.path={text_file}",
+                       "model.data.sha256=null", "model.arch.embedding=512", "format=fp32", *overrides)
+        trace = trace_cell(cfg)
+        return trace, predict(trace, recipe_on(cfg, trace, h100), h100, compiled=True).optimizer
+
+    (fp32, fp32_s), (int8, int8_s), (kahan, kahan_s) = (
+        traced(), traced("model.optimizer.state_format=int8"), traced("train.master_weights=bf16_kahan"))
+    params = fp32.parameters
+    traffic = sum(sum(o.reads) + sum(o.writes) for o in fp32.ops if o.phase == "optimizer" and o.kind != "view")
+    moments = traffic - 3 * params
+    assert _optimizer_bytes_per_element(fp32, 4.0) == 4.0
+    assert _optimizer_bytes_per_element(int8, 4.0) * traffic == pytest.approx(3 * params * 4 + moments * (1 + 4 / 256))
+    assert _optimizer_bytes_per_element(kahan, 4.0) * traffic == pytest.approx(3 * params * 2 + moments * 4
+                                                                               + 2 * params * 2)
+    assert int8_s < kahan_s < fp32_s

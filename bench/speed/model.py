@@ -361,6 +361,7 @@ def predict(trace: StepTrace, recipe: Recipe, target: GPU, compiled: bool,
     host = constants.compiled_launch_s if compiled else constants.dispatch_s + (
         constants.autocast_dispatch_s if recipe.autocast else 0.0)
     fp8 = {name for name in trace.linears if recipe.casts and _converted(recipe, trace, name)}
+    optimizer_bytes = _optimizer_bytes_per_element(trace, stored)
     parts = {"gemm": 0.0, "attention": 0.0, "memory": 0.0, "optimizer": 0.0, "casts": 0.0}
     state = {"step": 0.0, "kernels": 0}
 
@@ -373,7 +374,8 @@ def predict(trace: StepTrace, recipe: Recipe, target: GPU, compiled: bool,
         if op.kind == "view":  # a dispatch and no kernel: eager only (a compiled graph has none)
             state["step"] += 0.0 if compiled else host
         elif op.phase == "optimizer":
-            run("optimizer", costs.streaming(stored * (sum(op.reads) + sum(op.writes)) / shards), host, op.kernels)
+            run("optimizer", costs.streaming(optimizer_bytes * (sum(op.reads) + sum(op.writes)) / shards), host,
+                op.kernels)
         elif op.kind == "gemm":
             kernel = gemm_kernel(recipe, trace, op)
             operands = sorted(op.reads, reverse=True)[:2]
@@ -480,6 +482,24 @@ def predictions(cfg, trace: StepTrace, gpus: list[GPU] | None = None,
         out[target.name] = {mode: predict(trace, recipe, target, mode == "compiled", constants).as_dict()
                             for mode in ("compiled", "eager")} | ({"note": recipe.note} if recipe.note else {})
     return out
+
+
+def _optimizer_bytes_per_element(trace: StepTrace, stored: float) -> float:
+    """The optimiser step's bytes per element it reads or writes, as the cell stores its moments and weights: the
+    traced step (FP32) reads each weight and gradient and writes each weight (3 per parameter) and reads and writes
+    its moments (the rest); a state format moves its moments at STATE_BYTES (the scales included), BF16 master
+    weights move weights and gradients at two bytes, and a Kahan compensation adds a read and a write of two. The
+    quantisation's arithmetic and torchao's one launch per tensor are not priced (streaming bounds them on a GPU)."""
+    from bench.tasks.optimizer import STATE_BYTES
+
+    if trace.state_format == "fp32" and trace.master_weights == "fp32":
+        return stored
+    traffic = sum(sum(o.reads) + sum(o.writes) for o in trace.ops if o.phase == "optimizer" and o.kind != "view")
+    weights, moments = 3 * trace.parameters, max(0, traffic - 3 * trace.parameters)
+    weight_bytes = ELEMENT_BYTES["bf16"] if trace.master_weights != "fp32" else stored
+    moment_bytes = stored if trace.state_format == "fp32" else STATE_BYTES[trace.state_format]
+    compensation = 2 * trace.parameters * ELEMENT_BYTES["bf16"] if trace.master_weights == "bf16_kahan" else 0.0
+    return (weights * weight_bytes + moments * moment_bytes + compensation) / traffic if traffic else stored
 
 
 def step_memory(trace: StepTrace, recipe: Recipe) -> dict:

@@ -420,8 +420,9 @@ def trace_cell(cfg, batch=None, full_length: bool = False) -> StepTrace:
         traced = traced_on(torch.device("cpu"))
         traced.note = _cpu_note(e)
     stores(traced, cfg)
-    unpriced = f"the optimiser step's time priced with FP32 moments (state_format={traced.state_format}'s reads, " \
-        "writes and quantisation are not in the speed model; its memory is)" if traced.state_format != "fp32" else None
+    unpriced = f"the optimiser step priced by its bytes (state_format={traced.state_format}): torchao's one launch " \
+        "per tensor and the quantisation's arithmetic are not in the speed model" if traced.state_format != "fp32" \
+        else None
     if offline or unpriced:
         traced.note = "; ".join(filter(None, [offline, traced.note, unpriced]))
     return traced

@@ -61,8 +61,8 @@ def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None,
 
 def traced_config(cfg: DictConfig) -> DictConfig:
     """The optimiser the speed model's tracer steps: FP32 states. torchao's low-bit steps compile inside, which a
-    traced step (under a dispatch mode, on the meta device) cannot do, and the speed model does not price state
-    formats yet: its optimiser step and memory are FP32 states' (the prediction's note says so)."""
+    traced step (under a dispatch mode, on the meta device) cannot do; the speed model reprices the traced step's
+    bytes by the cell's state format (`StepTrace.state_format`)."""
     from omegaconf import OmegaConf
 
     return OmegaConf.merge(cfg, {"state_format": "fp32"}) if cfg.get("state_format", "fp32") != "fp32" else cfg
