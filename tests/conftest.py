@@ -94,6 +94,22 @@ def interrupted_at_checkpoint_then_resumed(cfg, monkeypatch, step: int) -> dict:
     return run_cell(cfg)
 
 
+def straight_and_resumed(straight, interrupted, monkeypatch, step: int) -> tuple[dict, dict]:
+    """The final checkpoints of `straight` run through and of `interrupted` (the same cell under another
+    experiment_name) stopped right after its checkpoint at `step` and resumed: a bit-for-bit resume makes them equal."""
+    from pathlib import Path
+
+    import torch
+
+    from bench.running.run import run_cell
+
+    assert run_cell(straight)["status"] == "ok"
+    record = interrupted_at_checkpoint_then_resumed(interrupted, monkeypatch, step)
+    assert record["status"] == "ok" and record["resumed_from"]["step"] == step
+    return tuple(torch.load(Path(c.results_dir) / c.cell / "checkpoint.pt", weights_only=False)
+                 for c in (straight, interrupted))
+
+
 @pytest.fixture(scope="session")
 def text_file(tmp_path_factory):
     """(the char-LM tests') ~60k characters of made-up verse: 40-odd distinct characters, newlines, capitals,

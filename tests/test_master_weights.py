@@ -1,7 +1,6 @@
 """train.master_weights: a mixed run's parameters in BF16, updated to nearest, stochastically or with a Kahan
 compensation (bench/numerics/master_weights.py), against torchao's BF16-parameter AdamW and hand counts (#55)."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -107,17 +106,12 @@ def test_a_record_counts_bf16_weights_gradients_and_the_compensation(make_cfg, t
 
 @pytest.mark.slow
 def test_a_kahan_cell_interrupted_after_its_checkpoint_resumes_bit_for_bit(make_cfg, monkeypatch):
-    from tests.conftest import interrupted_at_checkpoint_then_resumed
+    from tests.conftest import straight_and_resumed
 
     keep = ["model=lenet", "format=bf16", "train.max_steps=6", "train.checkpoint_every=3", "train.keep_checkpoint=true",
             "train.master_weights=bf16_kahan"]
-    straight = make_cfg(*keep)
-    assert run_cell(straight)["status"] == "ok"
-    interrupted = make_cfg(*keep, "experiment_name=interrupted")
-    record = interrupted_at_checkpoint_then_resumed(interrupted, monkeypatch, 3)
-    assert record["status"] == "ok" and record["resumed_from"]["step"] == 3
-    reference, resumed = (torch.load(Path(c.results_dir) / c.cell / "checkpoint.pt", weights_only=False)
-                          for c in (straight, interrupted))
+    reference, resumed = straight_and_resumed(make_cfg(*keep), make_cfg(*keep, "experiment_name=interrupted"),
+                                              monkeypatch, 3)
     assert all(torch.equal(reference["model"][k], resumed["model"][k]) for k in reference["model"])
     for key, state in reference["optimizer"]["state"].items():
         assert torch.equal(state[COMPENSATION].float(), resumed["optimizer"]["state"][key][COMPENSATION].float())

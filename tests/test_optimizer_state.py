@@ -113,16 +113,12 @@ def test_a_record_counts_the_bytes_low_bit_states_hold(make_cfg, text_file):
 @pytest.mark.slow
 def test_a_cell_with_int8_states_interrupted_after_its_checkpoint_resumes_bit_for_bit(make_cfg, text_file,
                                                                                        monkeypatch):
-    from tests.conftest import interrupted_at_checkpoint_then_resumed
+    from tests.conftest import straight_and_resumed
 
     keep = ["train.checkpoint_every=2", "train.keep_checkpoint=true", "model.optimizer.state_format=int8"]
-    straight = _charlm(make_cfg, text_file, *keep)
-    assert run_cell(straight)["status"] == "ok"
-    interrupted = _charlm(make_cfg, text_file, *keep, "experiment_name=interrupted")
-    record = interrupted_at_checkpoint_then_resumed(interrupted, monkeypatch, 2)
-    assert record["status"] == "ok" and record["resumed_from"]["step"] == 2
-    reference, resumed = (torch.load(Path(c.results_dir) / c.cell / "checkpoint.pt", weights_only=False)
-                          for c in (straight, interrupted))
+    reference, resumed = straight_and_resumed(_charlm(make_cfg, text_file, *keep),
+                                              _charlm(make_cfg, text_file, *keep, "experiment_name=interrupted"),
+                                              monkeypatch, 2)
     assert all(torch.equal(reference["model"][k], resumed["model"][k]) for k in reference["model"])
     for key, state in reference["optimizer"]["state"].items():
         for name in ("exp_avg", "exp_avg_sq"):

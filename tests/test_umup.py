@@ -269,18 +269,12 @@ def test_a_umup_cell_interrupted_after_its_checkpoint_resumes_bit_for_bit(make_c
                                                                           monkeypatch):
     """u-μP's one-group-per-parameter optimiser and its tagged parameters survive a checkpoint: interrupted after step
     20 and resumed, the cell ends with the weights and optimiser state of the same cell run straight through."""
-    from pathlib import Path
-
-    from tests.conftest import interrupted_at_checkpoint_then_resumed
+    from tests.conftest import straight_and_resumed
 
     keep = ["train.checkpoint_every=20", "train.keep_checkpoint=true"]
-    straight = _charlm(make_cfg, text_file, *keep)
-    assert run_cell(straight)["status"] == "ok"
-    interrupted = _charlm(make_cfg, text_file, *keep, "experiment_name=interrupted")
-    record = interrupted_at_checkpoint_then_resumed(interrupted, monkeypatch, 20)
-    assert record["status"] == "ok" and record["resumed_from"]["step"] == 20
-    reference, resumed = (torch.load(Path(c.results_dir) / c.cell / "checkpoint.pt", weights_only=False)
-                          for c in (straight, interrupted))
+    reference, resumed = straight_and_resumed(_charlm(make_cfg, text_file, *keep),
+                                              _charlm(make_cfg, text_file, *keep, "experiment_name=interrupted"),
+                                              monkeypatch, 20)
     assert reference["model"].keys() == resumed["model"].keys()
     assert all(torch.equal(reference["model"][k], resumed["model"][k]) for k in reference["model"])
     assert [g["lr"] for g in reference["optimizer"]["param_groups"]] == \
