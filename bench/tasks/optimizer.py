@@ -3,6 +3,7 @@ model's tracer steps (bench/speed/trace.py), so both see the same fused kernel a
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -71,7 +72,7 @@ def traced_config(cfg: DictConfig) -> DictConfig:
 def low_bit_adam(cfg: DictConfig, groups: list) -> torch.optim.Optimizer:
     """Adam or AdamW whose moments are stored in `cfg.state_format`: torchao's block-wise int8 (bitsandbytes' 8-bit
     Adam: blocks of 256, a dynamic-tree code), int4 (blocks of 128) and FP8 (E4M3, blocks of 256) states, or BF16
-    states (`_BF16StateAdam`, on torchao's same step). As torchao and bitsandbytes do, a tensor under 4,096 elements
+    states (`_bf16_state_adam`, on torchao's same step). As torchao and bitsandbytes do, a tensor under 4,096 elements
     (biases, norms) keeps FP32 moments; every step is computed in FP32 and only the stored moments are rounded."""
     from torchao import optim as low_bit
 
@@ -79,11 +80,13 @@ def low_bit_adam(cfg: DictConfig, groups: list) -> torch.optim.Optimizer:
                ("adamw", "fp8"): low_bit.AdamWFp8, ("adam", "int8"): low_bit.Adam8bit,
                ("adam", "int4"): low_bit.Adam4bit, ("adam", "fp8"): low_bit.AdamFp8}
     if cfg.state_format == "bf16":
-        return _BF16StateAdam(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), is_adamw=cfg.name == "adamw")
+        return _bf16_state_adam()(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), is_adamw=cfg.name == "adamw")
     return classes[cfg.name, cfg.state_format](groups, lr=cfg.lr, betas=(0.9, cfg.beta2))
 
 
-def _bf16_state_adam():
+@functools.cache
+def _bf16_state_adam() -> type:
+    """The class, made where torchao is imported (an optional dependency: only a cell that asks for it needs it)."""
     from torchao.optim.adam import _AdamBase
 
     class BF16StateAdam(_AdamBase):
@@ -100,7 +103,3 @@ def _bf16_state_adam():
             return torch.zeros_like(p, dtype=torch.bfloat16)
 
     return BF16StateAdam
-
-
-def _BF16StateAdam(*args, **kwargs) -> torch.optim.Optimizer:  # noqa: N802 - a class, made when torchao is imported
-    return _bf16_state_adam()(*args, **kwargs)
