@@ -26,7 +26,7 @@ help: ## list the targets
 	@echo "             SCALINGS=$(SCALINGS) EXPERIMENT=$(EXPERIMENT) (a conf/experiment/ preset: smoke,"
 	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet, nanogpt_shakespeare_char_cpu,"
 	@echo "             unit_scaling_charlm, unit_scaling_charlm_lr, umup_lr_transfer, umup_fp8, block_formats,"
-	@echo "             nvfp4_recipe, unit_scaling_bert, accumulation, optimizer_precision)  ARGS (more overrides for the sweep, e.g. ARGS='model.data.source=local"
+	@echo "             nvfp4_recipe, unit_scaling_bert, accumulation, optimizer_precision, optimizer_precision_bert)  ARGS (more overrides for the sweep, e.g. ARGS='model.data.source=local"
 	@echo "             model.data.path=/path/to/input.txt')"
 	@echo "             COMMITTED=$(COMMITTED) (make committed-tables: results/tables/h100 for an H100's folder)"
 	@echo "             LAUNCHER=$(LAUNCHER)  ONLY (make bench: some sections, e.g. ONLY=native,host_syncs)"
