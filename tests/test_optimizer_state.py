@@ -78,6 +78,16 @@ def test_a_state_format_is_refused_where_it_has_no_optimiser(make_cfg):
         check(make_cfg("model=charlm", "model.optimizer.state_format=int2"))
 
 
+@pytest.mark.slow
+def test_low_bit_states_take_u_mups_per_parameter_learning_rates(make_cfg, text_file):
+    """u-μP sets its own optimiser groups (a learning rate per parameter type and depth): torchao's optimisers take
+    them as they are, each group's rate its own."""
+    cfg = _charlm(make_cfg, text_file, "scaling=umup", "model.optimizer.state_format=int8")
+    record = run_cell(cfg)
+    assert record["status"] == "ok", record["reason"]
+    assert record["memory"]["step"]["optimizer_state"] < record["memory"]["step"]["parameters"]  # int8 moments
+
+
 def test_fp32_states_are_todays_runs_and_a_low_bit_format_a_run_of_its_own(make_cfg):
     base = OmegaConf.to_container(make_cfg("model=charlm"), resolve=True)
     spelled = OmegaConf.to_container(make_cfg("model=charlm", "model.optimizer.state_format=fp32"), resolve=True)

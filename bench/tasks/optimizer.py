@@ -10,6 +10,8 @@ import torch
 from omegaconf import DictConfig
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from bench.errors import ConfigError
+
 # model.optimizer.state_format: Adam's moments as stored (`low_bit_adam`), a storage type, not a GEMM format
 STATE_FORMATS = ("fp32", "bf16", "int8", "int4", "fp8")
 # bytes a moment's element takes in each (the block formats: their codes and an FP32 scale per block of 256, int4's
@@ -56,6 +58,9 @@ def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None,
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return optimizer
     if cfg.get("state_format", "fp32") != "fp32":
+        if params and params[0].device.type == "xla":
+            raise ConfigError(f"model.optimizer.state_format={cfg.state_format}: torchao's optimisers do not run on "
+                              "XLA; valid there: fp32")
         return low_bit_adam(cfg, groups)
     return (adam if cfg.name == "adam" else adamw)(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), **kernel)
 
