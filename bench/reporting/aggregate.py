@@ -212,15 +212,10 @@ def format_options(fmt: dict, choices: dict | None = None) -> str:
     return ", ".join(options + [f"{k}={v}" for k, v in (choices or {}).items() if v not in (None, "fp32")])
 
 
-def numeric_choices(cfg: dict) -> dict:
-    """A run's NUMERIC_CHOICES (model.optimizer.state_format, train.master_weights) by their last key."""
-    found = {}
-    for dotted in NUMERIC_CHOICES:
-        value = cfg
-        for key in dotted.split("."):
-            value = value.get(key) if isinstance(value, dict) else None
-        found[dotted.rsplit(".", 1)[1]] = value
-    return found
+def numeric_choices(flat: dict) -> dict:
+    """The NUMERIC_CHOICES (model.optimizer.state_format, train.master_weights) of a config as dotted keys (a run's
+    `settings`, a preset's overrides), by their last key."""
+    return {dotted.rsplit(".", 1)[1]: flat.get(dotted) for dotted in NUMERIC_CHOICES}
 
 
 def _option_text(value) -> str:
@@ -285,14 +280,15 @@ def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None) -> pd.Dat
         quant = numerics.get("quantisation") or {}
         pretrained = cfg["model"].get("pretrained", True)
         semantic |= {"device_name": device}
+        settings = _flatten(semantic)
         row = {
             "experiment": cfg["experiment_name"], "model": model, "model_label": label,
             "task": dataset + ("" if pretrained else "_scratch"),
             **comparison_ids(semantic),  # config_id, baseline_id, design_id (bench/running/identity.py)
-            "settings": _flatten(semantic),  # its semantic config as dotted keys: variants, published_table
+            "settings": settings,  # its semantic config as dotted keys: variants, published_table
             "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
             "rounding": cfg["format"].get("rounding", "nearest"),  # of the gradient operands (fp8, block formats)
-            "format_options": format_options(cfg["format"], numeric_choices(cfg)),
+            "format_options": format_options(cfg["format"], numeric_choices(settings)),
             "backend": precision.get("backend"), "device": device, "status": r["status"],
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
             "metric": metric, "unit": spec["unit"], "higher_is_better": spec["higher_is_better"],

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from bench.errors import ConfigError
 from bench.numerics.scaling_methods import NO_SCALING, SCALING_METHODS, scaling_order
 from bench.numerics.specs import FORMAT_SPECS
-from bench.reporting.aggregate import RECIPE_OPTIONS, format_options
+from bench.reporting.aggregate import RECIPE_OPTIONS, format_options, numeric_choices
 from bench.reporting.statistics import (
     Unit,
 )
@@ -35,7 +35,6 @@ from bench.reporting.table_cells import (
     status_note,
 )
 from bench.running.config import CONF_DIR
-from bench.running.identity import NUMERIC_CHOICES
 
 BPC_PER_NAT = 1 / math.log(2)
 BITS = Unit("bits per character", BPC_PER_NAT, 3, (0.0, math.inf))  # a loss in nats, shown in bits
@@ -149,7 +148,7 @@ def _row(setting) -> BlockRow:
                     overrides.get("format.rounding", defaults.get("rounding", "nearest")),
                     setting["label"],
                     float(setting.get("bits") or "nan"),
-                    format_options(fmt, {key.rsplit(".", 1)[1]: overrides.get(key) for key in NUMERIC_CHOICES}),
+                    format_options(fmt, numeric_choices(overrides)),
                     str(setting.get("against") or ""))
 
 

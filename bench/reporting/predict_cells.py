@@ -103,7 +103,7 @@ def _stored_natively(cfg, trace, asked: list):
     from bench.speed.model import NoNativePath, recipe_on
     from bench.speed.profiles import shipped_gpus
 
-    for target in [*asked, *shipped_gpus().values()]:
+    for target in {g.name: g for g in [*asked, *shipped_gpus().values()]}.values():  # each GPU once, asked first
         recipe = recipe_on(cfg, trace, target)
         if not isinstance(recipe, NoNativePath):
             return recipe, target.name

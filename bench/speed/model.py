@@ -484,22 +484,29 @@ def predictions(cfg, trace: StepTrace, gpus: list[GPU] | None = None,
     return out
 
 
+def _stored_bytes(trace: StepTrace, stored: float) -> tuple[float, float, float]:
+    """Bytes per element of what the cell stores beyond its traced (FP32) step: (a weight or its gradient: two under
+    BF16 master weights; a moment: STATE_BYTES of its state format, the scales included; the Kahan compensation per
+    parameter: two, or none)."""
+    from bench.tasks.optimizer import STATE_BYTES
+
+    weight = ELEMENT_BYTES["bf16"] if trace.master_weights != "fp32" else stored
+    moment = stored if trace.state_format == "fp32" else STATE_BYTES[trace.state_format]
+    return weight, moment, ELEMENT_BYTES["bf16"] if trace.master_weights == "bf16_kahan" else 0.0
+
+
 def _optimizer_bytes_per_element(trace: StepTrace, stored: float) -> float:
     """The optimiser step's bytes per element it reads or writes, as the cell stores its moments and weights: the
     traced step (FP32) reads each weight and gradient and writes each weight (3 per parameter) and reads and writes
-    its moments (the rest); a state format moves its moments at STATE_BYTES (the scales included), BF16 master
-    weights move weights and gradients at two bytes, and a Kahan compensation adds a read and a write of two. The
-    quantisation's arithmetic and torchao's one launch per tensor are not priced (streaming bounds them on a GPU)."""
-    from bench.tasks.optimizer import STATE_BYTES
-
+    its moments (the rest) at `_stored_bytes`, and a Kahan compensation adds a read and a write. The quantisation's
+    arithmetic and torchao's one launch per tensor are not priced (streaming bounds them on a GPU)."""
     if trace.state_format == "fp32" and trace.master_weights == "fp32":
         return stored
     traffic = sum(sum(o.reads) + sum(o.writes) for o in trace.ops if o.phase == "optimizer" and o.kind != "view")
     weights, moments = 3 * trace.parameters, max(0, traffic - 3 * trace.parameters)
-    weight_bytes = ELEMENT_BYTES["bf16"] if trace.master_weights != "fp32" else stored
-    moment_bytes = stored if trace.state_format == "fp32" else STATE_BYTES[trace.state_format]
-    compensation = 2 * trace.parameters * ELEMENT_BYTES["bf16"] if trace.master_weights == "bf16_kahan" else 0.0
-    return (weights * weight_bytes + moments * moment_bytes + compensation) / traffic if traffic else stored
+    weight, moment, compensation = _stored_bytes(trace, stored)
+    moved = weights * weight + moments * moment + 2 * trace.parameters * compensation
+    return moved / traffic if traffic else stored
 
 
 def step_memory(trace: StepTrace, recipe: Recipe) -> dict:
@@ -523,13 +530,8 @@ def step_memory(trace: StepTrace, recipe: Recipe) -> dict:
     # autocast's 16-bit copy of each GEMM's weight (an FP8 recipe's FP8 one) is saved for the backward pass too
     copies = sum(n * (ELEMENT_BYTES[recipe.linear] if recipe.casts and _converted(recipe, trace, name) else elsewhere)
                  for name, n in trace.gemm_weights.items()) if recipe.autocast or recipe.casts else 0
-    from bench.tasks.optimizer import STATE_BYTES
-
-    weights = ELEMENT_BYTES["bf16"] if trace.master_weights != "fp32" else stored  # BF16 master weights, gradients
-    moments = max(0, read_by_optimizer - 2 * parameters) * (stored if trace.state_format == "fp32"
-                                                            else STATE_BYTES[trace.state_format])
-    compensation = parameters * ELEMENT_BYTES["bf16"] if trace.master_weights == "bf16_kahan" else 0
-    breakdown = {"parameters": parameters * weights, "gradients": parameters * weights,
-                 "optimizer_state": moments + compensation,
+    weight, moment, compensation = _stored_bytes(trace, stored)
+    breakdown = {"parameters": parameters * weight, "gradients": parameters * weight,
+                 "optimizer_state": max(0, read_by_optimizer - 2 * parameters) * moment + parameters * compensation,
                  "weight_copies": copies, "activations": sum(saved.values())}
     return {k: int(v) for k, v in breakdown.items()} | {"total": int(sum(breakdown.values()))}

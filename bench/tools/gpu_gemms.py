@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from bench.numerics import tensor_cores as tc
+from bench.numerics.formats import quantise
 
 KS = (32, 128, 512, 2048, 8192)  # the reduced dimension of each captured GEMM
 CORNER = 8  # rows of A and columns of B stored per case
@@ -61,14 +62,7 @@ def corner(family: str, fmt: str, k: int, seed: int) -> tuple[torch.Tensor, torc
     elif family == "large_first":  # one product 2^10 first, then products near 2^-6 that alignment truncates
         a, b = a * small, b * small
         a[:, 0], b[0, :] = 32.0, 32.0
-    return tuple(_exact(x, fmt) for x in (a, b))
-
-
-def _exact(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    if fmt == "tf32":  # round to nearest even at 10 fraction bits, on the FP32 bits
-        bits = x.view(torch.int32)
-        return ((bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
-    return x.to(INPUTS[fmt]).to(torch.float32)
+    return tuple(quantise(x, tc.element(fmt).name) for x in (a, b))
 
 
 def _gemm(call: str, a: torch.Tensor, b: torch.Tensor, out: str) -> torch.Tensor:
@@ -125,16 +119,13 @@ def capture(path: Path, sizes: tuple[int, ...]) -> None:
     np.savez_compressed(path, **arrays)
 
 
-OUR_FORMATS = {"bf16": "bf16", "fp16": "fp16", "tf32": "tf32", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2"}
-
-
 def model_of(setting: str, a: torch.Tensor, b: torch.Tensor, gpu: str = "H100",
              promote_every: int = tc.PROMOTION_INTERVAL) -> torch.Tensor:
     """What the tensor-core model says `setting` computes for a (M x K) @ b (K x N): K chained in order through
     `gpu`'s tensor cores, FP8 without fast accumulation promoted to FP32 every `promote_every` elements, the output
     rounded to nearest even where it is 16-bit."""
     a_fmt, b_fmt, call, out = SETTINGS[setting]
-    result = tc.matmul(a, b.t().contiguous(), gpu=gpu, a_format=OUR_FORMATS[a_fmt], b_format=OUR_FORMATS[b_fmt],
+    result = tc.matmul(a, b.t().contiguous(), gpu=gpu, a_format=tc.element(a_fmt).name, b_format=tc.element(b_fmt).name,
                        promote_every=promote_every if call == "scaled" else None)
     return result.to(OUT_DTYPES[out]).float()
 
