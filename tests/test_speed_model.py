@@ -354,3 +354,20 @@ def test_the_h100_gemm_curve_is_scored_out_of_sample_each_gemm_at_the_models_gem
 
     committed = (ROOT / "results" / "bench" / "speed_model_validation.md").read_text()
     assert all(f"  - {k}: " in committed for k in keys) and "- one GEMM timed alone, ours (validate" in committed
+
+
+def test_a_reused_recorded_prediction_reads_as_a_recomputed_one():
+    """An archive keeps records with sorted keys; a table regenerated from them must read the same whether a record's
+    own prediction is reused (its speed model unchanged) or recomputed (a later one), key order included."""
+    import json
+
+    from bench.reporting import archive
+    from bench.reporting.recorded_predictions import predicted
+    from bench.speed.model import fingerprint
+
+    record = archive.read(ROOT / "results" / "tables" / "default" / archive.ARCHIVE)[0][0]
+    h100 = (gpu("H100"),)
+    computed = predicted(record | {"predicted_by": "an older model"}, h100)
+    stored = json.loads(json.dumps(computed, sort_keys=True))  # as an archive holds it
+    reused = predicted(record | {"predicted": stored, "predicted_by": fingerprint()}, h100)
+    assert json.dumps(reused) == json.dumps(computed)

@@ -83,5 +83,17 @@ def predicted(record: dict, gpus: tuple[GPU, ...]) -> dict[str, dict]:
 
     own = (record.get("predicted") or {}) if record.get("predicted_by") == fingerprint() else {}
     shipped = shipped_gpus()
-    return {g.name: own[g.name] if g.name in own and shipped.get(g.name) == g else _computed(record["config"], g)
-            for g in gpus}
+    return {g.name: _as_computed(own[g.name]) if g.name in own and shipped.get(g.name) == g
+            else _computed(record["config"], g) for g in gpus}
+
+
+def _as_computed(prediction: dict) -> dict:
+    """A record's own prediction in the key order `_computed` writes one (Prediction.as_dict's): an archive stores
+    records with sorted keys, and a table regenerated from its records must not change with whether they were
+    reused or recomputed (a later speed model recomputes them)."""
+    from bench.speed.model import Prediction
+
+    order = list(Prediction(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0).as_dict())
+    return {mode: {k: part[k] for k in sorted(part, key=lambda k: order.index(k) if k in order else len(order))}
+            if isinstance(part, dict) else part
+            for mode, part in sorted(prediction.items(), key=lambda item: item[0] not in ("compiled", "eager"))}
