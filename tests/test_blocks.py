@@ -505,8 +505,31 @@ def test_block_scaled_fp8_uses_1x128_tiles_for_activations_and_gradients_and_128
     assert squares.scale.shape == (2, 3)
     assert squares.scale[1, 2] == te_pow2_scale(w[128:, 256:].abs().amax())
     operands = FP8TileOperands(SCALING_METHODS["block"].tiles)
-    assert torch.equal(operands.weight(w, -1), operands.weight(w, 0))  # one quantisation serves W and W^T
-    assert not torch.equal(operands.weight(w, -1), operands.forward(w, -1))  # and it is not 1 x 128
+    assert operands.weight_tiles and torch.equal(operands.tiled_weight(w), squares.values)
+    assert not torch.equal(operands.tiled_weight(w), operands.forward(w, -1))  # and it is not 1 x 128
+
+
+def test_block_scaled_fp8_quantises_each_weight_once_per_step_for_both_of_its_gemms(monkeypatch):
+    """One 128 x 128 quantisation serves the forward and the input-gradient GEMM (W and W^T hold the same tiles),
+    as Transformer Engine keeps one quantised weight; rowwise scales run along each GEMM's reduction, so its weight
+    is quantised for each GEMM that reads it."""
+    import bench.numerics.emulation as emulation
+    from bench.numerics.emulation import EmulatedLinear, FP8TileOperands
+
+    weight_quantisations = []
+    for name in ("tile2d_quantise", "tile_quantise", "rowwise_quantise"):
+        def counted(t, *args, _quantiser=getattr(emulation, name), **kwargs):
+            if t.shape == (200, 300):  # the weight's, not the activations' (8, 300) or the gradient's (8, 200)
+                weight_quantisations.append(_quantiser.__name__)
+            return _quantiser(t, *args, **kwargs)
+        monkeypatch.setattr(emulation, name, counted)
+    torch.manual_seed(0)
+    for recipe, expected in (("block", ["tile2d_quantise"]), ("rowwise", ["rowwise_quantise"] * 2)):
+        layer = EmulatedLinear(300, 200)
+        layer.operands = FP8TileOperands(SCALING_METHODS[recipe].tiles)
+        weight_quantisations.clear()
+        layer(torch.randn(8, 300, requires_grad=True)).square().sum().backward()
+        assert weight_quantisations == expected, recipe
 
 
 def test_fp8_rowwise_and_block_cells_train_and_say_what_they_did(make_cfg):

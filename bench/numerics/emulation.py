@@ -319,7 +319,6 @@ class FP8TileOperands:
     tiles: TileScaling
     rounding: str = "nearest"  # of the gradient operands
     telemetry: QuantTelemetry | None = field(default=None, compare=False)
-    weight_tiles = False  # the weight is blocked for each GEMM apart (its 128 x 128 tiles are the same bits anyway)
 
     def _observed(self, t: torch.Tensor, tensor_class: str, blocked) -> torch.Tensor:
         if self.telemetry is not None:
@@ -334,6 +333,16 @@ class FP8TileOperands:
     def grad_weight_in_high_precision(self) -> bool:
         return self.tiles.grad_weight_in_high_precision
 
+    @property
+    def weight_tiles(self) -> bool:
+        """Block scaling's 128 x 128 weight tiles are the same bits for the forward and the input-gradient GEMM
+        (W and W^T): quantised once per step, as Transformer Engine keeps one quantised weight for both. Rowwise
+        scales run along each GEMM's own reduction, so its weight is quantised per GEMM."""
+        return not self.rowwise
+
+    def tiled_weight(self, t: torch.Tensor) -> torch.Tensor:
+        return self._observed(t, "weights", tile2d_quantise(t))
+
     def _runs(self, t: torch.Tensor, dim: int, rounding: str = "nearest"):
         quantiser = rowwise_quantise if self.rowwise else tile_quantise
         return quantiser(t, dim, rounding=rounding)
@@ -347,7 +356,7 @@ class FP8TileOperands:
         if dim == 0 and self.grad_weight_in_high_precision:  # one power-of-two scale for the whole weight
             flat = t.reshape(1, -1)
             return self._observed(flat, "weights", rowwise_quantise(flat, -1)).reshape(t.shape)
-        return self._observed(t, "weights", self._runs(t, dim) if self.rowwise else tile2d_quantise(t))
+        return self._observed(t, "weights", self._runs(t, dim))  # rowwise (block scaling's weight: tiled_weight)
 
     def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if dim == 0 and self.grad_weight_in_high_precision:
