@@ -532,3 +532,23 @@ def test_a_baseline_at_chance_is_flagged_instead_of_quoted():
     learned = precision_table(summarise(to_frame(runs(0.9)))).set_index("setting")
     assert learned.loc["32-true"]["Δ vs 32-true"] == "baseline"
     assert learned.loc["fp8-mixed"]["Δ vs 32-true"].startswith("-79.00")
+
+
+def test_a_heatmap_whose_cells_differ_in_the_fifth_digit_reads_them_on_its_colour_bar_without_an_offset(
+        tmp_path, monkeypatch):
+    """Values 0.98000 to 0.98002: matplotlib's default ticks would print an offset ("1e-5+9.8e-1") above the colour
+    bar, over the title; the bar's ticks read as plain numbers instead."""
+    import bench.reporting.plots as plots
+
+    figures = []
+    monkeypatch.setattr(plots.plt, "close", figures.append)
+    root = tmp_path / "runs"
+    for (fmt, mode, setting), value in zip([("fp32", "true", "32-true"), ("fp8", "mixed", "fp8-mixed"),
+                                            ("bf16", "mixed", "bf16-mixed")], (0.98, 0.98001, 0.98002)):
+        write(root, record(fmt=fmt, mode=mode, setting=setting, metrics={"test_accuracy": value}))
+    assert main([str(root), "--out", str(tmp_path / "tables")]) == 0
+    [heatmap] = [f for f in figures if "by format and scaling" in f.axes[0].get_title()]
+    bar = heatmap.axes[1]
+    assert bar.yaxis.get_offset_text().get_text() == ""
+    labels = [t.get_text() for t in bar.get_yticklabels()]
+    assert labels and all(label.replace(".", "", 1).replace("−", "").isdigit() for label in labels), labels

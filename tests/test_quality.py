@@ -127,16 +127,37 @@ def test_bench_predict_tables_every_cell_on_every_gpu_it_names(capsys):
 
 def test_bench_predict_gives_a_cell_its_gpu_would_emulate_the_memory_the_format_holds_where_it_is_native(capsys):
     """NVFP4 has no native path on an H100, but the bytes of its step do not depend on the GPU: the H100 row carries
-    the B200's memory and says so; a setting native nowhere (FP8 without per-tensor scales) still has none."""
+    the B200's memory and says so; a setting native nowhere (FP8 without per-tensor scales, MXFP6) gets the memory of
+    its format's storage, and says so."""
     from bench.reporting.predict_cells import main as predict
 
-    assert predict(["model=lenet", "format=nvfp4,fp8", "scaling=none", "gpu=H100,B200"]) == 0
+    assert predict(["model=lenet", "format=nvfp4,fp8,mxfp6", "scaling=none", "gpu=H100,B200"]) == 0
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| lenet")]
     by = {(r[1], r[3]): r for r in rows}
     h100, b200 = by["nvfp4-mixed", "H100"], by["nvfp4-mixed", "B200"]
     assert h100[4] == "–" and h100[8] == b200[8] != "–" and "memory as B200 stores the format" in h100[-1]
-    assert by["fp8-mixed", "H100"][8] == by["fp8-mixed", "B200"][8] == "–"
+    for setting in ("fp8-mixed", "mxfp6-mixed"):
+        assert by[setting, "H100"][4] == "–" and by[setting, "H100"][8] == by[setting, "B200"][8] != "–"
+        assert "memory as the format stores it (no GPU runs it natively)" in by[setting, "H100"][-1]
+    assert float(by["mxfp6-mixed", "H100"][8]) < float(by["fp8-mixed", "H100"][8])  # 6-bit operands: fewer bytes
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp6"])
+def test_the_memory_model_of_a_format_no_gpu_runs_is_the_memory_its_emulated_run_counts(fmt, make_cfg, tmp_path):
+    """bench.predict's storage-only memory for a setting native nowhere against the record's memory.step of the same
+    LeNet cell run for a step (bench/numerics/memory.py counts each emulated tensor at its format's width): the
+    parameters, gradients and optimiser state to the byte, the step within 10%."""
+    from bench.running.run import run_cell
+    from bench.speed.model import step_memory, storage_recipe
+    from bench.speed.trace import trace_cell
+
+    cfg = make_cfg("model=lenet", f"format={fmt}", "scaling=none", "train.max_steps=1", f"results_dir={tmp_path}")
+    counted = run_cell(cfg)["memory"]["step"]
+    modelled = step_memory(trace_cell(cfg), storage_recipe(cfg))
+    for part in ("parameters", "gradients", "optimizer_state"):
+        assert modelled[part] == counted[part], (part, modelled, counted)
+    assert modelled["total"] == pytest.approx(counted["total"], rel=0.10), (modelled, counted)
 
 
 @pytest.mark.parametrize("args, says", [(["gpu=H900"], "unknown GPU 'H900'; known: V100, A100, H100, H200, B200"),

@@ -168,7 +168,9 @@ def heatmap(part: pd.DataFrame, title: str, directory: Path, name: str) -> list[
     for (i, j), text in np.ndenumerate(texts):
         colour = "black" if np.isnan(grid[i, j]) else text_colour(image.cmap(image.norm(grid[i, j])))
         ax.text(j, i, text, ha="center", va="center", color=colour, fontsize=7, wrap=True)
-    fig.colorbar(image, ax=ax, label=_metric_label(part))
+    bar = fig.colorbar(image, ax=ax, label=_metric_label(part))
+    bar.formatter = matplotlib.ticker.ScalarFormatter(useOffset=False)  # no offset text over the title
+    bar.update_ticks()
     interval = ("Δ vs 32-true [95% interval], " f"{SIGNIFICANT} = excludes 0" if part["value_ci_lo"].notna().any()
                 else "Δ vs 32-true; one seed per cell: no interval")
     ax.set_title(f"{title}: {part['metric'].iloc[0]} by format and scaling\n(mean; {interval})", fontsize=9)

@@ -97,17 +97,17 @@ def _baseline(cell: list[str], fmt: str, target):
 
 
 def _stored_natively(cfg, trace, asked: list):
-    """(the recipe, the GPU's name) of the first GPU (those asked for, then every shipped profile) with a native path
-    for the cell: a step's bytes depend on how the format is stored, not on which GPU stores it, so a cell its GPU
-    would emulate still gets the memory the format holds; (None, None) where no GPU has a path."""
-    from bench.speed.model import NoNativePath, recipe_on
+    """(the recipe, where it comes from) for the memory of a cell its GPU would emulate: a step's bytes depend on how
+    the format is stored, not on which GPU stores it, so the first GPU (those asked for, then every shipped profile)
+    with a native path gives them; where none has one, the format's own storage widths (`storage_recipe`)."""
+    from bench.speed.model import NoNativePath, recipe_on, storage_recipe
     from bench.speed.profiles import shipped_gpus
 
     for target in {g.name: g for g in [*asked, *shipped_gpus().values()]}.values():  # each GPU once, asked first
         recipe = recipe_on(cfg, trace, target)
         if not isinstance(recipe, NoNativePath):
-            return recipe, target.name
-    return None, None
+            return recipe, f"memory as {target.name} stores the format"
+    return storage_recipe(cfg), "memory as the format stores it (no GPU runs it natively)"
 
 
 def rows(overrides: list[str], gpus: list) -> list[dict]:
@@ -129,8 +129,7 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
             if isinstance(recipe, NoNativePath):
                 setting = format_spec(cfg.format.name).setting(cfg.format.mode)
                 stored, where = _stored_natively(cfg, trace, gpus)
-                memory = f"{step_memory(trace, stored)['total'] / 2**20:.4g}" if stored else "–"
-                note = f"{recipe}; memory as {where} stores the format" if stored else str(recipe)
+                memory, note = f"{step_memory(trace, stored)['total'] / 2**20:.4g}", f"{recipe}; {where}"
                 out.append(row | {"setting": setting, "compiled step": "–", "eager step": "–",
                                   "vs 32-true": "–", "vs bf16-mixed": "–", "memory (MiB)": memory, "note": note})
                 continue

@@ -92,7 +92,7 @@ CONSTANTS = load_constants()
 
 ELEMENT_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0,
                  "mxfp8": 1.0 + 1.0 / MX_BLOCK,  # an E8M0 scale per 32 elements
-                 "nvfp4": 0.5 + 1.0 / 16, "mxfp4": 0.5 + 1.0 / MX_BLOCK}
+                 "nvfp4": 0.5 + 1.0 / 16, "mxfp4": 0.5 + 1.0 / MX_BLOCK, "mxfp6": 0.75 + 1.0 / MX_BLOCK}
 DTYPE_ELEMENTS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -484,6 +484,30 @@ def predictions(cfg, trace: StepTrace, gpus: list[GPU] | None = None,
     return out
 
 
+def storage_recipe(cfg) -> Recipe:
+    """For memory only: a setting that no GPU runs natively, its tensors at the widths its format stores them in, as
+    the record's memory model counts an emulated run (bench/numerics/memory.py): a GEMM-only format's operands in the
+    format (block scales included) and every other tensor as format.elsewhere says; another format's tensors in it
+    (mixed: FP32 parameters, gradients and state; true: everything). No step time is predicted from it."""
+    from bench.numerics.specs import format_spec
+
+    spec, mode = format_spec(cfg.format.name), cfg.format.get("mode", "mixed")
+    setting, element = spec.setting(mode), spec.recipe.inputs
+    if spec.gemm_only:
+        linear = {"mx": f"mx{element.split('_')[0]}", "nvfp4": "nvfp4"}.get(spec.block, element)  # mx + fp6: mxfp6
+        elsewhere = "bf16" if cfg.format.get("elsewhere") == "bf16" else "fp32"
+        return Recipe(setting, linear, elsewhere, "fp32", "all", casts="storage", autocast=elsewhere == "bf16")
+    return Recipe(setting, element, element, element if mode == "true" else "fp32", "all", autocast=mode != "true")
+
+
+def _element_bytes(name: str) -> float:
+    """Bytes per element of a recipe's type: ELEMENT_BYTES', or a registered element format's storage (a user's own,
+    in a storage-only recipe)."""
+    from bench.numerics.formats import FORMATS
+
+    return ELEMENT_BYTES[name] if name in ELEMENT_BYTES else FORMATS[name].storage_bytes
+
+
 def _stored_bytes(trace: StepTrace, stored: float) -> tuple[float, float, float]:
     """Bytes per element of what the cell stores beyond its traced (FP32) step: (a weight or its gradient: two under
     BF16 master weights; a moment: STATE_BYTES of its state format, the scales included; the Kahan compensation per
@@ -518,7 +542,7 @@ def step_memory(trace: StepTrace, recipe: Recipe) -> dict:
     optimiser's moments and the parameters as the cell stores them (`StepTrace.state_format`, `master_weights`)."""
     parameters = trace.parameters
     read_by_optimizer = sum(sum(o.reads) for o in trace.ops if o.phase == "optimizer" and o.kind != "view")
-    stored, elsewhere = ELEMENT_BYTES[recipe.stored], ELEMENT_BYTES[recipe.elsewhere]
+    stored, elsewhere = _element_bytes(recipe.stored), _element_bytes(recipe.elsewhere)
     made_in_backward = {t for op in trace.ops if op.phase == "backward" and op.kind != "view" for t in op.outputs}
     saved: dict[int, float] = {}
     for op in trace.ops:
@@ -528,7 +552,7 @@ def step_memory(trace: StepTrace, recipe: Recipe) -> dict:
             if t not in trace.held and t not in made_in_backward:  # made before the backward pass: saved for it
                 saved[t] = max(saved.get(t, 0.0), n * (elsewhere if size == 4 else size))
     # autocast's 16-bit copy of each GEMM's weight (an FP8 recipe's FP8 one) is saved for the backward pass too
-    copies = sum(n * (ELEMENT_BYTES[recipe.linear] if recipe.casts and _converted(recipe, trace, name) else elsewhere)
+    copies = sum(n * (_element_bytes(recipe.linear) if recipe.casts and _converted(recipe, trace, name) else elsewhere)
                  for name, n in trace.gemm_weights.items()) if recipe.autocast or recipe.casts else 0
     weight, moment, compensation = _stored_bytes(trace, stored)
     breakdown = {"parameters": parameters * weight, "gradients": parameters * weight,
