@@ -517,12 +517,16 @@ def test_block_scaled_fp8_quantises_each_weight_once_per_step_for_both_of_its_ge
     from bench.numerics.emulation import EmulatedLinear, FP8TileOperands
 
     weight_quantisations = []
-    for name in ("tile2d_quantise", "tile_quantise", "rowwise_quantise"):
-        def counted(t, *args, _quantiser=getattr(emulation, name), **kwargs):
+
+    def counting(quantiser):
+        def counted(t, *args, **kwargs):
             if t.shape == (200, 300):  # the weight's, not the activations' (8, 300) or the gradient's (8, 200)
-                weight_quantisations.append(_quantiser.__name__)
-            return _quantiser(t, *args, **kwargs)
-        monkeypatch.setattr(emulation, name, counted)
+                weight_quantisations.append(quantiser.__name__)
+            return quantiser(t, *args, **kwargs)
+        return counted
+
+    for name in ("tile2d_quantise", "tile_quantise", "rowwise_quantise"):
+        monkeypatch.setattr(emulation, name, counting(getattr(emulation, name)))
     torch.manual_seed(0)
     for recipe, expected in (("block", ["tile2d_quantise"]), ("rowwise", ["rowwise_quantise"] * 2)):
         layer = EmulatedLinear(300, 200)

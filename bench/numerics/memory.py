@@ -44,9 +44,10 @@ def _float8_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    """What identifies the memory `t` lives in: its storage; on XLA, whose lazy tensors have none, the tensor a
-    view was taken of (within the counted forward, autograd holds every saved tensor, so no id is reused)."""
-    parts = _float8_parts(t)
+    """What identifies the memory `t` lives in: its storage (a tensor subclass's, such as FSDP2's sharded DTensor
+    parameters: its first inner tensor's); on XLA, whose lazy tensors have none, the tensor a view was taken of
+    (within the counted forward, autograd holds every saved tensor, so no id is reused)."""
+    parts = _float8_parts(t) or _state_parts(t)
     base = parts[0] if parts else t
     if base.device.type == "xla":
         return id(base._base if base._base is not None else base)
@@ -59,7 +60,7 @@ def _state_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
     if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
         return None
     names, _ = t.__tensor_flatten__()
-    return [getattr(t, name) for name in names]
+    return [part for part in (getattr(t, name) for name in names) if torch.is_tensor(part)]  # a DTensor's: its shard
 
 
 def _own_bytes(t: torch.Tensor) -> int:
@@ -84,7 +85,8 @@ class StepMemory:
 
     def __init__(self, model: nn.Module, precision, master_weights: str = "fp32"):
         self.model, self.precision = model, precision
-        self.params = {_storage_key(p): p for p in model.parameters()}
+        # FSDP2's parameters are DTensors: each rank holds (and compares against) its shard
+        self.params = {_storage_key(p): p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()}
         self.saved: dict[int, tuple[str, float]] = {}  # storage -> (category, bytes)
         self.made: dict[int, SiteOutput] = {}  # storage -> what a rounding site made there (emulated runs)
         emulated = not precision.native and precision.recipe is not None

@@ -43,13 +43,11 @@ class Readings:
             self.window[self.pending].copy_(row[0])
         self.pending += 1
 
-    def read(self) -> list[list[float]]:
-        """The rows pushed since the last read, oldest first (one transfer)."""
+    def read(self, combine=None) -> list[list[float]]:
+        """The rows pushed since the last read, oldest first (one transfer); `combine(rows)` first where given (a
+        distributed cell's average over its ranks: one collective per read, not per push)."""
         if not self.pending:
             return []
-        if self.shifts:
-            rows = self.window.tolist()[self.length - self.pending:]
-        else:
-            rows = self.window[:self.pending].tolist()
+        rows = self.window[self.length - self.pending:] if self.shifts else self.window[:self.pending]
         self.pending = 0
-        return rows
+        return (rows if combine is None else combine(rows)).tolist()

@@ -35,7 +35,14 @@ from bench.reporting.quality import near_chance, targets
 from bench.reporting.recorded_predictions import DEFAULT_GPUS, predicted
 from bench.reporting.statistics import paired, t_interval, unit
 from bench.running.config import check_declared, task_spec
-from bench.running.identity import NUMERIC_CHOICES, SPELLINGS_OF_NULL, comparison_ids, config_hash, semantic_config
+from bench.running.identity import (
+    NUMERIC_CHOICES,
+    SPELLINGS_OF_NULL,
+    comparison_ids,
+    config_hash,
+    semantic_config,
+    spells_null,
+)
 from bench.running.learning import learning_of, stalled_verdict
 from bench.running.record import (
     RECORD_KEYS,
@@ -206,16 +213,18 @@ RECIPE_OPTIONS = {key: FORMAT_DEFAULTS[key] for key in ("gradients", "scale_mode
 
 def format_options(fmt: dict, choices: dict | None = None) -> str:
     """The recipe options a run's format departs from its defaults in, then its numeric choices outside the format
-    (`choices`: identity.NUMERIC_CHOICES' last key -> value) where not FP32, as "key=value, ..." ("" for none)."""
+    (`choices`: `numeric_choices`), as "key=value, ..." ("" for none)."""
     options = [f"{k}={_option_text(fmt.get(k))}" for k, default in RECIPE_OPTIONS.items()
                if fmt.get(k) is not None and fmt.get(k) != default]
-    return ", ".join(options + [f"{k}={v}" for k, v in (choices or {}).items() if v not in (None, "fp32")])
+    return ", ".join(options + [f"{k}={v}" for k, v in (choices or {}).items() if v is not None])
 
 
 def numeric_choices(flat: dict) -> dict:
-    """The NUMERIC_CHOICES (model.optimizer.state_format, train.master_weights) of a config as dotted keys (a run's
-    `settings`, a preset's overrides), by their last key."""
-    return {dotted.rsplit(".", 1)[1]: flat.get(dotted) for dotted in NUMERIC_CHOICES}
+    """The NUMERIC_CHOICES (the optimiser's state format, the master weights, a distributed cell's parallel keys) of
+    a config as dotted keys (a run's `settings`, a preset's overrides) that it sets to other than null's spellings,
+    by their last key (parallel.name as `parallel`)."""
+    return {("parallel" if dotted == "parallel.name" else dotted.rsplit(".", 1)[1]): flat.get(dotted)
+            for dotted in NUMERIC_CHOICES if flat.get(dotted) is not None and not spells_null(dotted, flat.get(dotted))}
 
 
 def _option_text(value) -> str:

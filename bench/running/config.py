@@ -27,6 +27,7 @@ from bench.numerics.precision import EVAL_PRECISIONS
 from bench.numerics.scaling_methods import build as build_scaling_method
 from bench.numerics.scaling_methods import check_parametrisation, scaling_schema
 from bench.numerics.specs import FORMAT_SPECS
+from bench.running import parallel
 from bench.running.device import DEVICES, parallel_jobs
 from bench.running.identity import cell_path
 from bench.tasks.base import METRIC_UNITS, TaskSpec, trained_parametrisation
@@ -224,6 +225,18 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """parallel.*: one cell on several processes (bench/running/parallel.py; conf/parallel/)."""
+
+    name: str = "none"  # none | ddp | fsdp2
+    world_size: int = 1  # ranks of the cell's job
+    param_dtype: str = "fp32"  # fsdp2: the type parameters are all-gathered and computed in (fp32 | bf16 | fp16)
+    reduce_dtype: str = "fp32"  # fsdp2: the type gradients are reduce-scattered in
+    gradient_compression: str = "none"  # ddp: the type gradient buckets are all-reduced in (none = fp32 | bf16 | fp16)
+    fp8_all_gather: bool = False  # torchao's FP8 all-gather of FP8 weights: not built yet
+
+
+@dataclass
 class LoggerConfig:
     name: str = "none"
     project: str = "precision-bench"
@@ -237,6 +250,7 @@ class Config:
     format: FormatConfig = MISSING
     scaling: ScalingConfig = MISSING
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     experiment_name: str = "default"  # groups records and tables; experiment presets set it
     seed: int = 0
@@ -298,6 +312,7 @@ def check(cfg: DictConfig) -> None:
                           "your own is declared by its module: name it with plugins=[<module>], or install it with a "
                           "precision_bench.plugins entry point: docs/extending.md)")
     PrecisionConfig.from_config(cfg)  # the format's choices and their combinations with the scaling method
+    parallel.check(cfg)
     check_choice(cfg.device, DEVICES, "device")
     check_choice(cfg.train.eval_precision, EVAL_PRECISIONS, "train.eval_precision")
     check_choice(cfg.train.master_weights, MASTER_WEIGHTS, "train.master_weights")

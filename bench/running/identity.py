@@ -37,7 +37,10 @@ SPELLINGS_OF_NULL = {"train": (("compile", "auto"), ("eval_precision", "trained"
                                                          ("rht", "weight_blocks", "pad_weights", "scale_rule",
                                                           "accumulation")),
                                 ("keep_high_precision", [])),
-                     "model": (("optimizer.state_format", "fp32"),)}
+                     "model": (("optimizer.state_format", "fp32"),),
+                     "parallel": (("name", "none"), ("world_size", 1), ("param_dtype", "fp32"),
+                                  ("reduce_dtype", "fp32"), ("gradient_compression", "none"),
+                                  ("fp8_all_gather", False))}
 
 
 def _identity_form(value):
@@ -70,6 +73,8 @@ def semantic_config(config: dict) -> dict:
     for section, spellings in SPELLINGS_OF_NULL.items():
         if isinstance(semantic.get(section), dict):
             semantic[section] = _without_null_spellings(semantic[section], spellings)
+    if semantic.get("parallel") == {}:
+        del semantic["parallel"]  # one device, as every run made before the section existed
     if isinstance(semantic.get("model"), dict):
         semantic["model"] = {k: v for k, v in semantic["model"].items() if k not in NON_SEMANTIC_MODEL}
     if isinstance(semantic.get("scaling"), dict):
@@ -100,11 +105,13 @@ PATH_KEYS = ("experiment_name", "seed", "format.name", "format.mode")
 # So are NVIDIA's NVFP4 switches: format=nvfp4_recipe turns them on in its yaml, and `format.rht=false` (a spelling of
 # null, so absent from the path as an override) must not put "the recipe less RHT" where the whole recipe's runs are.
 ALWAYS_IN_PATH = ("format.elsewhere", "format.rht", "format.rht_seed", "format.weight_blocks", "format.pad_weights",
-                  "format.keep_high_precision", "format.scale_rule", "format.sr_bits", "format.accumulation")
+                  "format.keep_high_precision", "format.scale_rule", "format.sr_bits", "format.accumulation",
+                  *(f"parallel.{key}" for key, _ in SPELLINGS_OF_NULL["parallel"]))  # a group the path does not spell
 OVERRIDES_MAX = 120  # characters of `key=value,...` before a path's overrides are shortened to keys and a hash
 
 
-def _spells_null(key: str, value) -> bool:
+def spells_null(key: str, value) -> bool:
+    """Whether dotted `key` at `value` means what null means (SPELLINGS_OF_NULL)."""
     section, _, name = key.partition(".")
     return (name, value) in SPELLINGS_OF_NULL.get(section, ())
 
@@ -131,13 +138,13 @@ def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[
                 or any(key == tree or key.startswith(tree + ".") for tree in excluded_trees):
             continue  # a group (spelled out by the path) or a key that does not change what the run computes
         value = OmegaConf.select(cfg, key, default=None)
-        if _spells_null(key, value):
+        if spells_null(key, value):
             continue  # the same run as null, so the same place (`train.compile=auto`, `format.elsewhere=fp32`)
         overridden[key] = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) \
             else value
     for key in ALWAYS_IN_PATH:
         value = OmegaConf.select(cfg, key, default=None)
-        if value is not None and not _spells_null(key, value):
+        if value is not None and not spells_null(key, value):
             overridden[key] = OmegaConf.to_container(value, resolve=True) if isinstance(value, ListConfig) else value
     path = (f"{cfg.experiment_name}/{choices.get('model', cfg.model.name)}"
             f"/{cfg.format.name}-{str(cfg.format.mode).lower()}/{choices.get('scaling', cfg.scaling.name)}"
@@ -152,7 +159,9 @@ def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[
 
 
 # Numeric choices outside the format: like the format and the scaling method, columns of a design, not designs
-NUMERIC_CHOICES = ("model.optimizer.state_format", "train.master_weights")
+# (a distributed cell's parallel keys too: the precision of its communication is one more numeric choice)
+NUMERIC_CHOICES = ("model.optimizer.state_format", "train.master_weights",
+                   *(f"parallel.{key}" for key, _ in SPELLINGS_OF_NULL["parallel"]))
 
 
 def _without(config: dict, dotted: str) -> dict:
@@ -171,6 +180,8 @@ def comparison_ids(semantic: dict) -> dict[str, str]:
     design = {k: v for k, v in semantic.items() if k not in ("seed", "format", "scaling")}
     for dotted in NUMERIC_CHOICES:
         design = _without(design, dotted)
+    if design.get("parallel") == {}:  # a section of numeric choices only
+        del design["parallel"]
     return {"config_id": config_hash({k: v for k, v in semantic.items() if k != "seed"}),
             "baseline_id": config_hash({k: v for k, v in semantic.items() if k not in ("seed", "format")}),
             "design_id": config_hash(design)}

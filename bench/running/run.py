@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from bench.numerics.scaling_methods import ScalingMethod, transform_task
 from bench.numerics.scaling_methods import build as build_scaling_method
 from bench.numerics.unit import ConversionError
 from bench.running import device as devices
+from bench.running import parallel
 from bench.running.checkpoint import Checkpointer
 from bench.running.command_line import check_command_line, check_yaml_files
 from bench.running.config import CONF_DIR, ConfigError, check, declarations
@@ -177,9 +179,17 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     stores(trace, cfg)
     trace_s = time.perf_counter() - started
     task.model = precision.prepare(task.model, cfg.model.task.get("blocks"))
+    if parallel.Ranks.current().world_size > 1:  # a rank of a distributed cell: the optimiser takes FSDP2's shards
+        task.model = parallel.wrap(task.model, cfg, precision.device)
+        task.train_batches = _sharded(task.train_batches, parallel.Ranks.current())
     optimizer = optimizer_over(task.model)
     schedule = build_schedule(cfg.model.optimizer, optimizer, total_steps(task, cfg.train))
     return Cell(task, build_scaler(cfg, precision), optimizer, schedule, conversion, trace, trace_s)
+
+
+def _sharded(batches: Callable, ranks: parallel.Ranks) -> Callable:
+    """The task's batch stream, each batch cut to this rank's share (bench.running.parallel.shard)."""
+    return lambda epoch: (parallel.shard(batch, ranks) for batch in batches(epoch))
 
 
 def converted_flop_share(trace: StepTrace, conversion: dict | None) -> float | None:
@@ -249,6 +259,8 @@ def run_cell(cfg: DictConfig) -> dict:
             return {"status": IN_FLIGHT, "skipped": True}
         if (done := finished_record(cfg, config)) is not None:  # finished while this process was starting
             return _skip_recorded(cfg, done)
+        if parallel.wanted(cfg):  # a job of parallel.world_size ranks, each training its share; rank 0 records
+            return parallel.launch(cfg, config, _train_cell)
         with precision.fp32_flags():  # torch's TF32 flags as the cell asks, while it runs; as they were after
             return _train_cell(cfg, config, device, precision)
 
@@ -276,7 +288,10 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
     identity = run_id(config)
     memory = devices.PeakMemory(device)
     conditions = devices.TimingConditions(device)
-    checkpointer = Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint)
+    ranks = parallel.Ranks.current()  # a distributed cell's ranks train alike; rank 0 writes (no checkpoints yet)
+    checkpointer = Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint) \
+        if ranks.world_size == 1 else None
+    collectives = parallel.CollectiveBytes() if ranks.world_size > 1 else None
     scaler = build_scaler(cfg, precision)  # replaced by the cell's; here so that a failed build records its state
     record = {"status": "failed", "reason": None, "run_id": identity, "config": config,
               "env": devices.describe(device) | {"precision": precision.describe(), "plugins": declarations(cfg)},
@@ -287,31 +302,39 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
         cell = build_cell(cfg, precision)
         scaler = cell.scaler
         _record_cell(record, cell, precision)
-        require_free_space(run_dir, checkpointer.bytes_needed(cell.task.model, cell.optimizer) + WRITE_MARGIN_BYTES,
+        checkpoint_bytes = checkpointer.bytes_needed(cell.task.model, cell.optimizer) if checkpointer else 0
+        require_free_space(run_dir, checkpoint_bytes + WRITE_MARGIN_BYTES,
                            "this cell (its checkpoints, estimated from its model and optimiser, and "
                            f"{WRITE_MARGIN_BYTES // 2**20} MiB for its record and logs)")
-        with checkpointer:
-            resume = checkpointer.restore(cell.task.model, cell.optimizer, scaler, cell.schedule)
-            record["resumed_from"], record["discarded_checkpoints"] = checkpointer.resumed_from, checkpointer.discarded
+        with checkpointer or contextlib.nullcontext():
+            resume = checkpointer.restore(cell.task.model, cell.optimizer, scaler, cell.schedule) \
+                if checkpointer else None
+            record["resumed_from"] = checkpointer.resumed_from if checkpointer else None
+            record["discarded_checkpoints"] = checkpointer.discarded if checkpointer else []
             if resume:
                 precision.telemetry.load_state(resume.pop("telemetry"))
                 log.info("%s: resuming from its checkpoint at step %d", cfg.cell, resume["steps"])
-            metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume["steps"] if resume else None)
-            # W&B groups by what ran (setting, native/emulated), not by what was asked (backend: auto)
-            tags = [cfg.format.name, cfg.format.mode, precision.backend, cfg.scaling.name]  # as prepare() decided
-            logger = open_logger(cfg, run_dir, config | {"precision": record["env"]["precision"]}, tags, identity)
-            log_row = _row_sinks(cfg, run_dir, record["env"], resume, metrics_log, logger,
-                                 total_steps(cell.task, cfg.train))
+            log_row = lambda row: None  # noqa: E731 - a rank other than 0 writes nothing
+            if ranks.writes:
+                metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume["steps"] if resume else None)
+                # W&B groups by what ran (setting, native/emulated), not by what was asked (backend: auto)
+                tags = [cfg.format.name, cfg.format.mode, precision.backend, cfg.scaling.name]  # as prepare() decided
+                logger = open_logger(cfg, run_dir, config | {"precision": record["env"]["precision"]}, tags, identity)
+                log_row = _row_sinks(cfg, run_dir, record["env"], resume, metrics_log, logger,
+                                     total_steps(cell.task, cfg.train))
             conditions.start()
             outcome = train(cell.task, precision, scaler, cell.optimizer, cell.schedule, cfg.train, device, log_row,
                             label=cfg.cell, checkpointer=checkpointer, resume=resume,
-                            eval_every=cfg.model.task.get("eval_every"))
+                            eval_every=cfg.model.task.get("eval_every"), first_step_watch=collectives)
             timing_conditions = conditions.finish()
             with precision.evaluating(cell.task.model, cfg.train.eval_precision) as cast_inputs:
                 metrics = cell.task.evaluate(cell.task.model, cast_inputs)  # inside: pre-empted here, resumes here
             metrics["evaluated_in"] = precision.evaluated_in(cfg.train.eval_precision)
             check_metric_unit(cfg.model.task.metric, metrics.get(cfg.model.task.metric), cfg.model.task.unit)
         record["memory"] |= {"peak_bytes": memory.peak_bytes(), "step": outcome.step_memory}
+        if ranks.world_size > 1:  # every rank takes part in the gather of the peaks
+            record["parallel"] = parallel.describe(cfg, parallel.gathered(record["memory"]["peak_bytes"]),
+                                                   collectives.bytes)
         _record_outcome(record, cfg, cell, outcome, metrics, timing_conditions, precision.native)
     except ConfigError:
         raise  # a setup problem found while building the cell (e.g. a checkpoint that does not fit): no record
@@ -334,8 +357,10 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
     # what bench.running.learning's rule reads of this run (the sweep judges it against its siblings when they end)
     record["numerics"]["learning"] = learning_summary(logged_losses(run_dir), record["timing"].get("steps"))
     record["env"]["finished_at"] = devices.utc_now()
+    if not ranks.writes:
+        return record
     write_json_atomic(run_dir / "result.json", record)
-    if record["status"] != "failed":  # a failed cell keeps its checkpoint: retry_failed=true resumes it
+    if record["status"] != "failed" and checkpointer:  # a failed cell keeps its checkpoint: retry_failed resumes it
         checkpointer.remove()
     logger.finish(record)
     log.info("%s: %s %s", cfg.cell, record["status"], record["reason"] or {  # the curve is in the record

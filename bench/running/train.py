@@ -18,6 +18,7 @@ from bench.numerics.memory import StepMemory
 from bench.numerics.precision import Precision
 from bench.numerics.readings import Readings
 from bench.numerics.scaling import LossScaler
+from bench.running import parallel
 from bench.running.checkpoint import Checkpointer
 from bench.running.compile import CompiledStep
 from bench.running.device import StepTimer, end_step, synchronize
@@ -93,7 +94,8 @@ def total_steps(task: Task, cfg: DictConfig) -> int:
 def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch.optim.Optimizer, schedule,
           cfg: DictConfig, device: torch.device, log: Callable[[dict], None], label: str = "",
           checkpointer: Checkpointer | None = None, resume: dict | None = None,
-          count_memory: bool = True, eval_every: int | None = None) -> TrainOutcome:
+          count_memory: bool = True, eval_every: int | None = None,
+          first_step_watch: contextlib.AbstractContextManager | None = None) -> TrainOutcome:
     """Train `task.model` for cfg.epochs (at most cfg.max_steps steps); stop at a non-finite loss.
 
     `log` receives a metrics dict every cfg.log_every steps (telemetry is sampled on those steps) and
@@ -106,10 +108,10 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
     start and end; a resumed run adds the time of its earlier segments. `resume` is the loop state a
     checkpoint restored; with a `checkpointer`, the loop saves at step boundaries. `count_memory`: count
     the first step's memory (bench/numerics/memory.py); `make bench` turns it off to time the loop's per-step
-    cost alone.
+    cost alone. `first_step_watch`: a context the first step runs in (a distributed cell's collective bytes).
     """
     loop = TrainingLoop(task, precision, scaler, optimizer, schedule, cfg, device, log, checkpointer, resume,
-                        count_memory, eval_every if task.validate is not None else None)
+                        count_memory, eval_every if task.validate is not None else None, first_step_watch)
     return loop.run(label)
 
 
@@ -118,10 +120,12 @@ class TrainingLoop:
     reads of what the device holds (`has_diverged`), validation, checkpoints."""
 
     def __init__(self, task, precision, scaler, optimizer, schedule, cfg, device, log, checkpointer, resume,
-                 count_memory, eval_every):
+                 count_memory, eval_every, first_step_watch=None):
         self.task, self.model, self.precision, self.scaler = task, task.model, precision, scaler
         self.optimizer, self.schedule, self.cfg, self.device, self.log = optimizer, schedule, cfg, device, log
         self.checkpointer, self.count_memory, self.eval_every = checkpointer, count_memory, eval_every
+        self.first_step_watch = first_step_watch
+        self.distributed = parallel.Ranks.current().world_size > 1  # losses logged: the whole batch's, averaged
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.total = total_steps(task, cfg)
         if resume and "per_epoch" in resume:  # a checkpoint written before the curve had its every-N-steps points
@@ -153,7 +157,8 @@ class TrainingLoop:
                 if out.steps >= self.total:
                     break
                 sampled = out.steps % log_every == 0
-                self.step(batch, sampled)
+                with self.first_step_watch if out.steps == 0 and self.first_step_watch else contextlib.nullcontext():
+                    self.step(batch, sampled)
                 step, out.steps = out.steps, out.steps + 1
                 out.epoch, out.position = epoch, index + 1
                 progress.update()
@@ -236,7 +241,8 @@ class TrainingLoop:
         out.step_s += self.timer.collect()
         if not self.unread_steps:
             return out.diverged_at_step is not None
-        steps, losses = list(self.unread_steps), [row[0] for row in self.losses_on_device.read()]
+        read = self.losses_on_device.read(parallel.averaged if self.distributed else None)
+        steps, losses = list(self.unread_steps), [row[0] for row in read]
         self.unread_steps.clear()
         for step, value in zip(steps, losses):
             out.final_loss = value

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from bench.errors import ConfigError
@@ -30,7 +31,8 @@ def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None,
     parameter_groups: the scaling method's groups instead (its `parameter_groups`; u-μP's: cfg.lr is its global
     learning rate, scaled per parameter by type and depth, the weight decay independent of it)."""
     params = list(dict.fromkeys(params))  # a tied parameter once
-    fused = bool(params) and params[0].device.type in _get_fused_kernels_supported_devices()
+    fused = bool(params) and params[0].device.type in _get_fused_kernels_supported_devices() \
+        and not isinstance(params[0], DTensor)  # FSDP2's sharded parameters: torch's fused kernels take no DTensor
     groups = {}
     for p in params:
         decay = cfg.weight_decay if p.dim() >= 2 or not cfg.decay_matrices_only else 0.0

@@ -1,0 +1,251 @@
+"""Cells bigger than one device: data-parallel training through DDP or FSDP2, with the precision of the
+communication part of the answer (`parallel.*`; conf/parallel/).
+
+One cell is one job of `parallel.world_size` ranks on this machine, started by torch's elastic launcher (the engine
+behind torchrun: `torch.distributed.launcher.api.elastic_launch`), gloo on CPU and NCCL on CUDA, one thread per rank
+unless `threads` says otherwise. Every rank builds the same cell (same seed, same batches) and trains on its
+contiguous share of each batch (`shard`), so the global batch is the one-device cell's, and the wrapper averages the
+gradients over the ranks:
+- ddp: DistributedDataParallel. `parallel.gradient_compression` (none | bf16 | fp16) reduces its gradient buckets in
+  that type through a communication hook (`reduce_in`): torch's fp16_compress_hook's arithmetic, under a name DDP
+  does not refuse on CPU (it refuses `bf16_compress_hook` by name without NCCL);
+- fsdp2: `fully_shard` on each block of the model's `blocks` (where it declares them), then on the whole model
+  (torchtitan's pattern), with FSDP2's MixedPrecisionPolicy(`parallel.param_dtype`, `parallel.reduce_dtype`).
+Rank 0 writes the record; its `parallel` section holds the world size, the communication keys, each rank's peak
+memory and the bytes each kind of collective carried in the first step (`CollectiveBytes`).
+
+Not yet (#54), each refused by name before anything starts: checkpoints of a distributed cell (a pre-empted one
+starts again), train.compile, XLA, scaling methods other than none, low-precision master weights and optimiser
+states, the FP8 all-gather; the speed and memory models still price one device's step of the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.errors import ConfigError
+from bench.numerics.formats import FORMATS
+from bench.numerics.scaling_methods import NO_SCALING
+
+WRAPPERS = ("none", "ddp", "fsdp2")
+# what may travel between ranks: the registered element formats torch holds in 16 bits or more (fp32, fp16, bf16)
+COMMUNICATED = {name: spec.torch_dtype for name, spec in FORMATS.items()
+                if spec.torch_dtype is not None and spec.storage_bytes >= 2}
+COMPRESSIONS = ("none", *(name for name in COMMUNICATED if COMMUNICATED[name] != torch.float32))  # DDP's hook
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in its cell's job: (0, 1) outside one."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def current(cls) -> "Ranks":
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the cell's files (record, metrics, logs): rank 0 only."""
+        return self.rank == 0
+
+
+def wanted(cfg: DictConfig) -> bool:
+    """Whether the cell trains on more than one process (`parallel` other than none)."""
+    return cfg.get("parallel") is not None and cfg.parallel.name != "none"
+
+
+def check(cfg: DictConfig) -> None:
+    """The parallel keys and what they combine with (ConfigError naming the valid choices)."""
+    p = cfg.get("parallel")
+    if p is None:
+        return
+    if p.name not in WRAPPERS:
+        raise ConfigError(f"parallel={p.name!r} is not valid; valid: {', '.join(WRAPPERS)}")
+    if p.world_size < 1 or (p.name == "none" and p.world_size != 1):
+        raise ConfigError(f"parallel.world_size={p.world_size}: parallel=none trains on one device (world_size 1); "
+                          "parallel=ddp or parallel=fsdp2 for more")
+    for key in ("param_dtype", "reduce_dtype"):
+        if p[key] not in COMMUNICATED:
+            raise ConfigError(f"parallel.{key}={p[key]!r} is not valid; valid: {', '.join(COMMUNICATED)}")
+        if p.name != "fsdp2" and p[key] != "fp32":
+            raise ConfigError(f"parallel.{key} is FSDP2's mixed-precision policy: valid with parallel=fsdp2 (under "
+                              f"parallel={p.name}: fp32)")
+    if p.gradient_compression not in COMPRESSIONS:
+        raise ConfigError(f"parallel.gradient_compression={p.gradient_compression!r} is not valid; valid: "
+                          f"{', '.join(COMPRESSIONS)}")
+    if p.name != "ddp" and p.gradient_compression != "none":
+        raise ConfigError("parallel.gradient_compression is DDP's communication hook: valid with parallel=ddp "
+                          "(parallel.reduce_dtype is FSDP2's)")
+    if p.fp8_all_gather:
+        raise ConfigError("parallel.fp8_all_gather is not built yet (#54); valid: false")
+    if p.name == "none":
+        return
+    refused = {"device=xla": cfg.device == "xla", "train.compile=true": cfg.train.get("compile") is True,
+               f"train.checkpoint_every={cfg.train.get('checkpoint_every')}": cfg.train.get("checkpoint_every"),
+               f"scaling={cfg.scaling.name}": cfg.scaling.name != NO_SCALING,
+               f"train.master_weights={cfg.train.get('master_weights')}":
+                   cfg.train.get("master_weights", "fp32") != "fp32",
+               f"model.optimizer.state_format={cfg.model.optimizer.get('state_format')}":
+                   cfg.model.optimizer.get("state_format", "fp32") != "fp32"}
+    if chosen := [name for name, taken in refused.items() if taken]:
+        raise ConfigError(f"parallel={p.name} does not run with {', '.join(chosen)} yet (#54); a distributed cell "
+                          "runs eagerly on CPU or CUDA, with scaling=none, FP32 master weights and optimiser states, "
+                          "and no checkpoints")
+
+
+def launch(cfg: DictConfig, config: dict, train_rank) -> dict:
+    """Run the cell as a job of `parallel.world_size` ranks here (torch's elastic launcher, standalone rendezvous),
+    each `rank(cfg, config, train_rank)`, and return rank 0's record. `train_rank(cfg, config, device, precision)`
+    (bench.running.run's, a module-level function: spawned ranks unpickle it) trains the cell on a rank."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    job = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size, run_id=f"bench-{os.getpid()}",
+                       rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+                       start_method="spawn")
+    results = elastic_launch(job, rank)(OmegaConf.to_yaml(cfg, resolve=True), config, train_rank)
+    return results[0]
+
+
+def rank(cfg_yaml: str, config: dict, train_rank) -> dict:
+    """One rank of a cell's job: join the process group, train the cell on this rank's shares, leave."""
+    from bench import plugins
+    from bench.numerics.precision import Precision
+    from bench.running.device import select_device
+
+    cfg = OmegaConf.create(cfg_yaml)
+    plugins.load(cfg.get("plugins") or (), named_by="the plugins: config key")
+    torch.set_num_threads(cfg.threads or 1)  # one per rank: a rank per core, not every rank on every core
+    device = select_device(cfg.device)
+    if device.type == "cuda":  # a GPU per rank, as torchrun numbers them
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    precision = Precision.from_config(cfg, device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        with precision.fp32_flags():
+            return train_rank(cfg, config, device, precision)
+    finally:
+        dist.destroy_process_group()
+
+
+def shard(batch, ranks: Ranks):
+    """This rank's contiguous share of every tensor in `batch` (a tensor, or tuples, lists and dicts of them) along
+    its first dimension; ranks beyond a short batch's rows get none."""
+    if torch.is_tensor(batch):
+        return batch.tensor_split(ranks.world_size)[ranks.rank] if batch.dim() else batch
+    if isinstance(batch, dict):
+        return type(batch)({k: shard(v, ranks) for k, v in batch.items()})
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(shard(v, ranks) for v in batch)
+    return batch
+
+
+def reduce_in(dtype: torch.dtype):
+    """A DDP communication hook that averages each gradient bucket in `dtype` (torch.float32: DDP's own all-reduce),
+    the bucket divided by the world size before the sum, as torch's fp16_compress_hook does."""
+    def hook(group, bucket):  # unannotated: DDP compares annotations to its classes, and this module's are strings
+        group = group if group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        sent = buffer.to(dtype).div_(group.size())
+        future = dist.all_reduce(sent, group=group, async_op=True).get_future()
+
+        def back(done):
+            buffer.copy_(done.value()[0])
+            return buffer
+
+        return future.then(back)
+
+    hook.__name__ = f"{str(dtype).removeprefix('torch.')}_reduce_hook"
+    return hook
+
+
+def wrap(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> torch.nn.Module:
+    """The model under the cell's data-parallel wrapper (after the precision has converted its layers)."""
+    p = cfg.parallel
+    if p.name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if p.gradient_compression != "none":
+            wrapped.register_comm_hook(None, reduce_in(COMMUNICATED[p.gradient_compression]))
+        return wrapped
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=COMMUNICATED[p.param_dtype], reduce_dtype=COMMUNICATED[p.reduce_dtype])
+    blocks = cfg.model.task.get("blocks")
+    for name, module in model.named_modules():
+        if blocks and _is_block(name, blocks):
+            fully_shard(module, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def _is_block(name: str, blocks: str) -> bool:
+    """Whether module `name` is one of the model's repeated blocks (`model.task.blocks`: their container's dotted
+    path, e.g. transformer.h): a direct child of it."""
+    return name.startswith(f"{blocks}.") and "." not in name[len(blocks) + 1:]
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Bytes this rank handed to each kind of collective while active (c10d's ops as the dispatcher sees them: the
+    tensors a rank sends, its input)."""
+
+    KINDS = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_":
+             "all_gather", "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_":
+             "reduce_scatter", "allgather_": "all_gather", "reduce_scatter_": "reduce_scatter"}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, name = func.namespace, func._opname
+        if namespace == "c10d" and name in self.KINDS:
+            self.bytes[self.KINDS[name]] += _tensor_bytes(args[0] if name == "allreduce_" else args[1])  # inputs
+        return func(*args, **(kwargs or {}))
+
+
+def _tensor_bytes(value) -> int:
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def averaged(losses: torch.Tensor) -> torch.Tensor:
+    """A rank's losses (each the mean over its share of a batch) averaged over the ranks: the whole batch's, as a
+    one-device cell logs them (shares of equal size)."""
+    total = losses.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
+def gathered(value):
+    """`value` from every rank, in rank order (on rank 0; every rank takes part)."""
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, value)
+    return found
+
+
+def describe(cfg: DictConfig, peaks: list[int | None], collective_bytes: dict) -> dict:
+    """The record's `parallel` section."""
+    p = cfg.parallel
+    known = [b for b in peaks if b is not None]
+    return {"wrapper": p.name, "world_size": p.world_size, "param_dtype": p.param_dtype,
+            "reduce_dtype": p.reduce_dtype, "gradient_compression": p.gradient_compression,
+            "peak_bytes_per_rank": peaks, "peak_bytes_max": max(known) if known else None,
+            "collective_bytes_first_step": dict(sorted(collective_bytes.items())),
+            "note": "the record's predictions and memory model price one device's step of the whole batch; the "
+                    "collectives and the sharding are not modelled yet (#54)"}
+

@@ -1,0 +1,170 @@
+"""One cell on several processes (bench/running/parallel.py): the parallel keys and their refusals, a distributed
+cell's identity and place, the batch shares, and (slow) LeNet cells of two ranks under DDP and FSDP2 against the
+one-device cell, against each other, and against torch's own compression hook."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from bench.errors import ConfigError
+from bench.numerics.readings import Readings
+from bench.running import parallel
+from bench.running.config import check
+from bench.running.identity import run_id
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["parallel.name=zero"], "parallel='zero' is not valid; valid: none, ddp, fsdp2"),
+    (["parallel.world_size=2"], "parallel=none trains on one device"),
+    (["parallel=ddp", "parallel.reduce_dtype=bf16"], "valid with parallel=fsdp2 (under parallel=ddp: fp32)"),
+    (["parallel=fsdp2", "parallel.param_dtype=fp8"], "valid: fp32, fp16, bf16"),
+    (["parallel=fsdp2", "parallel.gradient_compression=bf16"], "DDP's communication hook: valid with parallel=ddp"),
+    (["parallel=ddp", "parallel.gradient_compression=int8"], "valid: none, fp16, bf16"),
+    (["parallel=ddp", "parallel.fp8_all_gather=true"], "parallel.fp8_all_gather is not built yet"),
+    (["parallel=fsdp2", "scaling=dynamic"], "parallel=fsdp2 does not run with scaling=dynamic yet"),
+    (["parallel=ddp", "train.checkpoint_every=5"], "train.checkpoint_every=5 yet"),
+])
+def test_parallel_keys_and_what_they_do_not_combine_with_are_refused_naming_the_valid_ones(make_cfg, overrides, says):
+    with pytest.raises(ConfigError) as refused:
+        check(make_cfg(*overrides))
+    assert says in str(refused.value)
+
+
+def test_a_one_device_cell_keeps_its_identity_and_a_distributed_one_has_its_own_place(make_cfg):
+    """parallel=none (every key at its default) is left out of a run's identity, so runs made before the section
+    existed resume and pair; parallel=ddp is another run, in another directory."""
+    one = make_cfg("model=lenet")
+    config = OmegaConf.to_container(one, resolve=True)
+    before = {k: v for k, v in config.items() if k != "parallel"}  # a record made before the section existed
+    assert run_id(config) == run_id(before)
+    assert "parallel" not in one.cell
+    two = make_cfg("model=lenet", "parallel=ddp")
+    assert run_id(OmegaConf.to_container(two, resolve=True)) != run_id(config)
+    assert two.cell.endswith(",parallel.name=ddp,parallel.world_size=2")
+
+
+def test_a_distributed_cell_is_a_column_of_its_one_device_cells_design_and_its_options_name_what_it_sent(make_cfg):
+    """Like the optimiser's state format, the parallel keys are numeric choices: the same design as the one-device
+    cell (so a table pairs them), and the cell's options say what its communication was."""
+    from bench.reporting.aggregate import _flatten, format_options, numeric_choices
+    from bench.running.identity import comparison_ids, semantic_config
+
+    def ids_and_options(*overrides):
+        semantic = semantic_config(OmegaConf.to_container(make_cfg("model=lenet", *overrides), resolve=True))
+        return comparison_ids(semantic)["design_id"], format_options({}, numeric_choices(_flatten(semantic)))
+
+    one, ddp = ids_and_options(), ids_and_options("parallel=ddp", "parallel.gradient_compression=bf16")
+    assert ddp[0] == one[0] and one[1] == ""
+    assert ddp[1] == "parallel=ddp, world_size=2, gradient_compression=bf16"
+
+
+def test_each_rank_trains_on_its_contiguous_share_of_every_batch():
+    x, y = torch.arange(10).reshape(5, 2), torch.arange(5)
+    shares = [parallel.shard((x, {"labels": y}), parallel.Ranks(rank, 2)) for rank in range(2)]
+    assert torch.equal(torch.cat([s[0] for s in shares]), x)
+    assert [s[1]["labels"].tolist() for s in shares] == [[0, 1, 2], [3, 4]]
+
+
+def test_a_read_combines_the_window_once_before_its_transfer():
+    readings = Readings(4)
+    for value in (1.0, 2.0):
+        readings.push(torch.tensor(value))
+    assert readings.read(lambda rows: rows * 10) == [[10.0], [20.0]]
+    assert readings.read() == []
+
+
+# Slow: each cell is a job of two spawned ranks (about 10 s here).
+SETTINGS = {"one": [], "ddp": ["parallel=ddp"], "fsdp2": ["parallel=fsdp2"],
+            "ddp_bf16": ["parallel=ddp", "parallel.gradient_compression=bf16"],
+            "fsdp2_reduce_bf16": ["parallel=fsdp2", "parallel.reduce_dtype=bf16"],
+            "fsdp2_param_bf16": ["parallel=fsdp2", "parallel.param_dtype=bf16"]}
+LENET_PARAMETERS = 61_706
+
+
+@pytest.fixture(scope="module")
+def lenet_cells(tmp_path_factory):
+    from hydra import compose, initialize_config_dir
+
+    from bench.running.run import run_cell
+
+    root = tmp_path_factory.mktemp("parallel")
+    records = {}
+    for name, overrides in SETTINGS.items():
+        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[f"results_dir={root}", "model=lenet", "train.max_steps=6",
+                                               "train.log_every=2", *overrides])
+        records[name] = run_cell(cfg)
+        assert records[name]["status"] == "ok", records[name]["reason"]
+    return root, records
+
+
+@pytest.mark.slow
+def test_two_ranks_in_fp32_train_the_one_device_cell_up_to_the_order_of_their_sums(lenet_cells):
+    """Each rank takes half of every batch and DDP averages the two halves' gradients: the whole batch's mean,
+    summed in another order. FSDP2 in FP32 reduces the same values as DDP, bit for bit."""
+    _, records = lenet_cells
+    loss = {name: r["metrics"]["final_train_loss"] for name, r in records.items()}
+    assert loss["ddp"] != loss["one"] and math.isclose(loss["ddp"], loss["one"], rel_tol=1e-6)
+    assert loss["fsdp2"] == loss["ddp"]
+    # each rank held half the batch's activations
+    assert records["ddp"]["memory"]["step"]["activations"] < 0.6 * records["one"]["memory"]["step"]["activations"]
+
+
+@pytest.mark.slow
+def test_gradients_reduced_in_bf16_are_the_same_through_ddps_hook_and_fsdp2_and_not_fp32s(lenet_cells):
+    _, records = lenet_cells
+    loss = {name: r["metrics"]["final_train_loss"] for name, r in records.items()}
+    assert loss["ddp_bf16"] == loss["fsdp2_reduce_bf16"] != loss["ddp"]
+    assert loss["fsdp2_param_bf16"] not in (loss["fsdp2"], loss["fsdp2_reduce_bf16"])
+
+
+@pytest.mark.slow
+def test_a_distributed_record_counts_each_collectives_bytes_and_each_ranks_peak(lenet_cells):
+    """LeNet's 61,706 FP32 parameters: DDP all-reduces every gradient (4 bytes each, 2 in BF16); FSDP2 all-gathers
+    each rank's half of the parameters in param_dtype and reduce-scatters every gradient in reduce_dtype. Rank 0
+    alone writes: one record, in the cell's directory."""
+    root, records = lenet_cells
+    sent = {name: r["parallel"]["collective_bytes_first_step"] for name, r in records.items() if name != "one"}
+    n = LENET_PARAMETERS
+    assert sent["ddp"] == {"all_reduce": 4 * n} and sent["ddp_bf16"] == {"all_reduce": 2 * n}
+    assert sent["fsdp2"] == {"all_gather": 4 * n // 2, "reduce_scatter": 4 * n}
+    assert sent["fsdp2_reduce_bf16"] == {"all_gather": 4 * n // 2, "reduce_scatter": 2 * n}
+    assert sent["fsdp2_param_bf16"] == {"all_gather": 2 * n // 2, "reduce_scatter": 4 * n}
+    for name in sent:
+        section = records[name]["parallel"]
+        assert len(section["peak_bytes_per_rank"]) == 2 and section["peak_bytes_max"] == max(
+            section["peak_bytes_per_rank"])
+    assert len(list(root.rglob("result.json"))) == len(SETTINGS)
+    assert len(list(root.rglob("metrics.jsonl"))) == len(SETTINGS)
+
+
+def _hooked_gradients(rank: int, store_path: str, out: str) -> None:
+    """Rank `rank` of two: one step's gradients of a Linear under torch's fp16_compress_hook, ours in FP16, ours in
+    FP32."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    found = []
+    for hook in (fp16_compress_hook, parallel.reduce_in(torch.float16), parallel.reduce_in(torch.float32)):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Linear(64, 32))
+        model.register_comm_hook(None, hook)
+        torch.manual_seed(1 + rank)
+        model(torch.randn(8, 64) * 100).square().sum().backward()
+        found.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.save(found, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_our_fp16_reduction_hook_is_torchs_fp16_compress_hook_bit_for_bit(tmp_path):
+    """The reference: torch's own fp16_compress_hook (our hook differs only by being usable on CPU for BF16)."""
+    torch.multiprocessing.spawn(_hooked_gradients, args=(str(tmp_path / "store"), str(tmp_path / "g")), nprocs=2)
+    theirs, ours, full = torch.load(tmp_path / "g.0")
+    assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
+    assert not torch.equal(full, ours)  # FP16's rounding shows in the sums
