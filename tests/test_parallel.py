@@ -168,3 +168,20 @@ def test_our_fp16_reduction_hook_is_torchs_fp16_compress_hook_bit_for_bit(tmp_pa
     theirs, ours, full = torch.load(tmp_path / "g.0")
     assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
     assert not torch.equal(full, ours)  # FP16's rounding shows in the sums
+
+
+@pytest.mark.slow
+def test_a_two_rank_bf16_reduction_rounds_once_and_the_error_grows_with_the_ranks(tmp_path):
+    """Two summands: gloo's BF16 all-reduce is one rounding of their exact sum (the reference: each share cast to
+    BF16, added in FP32, exact for two BF16 values within 2^16 of each other, and rounded once). And the error of the
+    average grows from 2 ranks to 4, the summation's part of it beside a cast whose error does not."""
+    from bench.tools import reduction_error as tool
+
+    torch.multiprocessing.spawn(tool._rank, args=(2, str(tmp_path / "store"), 4096, 0, str(tmp_path / "out.pt")),
+                                nprocs=2)
+    reduced = torch.load(tmp_path / "out.pt")["bf16"]
+    shares = [(tool._values(rank, 4096, 0) / 2).to(torch.bfloat16).float() for rank in range(2)]
+    assert torch.equal(reduced, (shares[0] + shares[1]).to(torch.bfloat16).float())
+    two, four = (next(r for r in tool.measure(world, 4096) if r["type"] == "bf16") for world in (2, 4))
+    assert four["relative_rms_error"] > two["relative_rms_error"] > two["of_which_inputs_cast"]
+    assert four["of_which_inputs_cast"] == pytest.approx(two["of_which_inputs_cast"], rel=0.1)

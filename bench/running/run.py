@@ -260,7 +260,9 @@ def run_cell(cfg: DictConfig) -> dict:
         if (done := finished_record(cfg, config)) is not None:  # finished while this process was starting
             return _skip_recorded(cfg, done)
         if parallel.wanted(cfg):  # a job of parallel.world_size ranks, each training its share; rank 0 records
-            return parallel.launch(cfg, config, _train_cell)
+            record = parallel.launch(cfg, config, _train_cell)
+            _log_outcome(cfg, record)  # here too: the ranks' own logging is not this process's
+            return record
         with precision.fp32_flags():  # torch's TF32 flags as the cell asks, while it runs; as they were after
             return _train_cell(cfg, config, device, precision)
 
@@ -363,9 +365,13 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
     if record["status"] != "failed" and checkpointer:  # a failed cell keeps its checkpoint: retry_failed resumes it
         checkpointer.remove()
     logger.finish(record)
+    _log_outcome(cfg, record)
+    return record
+
+
+def _log_outcome(cfg: DictConfig, record: dict) -> None:
     log.info("%s: %s %s", cfg.cell, record["status"], record["reason"] or {  # the curve is in the record
         k: v for k, v in record["metrics"].items() if not isinstance(v, (list, dict))})
-    return record
 
 
 def _record_cell(record: dict, cell: Cell, precision: Precision) -> None:
