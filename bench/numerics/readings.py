@@ -48,6 +48,10 @@ class Readings:
         distributed cell's average over its ranks: one collective per read, not per push)."""
         if not self.pending:
             return []
-        rows = self.window[self.length - self.pending:] if self.shifts else self.window[:self.pending]
+        combine = combine or (lambda rows: rows)
+        if self.shifts:  # the whole window, sliced on the host: one graph whatever the count (the module docstring)
+            rows = combine(self.window).tolist()[self.length - self.pending:]
+        else:
+            rows = combine(self.window[:self.pending]).tolist()
         self.pending = 0
-        return (rows if combine is None else combine(rows)).tolist()
+        return rows
