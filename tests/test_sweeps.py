@@ -21,12 +21,14 @@ from tests.conftest import CONF
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_SILENT": "true"}
 
 
-def bench(tmp_path, *args, wait=True):
+def bench(tmp_path, *args, wait=True, sigint=signal.SIG_DFL):
+    """`python -m bench.run ...`; `sigint`: the child's SIGINT disposition at its start (a background job's shell
+    ignores it: SIG_IGN)."""
     cmd = [sys.executable, "-m", "bench.run", *args, f"results_dir={tmp_path}"]
     env = os.environ | OFFLINE
     if not wait:
         return subprocess.Popen(cmd, cwd=CONF.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+                                text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
     return subprocess.run(cmd, cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -93,15 +95,18 @@ def _final_weights(run_dir: Path) -> dict:
 # SIGUSR2 and SIGTERM are what SLURM sends: the cluster tests pre-empt and requeue real jobs with them, so here they
 # run with the slow tests, as does Ctrl-C (SIGINT: the checkpoint path SIGKILL's resumption shares, plus a handler);
 # the kill stays in make test
-@pytest.mark.parametrize("how", [signal.SIGKILL, pytest.param(signal.SIGUSR2, marks=pytest.mark.slow),
-                                 pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
-                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
-def test_an_interrupted_run_resumes_to_bitwise_the_same_weights(tmp_path, how):
+# the run's SIGINT at default (a terminal's Ctrl-C) and ignored (a background job's shell ignores it; kill -INT then)
+@pytest.mark.parametrize("how, sigint", [(signal.SIGKILL, signal.SIG_DFL),
+                                         pytest.param(signal.SIGUSR2, signal.SIG_DFL, marks=pytest.mark.slow),
+                                         pytest.param(signal.SIGTERM, signal.SIG_DFL, marks=pytest.mark.slow),
+                                         pytest.param(signal.SIGINT, signal.SIG_DFL, marks=pytest.mark.slow),
+                                         pytest.param(signal.SIGINT, signal.SIG_IGN, marks=pytest.mark.slow)])
+def test_an_interrupted_run_resumes_to_bitwise_the_same_weights(tmp_path, how, sigint):
     args = ["format=fp32", "train.checkpoint_every=40", "train.keep_checkpoint=true", "train.max_steps=600"]
     reference_dir, interrupted_dir = tmp_path / "reference", tmp_path / "interrupted"
     assert bench(reference_dir, *args).returncode == 0
     cell = next(reference_dir.rglob("result.json")).parent
-    proc = bench(interrupted_dir, *args, wait=False)
+    proc = bench(interrupted_dir, *args, wait=False, sigint=sigint)
     checkpoint = interrupted_dir / cell.relative_to(reference_dir) / "checkpoint.pt"
     deadline = time.time() + 120
     while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:

@@ -170,6 +170,8 @@ class Checkpointer:
             signum, self.preempted = self.preempted, None
             previous = self._previous.get(signum, signal.SIG_DFL)
             signal.signal(signum, previous)
+            if signum == signal.SIGINT:  # Ctrl-C, or kill -INT where a shell had it ignored: bench.run's one line
+                raise KeyboardInterrupt
             os.kill(os.getpid(), signum)  # submitit's SIGUSR2 handler requeues; the default ones exit or raise
             raise SystemExit(128 + signum)  # the previous handler returned: stop here, resumable
         elif self.every and step % self.every == 0:
