@@ -179,9 +179,9 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     stores(trace, cfg)
     trace_s = time.perf_counter() - started
     task.model = precision.prepare(task.model, cfg.model.task.get("blocks"))
-    if parallel.Ranks.current().world_size > 1:  # a rank of a distributed cell: the optimiser takes FSDP2's shards
+    if (ranks := parallel.Ranks.current()).world_size > 1:  # a distributed cell's rank: the optimiser takes the shards
         task.model = parallel.wrap(task.model, cfg, precision.device)
-        task.train_batches = _sharded(task.train_batches, parallel.Ranks.current())
+        task.train_batches = _sharded(task.train_batches, ranks)
     optimizer = optimizer_over(task.model)
     schedule = build_schedule(cfg.model.optimizer, optimizer, total_steps(task, cfg.train))
     return Cell(task, build_scaler(cfg, precision), optimizer, schedule, conversion, trace, trace_s)
