@@ -185,3 +185,34 @@ def test_a_two_rank_bf16_reduction_rounds_once_and_the_error_grows_with_the_rank
     two, four = (next(r for r in tool.measure(world, 4096) if r["type"] == "bf16") for world in (2, 4))
     assert four["relative_rms_error"] > two["relative_rms_error"] > two["of_which_inputs_cast"]
     assert four["of_which_inputs_cast"] == pytest.approx(two["of_which_inputs_cast"], rel=0.1)
+
+
+# On a CUDA GPU (`pytest -m cuda` where one is; CI has none): the NCCL path, one rank (a lent machine has one GPU).
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_cuda_one_nccl_rank_trains_the_one_device_cell_and_counts_its_collectives(tmp_path):
+    """With one rank DDP's average and FSDP2's shards are the whole: the loss is the one-device cell's (up to cuDNN's
+    choice of algorithm), a BF16 reduction still rounds the gradients, and the record counts the bytes handed to NCCL
+    and the rank's CUDA peak."""
+    from hydra import compose, initialize_config_dir
+
+    from bench.running.run import run_cell
+
+    records = {}
+    for name, overrides in {"one": [], "ddp": ["parallel=ddp"], "fsdp2": ["parallel=fsdp2"],
+                            "ddp_bf16": ["parallel=ddp", "parallel.gradient_compression=bf16"]}.items():
+        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[f"results_dir={tmp_path}", "model=lenet", "device=cuda",
+                                               "train.max_steps=6", "train.log_every=2", *overrides,
+                                               *(["parallel.world_size=1"] if overrides else [])])
+        records[name] = run_cell(cfg)
+        assert records[name]["status"] == "ok", records[name]["reason"]
+    loss = {name: r["metrics"]["final_train_loss"] for name, r in records.items()}
+    assert math.isclose(loss["ddp"], loss["one"], rel_tol=1e-5) and math.isclose(loss["fsdp2"], loss["ddp"],
+                                                                                rel_tol=1e-5)
+    assert loss["ddp_bf16"] != loss["ddp"]
+    n = LENET_PARAMETERS
+    assert records["ddp"]["parallel"]["collective_bytes_first_step"] == {"all_reduce": 4 * n}
+    assert records["ddp_bf16"]["parallel"]["collective_bytes_first_step"] == {"all_reduce": 2 * n}
+    assert records["fsdp2"]["parallel"]["collective_bytes_first_step"] == {}  # FSDP2 calls none on one rank
+    assert records["ddp"]["env"]["device_type"] == "cuda" and records["ddp"]["parallel"]["peak_bytes_max"] > 0

@@ -299,3 +299,13 @@ def test_cublas_gemms_on_an_h100_match_the_model_up_to_k_8192():
     from bench.tools.gpu_gemms import replay
 
     assert {s: bad for s, (bad, _) in replay(H100_GEMMS, size=4096).items() if bad} == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_cuda_the_model_compiled_for_the_gpu_reproduces_the_h100s_own_outputs():
+    """The model's kernels as inductor builds them for CUDA (Triton) give cuBLAS's bits, as the CPU's do: every
+    setting, up to K = 8192 (`pytest -m cuda` on a lent GPU; CI has none)."""
+    from bench.tools.gpu_gemms import replay
+
+    assert {s: bad for s, (bad, _) in replay(H100_GEMMS, size=4096, device="cuda").items() if bad} == {}

@@ -5,8 +5,9 @@ fused pass compiled by inductor, bit for bit the same, where that pays.
 holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
 - x has at least n elements: below it a compiled call's fixed cost (about 25 µs of guards and dispatch on this
   2-core CPU) is more than the eager passes (docs/performance.md gives the measured crossover per quantiser);
-- x is on a CPU or CUDA device (inductor's two backends) and nothing is being compiled already (a compiled model
-  traces the eager body into its own graph);
+- x is on the CPU (FUSED_DEVICES) and nothing is being compiled already (a compiled model traces the eager body
+  into its own graph). On CUDA the quantisers run eagerly: inductor's Triton code for MX's rceil scale was not bit for
+  bit the eager one on an H100 (2026-11-27, `pytest -m cuda`), where the eager quantisers on CUDA gave the CPU's bits;
 - the call draws no random numbers: stochastic rounding (`rounding="stochastic"`, or a `generator`) stays eager,
   because a compiled graph draws from inductor's own generator, not the eager one's stream;
 - no gradient is being recorded through x (the quantisers run inside autograd Functions' forward passes);
@@ -41,6 +42,9 @@ SWITCH = "PRECISION_BENCH_FUSED"  # =1: fused where it pays; otherwise (the defa
 ELEMENTWISE_FROM = 1 << 16  # element rounding: compiled from 65,536 elements (the measured crossover, 2 threads)
 BLOCKWISE_FROM = 1 << 12  # block and tile quantisers (ten or more eager passes): from 4,096 elements
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # compiled on their FP32 widening (the module docstring says why)
+# where a compiled quantiser is its eager self bit for bit, as tested: not CUDA, whose Triton code divides amax / 448
+# approximately (div.full) for MX's rceil scale unless inductor's eager_numerics options say otherwise (untried there)
+FUSED_DEVICES = ("cpu",)
 
 
 FELL_BACK: list[str] = []  # the specialisations that failed to compile in this process (they run eagerly)
@@ -106,7 +110,7 @@ def fused(from_elements: int) -> Callable[[Callable], Callable]:
         @functools.wraps(fn)
         def quantiser(x: torch.Tensor, *args, **kwargs):
             # the switch first: off (the default), a call costs one lookup before the eager quantiser
-            if (not enabled() or x.numel() < from_elements or x.device.type not in ("cpu", "cuda")
+            if (not enabled() or x.numel() < from_elements or x.device.type not in FUSED_DEVICES
                     or torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled())
                     or draws(args, kwargs)):
                 return fn(x, *args, **kwargs)

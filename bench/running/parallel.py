@@ -47,11 +47,12 @@ class Ranks:
 
     rank: int = 0
     world_size: int = 1
+    distributed: bool = False  # in a job's process group, whatever its size (one rank of DDP is still DDP's)
 
     @classmethod
     def current(cls) -> "Ranks":
         if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
+            return cls(dist.get_rank(), dist.get_world_size(), distributed=True)
         return cls()
 
     @property

@@ -179,7 +179,7 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     stores(trace, cfg)
     trace_s = time.perf_counter() - started
     task.model = precision.prepare(task.model, cfg.model.task.get("blocks"))
-    if (ranks := parallel.Ranks.current()).world_size > 1:  # a distributed cell's rank: the optimiser takes the shards
+    if (ranks := parallel.Ranks.current()).distributed:  # a distributed cell's rank: the optimiser takes the shards
         task.model = parallel.wrap(task.model, cfg, precision.device)
         task.train_batches = _sharded(task.train_batches, ranks)
     optimizer = optimizer_over(task.model)
@@ -292,8 +292,8 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
     conditions = devices.TimingConditions(device)
     ranks = parallel.Ranks.current()  # a distributed cell's ranks train alike; rank 0 writes (no checkpoints yet)
     checkpointer = Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint) \
-        if ranks.world_size == 1 else None
-    collectives = parallel.CollectiveBytes() if ranks.world_size > 1 else None
+        if not ranks.distributed else None
+    collectives = parallel.CollectiveBytes() if ranks.distributed else None
     scaler = build_scaler(cfg, precision)  # replaced by the cell's; here so that a failed build records its state
     record = {"status": "failed", "reason": None, "run_id": identity, "config": config,
               "env": devices.describe(device) | {"precision": precision.describe(), "plugins": declarations(cfg)},
@@ -334,7 +334,7 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
             metrics["evaluated_in"] = precision.evaluated_in(cfg.train.eval_precision)
             check_metric_unit(cfg.model.task.metric, metrics.get(cfg.model.task.metric), cfg.model.task.unit)
         record["memory"] |= {"peak_bytes": memory.peak_bytes(), "step": outcome.step_memory}
-        if ranks.world_size > 1:  # every rank takes part in the gather of the peaks
+        if ranks.distributed:  # every rank takes part in the gather of the peaks
             record["parallel"] = parallel.describe(cfg, parallel.gathered(record["memory"]["peak_bytes"]),
                                                    collectives.bytes)
         _record_outcome(record, cfg, cell, outcome, metrics, timing_conditions, precision.native)

@@ -125,7 +125,7 @@ class TrainingLoop:
         self.optimizer, self.schedule, self.cfg, self.device, self.log = optimizer, schedule, cfg, device, log
         self.checkpointer, self.count_memory, self.eval_every = checkpointer, count_memory, eval_every
         self.first_step_watch = first_step_watch
-        self.distributed = parallel.Ranks.current().world_size > 1  # losses logged: the whole batch's, averaged
+        self.distributed = parallel.Ranks.current().distributed  # losses logged: the whole batch's, averaged
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.total = total_steps(task, cfg)
         if resume and "per_epoch" in resume:  # a checkpoint written before the curve had its every-N-steps points

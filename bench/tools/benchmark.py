@@ -43,8 +43,8 @@ things compared, in one process:
 - quantise_ns.<format>: nanoseconds per value of bench.numerics.formats.quantise on 2^20 float32 values, and of the
   block quantisers (MX, NVFP4, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix (fused where that
   pays: bench/numerics/fused.py). quantise_of_clone.<format>.{eager,fused}: each one's throughput as a fraction of
-  x.clone()'s (the memory floor: one read, one write) on 4096 x 4096, eager and fused. Target for the fused path:
-  >= 0.7.
+  x.clone()'s (the memory floor: one read, one write) on 4096 x 4096, eager and fused, and on a CUDA machine
+  quantise_of_clone_cuda.* on 8192 x 8192. Target for the fused path: >= 0.7.
 - optimizer_ratio.<state_format>: one AdamW step over the char-LM's matrices with its moments in BF16, int8, int4
   or FP8 (model.optimizer.state_format, torchao's optimisers) over the same step with FP32 moments, after a warm-up
   that compiles torchao's per-tensor steps; optimizer_step_ms.fp32 the FP32 step itself. No target.
@@ -539,21 +539,26 @@ def quantise_rows(quick: bool = False) -> list[dict]:
     for name, quantiser in BLOCK_QUANTISERS.items():
         seconds = alternate({name: lambda q=quantiser: q(matrix)}, torch.device("cpu"), 5)[name]
         rows.append(row(f"quantise_ns.{name}", seconds / x.numel() * 1e9, "ns/value", None))
-    return rows if quick else rows + of_clone_rows()
+    if quick:
+        return rows
+    cuda = [torch.device("cuda")] if torch.cuda.is_available() else []
+    return rows + [r for device in (torch.device("cpu"), *cuda) for r in of_clone_rows(device)]
 
 
-def of_clone_rows() -> list[dict]:
-    """quantise_of_clone: each quantiser's eager and fused throughput as a fraction of clone's, on 4096 x 4096 FP32
-    values (past every cache)."""
-    x = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0)) * 100
+def of_clone_rows(device: torch.device) -> list[dict]:
+    """quantise_of_clone (on CUDA: quantise_of_clone_cuda): each quantiser's eager and fused throughput as a fraction
+    of clone's, on FP32 values past every cache: 4096 x 4096 on the CPU, 8192 x 8192 on a GPU (an H100's 4096 x 4096
+    clone takes 45 µs, near a launch's cost)."""
+    side = 4096 if device.type == "cpu" else 8192
+    x = (torch.randn(side, side, generator=torch.Generator().manual_seed(0)) * 100).to(device)
+    prefix = "quantise_of_clone" if device.type == "cpu" else f"quantise_of_clone_{device.type}"
     rows = []
     for name, (quantiser, extra) in FUSED_QUANTISERS.items():
         args = tuple(nvfp4_tensor_scale(x) if a is None else a for a in extra)
         t = alternate({"clone": x.clone, "eager": lambda q=quantiser, a=args: q.eager(x, *a),
-                       "fused": lambda q=quantiser, a=args: q.fused(x, *a)}, torch.device("cpu"), 3)
-        rows.append(row(f"quantise_of_clone.{name}.eager", t["clone"] / t["eager"], "x clone's throughput"))
-        rows.append(row(f"quantise_of_clone.{name}.fused", t["clone"] / t["fused"], "x clone's throughput",
-                        OF_CLONE_TARGET))
+                       "fused": lambda q=quantiser, a=args: q.fused(x, *a)}, device, 3 if device.type == "cpu" else 9)
+        rows.append(row(f"{prefix}.{name}.eager", t["clone"] / t["eager"], "x clone's throughput"))
+        rows.append(row(f"{prefix}.{name}.fused", t["clone"] / t["fused"], "x clone's throughput", OF_CLONE_TARGET))
     return rows
 
 

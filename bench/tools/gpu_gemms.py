@@ -136,9 +136,10 @@ def stored(data, fmt: str, family: str, k: int, name: str) -> torch.Tensor:
     return torch.from_numpy(data[f"in/{fmt}/{family}/{k}/{name}"]).view(dtype).float()
 
 
-def replay(path: Path, size: int, max_k: int | None = None, settings=SETTINGS, **model) -> dict[str, tuple[int, int]]:
+def replay(path: Path, size: int, max_k: int | None = None, settings=SETTINGS, device: str = "cpu",
+           **model) -> dict[str, tuple[int, int]]:
     """Per setting (of `settings`), (outputs whose bits differ from the model's, outputs) over the GEMMs captured at
-    padded size `size` (and K <= max_k)."""
+    padded size `size` (and K <= max_k), the model run on `device`."""
     data = np.load(path)
     counts = {}
     for key in data.files:
@@ -148,7 +149,8 @@ def replay(path: Path, size: int, max_k: int | None = None, settings=SETTINGS, *
         if setting not in settings or (max_k is not None and int(k) > max_k):
             continue
         a_fmt, b_fmt, *_ = SETTINGS[setting]
-        ours = model_of(setting, stored(data, a_fmt, family, k, "a"), stored(data, b_fmt, family, k, "b"), **model)
+        ours = model_of(setting, stored(data, a_fmt, family, k, "a").to(device),
+                        stored(data, b_fmt, family, k, "b").to(device), **model).cpu()
         gpu = torch.from_numpy(data[key])
         bad, total = counts.get(setting, (0, 0))
         counts[setting] = bad + int((ours.view(torch.int32) != gpu.view(torch.int32)).sum()), total + gpu.numel()
