@@ -2,7 +2,9 @@
 cell's identity and place, the batch shares, and (slow) LeNet cells of two ranks under DDP and FSDP2 against the
 one-device cell, against each other, and against torch's own compression hook."""
 
+import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -216,3 +218,88 @@ def test_on_cuda_one_nccl_rank_trains_the_one_device_cell_and_counts_its_collect
     assert records["ddp_bf16"]["parallel"]["collective_bytes_first_step"] == {"all_reduce": 2 * n}
     assert records["fsdp2"]["parallel"]["collective_bytes_first_step"] == {}  # FSDP2 calls none on one rank
     assert records["ddp"]["env"]["device_type"] == "cuda" and records["ddp"]["parallel"]["peak_bytes_max"] > 0
+
+
+
+# A plug-in (the `plugins` key: every rank imports it before it trains) that kills its own rank 1 once rank 0 has
+# logged a row, after writing its pid down (the first job's alone): a rank lost mid-training, as an OOM killer or a
+# dead node loses one.
+KILLER = """
+import os, signal, threading, time
+from pathlib import Path
+
+out = Path(os.environ["KILLED_RANK_PIDS"])
+if os.environ.get("RANK") == "1" and not out.exists():  # the first job's rank 1 only
+    out.write_text(str(os.getpid()))
+
+    def _kill():
+        while not any(p.read_text() for p in out.parent.rglob("metrics.jsonl")):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=_kill, daemon=True).start()
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_its_cell_with_a_summary_stops_the_other_ranks_and_the_sweep_goes_on(tmp_path):
+    """Rank 1 of a two-rank DDP cell is SIGKILLed mid-training: the cell's record says failed, naming the rank and
+    the signal; no rank of its job is left running; the sweep's next cell (no killer in it) trains and is
+    recorded."""
+    import subprocess
+    import sys
+
+    (tmp_path / "kill_rank_one.py").write_text(KILLER)
+    pids = tmp_path / "results" / "killed.pid"
+    pids.parent.mkdir()
+    cmd = [sys.executable, "-m", "bench.run", "-m", "model=lenet", "parallel=ddp", "train.max_steps=400,6",
+           "train.log_every=2", "plugins=[kill_rank_one]", f"results_dir={pids.parent}"]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "KILLED_RANK_PIDS": str(pids),
+                        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    sweep = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                           timeout=300)
+    found = [json.loads(p.read_text()) for p in pids.parent.rglob("result.json")]
+    by_steps = {r["config"]["train"]["max_steps"]: r for r in found}
+    assert sorted(by_steps) == [6, 400], sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    assert by_steps[400]["status"] == "failed" and by_steps[6]["status"] == "ok"
+    assert by_steps[400]["reason"] == (f"JobFailed: rank 1 of 2 (pid {pids.read_text()}) was killed by SIGKILL; the "
+                                       "launcher stopped the other ranks")
+    assert not Path(f"/proc/{pids.read_text()}").exists()
+
+
+# A plug-in whose rank 1 stops answering at its third backward pass (a rank stuck, not dead): rank 0 waits in the
+# gradients' all-reduce until the collective timeout.
+STALLER = """
+import os, time
+import torch
+
+if os.environ.get("RANK") == "1":
+    _backward, _calls = torch.Tensor.backward, []
+
+    def _stalls(self, *args, **kwargs):
+        _calls.append(1)
+        if len(_calls) == 3:
+            time.sleep(3600)
+        return _backward(self, *args, **kwargs)
+    torch.Tensor.backward = _stalls
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_fails_its_cell_as_a_collective_timeout_not_a_hang(tmp_path):
+    """With the collective timeout at 5 s, rank 0's all-reduce gives up on the silent rank 1: the cell's record
+    (rank 0's) says the collective timed out, and the launcher stops the stuck rank instead of waiting on it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "stall_rank_one.py").write_text(STALLER)
+    results = tmp_path / "results"
+    cmd = [sys.executable, "-m", "bench.run", "model=lenet", "parallel=ddp", "train.max_steps=50",
+           "plugins=[stall_rank_one]", f"results_dir={results}"]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", parallel.TIMEOUT_VARIABLE: "5",
+                        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                         timeout=240)
+    (record,) = [json.loads(p.read_text()) for p in results.rglob("result.json")]
+    assert record["status"] == "failed", run.stdout[-3000:] + run.stderr[-3000:]
+    assert "Timed out" in record["reason"] and "5000ms" in record["reason"], record["reason"]
+    assert "its job failed: rank 0 of 2" in run.stdout + run.stderr

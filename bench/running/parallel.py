@@ -12,7 +12,9 @@ gradients over the ranks:
 - fsdp2: `fully_shard` on each block of the model's `blocks` (where it declares them), then on the whole model
   (torchtitan's pattern), with FSDP2's MixedPrecisionPolicy(`parallel.param_dtype`, `parallel.reduce_dtype`).
 Rank 0 writes the record; its `parallel` section holds the world size, the communication keys, each rank's peak
-memory and the bytes each kind of collective carried in the first step (`CollectiveBytes`).
+memory and the bytes each kind of collective carried in the first step (`CollectiveBytes`). A rank that fails (killed,
+crashed, its training failed, a collective timed out: `collective_timeout`) ends the job: the launcher stops the
+other ranks and the cell is recorded as failed (`JobFailed`), rank 0's record where it wrote one.
 
 Not yet (#54), each refused by name before anything starts: checkpoints of a distributed cell (a pre-empted one
 starts again), train.compile, XLA, scaling methods other than none, low-precision master weights and optimiser
@@ -21,6 +23,7 @@ states, the FP8 all-gather; the speed and memory models still price one device's
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.errors import ConfigError
@@ -105,19 +109,55 @@ def check(cfg: DictConfig) -> None:
                           "and no checkpoints")
 
 
+class JobFailed(Exception):
+    """A rank of a cell's job failed (killed, crashed, or its training failed: a collective that timed out, say):
+    the launcher stopped the others; the message says which rank, how, and its error where it left one."""
+
+
+COLLECTIVE_TIMEOUT = dt.timedelta(minutes=10)  # a collective a rank waits on longer than this fails the job
+TIMEOUT_VARIABLE = "PRECISION_BENCH_COLLECTIVE_TIMEOUT_S"  # seconds, instead (a test's few; a slow disk's more)
+
+
 def launch(cfg: DictConfig, config: dict, train_rank) -> dict:
     """Run the cell as a job of `parallel.world_size` ranks here (torch's elastic launcher, standalone rendezvous),
-    each `rank(cfg, config, train_rank)`, and return rank 0's record. `train_rank(cfg, config, device, precision)`
-    (bench.running.run's, a module-level function: spawned ranks unpickle it) trains the cell on a rank."""
+    each `rank(cfg, config, train_rank)`, and return rank 0's record; JobFailed where a rank ended without one (the
+    launcher has then stopped every rank). `train_rank(cfg, config, device, precision)` (bench.running.run's, a
+    module-level function: spawned ranks unpickle it) trains the cell on a rank."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     job = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size, run_id=f"bench-{os.getpid()}",
                        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                        start_method="spawn")
-    results = elastic_launch(job, rank)(OmegaConf.to_yaml(cfg, resolve=True), config, train_rank)
+    try:
+        results = elastic_launch(job, rank)(OmegaConf.to_yaml(cfg, resolve=True), config, train_rank)
+    except ChildFailedError as e:
+        raise JobFailed(failure_summary(e, cfg.parallel.world_size)) from None
     return results[0]
 
 
+def failure_summary(error, world_size: int) -> str:
+    """One line for the first rank that failed (torch's ChildFailedError): how it ended and its error's last line,
+    a collective's timeout named as one."""
+    first, failure = error.get_first_failure()
+    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+    said = ""
+    if failure.exitcode > 0:  # its error's last line, from the error file `record` writes (none after a signal)
+        message = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")
+        last = next((line.strip() for line in reversed(str(message).splitlines()) if line.strip()), "")
+        if "timed out" in last.lower() or "timeout" in last.lower():
+            last = f"a collective timed out (after {collective_timeout().total_seconds():g} s): {last}"
+        said = f": {last}" if last and not last.startswith("To enable traceback") else ""
+    return f"rank {first} of {world_size} (pid {failure.pid}) {how}{said}; the launcher stopped the other ranks"
+
+
+def collective_timeout() -> dt.timedelta:
+    """How long a rank waits in a collective before the job fails (COLLECTIVE_TIMEOUT, or TIMEOUT_VARIABLE's)."""
+    seconds = os.environ.get(TIMEOUT_VARIABLE)
+    return dt.timedelta(seconds=float(seconds)) if seconds else COLLECTIVE_TIMEOUT
+
+
+@record
 def rank(cfg_yaml: str, config: dict, train_rank) -> dict:
     """One rank of a cell's job: join the process group, train the cell on this rank's shares, leave."""
     from bench import plugins
@@ -132,12 +172,19 @@ def rank(cfg_yaml: str, config: dict, train_rank) -> dict:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     precision = Precision.from_config(cfg, device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=collective_timeout())
     try:
         with precision.fp32_flags():
-            return train_rank(cfg, config, device, precision)
+            record = train_rank(cfg, config, device, precision)
     finally:
         dist.destroy_process_group()
+    if record["status"] == "failed":  # exit non-zero, so that the launcher stops a rank that may wait on this one
+        raise RankFailed(record["reason"])
+    return record
+
+
+class RankFailed(Exception):
+    """A rank's training failed (its record says why; rank 0 has written it)."""
 
 
 def shard(batch, ranks: Ranks):

@@ -251,7 +251,7 @@ def run_cell(cfg: DictConfig) -> dict:
         if not os.environ.get("SLURM_JOB_ID"):
             raise  # here, before anything starts: exit 2
         # on a compute node the device is decided where the cell runs; a node that cannot run it is a result
-        return _record_device_failure(cfg, config, e)
+        return _record_failure(cfg, config, f"DeviceError: {e}", "failed on this node")
     device = devices.cell_device(device)  # on CUDA: the GPU this process has to itself
     with cell_lock(Path(cfg.results_dir) / cfg.cell) as mine:
         if not mine:
@@ -260,7 +260,15 @@ def run_cell(cfg: DictConfig) -> dict:
         if (done := finished_record(cfg, config)) is not None:  # finished while this process was starting
             return _skip_recorded(cfg, done)
         if parallel.wanted(cfg):  # a job of parallel.world_size ranks, each training its share; rank 0 records
-            record = parallel.launch(cfg, config, _train_cell)
+            result = Path(cfg.results_dir) / cfg.cell / "result.json"
+            before = result.stat().st_mtime_ns if result.exists() else None  # a failed one, run again
+            try:
+                record = parallel.launch(cfg, config, _train_cell)
+            except parallel.JobFailed as e:  # the cell failed, the sweep goes on
+                if result.exists() and result.stat().st_mtime_ns != before:  # rank 0's, saying why its training failed
+                    log.error("%s: its job failed: %s", cfg.cell, e)
+                    return previous_record(result.parent)[0]
+                return _record_failure(cfg, config, f"JobFailed: {e}", "its job failed")  # a rank lost before that
             _log_outcome(cfg, record)  # here too: the ranks' own logging is not this process's
             return record
         with precision.fp32_flags():  # torch's TF32 flags as the cell asks, while it runs; as they were after
@@ -273,12 +281,14 @@ def _skip_recorded(cfg: DictConfig, record: dict) -> dict:
     return record | {"skipped": True}
 
 
-def _record_device_failure(cfg: DictConfig, config: dict, error: DeviceError) -> dict:
-    record = {"status": "failed", "reason": f"DeviceError: {error}", "run_id": run_id(config), "config": config,
+def _record_failure(cfg: DictConfig, config: dict, reason: str, what: str) -> dict:
+    """A failed record written by this process, where no training process wrote one (a node that cannot run the
+    cell; a distributed cell's job that lost a rank)."""
+    record = {"status": "failed", "reason": reason, "run_id": run_id(config), "config": config,
               "env": devices.describe(torch.device("cpu")) | {"precision": {}}, "metrics": {}, "timing": {},
               "memory": {}, "numerics": {}}
     write_json_atomic(Path(cfg.results_dir) / cfg.cell / "result.json", record)
-    log.error("%s: failed on this node: %s", cfg.cell, error)
+    log.error("%s: %s: %s", cfg.cell, what, reason)
     return record
 
 
