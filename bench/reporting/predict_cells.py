@@ -117,7 +117,7 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
     from bench.reporting.aggregate import describe
 
     cells = _configs(overrides)  # checked before the speed model is imported (torch._dynamo: seconds)
-    from bench.speed.model import NoNativePath, predict, recipe_on, step_memory
+    from bench.speed.model import NoNativePath, predict, recipe_on
 
     out = []
     for cell, cfg in cells:
@@ -129,9 +129,10 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
             if isinstance(recipe, NoNativePath):
                 setting = format_spec(cfg.format.name).setting(cfg.format.mode)
                 stored, where = _stored_natively(cfg, trace, gpus)
-                memory, note = f"{step_memory(trace, stored)['total'] / 2**20:.4g}", f"{recipe}; {where}"
+                memory, per_rank = _memory(cfg, trace, stored)
                 out.append(row | {"setting": setting, "compiled step": "–", "eager step": "–",
-                                  "vs 32-true": "–", "vs bf16-mixed": "–", "memory (MiB)": memory, "note": note})
+                                  "vs 32-true": "–", "vs bf16-mixed": "–", "memory (MiB)": memory,
+                                  "note": "; ".join(n for n in (str(recipe), where, per_rank) if n)})
                 continue
             compiled = predict(trace, recipe, target, compiled=True)
             eager = predict(trace, recipe, target, compiled=False)
@@ -139,11 +140,25 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
             speedups = {name: "–" if isinstance(base, NoNativePath) else
                         f"{predict(trace, base, target, compiled=True).step_s / compiled.step_s:.2f}×"
                         for name, base in speedups.items()}
+            memory, per_rank = _memory(cfg, trace, recipe)
             out.append(row | {"setting": recipe.setting, "compiled step": f"{compiled.step_s * 1e3:.3g} ms",
-                              "eager step": f"{eager.step_s * 1e3:.3g} ms", **speedups,
-                              "memory (MiB)": f"{step_memory(trace, recipe)['total'] / 2**20:.4g}",
-                              "note": "; ".join(n for n in (trace.note, recipe.note) if n)})
+                              "eager step": f"{eager.step_s * 1e3:.3g} ms", **speedups, "memory (MiB)": memory,
+                              "note": "; ".join(n for n in (trace.note, recipe.note, per_rank) if n)})
     return out
+
+
+def _memory(cfg, trace, recipe) -> tuple[str, str | None]:
+    """The step's memory in MiB, and for a distributed cell (one rank's: `rank_memory`) a note saying so and that its
+    step time is still one device's of the whole batch."""
+    from bench.speed.model import rank_memory, step_memory
+
+    memory = step_memory(trace, recipe)
+    p = cfg.get("parallel")
+    if p is None or p.name == "none":
+        return f"{memory['total'] / 2**20:.4g}", None
+    rank = rank_memory(memory, trace, p, cfg.model.task.get("blocks"))
+    return (f"{rank['total'] / 2**20:.4g}", f"memory per rank of {p.name} over {p.world_size} (its communication "
+            f"buffers {rank['communication_buffers'] / 2**20:.3g} MiB); step time: one device, the whole batch")
 
 
 def gemm_tables(overrides: list[str], gpus: list) -> list[str]:

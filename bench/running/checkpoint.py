@@ -28,6 +28,8 @@ import copy
 import logging
 import os
 import random
+import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -166,16 +168,20 @@ class Checkpointer:
     def after_step(self, step: int, save) -> None:
         """Called at each step boundary with `save()` bound to the current state."""
         if self.preempted is not None:
-            save()
-            signum, self.preempted = self.preempted, None
-            previous = self._previous.get(signum, signal.SIG_DFL)
-            signal.signal(signum, previous)
-            if signum == signal.SIGINT:  # Ctrl-C, or kill -INT where a shell had it ignored: bench.run's one line
-                raise KeyboardInterrupt
-            os.kill(os.getpid(), signum)  # submitit's SIGUSR2 handler requeues; the default ones exit or raise
-            raise SystemExit(128 + signum)  # the previous handler returned: stop here, resumable
+            self._stop(self.preempted, save)
         elif self.every and step % self.every == 0:
             save()
+
+    def _stop(self, signum: int, save) -> None:
+        """Pre-empted by `signum`: save, then hand the signal on (the previous handler), and stop."""
+        save()
+        self.preempted = None
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        signal.signal(signum, previous)
+        if signum == signal.SIGINT:  # Ctrl-C, or kill -INT where a shell had it ignored: bench.run's one line
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signum)  # submitit's SIGUSR2 handler requeues; the default ones exit or raise
+        raise SystemExit(128 + signum)  # the previous handler returned: stop here, resumable
 
     def finish(self, save) -> None:
         """At the end of training: save, so that a pre-emption during the evaluation does not retrain."""
@@ -223,3 +229,154 @@ def _restore_snapshot(before: dict, model, optimizer, scaler: LossScaler, schedu
     if schedule is not None:
         schedule.load_state_dict(before["schedule"])
     scaler.load_state_dict(before["scaler"])
+
+
+EXTRA_NAME = "extra.pt"  # in a distributed checkpoint's folder: run id, loop, schedule, scaler (rank 0's)
+WORLD_SIZE_SEGMENT = re.compile(r",parallel\.world_size=\d+")  # where a cell's directory names its world size (not 1)
+
+
+class DistributedCheckpointer(Checkpointer):
+    """A distributed cell's checkpoints, through torch.distributed.checkpoint (DCP), in a folder: every rank writes
+    its shards of the model's and optimiser's state (FSDP2's DTensor shards; DDP's replicas once), rank 0 the run id,
+    loop position, schedule and loss scaler (`extra.pt`), each rank its RNG states. DCP reshards on load, so a cell
+    resumes from a checkpoint of the same run at another world size: where its own folder has none, the newest of
+    its sibling cells that differ only in `parallel.world_size` (its record's `resumed_from` names it).
+
+    The ranks agree on when to stop: at each step boundary a pre-emption signal any rank got is all-reduced over a
+    gloo group of its own (no device sync), and every rank saves at the same step. A folder is written under a
+    temporary name and renamed by rank 0 once every rank has written (atomic as one-device checkpoints are)."""
+
+    def __init__(self, run_dir: Path, run_id: str, every: int | None, keep: bool, any_world_size_id: str):
+        import torch.distributed as dist
+
+        super().__init__(run_dir, run_id, every, keep)
+        self.path, self.previous = Path(run_dir) / "checkpoint.dcp", Path(run_dir) / "checkpoint.previous.dcp"
+        self.any_world_size_id = any_world_size_id  # the run's identity without parallel.world_size
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.control = dist.new_group(backend="gloo")  # the stop flag's all-reduce, on the CPU whatever the device
+
+    def after_step(self, step: int, save) -> None:
+        import torch.distributed as dist
+
+        # what the ranks decide on is what was read before the all-reduce: a signal that lands during it stays set
+        # for the next step's, so no rank stops a step before another
+        flag = torch.tensor([self.preempted or 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+        if agreed := int(flag.item()):
+            self._stop(agreed, save)
+        elif self.every and step % self.every == 0:
+            save()
+
+    def save(self, model, optimizer, scaler: LossScaler, schedule, loop: dict) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save killed half-way
+        dist.barrier(group=self.control)
+        with storage_errors(tmp):
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+            _save_file(tmp / f"rng.{self.rank}.pt", _rng_state())
+            if self.rank == 0:
+                _save_file(tmp / EXTRA_NAME, {"run_id": self.run_id, "any_world_size_id": self.any_world_size_id,
+                                              "world_size": self.world_size, "loop": loop,
+                                              "schedule": schedule.state_dict() if schedule is not None else None,
+                                              "scaler": scaler.state_dict()})
+        dist.barrier(group=self.control)
+        if self.rank == 0:
+            if self.keep and self.path.exists():
+                shutil.rmtree(self.previous, ignore_errors=True)
+                os.replace(self.path, self.previous)
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.replace(tmp, self.path)
+        dist.barrier(group=self.control)
+
+    def restore(self, model, optimizer, scaler: LossScaler, schedule) -> dict | None:
+        """Every rank loads the newest checkpoint folder of this run (its own, else a sibling world size's) into
+        copies of its states, then into the live ones once every rank has read it; one that fails anywhere is moved
+        aside (by rank 0) and the next is tried."""
+        import torch.distributed as dist
+
+        for path in self._candidates():
+            try:
+                extra, rng = self._load(path, model, optimizer)
+                failed = 0
+            except Exception as e:  # whatever makes a checkpoint unusable, the answer is the same
+                extra, failed, error = None, 1, e
+            flag = torch.tensor([failed])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+            if flag.item():
+                if self.rank == 0:
+                    self._discard(path, error if failed else RuntimeError("another rank could not read it"))
+                dist.barrier(group=self.control)
+                continue
+            if schedule is not None:
+                schedule.load_state_dict(extra["schedule"])
+            scaler.load_state_dict(extra["scaler"])
+            _set_rng_state(rng)
+            steps = int(extra["loop"]["steps"])
+            self.resumed_from = {"checkpoint": path.name if path.parent == self.path.parent
+                                 else f"../{path.parent.name}/{path.name}", "step": steps,
+                                 "world_size": extra["world_size"]}
+            return extra["loop"]
+        return None
+
+    def _candidates(self) -> list[Path]:
+        """This cell's checkpoint folders, else the newest of a sibling cell's that differ only in world size."""
+        own = [p for p in (self.path, self.previous) if (p / EXTRA_NAME).exists()]
+        if own:
+            return own
+        cell = self.path.parent
+        siblings = [d / self.path.name for d in cell.parent.iterdir() if d != cell and d.is_dir()
+                    and WORLD_SIZE_SEGMENT.sub("", d.name) == WORLD_SIZE_SEGMENT.sub("", cell.name)
+                    and self._same_run(d / self.path.name)]
+        return sorted(siblings, key=lambda p: (p / EXTRA_NAME).stat().st_mtime_ns, reverse=True)[:1]
+
+    def _same_run(self, path: Path) -> bool:
+        """Whether `path` is a readable checkpoint of this run at another world size (another run's is left be)."""
+        try:
+            extra = torch.load(path / EXTRA_NAME, map_location="cpu", weights_only=False)
+        except Exception:
+            return False
+        return isinstance(extra, dict) and extra.get("any_world_size_id") == self.any_world_size_id
+
+    def _load(self, path: Path, model, optimizer) -> tuple[dict, dict]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        extra = torch.load(path / EXTRA_NAME, map_location="cpu", weights_only=False)
+        if path.parent == self.path.parent and extra.get("run_id") != self.run_id:  # a sibling's: `_same_run`
+            raise CheckpointMismatch(f"it is another configuration's (run_id {extra.get('run_id')}, this run "
+                                     f"{self.run_id})")
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        copies = _cloned({"model": model_state, "optimizer": optimizer_state})  # a failed load leaves the live ones
+        dcp.load(copies, checkpoint_id=path)
+        rng = path / f"rng.{self.rank}.pt"
+        rng = torch.load(rng if rng.exists() else path / "rng.0.pt", weights_only=False)  # another world size's
+        set_state_dict(model, optimizer, model_state_dict=copies["model"], optim_state_dict=copies["optimizer"])
+        return extra, rng
+
+    def remove(self) -> None:
+        if not self.keep:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _cloned(state):
+    """`state` with every tensor copied (DTensors keep their placement)."""
+    if torch.is_tensor(state):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _cloned(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_cloned(v) for v in state)
+    return copy.copy(state)
+
+
+def _save_file(path: Path, state) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())

@@ -16,15 +16,19 @@ memory and the bytes each kind of collective carried in the first step (`Collect
 crashed, its training failed, a collective timed out: `collective_timeout`) ends the job: the launcher stops the
 other ranks and the cell is recorded as failed (`JobFailed`), rank 0's record where it wrote one.
 
-Not yet (#54), each refused by name before anything starts: checkpoints of a distributed cell (a pre-empted one
-starts again), train.compile, XLA, scaling methods other than none, low-precision master weights and optimiser
-states, the FP8 all-gather; the speed and memory models still price one device's step of the whole batch.
+Checkpoints go through torch.distributed.checkpoint (bench.running.checkpoint.DistributedCheckpointer): a pre-empted
+cell resumes bit for bit, and at another world size from its sibling cell's checkpoint (`any_world_size`).
+
+Not yet (#54), each refused by name before anything starts: train.compile, XLA, scaling methods other than none,
+low-precision master weights and optimiser states, the FP8 all-gather. The speed model still prices one device's
+step of the whole batch, without the collectives; bench.predict's memory is one rank's (bench.speed.model.rank_memory).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import os
+import signal
 from collections import Counter
 from dataclasses import dataclass
 
@@ -37,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.errors import ConfigError
 from bench.numerics.formats import FORMATS
 from bench.numerics.scaling_methods import NO_SCALING
+from bench.tasks.base import block_of
 
 WRAPPERS = ("none", "ddp", "fsdp2")
 # what may travel between ranks: the registered element formats torch holds in 16 bits or more (fp32, fp16, bf16)
@@ -97,7 +102,6 @@ def check(cfg: DictConfig) -> None:
     if p.name == "none":
         return
     refused = {"device=xla": cfg.device == "xla", "train.compile=true": cfg.train.get("compile") is True,
-               f"train.checkpoint_every={cfg.train.get('checkpoint_every')}": cfg.train.get("checkpoint_every"),
                f"scaling={cfg.scaling.name}": cfg.scaling.name != NO_SCALING,
                f"train.master_weights={cfg.train.get('master_weights')}":
                    cfg.train.get("master_weights", "fp32") != "fp32",
@@ -105,13 +109,24 @@ def check(cfg: DictConfig) -> None:
                    cfg.model.optimizer.get("state_format", "fp32") != "fp32"}
     if chosen := [name for name, taken in refused.items() if taken]:
         raise ConfigError(f"parallel={p.name} does not run with {', '.join(chosen)} yet (#54); a distributed cell "
-                          "runs eagerly on CPU or CUDA, with scaling=none, FP32 master weights and optimiser states, "
-                          "and no checkpoints")
+                          "runs eagerly on CPU or CUDA, with scaling=none, FP32 master weights and optimiser states")
+
+
+def any_world_size(config: dict) -> str:
+    """The run's identity with its world size left out: a checkpoint of it resumes at any world size (DCP reshards)."""
+    from bench.running.identity import run_id
+
+    return run_id(config | {"parallel": config["parallel"] | {"world_size": 1}})
 
 
 class JobFailed(Exception):
     """A rank of a cell's job failed (killed, crashed, or its training failed: a collective that timed out, say):
-    the launcher stopped the others; the message says which rank, how, and its error where it left one."""
+    the launcher stopped the others; the message says which rank (`first_rank`, the first to fail), how, and its
+    error where it left one."""
+
+    def __init__(self, summary: str, first_rank: int):
+        super().__init__(summary)
+        self.first_rank = first_rank
 
 
 COLLECTIVE_TIMEOUT = dt.timedelta(minutes=10)  # a collective a rank waits on longer than this fails the job
@@ -123,6 +138,7 @@ def launch(cfg: DictConfig, config: dict, train_rank) -> dict:
     each `rank(cfg, config, train_rank)`, and return rank 0's record; JobFailed where a rank ended without one (the
     launcher has then stopped every rank). `train_rank(cfg, config, device, precision)` (bench.running.run's, a
     module-level function: spawned ranks unpickle it) trains the cell on a rank."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -132,7 +148,11 @@ def launch(cfg: DictConfig, config: dict, train_rank) -> dict:
     try:
         results = elastic_launch(job, rank)(OmegaConf.to_yaml(cfg, resolve=True), config, train_rank)
     except ChildFailedError as e:
-        raise JobFailed(failure_summary(e, cfg.parallel.world_size)) from None
+        raise JobFailed(failure_summary(e, cfg.parallel.world_size), e.get_first_failure()[0]) from None
+    except SignalException as e:  # the launcher passed it to the ranks, which saved a checkpoint at a step boundary
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None  # bench.run's "interrupted: ... run the same command again"
+        raise SystemExit(128 + e.sigval) from None  # pre-empted: the next launch resumes
     return results[0]
 
 
@@ -233,15 +253,9 @@ def wrap(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> torch
     policy = MixedPrecisionPolicy(param_dtype=COMMUNICATED[p.param_dtype], reduce_dtype=COMMUNICATED[p.reduce_dtype])
     blocks = cfg.model.task.get("blocks")
     for name, module in model.named_modules():
-        if blocks and _is_block(name, blocks):
+        if block_of(name, blocks) == name:  # one of the model's repeated blocks (model.task.blocks)
             fully_shard(module, mp_policy=policy)
     return fully_shard(model, mp_policy=policy)
-
-
-def _is_block(name: str, blocks: str) -> bool:
-    """Whether module `name` is one of the model's repeated blocks (`model.task.blocks`: their container's dotted
-    path, e.g. transformer.h): a direct child of it."""
-    return name.startswith(f"{blocks}.") and "." not in name[len(blocks) + 1:]
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -294,6 +308,6 @@ def describe(cfg: DictConfig, peaks: list[int | None], collective_bytes: dict) -
             "reduce_dtype": p.reduce_dtype, "gradient_compression": p.gradient_compression,
             "peak_bytes_per_rank": peaks, "peak_bytes_max": max(known) if known else None,
             "collective_bytes_first_step": dict(sorted(collective_bytes.items())),
-            "note": "the record's predictions and memory model price one device's step of the whole batch; the "
-                    "collectives and the sharding are not modelled yet (#54)"}
+            "note": "the record's predicted step times price one device's step of the whole batch, without the "
+                    "collectives (#54); bench.predict gives the memory of one rank"}
 

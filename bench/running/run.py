@@ -33,7 +33,7 @@ from bench.numerics.scaling_methods import build as build_scaling_method
 from bench.numerics.unit import ConversionError
 from bench.running import device as devices
 from bench.running import parallel
-from bench.running.checkpoint import Checkpointer
+from bench.running.checkpoint import Checkpointer, DistributedCheckpointer
 from bench.running.command_line import check_command_line, check_yaml_files
 from bench.running.config import CONF_DIR, ConfigError, check, declarations
 from bench.running.identity import run_id
@@ -265,9 +265,13 @@ def run_cell(cfg: DictConfig) -> dict:
             try:
                 record = parallel.launch(cfg, config, _train_cell)
             except parallel.JobFailed as e:  # the cell failed, the sweep goes on
-                if result.exists() and result.stat().st_mtime_ns != before:  # rank 0's, saying why its training failed
+                if result.exists() and result.stat().st_mtime_ns != before:  # rank 0's record of its failure
+                    record = previous_record(result.parent)[0]
+                    if e.first_rank != 0:  # the cause was another rank's (rank 0 then lost its peer): said first
+                        record["reason"] = f"JobFailed: {e} (rank 0 then: {record['reason']})"
+                        write_json_atomic(result, record)
                     log.error("%s: its job failed: %s", cfg.cell, e)
-                    return previous_record(result.parent)[0]
+                    return record
                 return _record_failure(cfg, config, f"JobFailed: {e}", "its job failed")  # a rank lost before that
             _log_outcome(cfg, record)  # here too: the ranks' own logging is not this process's
             return record
@@ -300,9 +304,10 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
     identity = run_id(config)
     memory = devices.PeakMemory(device)
     conditions = devices.TimingConditions(device)
-    ranks = parallel.Ranks.current()  # a distributed cell's ranks train alike; rank 0 writes (no checkpoints yet)
-    checkpointer = Checkpointer(run_dir, identity, cfg.train.checkpoint_every, cfg.train.keep_checkpoint) \
-        if not ranks.distributed else None
+    ranks = parallel.Ranks.current()  # a distributed cell's ranks train alike; rank 0 writes
+    every, keep = cfg.train.checkpoint_every, cfg.train.keep_checkpoint
+    checkpointer = DistributedCheckpointer(run_dir, identity, every, keep, parallel.any_world_size(config)) \
+        if ranks.distributed else Checkpointer(run_dir, identity, every, keep)
     collectives = parallel.CollectiveBytes() if ranks.distributed else None
     scaler = build_scaler(cfg, precision)  # replaced by the cell's; here so that a failed build records its state
     record = {"status": "failed", "reason": None, "run_id": identity, "config": config,

@@ -533,17 +533,29 @@ def _optimizer_bytes_per_element(trace: StepTrace, stored: float) -> float:
     return moved / traffic if traffic else stored
 
 
+FILLS = ("zeros", "ones", "empty", "full")  # aten ops that make a tensor without reading one: an optimiser's new state
+
+
 def step_memory(trace: StepTrace, recipe: Recipe) -> dict:
     """The bytes one training step holds, as the trace accounts for them under `recipe` (bench.predict's memory,
     where no step is run: bench/numerics/memory.py counts a real first step for a record): parameters, their
-    gradients and the optimiser's state at the stored type (the state: what the optimiser step reads beyond the
-    parameters and gradients), and the activations saved for the backward pass (every tensor the forward pass makes
-    and the backward pass reads) at the type outside the GEMMs, a converted GEMM's own operands in its format; the
-    optimiser's moments and the parameters as the cell stores them (`StepTrace.state_format`, `master_weights`)."""
+    gradients and the optimiser's state at the stored type (the state: what the optimiser step reads besides the
+    parameters and gradients, each tensor once however often it is read), and the activations saved for the
+    backward pass (every tensor the forward pass makes and the backward pass reads) at the type outside the GEMMs, a
+    converted GEMM's own operands in its format; the optimiser's moments and the parameters as the cell stores them
+    (`StepTrace.state_format`, `master_weights`)."""
     parameters = trace.parameters
-    read_by_optimizer = sum(sum(o.reads) for o in trace.ops if o.phase == "optimizer" and o.kind != "view")
     stored, elsewhere = _element_bytes(recipe.stored), _element_bytes(recipe.elsewhere)
     made_in_backward = {t for op in trace.ops if op.phase == "backward" and op.kind != "view" for t in op.outputs}
+    # the optimiser's state: what its step reads besides the parameters and gradients, each tensor once, but the
+    # temporaries it computes (a state tensor is made before the step, or by a fill inside the first one)
+    stepping = [op for op in trace.ops if op.phase == "optimizer" and op.kind != "view"]
+    computed = {t for op in stepping if not op.op.split(".")[1].startswith(FILLS) for t in op.outputs}
+    state: dict[int, int] = {}
+    for op in stepping:
+        for t, n in zip(op.inputs, op.reads):
+            if t not in trace.held and t not in made_in_backward and t not in computed:
+                state[t] = max(state.get(t, 0), n)
     saved: dict[int, float] = {}
     for op in trace.ops:
         if op.phase != "backward":
@@ -556,6 +568,46 @@ def step_memory(trace: StepTrace, recipe: Recipe) -> dict:
                  for name, n in trace.gemm_weights.items()) if recipe.autocast or recipe.casts else 0
     weight, moment, compensation = _stored_bytes(trace, stored)
     breakdown = {"parameters": parameters * weight, "gradients": parameters * weight,
-                 "optimizer_state": max(0, read_by_optimizer - 2 * parameters) * moment + parameters * compensation,
+                 "optimizer_state": sum(state.values()) * moment + parameters * compensation,
                  "weight_copies": copies, "activations": sum(saved.values())}
     return {k: int(v) for k, v in breakdown.items()} | {"total": int(sum(breakdown.values()))}
+
+
+# DDP's default gradient bucket cap (torch.nn.parallel.DistributedDataParallel's bucket_cap_mb): a compression hook
+# holds one bucket's 16-bit copy at a time
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None) -> dict:
+    """One rank's step under the cell's data-parallel wrapper (`parallel`: the config section; bench/running/
+    parallel.py), from the one-device step's breakdown (`step_memory`) of the whole batch:
+    - each rank takes 1/world_size of every batch: its activations and weight copies shrink so, and under FSDP2 with
+      a 16-bit param_dtype (FSDP2 casts the inputs and computes in it) to that type's width;
+    - ddp: every rank holds the whole model, its gradients and the optimiser's state, and DDP's gradient buckets (a
+      copy of every gradient; with a compression hook, one bucket's 16-bit copy besides);
+    - fsdp2: every rank holds 1/world_size of the parameters, gradients and optimiser state (its shards), and in
+      `communication_buffers` the parameters it all-gathers in param_dtype (the largest block's twice, the one
+      computing and the one prefetched, and those outside the blocks, which the root gathers for the whole step)
+      and one block's unsharded gradients in reduce_dtype before they are reduce-scattered.
+    A block is a module under `blocks` (the model's TaskSpec.blocks); its parameters are counted from its GEMM
+    weights (a block's biases and norms are left with the root's)."""
+    from bench.tasks.base import block_of
+
+    world = parallel.world_size
+    per_block: dict[str, int] = {}
+    for name, elements in trace.gemm_weights.items():
+        if (block := block_of(name, blocks)) is not None:
+            per_block[block] = per_block.get(block, 0) + elements
+    largest, root = max(per_block.values(), default=0), trace.parameters - sum(per_block.values())
+    width = _element_bytes(parallel.param_dtype) / ELEMENT_BYTES["fp32"] if parallel.name == "fsdp2" else 1.0
+    out = {"activations": memory["activations"] * width / world, "weight_copies": memory["weight_copies"] / world}
+    if parallel.name == "ddp":
+        gradients = memory["gradients"]
+        hook = min(DDP_BUCKET_BYTES, gradients) / 2 if parallel.gradient_compression != "none" else 0
+        out |= {k: memory[k] for k in ("parameters", "gradients", "optimizer_state")}
+        out["communication_buffers"] = gradients + hook
+    else:  # fsdp2
+        out |= {k: memory[k] / world for k in ("parameters", "gradients", "optimizer_state")}
+        out["communication_buffers"] = ((2 * largest + root) * _element_bytes(parallel.param_dtype)
+                                        + largest * _element_bytes(parallel.reduce_dtype))
+    return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}

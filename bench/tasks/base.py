@@ -127,6 +127,14 @@ class TaskSpec:
 HUB_DATASETS = {"ylecun/mnist": "mnist", "stanfordnlp/imdb": "imdb", "rajpurkar/squad": "squad_v1.1"}
 
 
+def block_of(name: str, blocks: str | None) -> str | None:
+    """The repeated block a module or parameter `name` is in (`blocks`: the model's TaskSpec.blocks, their container's
+    dotted path), as that block's module name (h.3 for h.3.attn.q.weight); None outside them."""
+    if not blocks or not name.startswith(f"{blocks}."):
+        return None
+    return f"{blocks}.{name[len(blocks) + 1:].split('.', 1)[0]}"
+
+
 def hub_dataset(data: dict) -> str:
     return HUB_DATASETS.get(data["name"], data["name"])
 
