@@ -274,7 +274,7 @@ def test_a_killed_rank_fails_its_cell_with_a_summary_stops_the_other_ranks_and_t
 # A plug-in whose rank 1 stops answering at its third backward pass (a rank stuck, not dead): rank 0 waits in the
 # gradients' all-reduce until the collective timeout.
 STALLER = """
-import os, time
+import os, signal, time
 import torch
 
 if os.environ.get("RANK") == "1":
@@ -283,7 +283,8 @@ if os.environ.get("RANK") == "1":
     def _stalls(self, *args, **kwargs):
         _calls.append(1)
         if len(_calls) == 3:
-            time.sleep(3600)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # stuck where no Python handler runs: the launcher's
+            time.sleep(3600)                                # SIGTERM ends it at once, not its SIGKILL 30 s later
         return _backward(self, *args, **kwargs)
     torch.Tensor.backward = _stalls
 """
@@ -311,11 +312,11 @@ def test_a_rank_that_stops_answering_fails_its_cell_as_a_collective_timeout_not_
 
 
 def _lenet_job(results: Path, *overrides: str):
-    """`python -m bench.run` of a two-rank LeNet FSDP2 cell of 300 steps, checkpointing every 5, keeping its last."""
+    """`python -m bench.run` of a two-rank LeNet FSDP2 cell of 150 steps, checkpointing every 5, keeping its last."""
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "bench.run", "model=lenet", "parallel=fsdp2", "train.max_steps=300",
+    cmd = [sys.executable, "-m", "bench.run", "model=lenet", "parallel=fsdp2", "train.max_steps=150",
            "train.checkpoint_every=5", "train.keep_checkpoint=true", "train.log_every=10", f"results_dir={results}",
            *overrides]
     return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
@@ -363,7 +364,7 @@ def test_a_pre_empted_distributed_cell_resumes_bit_for_bit_and_at_another_world_
     whole, weights = _finished(tmp_path / "whole")
     stopped = _stopped_at_a_checkpoint(tmp_path / "stopped")
     resumed, resumed_weights = _finished(tmp_path / "stopped")
-    assert 0 < stopped < 300 and resumed["resumed_from"] == {"checkpoint": "checkpoint.dcp", "step": stopped,
+    assert 0 < stopped < 150 and resumed["resumed_from"] == {"checkpoint": "checkpoint.dcp", "step": stopped,
                                                              "world_size": 2}
     assert resumed["metrics"]["final_train_loss"] == whole["metrics"]["final_train_loss"]
     assert weights.keys() == resumed_weights.keys()
@@ -372,7 +373,7 @@ def test_a_pre_empted_distributed_cell_resumes_bit_for_bit_and_at_another_world_
     stopped = _stopped_at_a_checkpoint(tmp_path / "resharded")
     one_rank, one_rank_weights = _finished(tmp_path / "resharded", "parallel.world_size=1")
     assert one_rank["resumed_from"]["world_size"] == 2 and one_rank["resumed_from"]["step"] == stopped
-    assert one_rank["resumed_from"]["checkpoint"].endswith(",parallel.world_size=2,train.max_steps=300/checkpoint.dcp")
+    assert one_rank["resumed_from"]["checkpoint"].endswith(",parallel.world_size=2,train.max_steps=150/checkpoint.dcp")
     assert math.isclose(one_rank["metrics"]["final_train_loss"], whole["metrics"]["final_train_loss"], rel_tol=1e-3)
     assert all(torch.allclose(weights[k], one_rank_weights[k], rtol=1e-3, atol=1e-5) for k in weights)
 

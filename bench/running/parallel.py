@@ -179,6 +179,35 @@ def collective_timeout() -> dt.timedelta:
 
 @record
 def rank(cfg_yaml: str, config: dict, train_rank) -> dict:
+    """One rank of a cell's job started by the elastic launcher (`_train_rank`); a failed record makes the rank exit
+    non-zero, so that the launcher stops a rank that may wait on this one."""
+    record = _train_rank(cfg_yaml, config, train_rank)
+    if record["status"] == "failed":
+        raise RankFailed(record["reason"])
+    return record
+
+
+class RankFailed(Exception):
+    """A rank's training failed (its record says why; rank 0 has written it)."""
+
+
+def slurm_tasks() -> int:
+    """The tasks of this SLURM job (submitit's tasks_per_node x nodes): each one rank of a distributed cell, where
+    there are more than one; 1 outside SLURM (the cell then launches its ranks itself)."""
+    return int(os.environ.get("SLURM_NTASKS", "1")) if os.environ.get("SLURM_JOB_ID") else 1
+
+
+def as_slurm_task(cfg: DictConfig, config: dict, train_rank) -> dict:
+    """This SLURM task as one rank of the cell's job (submitit started one process per task, each running the cell):
+    torch's env:// variables from submitit's TorchDistributedEnvironment (the job's first node as the master), then
+    the rank's training. Every task returns its record; rank 0's is the one written."""
+    from submitit.helpers import TorchDistributedEnvironment
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)  # a GPU per LOCAL_RANK, as under torchrun
+    return _train_rank(OmegaConf.to_yaml(cfg, resolve=True), config, train_rank)
+
+
+def _train_rank(cfg_yaml: str, config: dict, train_rank) -> dict:
     """One rank of a cell's job: join the process group, train the cell on this rank's shares, leave."""
     from bench import plugins
     from bench.numerics.precision import Precision
@@ -195,16 +224,9 @@ def rank(cfg_yaml: str, config: dict, train_rank) -> dict:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=collective_timeout())
     try:
         with precision.fp32_flags():
-            record = train_rank(cfg, config, device, precision)
+            return train_rank(cfg, config, device, precision)
     finally:
         dist.destroy_process_group()
-    if record["status"] == "failed":  # exit non-zero, so that the launcher stops a rank that may wait on this one
-        raise RankFailed(record["reason"])
-    return record
-
-
-class RankFailed(Exception):
-    """A rank's training failed (its record says why; rank 0 has written it)."""
 
 
 def shard(batch, ranks: Ranks):
@@ -304,7 +326,9 @@ def describe(cfg: DictConfig, peaks: list[int | None], collective_bytes: dict) -
     """The record's `parallel` section."""
     p = cfg.parallel
     known = [b for b in peaks if b is not None]
-    return {"wrapper": p.name, "world_size": p.world_size, "param_dtype": p.param_dtype,
+    return {"wrapper": p.name, "world_size": p.world_size,
+            "ranks": "SLURM tasks (submitit)" if slurm_tasks() > 1 else "torch's elastic launcher",
+            "param_dtype": p.param_dtype,
             "reduce_dtype": p.reduce_dtype, "gradient_compression": p.gradient_compression,
             "peak_bytes_per_rank": peaks, "peak_bytes_max": max(known) if known else None,
             "collective_bytes_first_step": dict(sorted(collective_bytes.items())),

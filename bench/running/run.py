@@ -253,6 +253,14 @@ def run_cell(cfg: DictConfig) -> dict:
         # on a compute node the device is decided where the cell runs; a node that cannot run it is a result
         return _record_failure(cfg, config, f"DeviceError: {e}", "failed on this node")
     device = devices.cell_device(device)  # on CUDA: the GPU this process has to itself
+    if parallel.wanted(cfg) and (tasks := parallel.slurm_tasks()) > 1:  # each SLURM task a rank: tasks_per_node
+        if tasks != cfg.parallel.world_size:
+            return _record_failure(cfg, config, f"ConfigError: parallel.world_size={cfg.parallel.world_size} in a "
+                                   f"SLURM job of {tasks} tasks; valid: {tasks} (BENCH_SLURM_TASKS)", "not run")
+        record = parallel.as_slurm_task(cfg, config, _train_cell)
+        if os.environ["RANK"] == "0":  # the task that wrote the record (the others' are not written)
+            _log_outcome(cfg, record)
+        return record
     with cell_lock(Path(cfg.results_dir) / cfg.cell) as mine:
         if not mine:
             log.warning("%s: skipped, another process is training it now", cfg.cell)

@@ -212,3 +212,28 @@ def test_a_cell_past_its_time_limit_is_requeued_and_resumes_to_the_uninterrupted
     cell = cell_dirs(tmp_path)[0]
     assert len(starts(cell)) >= 2 and all("resuming at step" in line for line in starts(cell)[1:]), starts(cell)
     assert_same_result(cell, uninterrupted(LONG))
+
+
+def test_a_two_task_job_trains_a_distributed_cell_each_task_a_rank(tmp_path):
+    """BENCH_SLURM_TASKS=2 (hydra.launcher.tasks_per_node): submitit starts two tasks of one job, each joins the
+    cell's process group as a rank through submitit's TorchDistributedEnvironment, and rank 0 writes the record. The
+    same DDP cell trained by the elastic launcher outside SLURM ends with the same loss, bit for bit."""
+    overrides = ["model=lenet", "parallel=ddp", "train.max_steps=30"]
+    done = subprocess.run([sys.executable, "-m", "bench.run", "-m", *overrides, f"results_dir={tmp_path / 'here'}"],
+                          cwd=CONF.parent, env=os.environ | SLURM_ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = subprocess.run([sys.executable, "-m", "bench.run", "-m", "hydra/launcher=slurm", *overrides,
+                          f"results_dir={tmp_path / 'slurm'}"], cwd=CONF.parent,
+                         env=os.environ | SLURM_ENV | {"BENCH_SLURM_TASKS": "2"}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    (cell,) = cell_dirs(tmp_path / "slurm")
+    (here,) = cell_dirs(tmp_path / "here")
+    found, reference = record(cell), record(here)
+    assert found["status"] == "ok" and found["env"]["slurm_job"] and found["parallel"]["world_size"] == 2
+    assert found["parallel"]["ranks"] == "SLURM tasks (submitit)"
+    assert reference["parallel"]["ranks"] == "torch's elastic launcher"
+    assert len(found["parallel"]["peak_bytes_per_rank"]) == 2
+    assert found["parallel"]["collective_bytes_first_step"] == {"all_reduce": 4 * 61_706}
+    assert found["metrics"]["final_train_loss"] == reference["metrics"]["final_train_loss"]
+    assert len(list((tmp_path / "slurm").rglob("result.json"))) == 1
