@@ -438,3 +438,12 @@ def test_a_pre_emption_signal_landing_during_the_ranks_agreement_is_kept_for_the
         assert stops == [signal.SIGTERM]
     finally:
         dist.destroy_process_group()
+
+
+def test_ranks_wanting_more_cores_than_the_machine_gives_are_warned_of_not_refused(make_cfg):
+    two = make_cfg("model=lenet", "parallel=ddp", "device=cpu")
+    assert parallel.oversubscribed(two, cores=2) is None
+    assert parallel.oversubscribed(make_cfg("model=lenet", "parallel=ddp", "parallel.world_size=4", "device=cpu"),
+                                   cores=2) == ("parallel.world_size=4 ranks of threads=1 want 4 cores; this machine "
+                                                "gives 2: the ranks share cores (slower; step times of shared cores)")
+    assert parallel.oversubscribed(make_cfg("model=lenet", "parallel=ddp", "threads=2", "device=cpu"), cores=2)

@@ -27,6 +27,7 @@ step of the whole batch, without the collectives; bench.predict's memory is one 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import signal
 from collections import Counter
@@ -42,6 +43,8 @@ from bench.errors import ConfigError
 from bench.numerics.formats import FORMATS
 from bench.numerics.scaling_methods import NO_SCALING
 from bench.tasks.base import block_of
+
+log = logging.getLogger(__name__)
 
 WRAPPERS = ("none", "ddp", "fsdp2")
 # what may travel between ranks: the registered element formats torch holds in 16 bits or more (fp32, fp16, bf16)
@@ -142,6 +145,8 @@ def launch(cfg: DictConfig, config: dict, train_rank) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if (crowded := oversubscribed(cfg)) is not None:
+        log.warning("%s: %s", cfg.cell, crowded)
     job = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size, run_id=f"bench-{os.getpid()}",
                        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                        start_method="spawn")
@@ -154,6 +159,20 @@ def launch(cfg: DictConfig, config: dict, train_rank) -> dict:
             raise KeyboardInterrupt from None  # bench.run's "interrupted: ... run the same command again"
         raise SystemExit(128 + e.sigval) from None  # pre-empted: the next launch resumes
     return results[0]
+
+
+def oversubscribed(cfg: DictConfig, cores: int | None = None) -> str | None:
+    """A warning where a CPU cell's ranks want more cores than this machine gives the process (each rank `threads`
+    of them): it runs, slower, and its timings are of ranks sharing cores. Not a refusal: a reduction's arithmetic
+    does not depend on it, and a sweep's cells are checked where it starts, not where they run."""
+    from bench.running.device import select_device
+
+    cores = cores or len(os.sched_getaffinity(0))
+    wanted = cfg.parallel.world_size * (cfg.threads or 1)
+    if select_device(cfg.device).type != "cpu" or wanted <= cores:
+        return None
+    return (f"parallel.world_size={cfg.parallel.world_size} ranks of threads={cfg.threads or 1} want {wanted} cores; "
+            f"this machine gives {cores}: the ranks share cores (slower; step times of shared cores)")
 
 
 def failure_summary(error, world_size: int) -> str:
