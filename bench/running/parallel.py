@@ -2,10 +2,10 @@
 communication part of the answer (`parallel.*`; conf/parallel/).
 
 One cell is one job of `parallel.world_size` ranks on this machine, started by torch's elastic launcher (the engine
-behind torchrun: `torch.distributed.launcher.api.elastic_launch`), gloo on CPU and NCCL on CUDA, one thread per rank
-unless `threads` says otherwise. Every rank builds the same cell (same seed, same batches) and trains on its
-contiguous share of each batch (`shard`), so the global batch is the one-device cell's, and the wrapper averages the
-gradients over the ranks:
+behind torchrun: `torch.distributed.launcher.api.elastic_launch`), or, in a SLURM job of as many tasks, one rank per
+task (`as_slurm_task`); gloo on CPU and NCCL on CUDA, one thread per rank unless `threads` says otherwise. Every
+rank builds the same cell (same seed, same batches) and trains on its contiguous share of each batch (`shard`), so
+the global batch is the one-device cell's, and the wrapper averages the gradients over the ranks:
 - ddp: DistributedDataParallel. `parallel.gradient_compression` (none | bf16 | fp16) reduces its gradient buckets in
   that type through a communication hook (`reduce_in`): torch's fp16_compress_hook's arithmetic, under a name DDP
   does not refuse on CPU (it refuses `bf16_compress_hook` by name without NCCL);
@@ -138,8 +138,8 @@ TIMEOUT_VARIABLE = "PRECISION_BENCH_COLLECTIVE_TIMEOUT_S"  # seconds, instead (a
 
 def launch(cfg: DictConfig, config: dict, train_rank) -> dict:
     """Run the cell as a job of `parallel.world_size` ranks here (torch's elastic launcher, standalone rendezvous),
-    each `rank(cfg, config, train_rank)`, and return rank 0's record; JobFailed where a rank ended without one (the
-    launcher has then stopped every rank). `train_rank(cfg, config, device, precision)` (bench.running.run's, a
+    each `rank(cfg, config, train_rank)`, and return rank 0's record; JobFailed where a rank failed (the launcher
+    has then stopped every rank). `train_rank(cfg, config, device, precision)` (bench.running.run's, a
     module-level function: spawned ranks unpickle it) trains the cell on a rank."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -200,10 +200,10 @@ def collective_timeout() -> dt.timedelta:
 def rank(cfg_yaml: str, config: dict, train_rank) -> dict:
     """One rank of a cell's job started by the elastic launcher (`_train_rank`); a failed record makes the rank exit
     non-zero, so that the launcher stops a rank that may wait on this one."""
-    record = _train_rank(cfg_yaml, config, train_rank)
-    if record["status"] == "failed":
-        raise RankFailed(record["reason"])
-    return record
+    outcome = _train_rank(cfg_yaml, config, train_rank)
+    if outcome["status"] == "failed":
+        raise RankFailed(outcome["reason"])
+    return outcome
 
 
 class RankFailed(Exception):

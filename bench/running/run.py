@@ -253,14 +253,8 @@ def run_cell(cfg: DictConfig) -> dict:
         # on a compute node the device is decided where the cell runs; a node that cannot run it is a result
         return _record_failure(cfg, config, f"DeviceError: {e}", "failed on this node")
     device = devices.cell_device(device)  # on CUDA: the GPU this process has to itself
-    if parallel.wanted(cfg) and (tasks := parallel.slurm_tasks()) > 1:  # each SLURM task a rank: tasks_per_node
-        if tasks != cfg.parallel.world_size:
-            return _record_failure(cfg, config, f"ConfigError: parallel.world_size={cfg.parallel.world_size} in a "
-                                   f"SLURM job of {tasks} tasks; valid: {tasks} (BENCH_SLURM_TASKS)", "not run")
-        record = parallel.as_slurm_task(cfg, config, _train_cell)
-        if os.environ["RANK"] == "0":  # the task that wrote the record (the others' are not written)
-            _log_outcome(cfg, record)
-        return record
+    if parallel.wanted(cfg) and parallel.slurm_tasks() > 1:  # each SLURM task a rank (tasks_per_node)
+        return _as_slurm_task(cfg, config)
     with cell_lock(Path(cfg.results_dir) / cfg.cell) as mine:
         if not mine:
             log.warning("%s: skipped, another process is training it now", cfg.cell)
@@ -268,23 +262,41 @@ def run_cell(cfg: DictConfig) -> dict:
         if (done := finished_record(cfg, config)) is not None:  # finished while this process was starting
             return _skip_recorded(cfg, done)
         if parallel.wanted(cfg):  # a job of parallel.world_size ranks, each training its share; rank 0 records
-            result = Path(cfg.results_dir) / cfg.cell / "result.json"
-            before = result.stat().st_mtime_ns if result.exists() else None  # a failed one, run again
-            try:
-                record = parallel.launch(cfg, config, _train_cell)
-            except parallel.JobFailed as e:  # the cell failed, the sweep goes on
-                if result.exists() and result.stat().st_mtime_ns != before:  # rank 0's record of its failure
-                    record = previous_record(result.parent)[0]
-                    if e.first_rank != 0:  # the cause was another rank's (rank 0 then lost its peer): said first
-                        record["reason"] = f"JobFailed: {e} (rank 0 then: {record['reason']})"
-                        write_json_atomic(result, record)
-                    log.error("%s: its job failed: %s", cfg.cell, e)
-                    return record
-                return _record_failure(cfg, config, f"JobFailed: {e}", "its job failed")  # a rank lost before that
-            _log_outcome(cfg, record)  # here too: the ranks' own logging is not this process's
-            return record
+            return _launched(cfg, config)
         with precision.fp32_flags():  # torch's TF32 flags as the cell asks, while it runs; as they were after
             return _train_cell(cfg, config, device, precision)
+
+
+def _launched(cfg: DictConfig, config: dict) -> dict:
+    """A distributed cell as a job of ranks this process launches: rank 0's record, or, where a rank failed (the cell
+    failed; the sweep goes on), rank 0's record of its failure, else one of the launcher's saying which rank."""
+    result = Path(cfg.results_dir) / cfg.cell / "result.json"
+    before = result.stat().st_mtime_ns if result.exists() else None  # a failed one, run again
+    try:
+        record = parallel.launch(cfg, config, _train_cell)
+    except parallel.JobFailed as e:
+        if not result.exists() or result.stat().st_mtime_ns == before:  # a rank lost before rank 0 could record
+            return _record_failure(cfg, config, f"JobFailed: {e}", "its job failed")
+        record = previous_record(result.parent)[0]
+        if e.first_rank != 0:  # the cause was another rank's (rank 0 then lost its peer): said first
+            record["reason"] = f"JobFailed: {e} (rank 0 then: {record['reason']})"
+            write_json_atomic(result, record)
+        log.error("%s: its job failed: %s", cfg.cell, e)
+        return record
+    _log_outcome(cfg, record)  # here too: the ranks' own logging is not this process's
+    return record
+
+
+def _as_slurm_task(cfg: DictConfig, config: dict) -> dict:
+    """A distributed cell's rank as this SLURM task (submitit started one process per task): its record, written by
+    rank 0; a failed one where the job's tasks are not the cell's world size."""
+    if (tasks := parallel.slurm_tasks()) != cfg.parallel.world_size:
+        return _record_failure(cfg, config, f"ConfigError: parallel.world_size={cfg.parallel.world_size} in a SLURM "
+                               f"job of {tasks} tasks; valid: {tasks} (BENCH_SLURM_TASKS)", "not run")
+    record = parallel.as_slurm_task(cfg, config, _train_cell)
+    if os.environ["RANK"] == "0":  # the task that wrote the record (the others' are not written)
+        _log_outcome(cfg, record)
+    return record
 
 
 def _skip_recorded(cfg: DictConfig, record: dict) -> dict:
