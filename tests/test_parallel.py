@@ -379,13 +379,13 @@ def test_a_pre_empted_distributed_cell_resumes_bit_for_bit_and_at_another_world_
 
 
 def test_the_per_rank_memory_model_meets_the_ranks_measured_in_the_committed_experiment():
-    """bench.predict's memory per rank (bench.speed.model.rank_memory, from the one-device step's `step_memory`)
-    against rank 0's step as its record counted it, in experiment=distributed_precision (the char-LM, AdamW, two
+    """bench.predict's memory per rank (bench.speed.model.rank_memory, from `step_memory` of rank 0's share of the
+    batch) against rank 0's step as its record counted it, in experiment=distributed_precision (the char-LM, AdamW, two
     ranks): the one-device step and DDP's to 0.01% (DDP's gradient buckets are modelled, not counted by the record);
     FSDP2's, whose all-gathered parameters the record counts among the activations, within 7% of its total."""
     import gzip
 
-    from bench.reporting.predict_cells import _traced
+    from bench.reporting.predict_cells import _rank_share, _traced
     from bench.speed.model import rank_memory, recipe_on, step_memory
     from bench.speed.profiles import shipped_gpus
 
@@ -394,16 +394,15 @@ def test_the_per_rank_memory_model_meets_the_ranks_measured_in_the_committed_exp
     for line in gzip.open(folder / "records.jsonl.gz", "rt"):
         record = json.loads(line)
         records.setdefault(json.dumps(record["config"]["parallel"], sort_keys=True), record)
-    cfg = OmegaConf.create(next(iter(records.values()))["config"])
-    trace = _traced(cfg)
-    one = step_memory(trace, recipe_on(cfg, trace, shipped_gpus()["H100"]))
     assert len(records) == 8
     for record in records.values():
-        p, measured = OmegaConf.create(record["config"]["parallel"]), record["memory"]["step"]["total"]
+        cfg = OmegaConf.create(record["config"])
+        p, measured, trace = cfg.parallel, record["memory"]["step"]["total"], _traced(_rank_share(cfg))
+        share = step_memory(trace, recipe_on(cfg, trace, shipped_gpus()["H100"]))  # of rank 0's share of the batch
         if p.name == "none":
-            assert one["total"] == pytest.approx(measured, rel=1e-4)
+            assert share["total"] == pytest.approx(measured, rel=1e-4)
             continue
-        modelled = rank_memory(one, trace, p, cfg.model.task.blocks)
+        modelled = rank_memory(share, trace, p, cfg.model.task.blocks)
         if p.name == "ddp":
             assert modelled["total"] - modelled["communication_buffers"] == pytest.approx(measured, rel=1e-4)
         else:
@@ -447,3 +446,29 @@ def test_ranks_wanting_more_cores_than_the_machine_gives_are_warned_of_not_refus
                                    cores=2) == ("parallel.world_size=4 ranks of threads=1 want 4 cores; this machine "
                                                 "gives 2: the ranks share cores (slower; step times of shared cores)")
     assert parallel.oversubscribed(make_cfg("model=lenet", "parallel=ddp", "threads=2", "device=cpu"), cores=2)
+
+
+def test_the_collectives_a_rank_receives_are_the_ring_algorithms_bytes_at_the_profiles_bandwidth(make_cfg):
+    """bench.speed.model.collectives against nccl-tests' bus-bandwidth arithmetic, by hand: an all-gather or a
+    reduce-scatter of S bytes over n ranks takes S (n-1)/n / busbw, an all-reduce twice that; within 8 GPUs at the
+    profile's NVLink figure (H100: 450 GB/s, the datasheet's 900 both ways), beyond them at its network's (50)."""
+    from bench.reporting.predict_cells import _traced
+    from bench.speed.model import collectives
+    from bench.speed.profiles import gpu
+
+    h100, trace = gpu("H100"), _traced(make_cfg("model=charlm"))
+    assert (h100.nvlink_gb_s, h100.network_gb_s) == (450, 50)
+    p, gemm = trace.parameters, sum(trace.gemm_weights.values())
+    ddp = collectives(trace, make_cfg("parallel=ddp", "parallel.world_size=8").parallel, h100, 1.0, "h")
+    assert ddp.received == {"all_reduce": 2 * 7 / 8 * p * 4} and ddp.over == "nvlink"
+    assert ddp.seconds == pytest.approx(2 * 7 / 8 * p * 4 / 450e9) and ddp.exposed == 0
+    fsdp = make_cfg("parallel=fsdp2", "parallel.world_size=16", "parallel.param_dtype=bf16").parallel
+    sent = collectives(trace, fsdp, h100, 0.0, "h")
+    assert sent.received == {"all_gather": 2 * 15 / 16 * p * 2, "reduce_scatter": 15 / 16 * p * 4}
+    assert sent.over == "network" and sent.exposed == sent.seconds == pytest.approx(15 / 16 * p * 8 / 50e9)
+    hidden = collectives(trace, fsdp, h100, 1.0, "h")  # compute covers all but the first block's gather
+    block = sum(n for name, n in trace.gemm_weights.items() if name.startswith("h.0."))  # the blocks are alike
+    assert hidden.exposed == pytest.approx(15 / 16 * block * 2 / 50e9) and hidden.exposed < sent.seconds / 4
+    fp8 = collectives(trace, fsdp, h100, 1.0, "h", frozenset(trace.gemm_weights))
+    assert fp8.received["all_gather"] == pytest.approx(2 * 15 / 16 * (gemm * 1 + (p - gemm) * 2))
+    assert collectives(trace, make_cfg("parallel=ddp", "parallel.world_size=1").parallel, h100, 1.0, "h") is None

@@ -117,11 +117,11 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
     from bench.reporting.aggregate import describe
 
     cells = _configs(overrides)  # checked before the speed model is imported (torch._dynamo: seconds)
-    from bench.speed.model import NoNativePath, predict, recipe_on
+    from bench.speed.model import NoNativePath, recipe_on
 
     out = []
     for cell, cfg in cells:
-        trace = _traced(cfg)
+        trace = _traced(_rank_share(cfg))  # a distributed cell's: one rank's share of the batch
         label = describe(OmegaConf.to_container(cfg.model, resolve=True))[1]
         for target in gpus:
             recipe = recipe_on(cfg, trace, target)
@@ -134,31 +134,60 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
                                   "vs 32-true": "–", "vs bf16-mixed": "–", "memory (MiB)": memory,
                                   "note": "; ".join(n for n in (str(recipe), where, per_rank) if n)})
                 continue
-            compiled = predict(trace, recipe, target, compiled=True)
-            eager = predict(trace, recipe, target, compiled=False)
+            (compiled, sent), (eager, _) = (_step(cfg, trace, recipe, target, mode) for mode in (True, False))
             speedups = {"vs 32-true": _baseline(cell, "fp32", target), "vs bf16-mixed": _baseline(cell, "bf16", target)}
             speedups = {name: "–" if isinstance(base, NoNativePath) else
-                        f"{predict(trace, base, target, compiled=True).step_s / compiled.step_s:.2f}×"
+                        f"{_step(cfg, trace, base, target, True)[0] / compiled:.2f}×"
                         for name, base in speedups.items()}
             memory, per_rank = _memory(cfg, trace, recipe)
-            out.append(row | {"setting": recipe.setting, "compiled step": f"{compiled.step_s * 1e3:.3g} ms",
-                              "eager step": f"{eager.step_s * 1e3:.3g} ms", **speedups, "memory (MiB)": memory,
-                              "note": "; ".join(n for n in (trace.note, recipe.note, per_rank) if n)})
+            out.append(row | {"setting": recipe.setting, "compiled step": f"{compiled * 1e3:.3g} ms",
+                              "eager step": f"{eager * 1e3:.3g} ms", **speedups, "memory (MiB)": memory,
+                              "note": "; ".join(n for n in (trace.note, recipe.note, per_rank, sent) if n)})
     return out
 
 
+def _distributed(cfg):
+    """The cell's `parallel` section where it trains on more than one rank, else None."""
+    p = cfg.get("parallel")
+    return p if p is not None and p.name != "none" else None
+
+
+def _rank_share(cfg):
+    """The cell as one rank of a distributed cell trains it: rank 0's share of each batch (the largest: contiguous
+    shares, bench.running.parallel.shard); the cell itself otherwise."""
+    from omegaconf import OmegaConf
+
+    if (p := _distributed(cfg)) is None or "batch_size" not in cfg.model:
+        return cfg
+    return OmegaConf.merge(cfg, {"model": {"batch_size": -(-cfg.model.batch_size // p.world_size)}})
+
+
+def _step(cfg, trace, recipe, target, compiled: bool) -> tuple[float, str | None]:
+    """A step's predicted seconds: one device's; or a rank's (FSDP2's optimiser sharded), plus the part of its
+    collectives its compute does not hide, with a note of them (bench.speed.model.collectives)."""
+    from bench.speed.model import collectives, predict
+
+    if (p := _distributed(cfg)) is None:
+        return predict(trace, recipe, target, compiled).step_s, None
+    step = predict(trace, recipe, target, compiled, shards=p.world_size if p.name == "fsdp2" else 1)
+    sent = collectives(trace, p, target, step.gemm + step.attention + step.memory, cfg.model.task.get("blocks"))
+    if sent is None:
+        return step.step_s, f"collectives not priced ({target.name}'s profile has no interconnect figures)"
+    received = ", ".join(f"{kind} {n / 2**20:.3g} MiB" for kind, n in sent.received.items())
+    return step.step_s + sent.exposed, (f"a rank's collectives {sent.seconds * 1e3:.3g} ms over {sent.over} "
+                                        f"({received} received), {sent.exposed * 1e3:.3g} ms of it exposed")
+
+
 def _memory(cfg, trace, recipe) -> tuple[str, str | None]:
-    """The step's memory in MiB, and for a distributed cell (one rank's: `rank_memory`) a note saying so and that its
-    step time is still one device's of the whole batch."""
+    """The step's memory in MiB, and for a distributed cell (one rank's: `rank_memory`) a note saying so."""
     from bench.speed.model import rank_memory, step_memory
 
     memory = step_memory(trace, recipe)
-    p = cfg.get("parallel")
-    if p is None or p.name == "none":
+    if (p := _distributed(cfg)) is None:
         return f"{memory['total'] / 2**20:.4g}", None
     rank = rank_memory(memory, trace, p, cfg.model.task.get("blocks"))
-    return (f"{rank['total'] / 2**20:.4g}", f"memory per rank of {p.name} over {p.world_size} (its communication "
-            f"buffers {rank['communication_buffers'] / 2**20:.3g} MiB); step time: one device, the whole batch")
+    return (f"{rank['total'] / 2**20:.4g}", f"one rank of {p.name} over {p.world_size}, its share of the batch (its "
+            f"memory's communication buffers {rank['communication_buffers'] / 2**20:.3g} MiB)")
 
 
 def gemm_tables(overrides: list[str], gpus: list) -> list[str]:

@@ -20,8 +20,9 @@ Checkpoints go through torch.distributed.checkpoint (bench.running.checkpoint.Di
 cell resumes bit for bit, and at another world size from its sibling cell's checkpoint (`any_world_size`).
 
 Not yet (#54), each refused by name before anything starts: train.compile, XLA, scaling methods other than none,
-low-precision master weights and optimiser states, the FP8 all-gather. The speed model still prices one device's
-step of the whole batch, without the collectives; bench.predict's memory is one rank's (bench.speed.model.rank_memory).
+low-precision master weights and optimiser states, the FP8 all-gather. bench.predict prices a rank's step with its
+collectives and its memory (bench.speed.model.collectives, rank_memory); a record's own predictions are one
+device's step of the whole batch.
 """
 
 from __future__ import annotations
@@ -351,6 +352,6 @@ def describe(cfg: DictConfig, peaks: list[int | None], collective_bytes: dict) -
             "reduce_dtype": p.reduce_dtype, "gradient_compression": p.gradient_compression,
             "peak_bytes_per_rank": peaks, "peak_bytes_max": max(known) if known else None,
             "collective_bytes_first_step": dict(sorted(collective_bytes.items())),
-            "note": "the record's predicted step times price one device's step of the whole batch, without the "
-                    "collectives (#54); bench.predict gives the memory of one rank"}
+            "note": "the record's predicted step times price one device's step of the whole batch; bench.predict "
+                    "gives a rank's step with its collectives, and its memory"}
 

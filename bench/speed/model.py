@@ -42,6 +42,7 @@ from bench.numerics.blocks import MX_BLOCK
 from bench.speed.gemm import PEAK, RATE, GemmKernel, gemm_time, rate
 from bench.speed.profiles import GPU, shipped_gpus
 from bench.speed.trace import StepTrace
+from bench.tasks.base import block_of
 
 
 @dataclass(frozen=True)
@@ -580,9 +581,9 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None) -> dict:
     """One rank's step under the cell's data-parallel wrapper (`parallel`: the config section; bench/running/
-    parallel.py), from the one-device step's breakdown (`step_memory`) of the whole batch:
-    - each rank takes 1/world_size of every batch: its activations and weight copies shrink so, and under FSDP2 with
-      a 16-bit param_dtype (FSDP2 casts the inputs and computes in it) to that type's width;
+    parallel.py), from the breakdown (`step_memory`) of a step of the rank's share of the batch (`trace`):
+    - its activations and weight copies are the share's, under FSDP2 with a 16-bit param_dtype (FSDP2 casts the
+      inputs and computes in it) at that type's width;
     - ddp: every rank holds the whole model, its gradients and the optimiser's state, and DDP's gradient buckets (a
       copy of every gradient; with a compression hook, one bucket's 16-bit copy besides);
     - fsdp2: every rank holds 1/world_size of the parameters, gradients and optimiser state (its shards), and in
@@ -591,16 +592,14 @@ def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None) ->
       and one block's unsharded gradients in reduce_dtype before they are reduce-scattered.
     A block is a module under `blocks` (the model's TaskSpec.blocks); its parameters are counted from its GEMM
     weights (a block's biases and norms are left with the root's)."""
-    from bench.tasks.base import block_of
-
-    world = parallel.world_size
+    world = parallel.world_size  # the parameters' holders: FSDP2 shards them
     per_block: dict[str, int] = {}
     for name, elements in trace.gemm_weights.items():
         if (block := block_of(name, blocks)) is not None:
             per_block[block] = per_block.get(block, 0) + elements
     largest, root = max(per_block.values(), default=0), trace.parameters - sum(per_block.values())
     width = _element_bytes(parallel.param_dtype) / ELEMENT_BYTES["fp32"] if parallel.name == "fsdp2" else 1.0
-    out = {"activations": memory["activations"] * width / world, "weight_copies": memory["weight_copies"] / world}
+    out = {"activations": memory["activations"] * width, "weight_copies": memory["weight_copies"]}
     if parallel.name == "ddp":
         gradients = memory["gradients"]
         hook = min(DDP_BUCKET_BYTES, gradients) / 2 if parallel.gradient_compression != "none" else 0
@@ -611,3 +610,51 @@ def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None) ->
         out["communication_buffers"] = ((2 * largest + root) * _element_bytes(parallel.param_dtype)
                                         + largest * _element_bytes(parallel.reduce_dtype))
     return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
+
+
+NODE_GPUS = 8  # GPUs one NVLink domain joins (a DGX or HGX node): a job of more crosses the network
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """A distributed step's collectives on one rank: the bytes each kind receives (what a ring moves per rank), their
+    seconds at the interconnect's bus bandwidth, and the part of them the step's compute does not hide."""
+
+    received: dict
+    seconds: float
+    exposed: float
+    over: str  # nvlink | network
+
+
+def collectives(trace: StepTrace, parallel, target: GPU, compute_s: float, blocks: str | None,
+                fp8_gather: frozenset = frozenset()) -> Collectives | None:
+    """One rank's collectives in a step of `parallel.world_size` ranks (trace: a rank's step), as ring algorithms move
+    them (nccl-tests' bus bandwidth: a rank receives (n-1)/n of an all-gather's or reduce-scatter's whole, twice that
+    of an all-reduce's), over NVLink within a node of NODE_GPUS and the network beyond:
+    - ddp: every gradient all-reduced in fp32 (or `gradient_compression`'s type), overlapped with the backward pass
+      bucket by bucket: what the step's compute cannot cover is exposed;
+    - fsdp2: the parameters all-gathered in param_dtype twice (forward, and backward after resharding), the Linear
+      weights in `fp8_gather` (torchao's FP8 all-gather) at one byte; the gradients reduce-scattered in reduce_dtype.
+      FSDP2 prefetches the next block's gather under the current block's compute, so the first block's gather is
+      exposed, and whatever the compute cannot cover.
+    None on one rank, or on a profile without the interconnect's figures."""
+    n = parallel.world_size
+    bandwidth = target.nvlink_gb_s if n <= NODE_GPUS else target.network_gb_s
+    if n == 1 or bandwidth is None:
+        return None
+    share = (n - 1) / n
+    if parallel.name == "ddp":
+        reduced = "fp32" if parallel.gradient_compression == "none" else parallel.gradient_compression
+        received, first = {"all_reduce": 2 * share * trace.parameters * _element_bytes(reduced)}, 0.0
+    else:
+        gathered = sum(e * (1 if name in fp8_gather else _element_bytes(parallel.param_dtype))
+                       for name, e in trace.gemm_weights.items())
+        gathered += (trace.parameters - sum(trace.gemm_weights.values())) * _element_bytes(parallel.param_dtype)
+        received = {"all_gather": 2 * share * gathered,
+                    "reduce_scatter": share * trace.parameters * _element_bytes(parallel.reduce_dtype)}
+        per_block = [sum(e for name, e in trace.gemm_weights.items() if block_of(name, blocks) == block)
+                     for block in {block_of(name, blocks) for name in trace.gemm_weights} - {None}]
+        first = share * max(per_block, default=0) * _element_bytes(parallel.param_dtype)
+    seconds = sum(received.values()) / (bandwidth * 1e9)
+    exposed = max(first / (bandwidth * 1e9), seconds - compute_s)
+    return Collectives(received, seconds, exposed, "nvlink" if n <= NODE_GPUS else "network")

@@ -33,6 +33,11 @@ class GPU:
     gemm_efficiency: dict  # tensor-core type -> fraction of its dense peak a full wave of GEMM tiles reaches
     attention_efficiency: float  # of the 16-bit peak a fused attention kernel (FlashAttention's) reaches
     efficiency_source: str
+    # the collectives' bus bandwidth, GB/s: within a node (NVLink, one direction) and across nodes (the network, a
+    # GPU's share); None in a profile without them: a distributed cell's collectives are then not priced
+    nvlink_gb_s: float | None = None
+    network_gb_s: float | None = None
+    interconnect_source: str | None = None
 
     @classmethod
     def load(cls, path: Path) -> "GPU":
@@ -44,7 +49,8 @@ class GPU:
                    {k: float(v) for k, v in data["tflops"].items()}, float(data["tb_s"]), data["source"],
                    int(data["sms"]), tuple(tuple(int(x) for x in t) for t in data["gemm_tiles"]),
                    {k: float(v) for k, v in data["gemm_efficiency"].items()}, float(data["attention_efficiency"]),
-                   data["efficiency_source"])
+                   data["efficiency_source"], data.get("nvlink_gb_s"), data.get("network_gb_s"),
+                   data.get("interconnect_source"))
 
 
 def shipped_gpus() -> dict[str, GPU]:

@@ -476,12 +476,61 @@ def write(frame: pd.DataFrame, constants: speed.Constants) -> None:
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
+LLAMA_FSDP = ROOT / "results" / "bench" / "llama3_8b_fsdp.md"
+
+
+def llama_fsdp(source: dict) -> list[str]:
+    """Llama3-8B on 8 GPUs under FSDP2 as torchtitan trains it (BF16 parameters gathered, FP32 gradients reduced,
+    the optimiser sharded 8 ways), with its collectives priced (bench.speed.model.collectives): per GPU, the compiled
+    step, its collectives and their exposed part, and tokens/s beside the published figure. Reported, not scored:
+    the same figures score the one-device model in the validation table."""
+    from omegaconf import OmegaConf
+
+    from bench.speed.model import collectives
+
+    trace, target = _traced("llama3_8b", llama3_8b), gpu(source["gpu"])
+    fsdp = OmegaConf.create({"name": "fsdp2", "world_size": 8, "param_dtype": "bf16", "reduce_dtype": "fp32",
+                             "gradient_compression": "none"})
+    settings = [(["format=bf16"], "bf16-mixed", source["baseline"], False)]
+    for overrides, tokens in source["rows"]:
+        settings.append((overrides, " ".join(overrides), tokens, False))
+        if "scaling=per_tensor" in overrides:  # torchao's tensorwise runs gathered its weights in FP8
+            settings.append((overrides, f"{' '.join(overrides)}, FP8 all-gather", tokens, True))
+    lines = [f"# Llama3-8B, 8x {target.name}, FSDP2 (predicted; reported, not scored)", "",
+             "`python -m bench.tools.speed_validation --llama-fsdp`: torchtitan's setting (BF16 parameters gathered, "
+             "FP32 gradients reduce-scattered, the optimiser sharded 8 ways), each GPU's compiled step with its "
+             "collectives priced over NVLink (bench.speed.model.collectives) and the part of them FSDP2's prefetch "
+             "does not hide. Selective activation checkpointing's recomputation is not modelled.", "",
+             f"Published: {source['cite']}", "",
+             "| setting | step (ms) | collectives (ms) | exposed (ms) | tokens/s a GPU | published | off |",
+             "|---|---|---|---|---|---|---|"]
+    for overrides, label, published, fp8_gather in settings:
+        cfg = _compose(["model=bert_tiny", *overrides])
+        recipe = recipe_on(cfg, trace, target)
+        step = predict(trace, recipe, target, True, CONSTANTS, shards=8)
+        gathered = frozenset(n for n in trace.linears if recipe.casts and speed._converted(recipe, trace, n)) \
+            if fp8_gather else frozenset()
+        sent = collectives(trace, fsdp, target, step.gemm + step.attention + step.memory, "model.layers", gathered)
+        seconds = step.step_s + sent.exposed
+        tokens = 8192 / seconds
+        lines.append(f"| {label} | {seconds * 1e3:.0f} | {sent.seconds * 1e3:.0f} | {sent.exposed * 1e3:.1f} | "
+                     f"{tokens:.0f} | {published:g} | {(tokens / published - 1) * 100:+.0f}% |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tools.speed_validation", description=__doc__.splitlines()[0])
     parser.add_argument("--charlm-text", type=Path, default=ROOT.parent / "shared" / "data" / "tinyshakespeare.txt",
                         help="Tiny Shakespeare (the char-LM rows' vocabulary); without it they are left out")
     parser.add_argument("--no-fit", action="store_true", help="validate the constants as they are")
+    parser.add_argument("--llama-fsdp", action="store_true",
+                        help=f"only Llama3-8B on 8 H100s under FSDP2 with its collectives, to {LLAMA_FSDP.name}")
     args = parser.parse_args(argv)
+    if args.llama_fsdp:
+        sources = yaml.safe_load((DATA_DIR / "speed_figures.yaml").read_text())["sources"]
+        LLAMA_FSDP.write_text("\n".join(llama_fsdp(sources["torchao_llama3_h100"])) + "\n")
+        print(LLAMA_FSDP.read_text())
+        return 0
     rows = with_uses(measured_rows() + hand_compiled_rows() + published_rows()
                      + (charlm_rows(args.charlm_text) if args.charlm_text.is_file() else []))
     constants = CONSTANTS if args.no_fit else fit(rows)
