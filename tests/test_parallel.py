@@ -472,3 +472,21 @@ def test_the_collectives_a_rank_receives_are_the_ring_algorithms_bytes_at_the_pr
     fp8 = collectives(trace, fsdp, h100, 1.0, "h", frozenset(trace.gemm_weights))
     assert fp8.received["all_gather"] == pytest.approx(2 * 15 / 16 * (gemm * 1 + (p - gemm) * 2))
     assert collectives(trace, make_cfg("parallel=ddp", "parallel.world_size=1").parallel, h100, 1.0, "h") is None
+
+
+def test_llama3_8b_on_eight_h100s_hides_its_collectives_and_an_fp8_all_gather_only_shrinks_them():
+    """results/bench/llama3_8b_fsdp.md's arithmetic: torchtitan's FSDP2 setting on NVLink moves a tenth of a step's
+    time in collectives, hidden but the first block's gather; gathering the Linear weights in FP8 cuts them by a
+    quarter and changes no step."""
+    import yaml
+
+    from bench.data import DATA_DIR
+    from bench.tools.speed_validation import llama_fsdp
+
+    source = yaml.safe_load((DATA_DIR / "speed_figures.yaml").read_text())["sources"]["torchao_llama3_h100"]
+    rows = {cells[0]: [float(c) for c in cells[1:5]] for line in llama_fsdp(source) if line.startswith("| ")
+            and (cells := [c.strip() for c in line.strip("|").split("|")])[1][0].isdigit()}
+    step, sent, exposed, _ = rows["bf16-mixed"]
+    assert 0.05 < sent / step < 0.2 and exposed < 0.01 * step
+    plain, gathered = rows["format=fp8 scaling=per_tensor"], rows["format=fp8 scaling=per_tensor, FP8 all-gather"]
+    assert gathered[0] == plain[0] and gathered[1] == pytest.approx(0.77 * plain[1], rel=0.05)
