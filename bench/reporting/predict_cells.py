@@ -147,9 +147,10 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
 
 
 def _distributed(cfg):
-    """The cell's `parallel` section where it trains on more than one rank, else None."""
-    p = cfg.get("parallel")
-    return p if p is not None and p.name != "none" else None
+    """The cell's `parallel` section where it trains as a job of ranks (bench.running.parallel.wanted), else None."""
+    from bench.running.parallel import wanted
+
+    return cfg.parallel if wanted(cfg) else None
 
 
 def _rank_share(cfg):

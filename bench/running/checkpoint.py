@@ -154,10 +154,7 @@ class Checkpointer:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with storage_errors(tmp):
             try:
-                with open(tmp, "wb") as f:  # a Python file: a failed write keeps its errno (torch's own reports none)
-                    torch.save(state, f)
-                    f.flush()
-                    os.fsync(f.fileno())
+                _save_file(tmp, state)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
@@ -167,10 +164,14 @@ class Checkpointer:
 
     def after_step(self, step: int, save) -> None:
         """Called at each step boundary with `save()` bound to the current state."""
-        if self.preempted is not None:
-            self._stop(self.preempted, save)
+        if signum := self._stop_signal():
+            self._stop(signum, save)
         elif self.every and step % self.every == 0:
             save()
+
+    def _stop_signal(self) -> int | None:
+        """The pre-emption signal to stop on at this step boundary: this process's."""
+        return self.preempted
 
     def _stop(self, signum: int, save) -> None:
         """Pre-empted by `signum`: save, then hand the signal on (the previous handler), and stop."""
@@ -255,17 +256,14 @@ class DistributedCheckpointer(Checkpointer):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.control = dist.new_group(backend="gloo")  # the stop flag's all-reduce, on the CPU whatever the device
 
-    def after_step(self, step: int, save) -> None:
+    def _stop_signal(self) -> int | None:
+        """The signal any rank got, agreed by all. What they decide on is what each read before the all-reduce: a
+        signal that lands during it stays set for the next step's, so no rank stops a step before another."""
         import torch.distributed as dist
 
-        # what the ranks decide on is what was read before the all-reduce: a signal that lands during it stays set
-        # for the next step's, so no rank stops a step before another
         flag = torch.tensor([self.preempted or 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
-        if agreed := int(flag.item()):
-            self._stop(agreed, save)
-        elif self.every and step % self.every == 0:
-            save()
+        return int(flag.item()) or None
 
     def save(self, model, optimizer, scaler: LossScaler, schedule, loop: dict) -> None:
         import torch.distributed as dist
@@ -352,7 +350,7 @@ class DistributedCheckpointer(Checkpointer):
             raise CheckpointMismatch(f"it is another configuration's (run_id {extra.get('run_id')}, this run "
                                      f"{self.run_id})")
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        copies = _cloned({"model": model_state, "optimizer": optimizer_state})  # a failed load leaves the live ones
+        copies = copy.deepcopy({"model": model_state, "optimizer": optimizer_state})  # a failed load spares the live
         dcp.load(copies, checkpoint_id=path)
         rng = path / f"rng.{self.rank}.pt"
         rng = torch.load(rng if rng.exists() else path / "rng.0.pt", weights_only=False)  # another world size's
@@ -364,19 +362,9 @@ class DistributedCheckpointer(Checkpointer):
             shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _cloned(state):
-    """`state` with every tensor copied (DTensors keep their placement)."""
-    if torch.is_tensor(state):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: _cloned(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_cloned(v) for v in state)
-    return copy.copy(state)
-
-
 def _save_file(path: Path, state) -> None:
-    with open(path, "wb") as f:
+    """`state` written to `path` and synced to the disk."""
+    with open(path, "wb") as f:  # a Python file: a failed write keeps its errno (torch's own reports none)
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())

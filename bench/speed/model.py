@@ -593,10 +593,7 @@ def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None) ->
     A block is a module under `blocks` (the model's TaskSpec.blocks); its parameters are counted from its GEMM
     weights (a block's biases and norms are left with the root's)."""
     world = parallel.world_size  # the parameters' holders: FSDP2 shards them
-    per_block: dict[str, int] = {}
-    for name, elements in trace.gemm_weights.items():
-        if (block := block_of(name, blocks)) is not None:
-            per_block[block] = per_block.get(block, 0) + elements
+    per_block = _block_weights(trace, blocks)
     largest, root = max(per_block.values(), default=0), trace.parameters - sum(per_block.values())
     width = _element_bytes(parallel.param_dtype) / ELEMENT_BYTES["fp32"] if parallel.name == "fsdp2" else 1.0
     out = {"activations": memory["activations"] * width, "weight_copies": memory["weight_copies"]}
@@ -610,6 +607,16 @@ def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None) ->
         out["communication_buffers"] = ((2 * largest + root) * _element_bytes(parallel.param_dtype)
                                         + largest * _element_bytes(parallel.reduce_dtype))
     return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
+
+
+def _block_weights(trace: StepTrace, blocks: str | None) -> dict[str, int]:
+    """Each repeated block's GEMM weight elements (`blocks`: the model's TaskSpec.blocks), by block name: what FSDP2
+    gathers per block (bench/running/parallel.py wraps each block)."""
+    per_block: dict[str, int] = {}
+    for name, elements in trace.gemm_weights.items():
+        if (block := block_of(name, blocks)) is not None:
+            per_block[block] = per_block.get(block, 0) + elements
+    return per_block
 
 
 NODE_GPUS = 8  # GPUs one NVLink domain joins (a DGX or HGX node): a job of more crosses the network
@@ -652,9 +659,7 @@ def collectives(trace: StepTrace, parallel, target: GPU, compute_s: float, block
         gathered += (trace.parameters - sum(trace.gemm_weights.values())) * _element_bytes(parallel.param_dtype)
         received = {"all_gather": 2 * share * gathered,
                     "reduce_scatter": share * trace.parameters * _element_bytes(parallel.reduce_dtype)}
-        per_block = [sum(e for name, e in trace.gemm_weights.items() if block_of(name, blocks) == block)
-                     for block in {block_of(name, blocks) for name in trace.gemm_weights} - {None}]
-        first = share * max(per_block, default=0) * _element_bytes(parallel.param_dtype)
+        first = share * max(_block_weights(trace, blocks).values(), default=0) * _element_bytes(parallel.param_dtype)
     seconds = sum(received.values()) / (bandwidth * 1e9)
     exposed = max(first / (bandwidth * 1e9), seconds - compute_s)
     return Collectives(received, seconds, exposed, "nvlink" if n <= NODE_GPUS else "network")
