@@ -1,5 +1,5 @@
 """One cell on several processes (bench/running/parallel.py): the parallel keys and their refusals, a distributed
-cell's identity and place, the batch shares, and (slow) LeNet cells of two ranks under DDP and FSDP2 against the
+cell's identity and place, the batch shares, and LeNet cells of two ranks under DDP and FSDP2 against the
 one-device cell, against each other, and against torch's own compression hook."""
 
 import json
@@ -78,7 +78,7 @@ def test_a_read_combines_the_window_once_before_its_transfer():
     assert readings.read() == []
 
 
-# Slow: each cell is a job of two spawned ranks (about 10 s here).
+# Each cell is a job of two ranks forked from the launcher's fork server (about 2 s here): fast enough for make test.
 SETTINGS = {"one": [], "ddp": ["parallel=ddp"], "fsdp2": ["parallel=fsdp2"],
             "ddp_bf16": ["parallel=ddp", "parallel.gradient_compression=bf16"],
             "fsdp2_reduce_bf16": ["parallel=fsdp2", "parallel.reduce_dtype=bf16"],
@@ -103,7 +103,6 @@ def lenet_cells(tmp_path_factory):
     return root, records
 
 
-@pytest.mark.slow
 def test_two_ranks_in_fp32_train_the_one_device_cell_up_to_the_order_of_their_sums(lenet_cells):
     """Each rank takes half of every batch and DDP averages the two halves' gradients: the whole batch's mean,
     summed in another order. FSDP2 in FP32 reduces the same values as DDP, bit for bit."""
@@ -115,7 +114,6 @@ def test_two_ranks_in_fp32_train_the_one_device_cell_up_to_the_order_of_their_su
     assert records["ddp"]["memory"]["step"]["activations"] < 0.6 * records["one"]["memory"]["step"]["activations"]
 
 
-@pytest.mark.slow
 def test_gradients_reduced_in_bf16_are_the_same_through_ddps_hook_and_fsdp2_and_not_fp32s(lenet_cells):
     _, records = lenet_cells
     loss = {name: r["metrics"]["final_train_loss"] for name, r in records.items()}
@@ -123,7 +121,6 @@ def test_gradients_reduced_in_bf16_are_the_same_through_ddps_hook_and_fsdp2_and_
     assert loss["fsdp2_param_bf16"] not in (loss["fsdp2"], loss["fsdp2_reduce_bf16"])
 
 
-@pytest.mark.slow
 def test_a_distributed_record_counts_each_collectives_bytes_and_each_ranks_peak(lenet_cells):
     """LeNet's 61,706 FP32 parameters: DDP all-reduces every gradient (4 bytes each, 2 in BF16); FSDP2 all-gathers
     each rank's half of the parameters in param_dtype and reduce-scatters every gradient in reduce_dtype. Rank 0
@@ -163,7 +160,6 @@ def _hooked_gradients(rank: int, store_path: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
 def test_our_fp16_reduction_hook_is_torchs_fp16_compress_hook_bit_for_bit(tmp_path):
     """The reference: torch's own fp16_compress_hook (our hook differs only by being usable on CPU for BF16)."""
     torch.multiprocessing.spawn(_hooked_gradients, args=(str(tmp_path / "store"), str(tmp_path / "g")), nprocs=2)
@@ -240,7 +236,6 @@ if os.environ.get("RANK") == "1" and not out.exists():  # the first job's rank 1
 """
 
 
-@pytest.mark.slow
 def test_a_killed_rank_fails_its_cell_with_a_summary_stops_the_other_ranks_and_the_sweep_goes_on(tmp_path):
     """Rank 1 of a two-rank DDP cell is SIGKILLed mid-training: the cell's record says failed, naming the rank and
     the signal; no rank of its job is left running; the sweep's next cell (no killer in it) trains and is
@@ -355,7 +350,6 @@ def _finished(results: Path, *overrides: str) -> tuple[dict, dict]:
     return record, torch.load(results / "final.pt", weights_only=False)["model"]
 
 
-@pytest.mark.slow
 def test_a_pre_empted_distributed_cell_resumes_bit_for_bit_and_at_another_world_size(tmp_path):
     """Two-rank FSDP2 LeNet through torch.distributed.checkpoint: stopped by SIGTERM after a checkpoint and run
     again, it ends with the uninterrupted cell's weights, bit for bit. Stopped likewise and run again on one rank,
@@ -490,3 +484,39 @@ def test_llama3_8b_on_eight_h100s_hides_its_collectives_and_an_fp8_all_gather_on
     assert 0.05 < sent / step < 0.2 and exposed < 0.01 * step
     plain, gathered = rows["format=fp8 scaling=per_tensor"], rows["format=fp8 scaling=per_tensor, FP8 all-gather"]
     assert gathered[0] == plain[0] and gathered[1] == pytest.approx(0.77 * plain[1], rel=0.05)
+
+
+def test_the_rank_that_ended_the_job_is_the_one_killed_by_a_signal_not_the_one_that_lost_its_peer(tmp_path):
+    """torch's launcher dates a failure in whole seconds and gives a tie to the lowest rank: rank 0, which exited
+    with "Connection reset by peer" in the same second as rank 1's SIGKILL, would be named as the cause."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from bench.running.parallel import failure_summary, first_failure
+
+    lost_peer = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(tmp_path / "none"))
+    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none"))
+    killed.timestamp = lost_peer.timestamp
+    error = ChildFailedError("rank", {0: lost_peer, 1: killed})
+    assert error.get_first_failure()[0] == 0 and first_failure(error)[0] == 1
+    assert failure_summary(error, 2) == ("rank 1 of 2 (pid 101) was killed by SIGKILL; the launcher stopped the other "
+                                         "ranks")
+    lost_peer.timestamp -= 1  # two errors: the earlier
+    both = ChildFailedError("rank", {0: lost_peer, 1: ProcessFailure(1, 101, 1, str(tmp_path / "none"))})
+    assert first_failure(both)[0] == 0
+
+
+def test_a_forked_rank_takes_the_launchers_environment_and_directory_not_the_fork_servers(tmp_path, monkeypatch):
+    """The fork server's environment is as it was when the process's first cell started it; a rank must see the
+    launching process's as it is now (a test's variable, a sweep's), keeping the variables torch's launcher set."""
+    from bench.running.parallel import Launcher
+
+    monkeypatch.chdir(tmp_path)  # restored after the test, as is os.environ (replaced by a dict here)
+    monkeypatch.setattr(os, "environ", {"STALE": "server's", "RANK": "1", "TORCHELASTIC_RUN_ID": "bench-1",
+                                        "MASTER_PORT": "29500", "PATH": "/old"})
+    (tmp_path / "launcher").mkdir()
+    Launcher({"PATH": "/bin", "NEW": "launcher's", "RANK": "0"}, str(tmp_path / "launcher")).apply()
+    assert os.environ == {"PATH": "/bin", "NEW": "launcher's", "RANK": "1", "TORCHELASTIC_RUN_ID": "bench-1",
+                          "MASTER_PORT": "29500"}
+    assert os.getcwd() == str(tmp_path / "launcher")
