@@ -26,7 +26,7 @@ from bench.running.identity import run_id
     (["parallel=fsdp2", "parallel.gradient_compression=bf16"], "DDP's communication hook: valid with parallel=ddp"),
     (["parallel=ddp", "parallel.gradient_compression=int8"], "valid: none, fp16, bf16"),
     (["parallel=ddp", "parallel.fp8_all_gather=true"], "parallel.fp8_all_gather is not built yet"),
-    (["parallel=fsdp2", "scaling=dynamic"], "parallel=fsdp2 does not run with scaling=dynamic yet"),
+    (["parallel=fsdp2", "device=xla"], "parallel=fsdp2 does not run with device=xla yet"),
     (["parallel=ddp", "train.compile=true"], "train.compile=true yet"),
 ])
 def test_parallel_keys_and_what_they_do_not_combine_with_are_refused_naming_the_valid_ones(make_cfg, overrides, says):
@@ -82,7 +82,9 @@ def test_a_read_combines_the_window_once_before_its_transfer():
 SETTINGS = {"one": [], "ddp": ["parallel=ddp"], "fsdp2": ["parallel=fsdp2"],
             "ddp_bf16": ["parallel=ddp", "parallel.gradient_compression=bf16"],
             "fsdp2_reduce_bf16": ["parallel=fsdp2", "parallel.reduce_dtype=bf16"],
-            "fsdp2_param_bf16": ["parallel=fsdp2", "parallel.param_dtype=bf16"]}
+            "fsdp2_param_bf16": ["parallel=fsdp2", "parallel.param_dtype=bf16"],
+            **{f"{wrapper}_unit": [f"parallel={wrapper}", "scaling=unit", "model.optimizer.name=adamw"]
+               for wrapper in ("none", "ddp", "fsdp2")}}
 LENET_PARAMETERS = 61_706
 
 
@@ -121,17 +123,27 @@ def test_gradients_reduced_in_bf16_are_the_same_through_ddps_hook_and_fsdp2_and_
     assert loss["fsdp2_param_bf16"] not in (loss["fsdp2"], loss["fsdp2_reduce_bf16"])
 
 
+def test_a_unit_scaled_cell_trains_alike_under_ddp_and_fsdp2_whose_new_parameters_keep_their_lr_factors(lenet_cells):
+    """Unit scaling's relative learning rates are keyed by parameter; FSDP2 replaces every parameter with a sharded
+    one, so the factors must follow them (without, FSDP2 trains at the plain lr and ends elsewhere)."""
+    _, records = lenet_cells
+    loss = {name: r["metrics"]["final_train_loss"] for name, r in records.items()}
+    assert loss["fsdp2_unit"] == loss["ddp_unit"]
+    assert math.isclose(loss["ddp_unit"], loss["none_unit"], rel_tol=1e-5) and loss["none_unit"] != loss["one"]
+
+
 def test_a_distributed_record_counts_each_collectives_bytes_and_each_ranks_peak(lenet_cells):
     """LeNet's 61,706 FP32 parameters: DDP all-reduces every gradient (4 bytes each, 2 in BF16); FSDP2 all-gathers
     each rank's half of the parameters in param_dtype and reduce-scatters every gradient in reduce_dtype. Rank 0
     alone writes: one record, in the cell's directory."""
     root, records = lenet_cells
-    sent = {name: r["parallel"]["collective_bytes_first_step"] for name, r in records.items() if name != "one"}
+    sent = {name: r["parallel"]["collective_bytes_first_step"] for name, r in records.items() if "parallel" in r}
     n = LENET_PARAMETERS
     assert sent["ddp"] == {"all_reduce": 4 * n} and sent["ddp_bf16"] == {"all_reduce": 2 * n}
     assert sent["fsdp2"] == {"all_gather": 4 * n // 2, "reduce_scatter": 4 * n}
     assert sent["fsdp2_reduce_bf16"] == {"all_gather": 4 * n // 2, "reduce_scatter": 2 * n}
     assert sent["fsdp2_param_bf16"] == {"all_gather": 2 * n // 2, "reduce_scatter": 4 * n}
+    assert sent["fsdp2_unit"] == sent["fsdp2"] and sent["ddp_unit"] == sent["ddp"]
     for name in sent:
         section = records[name]["parallel"]
         assert len(section["peak_bytes_per_rank"]) == 2 and section["peak_bytes_max"] == max(
@@ -166,6 +178,67 @@ def test_our_fp16_reduction_hook_is_torchs_fp16_compress_hook_bit_for_bit(tmp_pa
     theirs, ours, full = torch.load(tmp_path / "g.0")
     assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
     assert not torch.equal(full, ours)  # FP16's rounding shows in the sums
+
+
+def _sharded_steps(rank: int, store_path: str, out: str) -> None:
+    """Rank `rank` of two, a Linear under FSDP2 (each rank holds half its weight's rows): (1) the loss scaler's step
+    where only rank 1's shard of the gradient holds an inf; (2) a bf16_stochastic master-weight step from seed 0;
+    (3) parallel.wrap of a Linear whose weight carries an attribute."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from bench.numerics.master_weights import MasterWeights
+    from bench.numerics.scaling import LossScaler
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Linear(16, 8, bias=False))
+    weight = model.weight
+    local = torch.ones_like(weight.to_local())
+    if rank == 1:
+        local[0, 0] = float("inf")
+    weight.grad = DTensor.from_local(local, weight.device_mesh, weight.placements)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = weight.to_local().clone()
+    scaler = LossScaler("dynamic", init_scale=1024.0)
+    scaler.step(optimizer, [weight])
+    scaler.sync()
+    skipped = (scaler.skipped_steps, torch.equal(weight.to_local(), before))
+    torch.manual_seed(0)
+    master = MasterWeights("bf16_stochastic", model, optimizer)
+    with torch.no_grad():
+        weight.to_local().copy_(torch.linspace(1, 2, weight.to_local().numel()).view_as(before) / 3 + rank)
+    master.after_step()
+    from omegaconf import OmegaConf
+
+    plain = torch.nn.Linear(16, 8, bias=False)
+    original = plain.weight
+    original.mup_type = "weight"  # a u-μP attribute
+    cfg = OmegaConf.create({"parallel": {"name": "fsdp2", "param_dtype": "fp32", "reduce_dtype": "fp32"},
+                            "model": {"task": {"blocks": None}}})
+    wrapped, replaced = parallel.wrap(plain, cfg, torch.device("cpu"))
+    (old, new), = replaced.items()
+    kept = old is original and isinstance(new, DTensor) and new is wrapped.weight and new.mup_type == "weight"
+    torch.save({"skipped": skipped, "rounded": weight.full_tensor(), "kept": kept}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_under_fsdp2_the_loss_scaler_skips_on_every_rank_and_stochastic_master_weights_round_the_whole(tmp_path):
+    """FSDP2 shards each gradient: an inf in one rank's shard must skip the step on every rank (the found-inf flag
+    all-reduced, as torch's ShardedGradScaler does), or the ranks' shards of one weight drift apart. A sharded weight
+    rounded stochastically to BF16 draws the whole weight's uniforms on every rank: the result is the unsharded
+    weight's rounding from the same seed, bit for bit (not two shards rounded with the same draws)."""
+    from bench.numerics.formats import quantise_stochastic
+
+    torch.multiprocessing.spawn(_sharded_steps, args=(str(tmp_path / "store"), str(tmp_path / "r")), nprocs=2)
+    ranks = [torch.load(tmp_path / f"r.{rank}") for rank in range(2)]
+    assert [r["skipped"] for r in ranks] == [(1, True), (1, True)]
+    whole = torch.cat([torch.linspace(1, 2, 64).view(4, 16) / 3 + rank for rank in range(2)])
+    torch.manual_seed(0)
+    assert torch.equal(ranks[0]["rounded"], quantise_stochastic(whole, "bf16"))
+    assert torch.equal(ranks[0]["rounded"], ranks[1]["rounded"])
+    assert ranks[0]["kept"] and ranks[1]["kept"]  # parallel.wrap: FSDP2's new parameters keep u-μP's attributes
 
 
 @pytest.mark.slow
@@ -484,27 +557,6 @@ def test_llama3_8b_on_eight_h100s_hides_its_collectives_and_an_fp8_all_gather_on
     assert 0.05 < sent / step < 0.2 and exposed < 0.01 * step
     plain, gathered = rows["format=fp8 scaling=per_tensor"], rows["format=fp8 scaling=per_tensor, FP8 all-gather"]
     assert gathered[0] == plain[0] and gathered[1] == pytest.approx(0.77 * plain[1], rel=0.05)
-
-
-def test_the_rank_that_ended_the_job_is_the_one_killed_by_a_signal_not_the_one_that_lost_its_peer(tmp_path):
-    """torch's launcher dates a failure in whole seconds and gives a tie to the lowest rank: rank 0, which exited
-    with "Connection reset by peer" in the same second as rank 1's SIGKILL, would be named as the cause."""
-    import signal
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
-    from bench.running.parallel import failure_summary, first_failure
-
-    lost_peer = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(tmp_path / "none"))
-    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none"))
-    killed.timestamp = lost_peer.timestamp
-    error = ChildFailedError("rank", {0: lost_peer, 1: killed})
-    assert error.get_first_failure()[0] == 0 and first_failure(error)[0] == 1
-    assert failure_summary(error, 2) == ("rank 1 of 2 (pid 101) was killed by SIGKILL; the launcher stopped the other "
-                                         "ranks")
-    lost_peer.timestamp -= 1  # two errors: the earlier
-    both = ChildFailedError("rank", {0: lost_peer, 1: ProcessFailure(1, 101, 1, str(tmp_path / "none"))})
-    assert first_failure(both)[0] == 0
 
 
 def test_a_forked_rank_takes_the_launchers_environment_and_directory_not_the_fork_servers(tmp_path, monkeypatch):

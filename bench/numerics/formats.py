@@ -241,7 +241,8 @@ def _flush_subnormals(r: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
 
 
 def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: torch.Generator | None = None,
-                        overflow: str = "saturate", ftz: bool = False, bits: int | None = None) -> torch.Tensor:
+                        overflow: str = "saturate", ftz: bool = False, bits: int | None = None,
+                        draw: torch.Tensor | None = None) -> torch.Tensor:
     """x rounded to `fmt` stochastically: |x| goes to the grid point above it with probability
     (|x| - below) / spacing and to the one below otherwise, so E[result] = x inside the range and the chance of
     rounding up is proportional to the distance. Values on the grid stay; NaN stays NaN. Seeded by `generator`
@@ -256,16 +257,23 @@ def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: to
     bits: None draws an FP32 uniform (unbiased to within 2^-24); n draws n random bits, as a GPU's stochastic
     rounding does (Transformer Engine's NVFP4 `cvt.rs` takes 8 per element), and sees only the top n bits of the
     distance: |x| rounds up with probability floor(2^n * distance / spacing) / 2^n, biased toward zero by up to
-    2^-n of a spacing."""
+    2^-n of a spacing.
+
+    draw: the FP32 uniforms to use, one per element (a sharded tensor's slice of the whole's), instead of drawing."""
     spec = get_format(fmt)
-    if bits is None:
-        draw = torch.rand(x.shape, generator=generator, device=x.device)  # eager: the generator's own stream
-    elif bits in SR_BITS:
-        draw = torch.randint(0, 1 << bits, x.shape, generator=generator, device=x.device).float() / (1 << bits)
-    else:
-        raise ValueError(f"stochastic rounding with {bits} random bits is not offered; valid: null (an FP32 "
-                         f"uniform), {', '.join(map(str, SR_BITS))}")
+    if draw is None:
+        draw = _uniforms(x, generator, bits)
     return _round_up_below(x, draw, spec, resolve_overflow(spec, overflow), ftz, bits)
+
+
+def _uniforms(x: torch.Tensor, generator: torch.Generator | None, bits: int | None) -> torch.Tensor:
+    """One uniform in [0, 1) per element of x: FP32 (bits None) or n random bits' worth."""
+    if bits is None:
+        return torch.rand(x.shape, generator=generator, device=x.device)  # eager: the generator's own stream
+    if bits in SR_BITS:
+        return torch.randint(0, 1 << bits, x.shape, generator=generator, device=x.device).float() / (1 << bits)
+    raise ValueError(f"stochastic rounding with {bits} random bits is not offered; valid: null (an FP32 "
+                     f"uniform), {', '.join(map(str, SR_BITS))}")
 
 
 @fused(ELEMENTWISE_FROM)

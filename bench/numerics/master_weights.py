@@ -21,6 +21,7 @@ BF16 value gives it back, and a compensation is always under half a BF16 step of
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from bench.numerics.formats import quantise_stochastic
 
@@ -30,6 +31,18 @@ COMPENSATION = "compensation"  # the optimiser-state key of bf16_kahan's buffer
 
 def _to_bf16_values(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
+
+
+def _round_stochastically(p: torch.Tensor) -> None:
+    """p rounded stochastically to BF16 in place. A parameter FSDP2 shards (a DTensor) draws the whole parameter's
+    uniforms on every rank, from the same generator, and rounds its shard with its slice of them: the ranks' draws
+    are not the same numbers twice, and the result is the unsharded parameter's, bit for bit."""
+    if not isinstance(p, DTensor):
+        p.copy_(quantise_stochastic(p, "bf16"))
+        return
+    whole = torch.rand(p.shape, device=p.to_local().device)
+    mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()  # no communication
+    p.to_local().copy_(quantise_stochastic(p.to_local(), "bf16", draw=mine))
 
 
 class MasterWeights:
@@ -66,7 +79,7 @@ class MasterWeights:
             if self.mode == "bf16":
                 p.copy_(_to_bf16_values(p))
             elif self.mode == "bf16_stochastic":
-                p.copy_(quantise_stochastic(p, "bf16"))
+                _round_stochastically(p)
             else:
                 state = self.optimizer.state[p]
                 if not state and "betas" in self.optimizer.defaults:

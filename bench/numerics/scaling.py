@@ -16,6 +16,8 @@ import inspect
 from collections import defaultdict, deque
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from bench.numerics.formats import ElementFormat
 from bench.numerics.readings import Readings
@@ -127,6 +129,9 @@ class LossScaler:
                     g.mul_(inv_scale.to(dtype))
                 continue
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        sharded = next((g for grads in groups.values() for g in grads if isinstance(g, DTensor)), None)
+        if sharded is not None:  # FSDP2: each rank checked its shards; a step is skipped on every rank or none
+            dist.all_reduce(found_inf, group=sharded.device_mesh.get_group())  # as torch's ShardedGradScaler
         return found_inf
 
     def step(self, optimizer: torch.optim.Optimizer, params, check: bool = True) -> None:

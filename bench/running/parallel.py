@@ -19,8 +19,9 @@ other ranks and the cell is recorded as failed (`JobFailed`), rank 0's record wh
 Checkpoints go through torch.distributed.checkpoint (bench.running.checkpoint.DistributedCheckpointer): a pre-empted
 cell resumes bit for bit, and at another world size from its sibling cell's checkpoint (`any_world_size`).
 
-Not yet (#54), each refused by name before anything starts: train.compile, XLA, scaling methods other than none,
-low-precision master weights and optimiser states, the FP8 all-gather. bench.predict prices a rank's step with its
+Scaling methods, BF16 master weights and low-bit optimiser states run under both wrappers (the loss scaler agrees
+on a skipped step over the ranks; FSDP2's new parameters keep what was keyed by or attached to the old: `wrap`).
+Not yet (#54), each refused by name before anything starts: train.compile, XLA, the FP8 all-gather. bench.predict prices a rank's step with its
 collectives and its memory (bench.speed.model.collectives, rank_memory); a record's own predictions are one
 device's step of the whole batch.
 """
@@ -32,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -43,7 +45,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.errors import ConfigError
 from bench.numerics.formats import FORMATS
-from bench.numerics.scaling_methods import NO_SCALING
 from bench.tasks.base import block_of
 
 log = logging.getLogger(__name__)
@@ -106,15 +107,10 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError("parallel.fp8_all_gather is not built yet (#54); valid: false")
     if p.name == "none":
         return
-    refused = {"device=xla": cfg.device == "xla", "train.compile=true": cfg.train.get("compile") is True,
-               f"scaling={cfg.scaling.name}": cfg.scaling.name != NO_SCALING,
-               f"train.master_weights={cfg.train.get('master_weights')}":
-                   cfg.train.get("master_weights", "fp32") != "fp32",
-               f"model.optimizer.state_format={cfg.model.optimizer.get('state_format')}":
-                   cfg.model.optimizer.get("state_format", "fp32") != "fp32"}
+    refused = {"device=xla": cfg.device == "xla", "train.compile=true": cfg.train.get("compile") is True}
     if chosen := [name for name, taken in refused.items() if taken]:
         raise ConfigError(f"parallel={p.name} does not run with {', '.join(chosen)} yet (#54); a distributed cell "
-                          "runs eagerly on CPU or CUDA, with scaling=none, FP32 master weights and optimiser states")
+                          "runs eagerly, on CPU or CUDA")
 
 
 def any_world_size(config: dict) -> str:
@@ -157,7 +153,7 @@ def launch(cfg: DictConfig, config: dict, train_rank) -> dict:
     try:
         results = elastic_launch(job, rank)(OmegaConf.to_yaml(cfg, resolve=True), config, train_rank, launched_from)
     except ChildFailedError as e:
-        raise JobFailed(failure_summary(e, cfg.parallel.world_size), first_failure(e)[0]) from None
+        raise JobFailed(failure_summary(e, cfg.parallel.world_size), e.get_first_failure()[0]) from None
     except SignalException as e:  # the launcher passed it to the ranks, which saved a checkpoint at a step boundary
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None  # bench.run's "interrupted: ... run the same command again"
@@ -182,7 +178,7 @@ def oversubscribed(cfg: DictConfig, cores: int | None = None) -> str | None:
 def failure_summary(error, world_size: int) -> str:
     """One line for the first rank that failed (torch's ChildFailedError): how it ended and its error's last line,
     a collective's timeout named as one."""
-    first, failure = first_failure(error)
+    first, failure = error.get_first_failure()
     how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
     said = ""
     if failure.exitcode > 0:  # its error's last line, from the error file `record` writes (none after a signal)
@@ -192,13 +188,6 @@ def failure_summary(error, world_size: int) -> str:
             last = f"a collective timed out (after {collective_timeout().total_seconds():g} s): {last}"
         said = f": {last}" if last and not last.startswith("To enable traceback") else ""
     return f"rank {first} of {world_size} (pid {failure.pid}) {how}{said}; the launcher stopped the other ranks"
-
-
-def first_failure(error) -> tuple:
-    """The rank whose failure ended the job, and its failure: a rank killed by a signal before one that exited with
-    an error (that one most likely lost its peer: "Connection reset by peer"), then the earliest. torch's own
-    `get_first_failure` takes the earliest by whole seconds, and a tie goes to the lowest rank."""
-    return min(error.failures.items(), key=lambda item: (item[1].exitcode > 0, item[1].timestamp))
 
 
 def collective_timeout() -> dt.timedelta:
@@ -242,8 +231,16 @@ def rank(cfg_yaml: str, config: dict, train_rank, launched_from: Launcher) -> di
     launched_from.apply()
     outcome = _train_rank(cfg_yaml, config, train_rank)
     if outcome["status"] == "failed":
+        if any(words in outcome["reason"] for words in LOST_PEER):
+            time.sleep(LOST_PEER_GRACE_S)
         raise RankFailed(outcome["reason"])
     return outcome
+
+
+# A rank that failed because another one vanished (gloo's and NCCL's words for it) waits before it exits: the launcher
+# reports the first failed rank it sees, one only, and it should see the vanished rank's end, the cause, first.
+LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Read error")
+LOST_PEER_GRACE_S = 1.0  # ten of the launcher's checks (monitor_interval 0.1 s)
 
 
 class RankFailed(Exception):
@@ -319,8 +316,20 @@ def reduce_in(dtype: torch.dtype):
     return hook
 
 
-def wrap(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> torch.nn.Module:
-    """The model under the cell's data-parallel wrapper (after the precision has converted its layers)."""
+def wrap(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> tuple[torch.nn.Module, dict]:
+    """The model under the cell's data-parallel wrapper (after the precision has converted its layers), and each of
+    its parameters as the wrapped model holds it ({before: after}): FSDP2 replaces every parameter with a sharded
+    one (a DTensor), which takes the old one's Python attributes (u-μP's `mup_type`); DDP keeps them."""
+    before = list(model.parameters())
+    wrapped = _wrapped(model, cfg, device)
+    replaced = dict(zip(before, wrapped.parameters(), strict=True))  # the same modules, in the same order
+    for old, new in replaced.items():
+        if new is not old:
+            new.__dict__.update(old.__dict__)
+    return wrapped, replaced
+
+
+def _wrapped(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> torch.nn.Module:
     p = cfg.parallel
     if p.name == "ddp":
         from torch.nn.parallel import DistributedDataParallel

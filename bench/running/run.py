@@ -180,7 +180,9 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     trace_s = time.perf_counter() - started
     task.model = precision.prepare(task.model, cfg.model.task.get("blocks"))
     if (ranks := parallel.Ranks.current()).distributed:  # a distributed cell's rank: the optimiser takes the shards
-        task.model = parallel.wrap(task.model, cfg, precision.device)
+        task.model, replaced = parallel.wrap(task.model, cfg, precision.device)
+        if task.lr_multipliers:  # unit scaling's, keyed by parameter: the wrapped model's (FSDP2's are new ones)
+            task.lr_multipliers = {replaced[p]: factor for p, factor in task.lr_multipliers.items()}
         task.train_batches = _sharded(task.train_batches, ranks)
     optimizer = optimizer_over(task.model)
     schedule = build_schedule(cfg.model.optimizer, optimizer, total_steps(task, cfg.train))

@@ -108,7 +108,8 @@ def train(task: Task, precision: Precision, scaler: LossScaler, optimizer: torch
     start and end; a resumed run adds the time of its earlier segments. `resume` is the loop state a
     checkpoint restored; with a `checkpointer`, the loop saves at step boundaries. `count_memory`: count
     the first step's memory (bench/numerics/memory.py); `make bench` turns it off to time the loop's per-step
-    cost alone. `first_step_watch`: a context the first step runs in (a distributed cell's collective bytes).
+    cost alone. `first_step_watch`: a context the first step's forward and backward run in (a distributed cell's
+    collective bytes; the optimiser's step stays outside it, where torchao's optimisers compile).
     """
     loop = TrainingLoop(task, precision, scaler, optimizer, schedule, cfg, device, log, checkpointer, resume,
                         count_memory, eval_every if task.validate is not None else None, first_step_watch)
@@ -157,8 +158,7 @@ class TrainingLoop:
                 if out.steps >= self.total:
                     break
                 sampled = out.steps % log_every == 0
-                with self.first_step_watch if out.steps == 0 and self.first_step_watch else contextlib.nullcontext():
-                    self.step(batch, sampled)
+                self.step(batch, sampled)
                 step, out.steps = out.steps, out.steps + 1
                 out.epoch, out.position = epoch, index + 1
                 progress.update()
@@ -198,17 +198,19 @@ class TrainingLoop:
         precision.telemetry.sampling = sampled
         counting = StepMemory(self.model, precision, self.master.mode) \
             if self.count_memory and out.step_memory is None else None
-        with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
-            loss = self.step_loss(self.model, batch, eager=counting is not None)  # saved-tensor hooks count eagerly
-        if self.step_loss.compiled_now:
-            out.compile_steps.append(out.steps)
-        self.optimizer.zero_grad(set_to_none=True)
-        try:
-            self.scaler.scale_loss(loss).backward()
-        except Exception as e:  # only a backward that compiled on this very step falls back
-            if not self.step_loss.compiled_now:
-                raise
-            loss = self.eager_again(batch, e)
+        watched = self.first_step_watch if out.steps == 0 and self.first_step_watch else contextlib.nullcontext()
+        with watched:  # forward and backward, not the optimiser's step: dynamo compiles nothing under a dispatch mode
+            with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
+                loss = self.step_loss(self.model, batch, eager=counting is not None)  # saved-tensor hooks: eager
+            if self.step_loss.compiled_now:
+                out.compile_steps.append(out.steps)
+            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                self.scaler.scale_loss(loss).backward()
+            except Exception as e:  # only a backward that compiled on this very step falls back
+                if not self.step_loss.compiled_now:
+                    raise
+                loss = self.eager_again(batch, e)
         self.unread_steps.append(out.steps)
         self.losses_on_device.push(loss)
         precision.after_backward(self.model)
