@@ -21,9 +21,9 @@ cell resumes bit for bit, and at another world size from its sibling cell's chec
 
 Scaling methods, BF16 master weights and low-bit optimiser states run under both wrappers (the loss scaler agrees
 on a skipped step over the ranks; FSDP2's new parameters keep what was keyed by or attached to the old: `wrap`).
-Not yet (#54), each refused by name before anything starts: train.compile, XLA, the FP8 all-gather. bench.predict prices a rank's step with its
-collectives and its memory (bench.speed.model.collectives, rank_memory); a record's own predictions are one
-device's step of the whole batch.
+Not yet (#54), each refused by name before anything starts: train.compile, XLA, the FP8 all-gather.
+bench.predict prices a rank's step with its collectives and its memory (bench.speed.model.collectives,
+rank_memory); a record's own predictions are one device's step of the whole batch.
 """
 
 from __future__ import annotations
