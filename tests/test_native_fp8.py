@@ -228,3 +228,59 @@ def test_mxfp8_outside_torchaos_recipe_is_emulated_and_native_refused(make_cfg, 
     else:
         with pytest.raises(DeviceError, match=reason):
             run_cell(asked)
+
+
+# A plug-in (every rank of a distributed cell imports it) doing what the torchao_on_cpu fixture does in this process.
+TORCHAO_ON_CPU = '''
+import dataclasses
+
+import bench.numerics.plan as plan
+import bench.numerics.precision as precision
+from bench.numerics.hardware import NativeSupport
+
+_support, _recipe = plan.native_support, precision.torchao_float8_config
+plan.native_support = lambda fmt, device: NativeSupport(True, True, "test: torchao float8, emulate=True, on CPU") \\
+    if fmt == "fp8" else _support(fmt, device)
+precision.torchao_float8_config = lambda name="tensorwise": dataclasses.replace(_recipe(name), emulate=True)
+'''
+
+
+def test_fsdp2_gathers_torchaos_float8_weights_in_fp8_one_byte_each_and_fp32_params_train_the_same(tmp_path, make_cfg):
+    """parallel.fp8_all_gather (torchao's enable_fsdp_float8_all_gather, its scales precomputed after each step): two
+    ranks of BERT-tiny under FSDP2, natively through torchao's tensorwise recipe (emulate=True on this CPU). Each
+    converted weight's shard is all-gathered as uint8, a byte an element where FP32 took four; everything else still
+    in FP32. With FP32 parameters the weight is cast once either way, from the same values with the same scale: the
+    training is the same, bit for bit. Elsewhere (this CPU, FP8 emulated) the cell is refused, naming why."""
+    import os
+    import subprocess
+    import sys
+
+    from bench.tasks import build_task
+
+    (tmp_path / "torchao_fp8_on_cpu.py").write_text(TORCHAO_ON_CPU)
+    overrides = ["model=bert_tiny", "parallel=fsdp2", "format=fp8", "scaling=per_tensor", "train.max_steps=4"]
+    sweep = subprocess.run(
+        [sys.executable, "-m", "bench.run", "-m", *overrides, "parallel.fp8_all_gather=false,true",
+         "plugins=[torchao_fp8_on_cpu]", f"results_dir={tmp_path / 'results'}", "hydra/launcher=local"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+        env=os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+                          "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    records = {r["config"]["parallel"]["fp8_all_gather"]: r for r in
+               (json.loads(p.read_text()) for p in (tmp_path / "results").rglob("result.json"))}
+    assert sorted(records) == [False, True], sweep.stdout[-2000:] + sweep.stderr[-2000:]
+    assert all(r["status"] == "ok" for r in records.values()), [r.get("reason") for r in records.values()]
+    plain, gathered = records[False], records[True]
+    assert gathered["parallel"]["fp8_all_gather"] and gathered["env"]["precision"]["backend"] == "native"
+    converted = gathered["env"]["precision"]["fp8_modules"]["converted"]
+    modules = dict(build_task(make_cfg(*overrides).model, torch.device("cpu"), 0).model.named_modules())
+    elements = sum(modules[name].weight.numel() for name in converted)
+    sent = {r["parallel"]["fp8_all_gather"]: r["parallel"]["collective_bytes_first_step"] for r in records.values()}
+    # each rank hands in its half of every weight, in the forward and again in the backward (FSDP2 reshards after
+    # the forward): three bytes fewer an element each time
+    assert sent[False]["all_gather"] - sent[True]["all_gather"] == 2 * (4 - 1) * elements // 2
+    assert sent[False]["reduce_scatter"] == sent[True]["reduce_scatter"]  # gradients: FP32 either way
+    assert gathered["metrics"]["final_train_loss"] == plain["metrics"]["final_train_loss"]
+
+    cfg = make_cfg(*overrides, "parallel.fp8_all_gather=true")  # no plug-in: on this CPU FP8 is emulated
+    with pytest.raises(DeviceError, match="parallel.fp8_all_gather gathers torchao's float8 weights: it needs"):
+        run_cell(cfg)

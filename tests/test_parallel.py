@@ -25,7 +25,9 @@ from bench.running.identity import run_id
     (["parallel=fsdp2", "parallel.param_dtype=fp8"], "valid: fp32, fp16, bf16"),
     (["parallel=fsdp2", "parallel.gradient_compression=bf16"], "DDP's communication hook: valid with parallel=ddp"),
     (["parallel=ddp", "parallel.gradient_compression=int8"], "valid: none, fp16, bf16"),
-    (["parallel=ddp", "parallel.fp8_all_gather=true"], "parallel.fp8_all_gather is not built yet"),
+    (["parallel=ddp", "parallel.fp8_all_gather=true"], "valid with parallel=fsdp2 (under parallel=ddp: false)"),
+    (["parallel=fsdp2", "parallel.fp8_all_gather=true", "format=fp8", "scaling=rowwise"],
+     "valid with format=fp8 scaling=per_tensor (this cell: format=fp8 scaling=rowwise)"),
     (["parallel=fsdp2", "device=xla"], "parallel=fsdp2 does not run with device=xla yet"),
     (["parallel=ddp", "train.compile=true"], "train.compile=true yet"),
 ])

@@ -45,13 +45,14 @@ def _float8_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
 
 def _storage_key(t: torch.Tensor) -> int:
     """What identifies the memory `t` lives in: its storage (a tensor subclass's, such as FSDP2's sharded DTensor
-    parameters: its first inner tensor's); on XLA, whose lazy tensors have none, the tensor a view was taken of
-    (within the counted forward, autograd holds every saved tensor, so no id is reused)."""
+    parameters: its first inner tensor's, down to a plain one); on XLA, whose lazy tensors have none, the tensor a
+    view was taken of (within the counted forward, autograd holds every saved tensor, so no id is reused)."""
     parts = _float8_parts(t) or _state_parts(t)
-    base = parts[0] if parts else t
-    if base.device.type == "xla":
-        return id(base._base if base._base is not None else base)
-    return base.untyped_storage().data_ptr()
+    if parts:  # maybe a subclass again: a DTensor's shard of torchao's FP8-gathered weight
+        return _storage_key(parts[0])
+    if t.device.type == "xla":
+        return id(t._base if t._base is not None else t)
+    return t.untyped_storage().data_ptr()
 
 
 def _state_parts(t: torch.Tensor) -> list[torch.Tensor] | None:

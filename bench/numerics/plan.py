@@ -390,7 +390,7 @@ def plan(config: PrecisionConfig, method: ScalingMethod, device: torch.device) -
     recipe = spec.recipe if config.gradients is None else replace(spec.recipe, grads=config.gradients)
     made = PrecisionPlan(config, method.name, native=False, why="", recipe=recipe, site_scales=method.site_scales,
                          tiles=method.tiles,
-                         torchao_recipe=method.torchao_recipe if _torchao_float8_spec(spec) else None,
+                         torchao_recipe=method.torchao_recipe if torchao_float8_spec(spec) else None,
                          native_recipe=None)
     if spec.recipe is None:  # FP32: nothing to round, native everywhere
         note = f"; scaling={method.name} does nothing here: FP32 quantises no tensor (a baseline cell)" \
@@ -455,7 +455,8 @@ def kept_layers(linears: list[str], patterns: tuple[str, ...], blocks: str | Non
     return [name for name in linears if name in kept]
 
 
-def _torchao_float8_spec(spec: FormatSpec) -> bool:
+def torchao_float8_spec(spec: FormatSpec) -> bool:
+    """Whether torchao's float8 training runs the format natively (its per-tensor, row-wise recipes)."""
     return spec.native_path == "torchao" and not spec.block
 
 

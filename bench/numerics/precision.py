@@ -33,6 +33,7 @@ with format.elsewhere=bf16, under BF16 autocast (which keeps norms, softmax and 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -132,13 +133,30 @@ class Precision:
     def from_config(cls, cfg, device: torch.device) -> "Precision":
         """The precision a composed cell config asks for, on `device`: its `format` node, and its scaling method."""
         method = build(cfg.scaling)
-        return cls.from_plan(plan(PrecisionConfig.from_config(cfg), method, device), method, device)
+        precision = cls.from_plan(plan(PrecisionConfig.from_config(cfg), method, device), method, device)
+        if (cfg.get("parallel") or {}).get("fp8_all_gather"):
+            precision.gather_in_fp8()
+        return precision
+
+    def gather_in_fp8(self) -> None:
+        """FSDP2 all-gathers the converted Linear weights in FP8 (`parallel.fp8_all_gather`: torchao's
+        `enable_fsdp_float8_all_gather`), each weight cast once on its shard with the whole weight's scale, which
+        `after_step` precomputes for every weight at once (torchao's `precompute_float8_dynamic_scale_for_fsdp`).
+        torchao gathers in FP8 for its tensorwise recipe alone, and only where it converts the model: natively."""
+        if self.plan.torchao_recipe != "tensorwise":
+            how = f"it runs {self.plan.backend} here ({self.plan.why})" if not self.native else \
+                f"its recipe is {self.plan.torchao_recipe or 'not torchao float8'}"
+            raise PrecisionError(f"parallel.fp8_all_gather gathers torchao's float8 weights: it needs format=fp8 "
+                                 f"scaling=per_tensor running natively through torchao's tensorwise recipe, and {how}; "
+                                 "valid here: parallel.fp8_all_gather=false")
+        self.fp8_all_gather = True
 
     def _start(self, decided: PrecisionPlan, method: ScalingMethod, device: torch.device) -> None:
         self.plan, self.method, self.device = decided, method, device
         self.telemetry = QuantTelemetry()
         self._site_scales: list = []  # every scaler its sites made: paused while evaluating
         self.conversion: dict | None = None  # what `prepare` did to the model (the record's fp8_modules, kept layers)
+        self.fp8_all_gather = False  # FSDP2 gathers torchao's float8 weights in FP8 (gather_in_fp8)
         c = decided.config
         if decided.tiles is not None:
             self.block = FP8TileOperands(decided.tiles, c.rounding, self.telemetry)
@@ -272,8 +290,10 @@ class Precision:
         else:
             from torchao.float8 import convert_to_float8_training
 
-            model = convert_to_float8_training(model, config=torchao_float8_config(self.plan.torchao_recipe),
-                                               module_filter_fn=converts)
+            config = torchao_float8_config(self.plan.torchao_recipe)
+            if self.fp8_all_gather:
+                config = replace(config, enable_fsdp_float8_all_gather=True)
+            model = convert_to_float8_training(model, config=config, module_filter_fn=converts)
         converted = [(n, m) for n, m in model.named_modules() if type(m).__name__ in TORCHAO_LINEARS]
         for _, module in converted:
             module.register_forward_pre_hook(cast_input_as_autocast_does)
@@ -332,7 +352,12 @@ class Precision:
             self._round_tensors(p.grad for p in model.parameters() if p.grad is not None)
 
     def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Emulated true mode: parameters and optimiser state live in the 16-bit format."""
+        """Emulated true mode: parameters and optimiser state live in the 16-bit format. FP8 all-gather: the weights'
+        scales for the next step's gathers, from the updated weights (one all-reduce of their amaxes)."""
+        if self.fp8_all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
         if not self.native and self.mode == "true":
             self._round_tensors(model.parameters())
             self._round_tensors(v for state in optimizer.state.values() for v in state.values()

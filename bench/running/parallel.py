@@ -21,7 +21,9 @@ cell resumes bit for bit, and at another world size from its sibling cell's chec
 
 Scaling methods, BF16 master weights and low-bit optimiser states run under both wrappers (the loss scaler agrees
 on a skipped step over the ranks; FSDP2's new parameters keep what was keyed by or attached to the old: `wrap`).
-Not yet (#54), each refused by name before anything starts: train.compile, XLA, the FP8 all-gather.
+`parallel.fp8_all_gather` gathers torchao's float8 weights in FP8 (FSDP2, format=fp8 scaling=per_tensor, natively:
+bench.numerics.precision's `gather_in_fp8`). Not yet (#54), refused by name before anything starts: train.compile,
+XLA.
 bench.predict prices a rank's step with its collectives and its memory (bench.speed.model.collectives,
 rank_memory); a record's own predictions are one device's step of the whole batch.
 """
@@ -45,6 +47,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.errors import ConfigError
 from bench.numerics.formats import FORMATS
+from bench.numerics.plan import torchao_float8_spec
+from bench.numerics.scaling_methods import scaling_class
+from bench.numerics.specs import FORMAT_SPECS
 from bench.tasks.base import block_of
 
 log = logging.getLogger(__name__)
@@ -104,7 +109,15 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError("parallel.gradient_compression is DDP's communication hook: valid with parallel=ddp "
                           "(parallel.reduce_dtype is FSDP2's)")
     if p.fp8_all_gather:
-        raise ConfigError("parallel.fp8_all_gather is not built yet (#54); valid: false")
+        if p.name != "fsdp2":
+            raise ConfigError("parallel.fp8_all_gather is FSDP2's all-gather of torchao's float8 weights: valid with "
+                              f"parallel=fsdp2 (under parallel={p.name}: false)")
+        spec = FORMAT_SPECS.get(cfg.format.name)
+        if spec is None or not torchao_float8_spec(spec) or scaling_class(cfg.scaling.name).torchao_recipe != \
+                "tensorwise":
+            raise ConfigError("parallel.fp8_all_gather gathers the weights as torchao's tensorwise recipe casts them: "
+                              f"valid with format=fp8 scaling=per_tensor (this cell: format={cfg.format.name} "
+                              f"scaling={cfg.scaling.name})")
     if p.name == "none":
         return
     refused = {"device=xla": cfg.device == "xla", "train.compile=true": cfg.train.get("compile") is True}
@@ -398,6 +411,7 @@ def describe(cfg: DictConfig, peaks: list[int | None], collective_bytes: dict) -
             "ranks": "SLURM tasks (submitit)" if slurm_tasks() > 1 else "torch's elastic launcher",
             "param_dtype": p.param_dtype,
             "reduce_dtype": p.reduce_dtype, "gradient_compression": p.gradient_compression,
+            "fp8_all_gather": p.fp8_all_gather,
             "peak_bytes_per_rank": peaks, "peak_bytes_max": max(known) if known else None,
             "collective_bytes_first_step": dict(sorted(collective_bytes.items())),
             "note": "the record's predicted step times price one device's step of the whole batch; bench.predict "
