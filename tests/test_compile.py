@@ -52,7 +52,7 @@ def test_a_compiled_cell_trains_as_the_eager_one(make_cfg, cell):
     # model or the loss
     assert all("bench/numerics/telemetry.py" in where or "bench/numerics/precision.py" in where
                for where in described["recompile_limit_hit_by"]), described
-    assert eager["env"]["compile"] == {"requested": False, "compiled": False,
+    assert eager["env"]["compile"] == {"requested": False, "compiled": False, "per_block": False, "graphs": 0,
                                       "eager_because": "train.compile=False on cpu",
                                       "backend": None, "mode": None, "graph_breaks": 0, "graph_break_reasons": {},
                                       "recompile_limit_hit_by": []}

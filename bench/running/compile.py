@@ -19,6 +19,7 @@ per-tensor scales (its amax state leaves the autograd.Function that casts, which
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable
 
@@ -27,6 +28,14 @@ import torch
 from bench.running.record import error_line
 
 BACKEND, MODE = "inductor", "default"
+
+
+def own_kernels(precision) -> str | None:
+    """Why a cell runs eagerly whatever train.compile says (None: nothing stops it compiling)."""
+    if precision.plan.config.accumulation_model is not None:
+        return (f"format.accumulation={precision.plan.config.accumulation}: every GEMM runs the tensor-core model's "
+                "own compiled kernels")
+    return None
 
 
 def compile_wanted(setting, device: torch.device) -> bool:
@@ -56,50 +65,56 @@ def _dynamo_graphs() -> int:
 
 
 class CompiledStep:
-    """`loss = step(model, batch)`: the forward and the loss, compiled when asked (compile_wanted)."""
+    """`loss = step(model, batch)`: the forward and the loss, compiled when asked (compile_wanted). A distributed
+    cell's step is not compiled whole (dynamo breaks its graph at FSDP's hooks): its blocks are, one by one, before
+    they are wrapped (bench.running.parallel.wrap), and this step only counts what they compiled (`per_block`)."""
 
-    def __init__(self, setting, device: torch.device, forward_and_loss: Callable, eager_because: str | None = None):
+    def __init__(self, setting, device: torch.device, forward_and_loss: Callable, eager_because: str | None = None,
+                 per_block: bool = False):
         """`eager_because`: a reason the step runs eagerly whatever the setting (the cell's own compiled kernels)."""
         self.requested = "auto" if setting is None else setting
-        self.enabled = eager_because is None and compile_wanted(setting, device)
-        self.eager_because: str | None = None if self.enabled else \
+        self.watching = eager_because is None and compile_wanted(setting, device)
+        self.per_block = self.watching and per_block
+        self.enabled = self.watching and not per_block
+        self.eager_because: str | None = None if self.watching else \
             eager_because or f"train.compile={self.requested} on {device.type}"
         self._eager = forward_and_loss
         self._compiled = None
         self.compiled_now = False  # whether dynamo compiled during the last call
-        if self.enabled:
+        if self.watching:
             from torch._dynamo.utils import counters
 
             torch._dynamo.reset()  # a fresh cache per cell: guards on the last cell's model would fill it
             counters.clear()  # graph breaks counted per cell
-            self._compiled = torch.compile(forward_and_loss, backend=BACKEND, mode=MODE)
+            if self.enabled:
+                self._compiled = torch.compile(forward_and_loss, backend=BACKEND, mode=MODE)
             self._graphs = _dynamo_graphs()
             self._limit_hits = _RecompileLimitHits()
             logging.getLogger("torch._dynamo.convert_frame").addHandler(self._limit_hits)
 
     @classmethod
-    def for_task(cls, setting, device: torch.device, task, precision) -> "CompiledStep":
+    def for_task(cls, setting, device: torch.device, task, precision, per_block: bool = False) -> "CompiledStep":
         """The step of `task` under `precision`: its forward, then its loss."""
         def forward_and_loss(model, batch):
             outputs, targets = task.forward(model, batch, precision.inputs)
             return task.compute_loss(outputs, targets)
 
-        config = precision.plan.config
-        own_kernels = None if config.accumulation_model is None else \
-            f"format.accumulation={config.accumulation}: every GEMM runs the tensor-core model's own compiled kernels"
-        return cls(setting, device, forward_and_loss, own_kernels)
+        return cls(setting, device, forward_and_loss, own_kernels(precision), per_block)
 
     def __call__(self, model, batch, eager: bool = False):
         self.compiled_now = False
         if self._compiled is None or eager:
-            return self._eager(model, batch)
-        try:
-            loss = self._compiled(model, batch)
-        except Exception as e:  # under auto any compile failure means: run eagerly, say why
-            self.fall_back(e)
-            return self._eager(model, batch)
-        graphs = _dynamo_graphs()
-        self.compiled_now, self._graphs = graphs != self._graphs, graphs  # the first step, or a recompile
+            with torch.compiler.set_stance("force_eager") if eager and self.per_block else contextlib.nullcontext():
+                loss = self._eager(model, batch)  # compiled blocks run eagerly where the step is to (the memory count)
+        else:
+            try:
+                loss = self._compiled(model, batch)
+            except Exception as e:  # under auto any compile failure means: run eagerly, say why
+                self.fall_back(e)
+                return self._eager(model, batch)
+        if self.watching:
+            graphs = _dynamo_graphs()
+            self.compiled_now, self._graphs = graphs != self._graphs, graphs  # the first step, or a recompile
         return loss
 
     def fall_back(self, error: Exception) -> None:
@@ -115,15 +130,17 @@ class CompiledStep:
         from torch._dynamo.utils import counters
 
         reasons: dict[str, int] = {}
-        for reason, count in (counters["graph_break"] if self.enabled else {}).items():
+        for reason, count in (counters["graph_break"] if self.watching else {}).items():
             first_line = reason.strip().splitlines()[0][:200]  # dynamo's reasons run on with hints and links
             reasons[first_line] = reasons.get(first_line, 0) + count
         limit_hits = []
-        if self.enabled:
+        if self.watching:
             logging.getLogger("torch._dynamo.convert_frame").removeHandler(self._limit_hits)
             limit_hits = sorted(set(self._limit_hits.functions))
-        return {"requested": self.requested, "compiled": self._compiled is not None,
-                "eager_because": self.eager_because, "backend": BACKEND if self.enabled else None,
-                "mode": MODE if self.enabled else None, "graph_breaks": sum(reasons.values()),
+        return {"requested": self.requested, "compiled": self._compiled is not None or self.per_block,
+                "per_block": self.per_block, "graphs": _dynamo_graphs() if self.watching else 0,
+                "eager_because": self.eager_because,
+                "backend": BACKEND if self.watching else None,
+                "mode": MODE if self.watching else None, "graph_breaks": sum(reasons.values()),
                 "graph_break_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:5]),
                 "recompile_limit_hit_by": limit_hits}  # functions that ran eagerly past dynamo's limit

@@ -22,8 +22,8 @@ cell resumes bit for bit, and at another world size from its sibling cell's chec
 Scaling methods, BF16 master weights and low-bit optimiser states run under both wrappers (the loss scaler agrees
 on a skipped step over the ranks; FSDP2's new parameters keep what was keyed by or attached to the old: `wrap`).
 `parallel.fp8_all_gather` gathers torchao's float8 weights in FP8 (FSDP2, format=fp8 scaling=per_tensor, natively:
-bench.numerics.precision's `gather_in_fp8`). Not yet (#54), refused by name before anything starts: train.compile,
-XLA.
+bench.numerics.precision's `gather_in_fp8`). Compiled (train.compile), a distributed cell compiles each of its blocks
+before it is wrapped (`wrap`). Not yet (#54), refused by name before anything starts: XLA.
 bench.predict prices a rank's step with its collectives and its memory (bench.speed.model.collectives,
 rank_memory); a record's own predictions are one device's step of the whole batch.
 """
@@ -50,6 +50,7 @@ from bench.numerics.formats import FORMATS
 from bench.numerics.plan import torchao_float8_spec
 from bench.numerics.scaling_methods import scaling_class
 from bench.numerics.specs import FORMAT_SPECS
+from bench.running.compile import BACKEND, MODE
 from bench.tasks.base import block_of
 
 log = logging.getLogger(__name__)
@@ -120,10 +121,12 @@ def check(cfg: DictConfig) -> None:
                               f"scaling={cfg.scaling.name})")
     if p.name == "none":
         return
-    refused = {"device=xla": cfg.device == "xla", "train.compile=true": cfg.train.get("compile") is True}
-    if chosen := [name for name, taken in refused.items() if taken]:
-        raise ConfigError(f"parallel={p.name} does not run with {', '.join(chosen)} yet (#54); a distributed cell "
-                          "runs eagerly, on CPU or CUDA")
+    if cfg.device == "xla":
+        raise ConfigError(f"parallel={p.name} does not run with device=xla yet (#54); a distributed cell runs on CPU "
+                          "or CUDA")
+    if cfg.train.get("compile") is True and not cfg.model.task.get("blocks"):
+        raise ConfigError(f"train.compile=true under parallel={p.name} compiles the model's blocks one by one, and "
+                          f"this model declares none (model.task.blocks); valid: train.compile=false or auto")
 
 
 def any_world_size(config: dict) -> str:
@@ -329,20 +332,35 @@ def reduce_in(dtype: torch.dtype):
     return hook
 
 
-def wrap(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> tuple[torch.nn.Module, dict]:
-    """The model under the cell's data-parallel wrapper (after the precision has converted its layers), and each of
-    its parameters as the wrapped model holds it ({before: after}): FSDP2 replaces every parameter with a sharded
-    one (a DTensor), which takes the old one's Python attributes (u-μP's `mup_type`); DDP keeps them."""
+@dataclass
+class Wrapped:
+    """A model under the cell's data-parallel wrapper: `model`; each of its parameters as the wrapped model holds it
+    (`replaced`, {before: after}: FSDP2 makes new ones, sharded DTensors, which take the old ones' Python attributes,
+    u-μP's `mup_type`; DDP keeps them); the blocks compiled one by one (`compiled_blocks`, their module names)."""
+
+    model: torch.nn.Module
+    replaced: dict
+    compiled_blocks: list
+
+
+def wrap(model: torch.nn.Module, cfg: DictConfig, device: torch.device, compile_blocks: bool = False) -> Wrapped:
+    """The model under the cell's data-parallel wrapper (after the precision has converted its layers).
+    compile_blocks: each of the model's blocks (model.task.blocks) compiled by inductor before it is wrapped,
+    torchtitan's pattern: a whole FSDP2 model compiles nothing (dynamo breaks its graph at FSDP's hooks)."""
     before = list(model.parameters())
-    wrapped = _wrapped(model, cfg, device)
+    blocks = [(name, module) for name, module in model.named_modules()
+              if block_of(name, cfg.model.task.get("blocks")) == name]  # one of its repeated blocks
+    for _, module in blocks if compile_blocks else ():
+        module.compile(backend=BACKEND, mode=MODE)
+    wrapped = _wrapped(model, cfg, device, [module for _, module in blocks])
     replaced = dict(zip(before, wrapped.parameters(), strict=True))  # the same modules, in the same order
     for old, new in replaced.items():
         if new is not old:
             new.__dict__.update(old.__dict__)
-    return wrapped, replaced
+    return Wrapped(wrapped, replaced, [name for name, _ in blocks] if compile_blocks else [])
 
 
-def _wrapped(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> torch.nn.Module:
+def _wrapped(model: torch.nn.Module, cfg: DictConfig, device: torch.device, blocks: list) -> torch.nn.Module:
     p = cfg.parallel
     if p.name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -354,10 +372,8 @@ def _wrapped(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> t
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=COMMUNICATED[p.param_dtype], reduce_dtype=COMMUNICATED[p.reduce_dtype])
-    blocks = cfg.model.task.get("blocks")
-    for name, module in model.named_modules():
-        if block_of(name, blocks) == name:  # one of the model's repeated blocks (model.task.blocks)
-            fully_shard(module, mp_policy=policy)
+    for module in blocks:
+        fully_shard(module, mp_policy=policy)
     return fully_shard(model, mp_policy=policy)
 
 
@@ -403,7 +419,7 @@ def gathered(value):
     return found
 
 
-def describe(cfg: DictConfig, peaks: list[int | None], collective_bytes: dict) -> dict:
+def describe(cfg: DictConfig, peaks: list[int | None], collective_bytes: dict, compiled_blocks: list) -> dict:
     """The record's `parallel` section."""
     p = cfg.parallel
     known = [b for b in peaks if b is not None]
@@ -411,7 +427,7 @@ def describe(cfg: DictConfig, peaks: list[int | None], collective_bytes: dict) -
             "ranks": "SLURM tasks (submitit)" if slurm_tasks() > 1 else "torch's elastic launcher",
             "param_dtype": p.param_dtype,
             "reduce_dtype": p.reduce_dtype, "gradient_compression": p.gradient_compression,
-            "fp8_all_gather": p.fp8_all_gather,
+            "fp8_all_gather": p.fp8_all_gather, "compiled_blocks": compiled_blocks,
             "peak_bytes_per_rank": peaks, "peak_bytes_max": max(known) if known else None,
             "collective_bytes_first_step": dict(sorted(collective_bytes.items())),
             "note": "the record's predicted step times price one device's step of the whole batch; bench.predict "

@@ -16,7 +16,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,7 @@ from bench.running import device as devices
 from bench.running import parallel
 from bench.running.checkpoint import Checkpointer, DistributedCheckpointer
 from bench.running.command_line import check_command_line, check_yaml_files
+from bench.running.compile import compile_wanted, own_kernels
 from bench.running.config import CONF_DIR, ConfigError, check, declarations
 from bench.running.identity import run_id
 from bench.running.learning import learning_summary
@@ -152,6 +153,7 @@ class Cell:
     unit_conversion: dict | None
     trace: StepTrace  # one training step, op by op (bench/speed/trace.py): its FLOPs, the speed model's input
     trace_s: float  # what tracing it cost
+    compiled_blocks: list = field(default_factory=list)  # a distributed cell's blocks compiled one by one
 
 
 def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
@@ -179,14 +181,17 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     stores(trace, cfg)
     trace_s = time.perf_counter() - started
     task.model = precision.prepare(task.model, cfg.model.task.get("blocks"))
+    compiled_blocks = []
     if (ranks := parallel.Ranks.current()).distributed:  # a distributed cell's rank: the optimiser takes the shards
-        task.model, replaced = parallel.wrap(task.model, cfg, precision.device)
+        wrapped = parallel.wrap(task.model, cfg, precision.device, compile_blocks=compile_wanted(
+            cfg.train.get("compile"), precision.device) and own_kernels(precision) is None)
+        task.model, compiled_blocks = wrapped.model, wrapped.compiled_blocks
         if task.lr_multipliers:  # unit scaling's, keyed by parameter: the wrapped model's (FSDP2's are new ones)
-            task.lr_multipliers = {replaced[p]: factor for p, factor in task.lr_multipliers.items()}
+            task.lr_multipliers = {wrapped.replaced[p]: factor for p, factor in task.lr_multipliers.items()}
         task.train_batches = _sharded(task.train_batches, ranks)
     optimizer = optimizer_over(task.model)
     schedule = build_schedule(cfg.model.optimizer, optimizer, total_steps(task, cfg.train))
-    return Cell(task, build_scaler(cfg, precision), optimizer, schedule, conversion, trace, trace_s)
+    return Cell(task, build_scaler(cfg, precision), optimizer, schedule, conversion, trace, trace_s, compiled_blocks)
 
 
 def _sharded(batches: Callable, ranks: parallel.Ranks) -> Callable:
@@ -373,7 +378,7 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
         record["memory"] |= {"peak_bytes": memory.peak_bytes(), "step": outcome.step_memory}
         if ranks.distributed:  # every rank takes part in the gather of the peaks
             record["parallel"] = parallel.describe(cfg, parallel.gathered(record["memory"]["peak_bytes"]),
-                                                   collectives.bytes)
+                                                   collectives.bytes, cell.compiled_blocks)
         _record_outcome(record, cfg, cell, outcome, metrics, timing_conditions, precision.native)
     except ConfigError:
         raise  # a setup problem found while building the cell (e.g. a checkpoint that does not fit): no record

@@ -132,7 +132,7 @@ class TrainingLoop:
         if resume and "per_epoch" in resume:  # a checkpoint written before the curve had its every-N-steps points
             resume = {k: v for k, v in resume.items() if k != "per_epoch"} | {"validations": resume["per_epoch"]}
         self.out = TrainOutcome(**resume) if resume else TrainOutcome()
-        self.step_loss = CompiledStep.for_task(cfg.get("compile"), device, task, precision)
+        self.step_loss = CompiledStep.for_task(cfg.get("compile"), device, task, precision, per_block=self.distributed)
         self.master = MasterWeights(cfg.get("master_weights", "fp32"), self.model, optimizer)
         self.master.start()
         self.timer = StepTimer(device)
