@@ -371,3 +371,35 @@ def test_a_reused_recorded_prediction_reads_as_a_recomputed_one():
     stored = json.loads(json.dumps(computed, sort_keys=True))  # as an archive holds it
     reused = predicted(record | {"predicted": stored, "predicted_by": fingerprint()}, h100)
     assert json.dumps(reused) == json.dumps(computed)
+
+
+def test_per_op_recomputation_runs_each_blocks_forward_again_but_its_saved_products_and_attention(make_cfg):
+    """torchtitan's per-op SAC, as bench.speed.trace.with_op_recomputation prices it: two blocks of three bias-free
+    Linears and a ReLU between each (an mm and an elementwise op apiece): each block's forward again in the backward
+    but its first and third matrix products (saved), so one product and the ReLUs a block; nothing outside the
+    blocks; and the step priced longer by just those ops."""
+    from bench.speed.trace import with_op_recomputation
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = (nn.Linear(64, 64, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Sequential(Block(), Block()))
+    traced = trace_step(_task(model, (torch.randn(32, 64, device="meta"), None)), _sgd)
+    again = with_op_recomputation(traced, "1")
+    added = again.ops[len([o for o in traced.ops if o.phase == "forward"]):][:len(again.ops) - len(traced.ops)]
+    assert len(again.ops) > len(traced.ops) and all(o.phase == "backward" for o in added)
+    assert {o.module for o in added} == {"1.0.b", "1.1.b"} | {"1.0", "1.1"}  # the products of b; the ReLUs
+    assert [o.module for o in added if o.kind == "gemm"] == ["1.0.b", "1.1.b"]
+    assert [o for o in again.ops if o not in added] == traced.ops
+    h100 = gpu("H100")
+    recipe = recipe_on(make_cfg("format=bf16"), traced, h100)
+    extra = predict(again, recipe, h100, False).step_s - predict(traced, recipe, h100, False).step_s
+    alone = dataclasses.replace(traced, ops=added)
+    assert extra == pytest.approx(predict(alone, recipe, h100, False).step_s - predict(
+        dataclasses.replace(traced, ops=[]), recipe, h100, False).step_s, rel=1e-9)

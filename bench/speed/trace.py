@@ -24,7 +24,7 @@ import contextlib
 import copy
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from unittest import mock
 
 import torch
@@ -426,3 +426,27 @@ def trace_cell(cfg, batch=None, full_length: bool = False) -> StepTrace:
     if offline or unpriced:
         traced.note = "; ".join(filter(None, [offline, traced.note, unpriced]))
     return traced
+
+
+def with_op_recomputation(trace: StepTrace, blocks: str) -> StepTrace:
+    """The step under torchtitan's per-op selective activation checkpointing of each block (its `op` SAC): in the
+    backward pass each block's forward runs again, but for the ops whose outputs its policy saved (attention, and
+    every other matrix product: the first, third, ... of each block's forward). Priced as those forward ops once
+    more, as the backward begins. Not counted: the casts a recomputed FP8 GEMM makes again (torchao's amax is saved)."""
+    from bench.tasks.base import block_of
+
+    again, products = [], {}
+    for op in trace.ops:
+        block = block_of(op.module, blocks)
+        if op.phase != "forward" or op.kind in ("view", "attention") or block is None:
+            continue
+        if op.kind == "gemm":
+            products[block] = products.get(block, 0) + 1
+            if products[block] % 2 == 1:  # saved
+                continue
+        again.append(replace(op, phase="backward"))
+    start = next(i for i, op in enumerate(trace.ops) if op.phase == "backward")
+    note = f"each block of {blocks} recomputed in the backward as torchtitan's per-op SAC does"
+    return replace(trace, ops=[*trace.ops[:start], *again, *trace.ops[start:]],
+                               note="; ".join(filter(None, [trace.note, note])))
+

@@ -36,7 +36,7 @@ from bench.speed import model as speed
 from bench.speed.gemm import GemmKernel
 from bench.speed.model import CONSTANTS, NoNativePath, predict, recipe_on
 from bench.speed.profiles import GPU, gpu
-from bench.speed.trace import StepTrace, trace_cell, trace_step
+from bench.speed.trace import StepTrace, trace_cell, trace_step, with_op_recomputation
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = sorted((ROOT / "results" / "bench").glob("cuda-*.json"))
@@ -202,7 +202,8 @@ def ratio(numerator: Callable, denominator: Callable, batches: tuple[int, int] =
 
 def llama3_8b() -> StepTrace:
     """Llama3-8B's training step (its config: 32 layers, 4096 wide, 14336 FFN, 32 heads, 8 KV heads, vocab 128256) on
-    one 8192-token sequence, torchtitan's per-GPU batch, traced on the meta device."""
+    one 8192-token sequence, torchtitan's per-GPU batch, traced on the meta device; each layer recomputed in the
+    backward as torchtitan's per-op selective activation checkpointing does (the published runs')."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from bench.tasks.base import Task
@@ -216,7 +217,8 @@ def llama3_8b() -> StepTrace:
     task = Task(model=model, train_batches=lambda epoch: iter([ids]), evaluate=lambda *a: {}, batch_size=1,
                 steps_per_epoch=1, forward=lambda m, batch, cast: (m(input_ids=batch).logits.float(), batch),
                 loss=lambda logits, y, ce: ce(logits.view(-1, logits.size(-1)), y.view(-1)))
-    return trace_step(task, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True))
+    return with_op_recomputation(trace_step(task, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)),
+                                 "model.layers")
 
 
 class LayerNormLinearSigmoid(torch.nn.Module):
@@ -275,14 +277,45 @@ def single_linear_rows(key: str, source: dict) -> list[Row]:
     return rows
 
 
+# torchtitan's FSDP2 setting of the published Llama3-8B runs: BF16 parameters gathered, FP32 gradients reduce-scattered
+LLAMA_FSDP2 = {"name": "fsdp2", "world_size": 8, "param_dtype": "bf16", "reduce_dtype": "fp32",
+               "gradient_compression": "none"}
+
+
+def llama_fsdp_step(overrides: list[str], target: str, fp8_gather: bool = False) -> Callable:
+    """Llama3-8B's compiled step on one of 8 GPUs under FSDP2 (the optimiser sharded 8 ways) with the exposed part of
+    its collectives (bench.speed.model.collectives; `fp8_gather`: torchao's FP8 all-gather of the converted weights):
+    constants -> (the GPU's step, its collectives)."""
+    from omegaconf import OmegaConf
+
+    from bench.speed.model import collectives
+
+    trace, profile = _traced("llama3_8b", llama3_8b), gpu(target)
+    recipe = recipe_on(_compose(["model=bert_tiny", *overrides]), trace, profile)  # the setting; the trace is Llama's
+    gathered = frozenset(n for n in trace.linears if recipe.casts and speed._converted(recipe, trace, n)) \
+        if fp8_gather else frozenset()
+
+    def seconds(constants: speed.Constants):
+        step = predict(trace, recipe, profile, True, constants, shards=8)
+        return step, collectives(trace, OmegaConf.create(LLAMA_FSDP2), profile,
+                                 step.gemm + step.attention + step.memory, "model.layers", gathered)
+    return seconds
+
+
 def llama_rows(key: str, source: dict) -> list[Row]:
-    """Llama3-8B's tokens/s in FP8 recipes over BF16's (torchtitan, FSDP over 8 GPUs: the optimiser sharded 8 ways)."""
-    llama = lambda overrides: ["model=bert_tiny", *overrides]  # the format and scaling; the trace is Llama's
-    bf16 = step(llama(["format=bf16"]), source["gpu"], True, llama3_8b, shards=8)
-    return [Row(key, "Llama3-8B, 1×8192", source["gpu"], f"{' '.join(overrides)} (bf16 elsewhere) / bf16-mixed",
-                "compiled", tokens / source["baseline"],
-                ratio(bf16, step(llama(overrides), source["gpu"], True, llama3_8b, shards=8)), "x")
+    """Llama3-8B on 8 GPUs under FSDP2 (torchtitan's published runs, per-op SAC): each setting's step on a GPU (8,192
+    tokens / its tokens/s), and its tokens/s over BF16's. torchao's tensorwise runs gathered their weights in FP8."""
+    def step_s(overrides: list[str]) -> Callable:
+        priced = llama_fsdp_step(overrides, source["gpu"], fp8_gather="scaling=per_tensor" in overrides)
+        return lambda c: (lambda step, sent: step.step_s + (sent.exposed if sent else 0.0))(*priced(c))
+
+    model = "Llama3-8B, 1×8192 a GPU, 8 GPUs (FSDP2)"
+    bf16 = step_s(["format=bf16"])
+    rows = [Row(key, model, source["gpu"], f"{' '.join(overrides)} (bf16 elsewhere) / bf16-mixed", "compiled",
+                tokens / source["baseline"], ratio(bf16, step_s(overrides)), "x")
             for overrides, tokens in source["rows"]]
+    return rows + [Row(key, model, source["gpu"], " ".join(overrides), "compiled", 8192 / tokens, step_s(overrides))
+                   for overrides, tokens in [(["format=bf16"], source["baseline"]), *source["rows"]]]
 
 
 def raschka_rows(key: str, source: dict) -> list[Row]:
@@ -480,38 +513,28 @@ LLAMA_FSDP = ROOT / "results" / "bench" / "llama3_8b_fsdp.md"
 
 
 def llama_fsdp(source: dict) -> list[str]:
-    """Llama3-8B on 8 GPUs under FSDP2 as torchtitan trains it (BF16 parameters gathered, FP32 gradients reduced,
-    the optimiser sharded 8 ways), with its collectives priced (bench.speed.model.collectives): per GPU, the compiled
-    step, its collectives and their exposed part, and tokens/s beside the published figure. Reported, not scored:
-    the same figures score the one-device model in the validation table."""
-    from omegaconf import OmegaConf
-
-    from bench.speed.model import collectives
-
-    trace, target = _traced("llama3_8b", llama3_8b), gpu(source["gpu"])
-    fsdp = OmegaConf.create({"name": "fsdp2", "world_size": 8, "param_dtype": "bf16", "reduce_dtype": "fp32",
-                             "gradient_compression": "none"})
+    """Llama3-8B on 8 GPUs under FSDP2 as torchtitan trains it (`llama_fsdp_step`): per GPU, the compiled step, its
+    collectives and their exposed part, and tokens/s beside the published figure (scored in the validation table,
+    `llama_rows`)."""
+    target = gpu(source["gpu"])
     settings = [(["format=bf16"], "bf16-mixed", source["baseline"], False)]
     for overrides, tokens in source["rows"]:
         tensorwise = "scaling=per_tensor" in overrides  # torchao's tensorwise run gathered its weights in FP8
         settings.append((overrides, " ".join(overrides), None if tensorwise else tokens, False))
         if tensorwise:
             settings.append((overrides, f"{' '.join(overrides)}, FP8 all-gather", tokens, True))
-    lines = [f"# Llama3-8B, 8x {target.name}, FSDP2 (predicted; reported, not scored)", "",
+    lines = [f"# Llama3-8B, 8x {target.name}, FSDP2 (predicted)", "",
              "`python -m bench.tools.speed_validation --llama-fsdp`: torchtitan's setting (BF16 parameters gathered, "
              "FP32 gradients reduce-scattered, the optimiser sharded 8 ways), each GPU's compiled step with its "
              "collectives priced over NVLink (bench.speed.model.collectives) and the part of them FSDP2's prefetch "
-             "does not hide. Selective activation checkpointing's recomputation is not modelled.", "",
+             "does not hide, and per-op selective activation checkpointing's recomputation "
+             "(bench.speed.trace.with_op_recomputation). The same steps are validate rows of "
+             "speed_model_validation.md.", "",
              f"Published: {source['cite']}", "",
              "| setting | step (ms) | collectives (ms) | exposed (ms) | tokens/s a GPU | published | off |",
              "|---|---|---|---|---|---|---|"]
     for overrides, label, published, fp8_gather in settings:
-        cfg = _compose(["model=bert_tiny", *overrides])
-        recipe = recipe_on(cfg, trace, target)
-        step = predict(trace, recipe, target, True, CONSTANTS, shards=8)
-        gathered = frozenset(n for n in trace.linears if recipe.casts and speed._converted(recipe, trace, n)) \
-            if fp8_gather else frozenset()
-        sent = collectives(trace, fsdp, target, step.gemm + step.attention + step.memory, "model.layers", gathered)
+        step, sent = llama_fsdp_step(overrides, source["gpu"], fp8_gather)(CONSTANTS)
         seconds = step.step_s + sent.exposed
         tokens = 8192 / seconds
         against = f"{published:g} | {(tokens / published - 1) * 100:+.0f}%" if published else "– | –"
