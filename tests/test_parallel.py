@@ -136,8 +136,8 @@ def test_a_unit_scaled_cell_trains_alike_under_ddp_and_fsdp2_whose_new_parameter
 
 def test_a_distributed_record_counts_each_collectives_bytes_and_each_ranks_peak(lenet_cells):
     """LeNet's 61,706 FP32 parameters: DDP all-reduces every gradient (4 bytes each, 2 in BF16); FSDP2 all-gathers
-    each rank's half of the parameters in param_dtype and reduce-scatters every gradient in reduce_dtype. Rank 0
-    alone writes: one record, in the cell's directory."""
+    each rank's half of the parameters in param_dtype and reduce-scatters every gradient in reduce_dtype. The
+    profiled step's collectives, as gloo ran them. Rank 0 alone writes: one record, in the cell's directory."""
     root, records = lenet_cells
     sent = {name: r["parallel"]["collective_bytes_first_step"] for name, r in records.items() if "parallel" in r}
     n = LENET_PARAMETERS
@@ -146,6 +146,10 @@ def test_a_distributed_record_counts_each_collectives_bytes_and_each_ranks_peak(
     assert sent["fsdp2_reduce_bf16"] == {"all_gather": 4 * n // 2, "reduce_scatter": 2 * n}
     assert sent["fsdp2_param_bf16"] == {"all_gather": 2 * n // 2, "reduce_scatter": 4 * n}
     assert sent["fsdp2_unit"] == sent["fsdp2"] and sent["ddp_unit"] == sent["ddp"]
+    timed = {name: r["parallel"]["collective_time"] for name, r in records.items() if "parallel" in r}
+    assert all(t["step"] == 2 and 0 < t["collective_s"] < t["step_s"] for t in timed.values()), timed
+    assert "gloo:all_reduce" in timed["ddp"]["by_event_s"] and "gloo:all_gather" in timed["fsdp2"]["by_event_s"]
+    assert "gloo:all_gather" not in timed["ddp"]["by_event_s"]
     for name in sent:
         section = records[name]["parallel"]
         assert len(section["peak_bytes_per_rank"]) == 2 and section["peak_bytes_max"] == max(

@@ -396,6 +396,42 @@ class CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class CollectiveTime:
+    """The time one step's collectives took, as torch's profiler sees them: gloo's work on its own threads (on CPU), or
+    NCCL's kernels on the GPU, by kind, beside the step's wall time. Where the wrapper overlaps them with compute
+    (DDP's buckets, FSDP2's prefetch), part of that time is hidden: what a rank waited for is not separable here,
+    and the speed model's `collectives` gives the exposed part of a GPU's."""
+
+    PROFILED_STEP = 2  # not the first (its memory is counted) nor the second (where a compiled cell compiles)
+
+    def __init__(self, device: torch.device):
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self._profile, self.device = profile(activities=activities), device
+        self.measured: dict | None = None
+
+    def __enter__(self):
+        self._started = time.perf_counter()
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._profile.__exit__(*exc)
+        step_s = time.perf_counter() - self._started
+        by_event: Counter = Counter()  # the backend's names: gloo:all_reduce (FSDP2's reduce-scatter on gloo too)
+        for event in self._profile.events():
+            if event.name.startswith("gloo:"):
+                by_event[event.name] += event.cpu_time_total / 1e6
+            elif self.device.type == "cuda" and event.name.startswith("nccl") and "Kernel" in event.name:
+                by_event[event.name.split("(")[0]] += event.device_time_total / 1e6
+        self.measured = {"step": self.PROFILED_STEP, "step_s": step_s, "collective_s": sum(by_event.values()),
+                         "by_event_s": dict(sorted(by_event.items())),
+                         "how": "NCCL's kernels on the GPU" if self.device.type == "cuda" else
+                         "gloo's work on its threads (overlapping compute where the wrapper overlaps them)"}
+        return False
+
+
 def _tensor_bytes(value) -> int:
     if torch.is_tensor(value):
         return value.numel() * value.element_size()
@@ -419,7 +455,8 @@ def gathered(value):
     return found
 
 
-def describe(cfg: DictConfig, peaks: list[int | None], collective_bytes: dict, compiled_blocks: list) -> dict:
+def describe(cfg: DictConfig, peaks: list[int | None], collective_bytes: dict, compiled_blocks: list,
+             collective_time: dict | None) -> dict:
     """The record's `parallel` section."""
     p = cfg.parallel
     known = [b for b in peaks if b is not None]
@@ -430,6 +467,7 @@ def describe(cfg: DictConfig, peaks: list[int | None], collective_bytes: dict, c
             "fp8_all_gather": p.fp8_all_gather, "compiled_blocks": compiled_blocks,
             "peak_bytes_per_rank": peaks, "peak_bytes_max": max(known) if known else None,
             "collective_bytes_first_step": dict(sorted(collective_bytes.items())),
+            "collective_time": collective_time,
             "note": "the record's predicted step times price one device's step of the whole batch; bench.predict "
                     "gives a rank's step with its collectives, and its memory"}
 

@@ -378,7 +378,8 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
         record["memory"] |= {"peak_bytes": memory.peak_bytes(), "step": outcome.step_memory}
         if ranks.distributed:  # every rank takes part in the gather of the peaks
             record["parallel"] = parallel.describe(cfg, parallel.gathered(record["memory"]["peak_bytes"]),
-                                                   collectives.bytes, cell.compiled_blocks)
+                                                   collectives.bytes, cell.compiled_blocks,
+                                                   outcome.collective_time)
         _record_outcome(record, cfg, cell, outcome, metrics, timing_conditions, precision.native)
     except ConfigError:
         raise  # a setup problem found while building the cell (e.g. a checkpoint that does not fit): no record

@@ -61,6 +61,7 @@ class TrainOutcome:
     step_time_method: str = "wall_clock"  # how step_s was measured (bench.running.device.StepTimer)
     compile_steps: list[int] = field(default_factory=list)  # steps during which torch.compile compiled
     compile: dict | None = None  # what compiling did (bench.running.compile.CompiledStep.describe)
+    collective_time: dict | None = None  # a distributed cell's profiled step (bench.running.parallel.CollectiveTime)
     epoch: int = 0  # position: the epoch in progress...
     position: int = 0  # ...and the batches of it already consumed
 
@@ -158,7 +159,12 @@ class TrainingLoop:
                 if out.steps >= self.total:
                     break
                 sampled = out.steps % log_every == 0
-                self.step(batch, sampled)
+                if self.distributed and out.steps == parallel.CollectiveTime.PROFILED_STEP:
+                    with parallel.CollectiveTime(self.device) as timed:
+                        self.step(batch, sampled)
+                    out.collective_time = timed.measured
+                else:
+                    self.step(batch, sampled)
                 step, out.steps = out.steps, out.steps + 1
                 out.epoch, out.position = epoch, index + 1
                 progress.update()
