@@ -86,7 +86,9 @@ SETTINGS = {"one": [], "ddp": ["parallel=ddp"], "fsdp2": ["parallel=fsdp2"],
             "fsdp2_reduce_bf16": ["parallel=fsdp2", "parallel.reduce_dtype=bf16"],
             "fsdp2_param_bf16": ["parallel=fsdp2", "parallel.param_dtype=bf16"],
             **{f"{wrapper}_unit": [f"parallel={wrapper}", "scaling=unit", "model.optimizer.name=adamw"]
-               for wrapper in ("none", "ddp", "fsdp2")}}
+               for wrapper in ("none", "ddp", "fsdp2")},
+            **{f"{wrapper}_{fmt}": [f"parallel={wrapper}", f"format={fmt}", f"scaling={scaling}"]
+               for wrapper in ("ddp", "fsdp2") for fmt, scaling in (("fp8", "per_tensor"), ("mxfp8", "none"))}}
 LENET_PARAMETERS = 61_706
 
 
@@ -132,6 +134,17 @@ def test_a_unit_scaled_cell_trains_alike_under_ddp_and_fsdp2_whose_new_parameter
     loss = {name: r["metrics"]["final_train_loss"] for name, r in records.items()}
     assert loss["fsdp2_unit"] == loss["ddp_unit"]
     assert math.isclose(loss["ddp_unit"], loss["none_unit"], rel_tol=1e-5) and loss["none_unit"] != loss["one"]
+
+
+def test_emulated_formats_train_alike_under_ddp_and_fsdp2(lenet_cells):
+    """FP8 with per-tensor scales (each rank scaling its share's activations and gradients by their own amax) and
+    MXFP8, emulated: the ranks round the same tensors under either wrapper, and FSDP2 reduces as DDP does."""
+    _, records = lenet_cells
+    for fmt in ("fp8", "mxfp8"):
+        ddp, fsdp2 = records[f"ddp_{fmt}"], records[f"fsdp2_{fmt}"]
+        assert ddp["env"]["precision"]["backend"] == "emulated" and ddp["numerics"]["quantisation"]
+        assert fsdp2["metrics"]["final_train_loss"] == ddp["metrics"]["final_train_loss"] != \
+            records["ddp"]["metrics"]["final_train_loss"]
 
 
 def test_a_distributed_record_counts_each_collectives_bytes_and_each_ranks_peak(lenet_cells):
