@@ -166,12 +166,11 @@ def _rank_share(cfg):
 def _step(cfg, trace, recipe, target, compiled: bool) -> tuple[float, str | None]:
     """A step's predicted seconds: one device's; or a rank's (FSDP2's optimiser sharded), plus the part of its
     collectives its compute does not hide, with a note of them (bench.speed.model.collectives)."""
-    from bench.speed.model import collectives, predict
+    from bench.speed.model import predict, rank_step
 
     if (p := _distributed(cfg)) is None:
         return predict(trace, recipe, target, compiled).step_s, None
-    step = predict(trace, recipe, target, compiled, shards=p.world_size if p.name == "fsdp2" else 1)
-    sent = collectives(trace, p, target, step.gemm + step.attention + step.memory, cfg.model.task.get("blocks"))
+    step, sent = rank_step(trace, recipe, target, compiled, p, cfg.model.task.get("blocks"))
     if sent is None:
         return step.step_s, f"collectives not priced ({target.name}'s profile has no interconnect figures)"
     received = ", ".join(f"{kind} {n / 2**20:.3g} MiB" for kind, n in sent.received.items())

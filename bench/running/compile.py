@@ -38,6 +38,12 @@ def own_kernels(precision) -> str | None:
     return None
 
 
+def compiling(setting, precision) -> bool:
+    """Whether a cell compiles (its step, or a distributed cell's blocks): asked for on its device, and nothing of its
+    own (`own_kernels`) against it."""
+    return own_kernels(precision) is None and compile_wanted(setting, precision.device)
+
+
 def compile_wanted(setting, device: torch.device) -> bool:
     """auto (or null): compiled on CUDA, eager elsewhere; true / false as said."""
     if setting in (None, "auto"):

@@ -35,7 +35,7 @@ from bench.running import device as devices
 from bench.running import parallel
 from bench.running.checkpoint import Checkpointer, DistributedCheckpointer
 from bench.running.command_line import check_command_line, check_yaml_files
-from bench.running.compile import compile_wanted, own_kernels
+from bench.running.compile import compiling
 from bench.running.config import CONF_DIR, ConfigError, check, declarations
 from bench.running.identity import run_id
 from bench.running.learning import learning_summary
@@ -183,8 +183,8 @@ def build_cell(cfg: DictConfig, precision: Precision) -> Cell:
     task.model = precision.prepare(task.model, cfg.model.task.get("blocks"))
     compiled_blocks = []
     if (ranks := parallel.Ranks.current()).distributed:  # a distributed cell's rank: the optimiser takes the shards
-        wrapped = parallel.wrap(task.model, cfg, precision.device, compile_blocks=compile_wanted(
-            cfg.train.get("compile"), precision.device) and own_kernels(precision) is None)
+        wrapped = parallel.wrap(task.model, cfg, precision.device,
+                                compile_blocks=compiling(cfg.train.get("compile"), precision))
         task.model, compiled_blocks = wrapped.model, wrapped.compiled_blocks
         if task.lr_multipliers:  # unit scaling's, keyed by parameter: the wrapped model's (FSDP2's are new ones)
             task.lr_multipliers = {wrapped.replaced[p]: factor for p, factor in task.lr_multipliers.items()}

@@ -159,12 +159,11 @@ class TrainingLoop:
                 if out.steps >= self.total:
                     break
                 sampled = out.steps % log_every == 0
-                if self.distributed and out.steps == parallel.CollectiveTime.PROFILED_STEP:
-                    with parallel.CollectiveTime(self.device) as timed:
-                        self.step(batch, sampled)
-                    out.collective_time = timed.measured
-                else:
+                profiled = self.distributed and out.steps == parallel.CollectiveTime.PROFILED_STEP
+                with parallel.CollectiveTime(self.device) if profiled else contextlib.nullcontext() as timed:
                     self.step(batch, sampled)
+                if profiled:
+                    out.collective_time = timed.measured
                 step, out.steps = out.steps, out.steps + 1
                 out.epoch, out.position = epoch, index + 1
                 progress.update()

@@ -663,3 +663,16 @@ def collectives(trace: StepTrace, parallel, target: GPU, compute_s: float, block
     seconds = sum(received.values()) / (bandwidth * 1e9)
     exposed = max(first / (bandwidth * 1e9), seconds - compute_s)
     return Collectives(received, seconds, exposed, "nvlink" if n <= NODE_GPUS else "network")
+
+
+def rank_step(trace: StepTrace, recipe: Recipe, target: GPU, compiled: bool, parallel, blocks: str | None,
+              constants: Constants = CONSTANTS, fp8_gather: bool = False) -> tuple[Prediction, Collectives | None]:
+    """One rank's step of a distributed cell (`trace`: its share of the batch), FSDP2's optimiser sharded over the
+    ranks, and its collectives, whose exposed part the step also takes (`collectives`). `fp8_gather`: the converted
+    Linear weights all-gathered in FP8 (torchao's FP8 all-gather)."""
+    step = predict(trace, recipe, target, compiled, constants,
+                   shards=parallel.world_size if parallel.name == "fsdp2" else 1)
+    gathered = frozenset(n for n in trace.linears if recipe.casts and _converted(recipe, trace, n)) \
+        if fp8_gather else frozenset()
+    return step, collectives(trace, parallel, target, step.gemm + step.attention + step.memory, blocks, gathered)
+

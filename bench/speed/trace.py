@@ -448,5 +448,5 @@ def with_op_recomputation(trace: StepTrace, blocks: str) -> StepTrace:
     start = next(i for i, op in enumerate(trace.ops) if op.phase == "backward")
     note = f"each block of {blocks} recomputed in the backward as torchtitan's per-op SAC does"
     return replace(trace, ops=[*trace.ops[:start], *again, *trace.ops[start:]],
-                               note="; ".join(filter(None, [trace.note, note])))
+                   note="; ".join(filter(None, [trace.note, note])))
 

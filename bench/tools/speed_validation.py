@@ -108,17 +108,16 @@ def _traced(key: str, make: Callable[[], StepTrace]) -> StepTrace:
     return _TRACES[key]
 
 
-def step(overrides: list[str], target: str, compiled: bool, trace: Callable[[], StepTrace] | None = None,
-         shards: int = 1) -> Callable[[speed.Constants], float | None]:
+def step(overrides: list[str], target: str, compiled: bool) -> Callable[[speed.Constants], float | None]:
     """A cell's predicted step on a GPU, by the model under the constants it is given."""
     cfg = _compose(overrides)
     shape = [o for o in overrides if not o.startswith(("format", "scaling"))]
-    traced = _traced(" ".join(shape), trace or (lambda: trace_cell(cfg, full_length=True)))
+    traced = _traced(" ".join(shape), lambda: trace_cell(cfg, full_length=True))
     profile = gpu(target)
     recipe = recipe_on(cfg, traced, profile)
     if isinstance(recipe, NoNativePath):
         raise ValueError(f"{' '.join(overrides)}: {recipe}")
-    return lambda constants: predict(traced, recipe, profile, compiled, constants, shards).step_s
+    return lambda constants: predict(traced, recipe, profile, compiled, constants).step_s
 
 
 # the measurements whose eager DistilBERT rows fit the constants: every later run is scored, not fitted
@@ -283,23 +282,14 @@ LLAMA_FSDP2 = {"name": "fsdp2", "world_size": 8, "param_dtype": "bf16", "reduce_
 
 
 def llama_fsdp_step(overrides: list[str], target: str, fp8_gather: bool = False) -> Callable:
-    """Llama3-8B's compiled step on one of 8 GPUs under FSDP2 (the optimiser sharded 8 ways) with the exposed part of
-    its collectives (bench.speed.model.collectives; `fp8_gather`: torchao's FP8 all-gather of the converted weights):
-    constants -> (the GPU's step, its collectives)."""
+    """Llama3-8B's compiled step on one of 8 GPUs under FSDP2 (bench.speed.model.rank_step; `fp8_gather`: torchao's
+    FP8 all-gather of the converted weights): constants -> (the GPU's step, its collectives)."""
     from omegaconf import OmegaConf
-
-    from bench.speed.model import collectives
 
     trace, profile = _traced("llama3_8b", llama3_8b), gpu(target)
     recipe = recipe_on(_compose(["model=bert_tiny", *overrides]), trace, profile)  # the setting; the trace is Llama's
-    gathered = frozenset(n for n in trace.linears if recipe.casts and speed._converted(recipe, trace, n)) \
-        if fp8_gather else frozenset()
-
-    def seconds(constants: speed.Constants):
-        step = predict(trace, recipe, profile, True, constants, shards=8)
-        return step, collectives(trace, OmegaConf.create(LLAMA_FSDP2), profile,
-                                 step.gemm + step.attention + step.memory, "model.layers", gathered)
-    return seconds
+    fsdp = OmegaConf.create(LLAMA_FSDP2)
+    return lambda constants: speed.rank_step(trace, recipe, profile, True, fsdp, "model.layers", constants, fp8_gather)
 
 
 def llama_rows(key: str, source: dict) -> list[Row]:
