@@ -612,3 +612,21 @@ def test_a_compiled_distributed_cell_compiles_each_block_before_wrapping_and_tra
     assert said["per_block"] and said["graphs"] > 0 and said["graph_breaks"] == 0
     assert 1 in compiled["timing"]["compile"]["steps"]  # the first step after the memory-counted one compiled
     assert math.isclose(compiled["metrics"]["final_train_loss"], eager["metrics"]["final_train_loss"], rel_tol=1e-5)
+
+
+def test_bench_predict_gathers_a_cells_converted_weights_in_fp8_where_it_asks():
+    """bench.predict of a cell with parallel.fp8_all_gather=true prices its all-gathers at a byte a converted weight
+    element: less received than the same cell gathering in FP32, the reduce-scatters the same."""
+    import re
+
+    from bench.reporting.predict_cells import rows
+    from bench.speed.profiles import gpu
+
+    def received(*extra):
+        (row,) = rows(["model=charlm", "parallel=fsdp2", "parallel.world_size=8", "format=fp8", "scaling=per_tensor",
+                       *extra], [gpu("H100")])
+        found = re.findall(r"(all_gather|reduce_scatter) ([\d.e+-]+) MiB", row["note"])
+        return {kind: float(mib) for kind, mib in found}
+
+    plain, gathered = received(), received("parallel.fp8_all_gather=true")
+    assert gathered["all_gather"] < 0.5 * plain["all_gather"] and gathered["reduce_scatter"] == plain["reduce_scatter"]

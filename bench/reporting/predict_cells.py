@@ -165,12 +165,14 @@ def _rank_share(cfg):
 
 def _step(cfg, trace, recipe, target, compiled: bool) -> tuple[float, str | None]:
     """A step's predicted seconds: one device's; or a rank's (FSDP2's optimiser sharded), plus the part of its
-    collectives its compute does not hide, with a note of them (bench.speed.model.collectives)."""
+    collectives its compute does not hide, with a note of them (bench.speed.model.rank_step; its Linear weights
+    gathered in FP8 where the cell asks, parallel.fp8_all_gather)."""
     from bench.speed.model import predict, rank_step
 
     if (p := _distributed(cfg)) is None:
         return predict(trace, recipe, target, compiled).step_s, None
-    step, sent = rank_step(trace, recipe, target, compiled, p, cfg.model.task.get("blocks"))
+    step, sent = rank_step(trace, recipe, target, compiled, p, cfg.model.task.get("blocks"),
+                           fp8_gather=p.fp8_all_gather)
     if sent is None:
         return step.step_s, f"collectives not priced ({target.name}'s profile has no interconnect figures)"
     received = ", ".join(f"{kind} {n / 2**20:.3g} MiB" for kind, n in sent.received.items())
