@@ -171,13 +171,12 @@ def _step(cfg, trace, recipe, target, compiled: bool) -> tuple[float, str | None
 
     if (p := _distributed(cfg)) is None:
         return predict(trace, recipe, target, compiled).step_s, None
-    step, sent = rank_step(trace, recipe, target, compiled, p, cfg.model.task.get("blocks"),
-                           fp8_gather=p.fp8_all_gather)
-    if sent is None:
-        return step.step_s, f"collectives not priced ({target.name}'s profile has no interconnect figures)"
+    ranked = rank_step(trace, recipe, target, compiled, p, cfg.model.task.get("blocks"), fp8_gather=p.fp8_all_gather)
+    if (sent := ranked.collectives) is None:
+        return ranked.seconds, f"collectives not priced ({target.name}'s profile has no interconnect figures)"
     received = ", ".join(f"{kind} {n / 2**20:.3g} MiB" for kind, n in sent.received.items())
-    return step.step_s + sent.exposed, (f"a rank's collectives {sent.seconds * 1e3:.3g} ms over {sent.over} "
-                                        f"({received} received), {sent.exposed * 1e3:.3g} ms of it exposed")
+    return ranked.seconds, (f"a rank's collectives {sent.seconds * 1e3:.3g} ms over {sent.over} ({received} "
+                            f"received), {sent.exposed * 1e3:.3g} ms of it exposed")
 
 
 def _memory(cfg, trace, recipe) -> tuple[str, str | None]:

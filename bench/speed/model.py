@@ -665,14 +665,27 @@ def collectives(trace: StepTrace, parallel, target: GPU, compute_s: float, block
     return Collectives(received, seconds, exposed, "nvlink" if n <= NODE_GPUS else "network")
 
 
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's predicted step (`step`) and its collectives (None where they are not priced); `seconds`: the step
+    and the part of the collectives its compute does not hide."""
+
+    step: Prediction
+    collectives: Collectives | None
+
+    @property
+    def seconds(self) -> float:
+        return self.step.step_s + (self.collectives.exposed if self.collectives else 0.0)
+
+
 def rank_step(trace: StepTrace, recipe: Recipe, target: GPU, compiled: bool, parallel, blocks: str | None,
-              constants: Constants = CONSTANTS, fp8_gather: bool = False) -> tuple[Prediction, Collectives | None]:
+              constants: Constants = CONSTANTS, fp8_gather: bool = False) -> RankStep:
     """One rank's step of a distributed cell (`trace`: its share of the batch), FSDP2's optimiser sharded over the
-    ranks, and its collectives, whose exposed part the step also takes (`collectives`). `fp8_gather`: the converted
-    Linear weights all-gathered in FP8 (torchao's FP8 all-gather)."""
+    ranks, and its collectives (`collectives`). `fp8_gather`: the converted Linear weights all-gathered in FP8
+    (torchao's FP8 all-gather)."""
     step = predict(trace, recipe, target, compiled, constants,
                    shards=parallel.world_size if parallel.name == "fsdp2" else 1)
     gathered = frozenset(n for n in trace.linears if recipe.casts and _converted(recipe, trace, n)) \
         if fp8_gather else frozenset()
-    return step, collectives(trace, parallel, target, step.gemm + step.attention + step.memory, blocks, gathered)
-
+    return RankStep(step, collectives(trace, parallel, target, step.gemm + step.attention + step.memory, blocks,
+                                      gathered))

@@ -283,7 +283,7 @@ LLAMA_FSDP2 = {"name": "fsdp2", "world_size": 8, "param_dtype": "bf16", "reduce_
 
 def llama_fsdp_step(overrides: list[str], target: str, fp8_gather: bool = False) -> Callable:
     """Llama3-8B's compiled step on one of 8 GPUs under FSDP2 (bench.speed.model.rank_step; `fp8_gather`: torchao's
-    FP8 all-gather of the converted weights): constants -> (the GPU's step, its collectives)."""
+    FP8 all-gather of the converted weights): constants -> the GPU's RankStep."""
     from omegaconf import OmegaConf
 
     trace, profile = _traced("llama3_8b", llama3_8b), gpu(target)
@@ -297,7 +297,7 @@ def llama_rows(key: str, source: dict) -> list[Row]:
     tokens / its tokens/s), and its tokens/s over BF16's. torchao's tensorwise runs gathered their weights in FP8."""
     def step_s(overrides: list[str]) -> Callable:
         priced = llama_fsdp_step(overrides, source["gpu"], fp8_gather="scaling=per_tensor" in overrides)
-        return lambda c: (lambda step, sent: step.step_s + (sent.exposed if sent else 0.0))(*priced(c))
+        return lambda constants: priced(constants).seconds
 
     model = "Llama3-8B, 1×8192 a GPU, 8 GPUs (FSDP2)"
     bf16 = step_s(["format=bf16"])
@@ -524,8 +524,8 @@ def llama_fsdp(source: dict) -> list[str]:
              "| setting | step (ms) | collectives (ms) | exposed (ms) | tokens/s a GPU | published | off |",
              "|---|---|---|---|---|---|---|"]
     for overrides, label, published, fp8_gather in settings:
-        step, sent = llama_fsdp_step(overrides, source["gpu"], fp8_gather)(CONSTANTS)
-        seconds = step.step_s + sent.exposed
+        ranked = llama_fsdp_step(overrides, source["gpu"], fp8_gather)(CONSTANTS)
+        seconds, sent = ranked.seconds, ranked.collectives
         tokens = 8192 / seconds
         against = f"{published:g} | {(tokens / published - 1) * 100:+.0f}%" if published else "– | –"
         lines.append(f"| {label} | {seconds * 1e3:.0f} | {sent.seconds * 1e3:.0f} | {sent.exposed * 1e3:.1f} | "
