@@ -585,11 +585,12 @@ def test_a_forked_rank_takes_the_launchers_environment_and_directory_not_the_for
 
     monkeypatch.chdir(tmp_path)  # restored after the test, as is os.environ (replaced by a dict here)
     monkeypatch.setattr(os, "environ", {"STALE": "server's", "RANK": "1", "TORCHELASTIC_RUN_ID": "bench-1",
-                                        "MASTER_PORT": "29500", "PATH": "/old"})
+                                        "MASTER_PORT": "29500", "PATH": "/old", "NCCL_DEBUG": "WARN"})
     (tmp_path / "launcher").mkdir()
-    Launcher({"PATH": "/bin", "NEW": "launcher's", "RANK": "0"}, str(tmp_path / "launcher")).apply()
+    launcher = {"PATH": "/bin", "NEW": "launcher's", "RANK": "0", "NCCL_DEBUG": "INFO"}
+    Launcher(launcher, str(tmp_path / "launcher")).apply()
     assert os.environ == {"PATH": "/bin", "NEW": "launcher's", "RANK": "1", "TORCHELASTIC_RUN_ID": "bench-1",
-                          "MASTER_PORT": "29500"}
+                          "MASTER_PORT": "29500", "NCCL_DEBUG": "INFO"}
     assert os.getcwd() == str(tmp_path / "launcher")
 
 

@@ -235,9 +235,10 @@ class Launcher:
         os.chdir(self.cwd)
 
 
-# the variables torch's elastic launcher sets for each rank (its torchelastic bookkeeping, rendezvous and rank)
+# the variables torch's elastic launcher sets for each rank (its torchelastic bookkeeping, rendezvous and rank; the
+# launcher's own NCCL_* settings are the launching process's, so they come from there)
 LAUNCHER_VARIABLES = ("TORCHELASTIC_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_",
-                      "MASTER_", "TORCH_NCCL_", "NCCL_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+                      "MASTER_", "TORCH_NCCL_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 
 @record
