@@ -399,9 +399,9 @@ class CollectiveBytes(TorchDispatchMode):
 
 class CollectiveTime:
     """The time one step's collectives took, as torch's profiler sees them: gloo's work on its own threads (on CPU), or
-    NCCL's kernels on the GPU, by the backend's event name, beside the step's wall time. Where the wrapper overlaps them with compute
-    (DDP's buckets, FSDP2's prefetch), part of that time is hidden: what a rank waited for is not separable here,
-    and the speed model's `collectives` gives the exposed part of a GPU's."""
+    NCCL's kernels on the GPU, by the backend's event name, beside the step's wall time. Where the wrapper overlaps
+    them with compute (DDP's buckets, FSDP2's prefetch), part of that time is hidden: what a rank waited for is not
+    separable here, and the speed model's `collectives` gives the exposed part of a GPU's."""
 
     PROFILED_STEP = 2  # not the first (its memory is counted) nor the second (where a compiled cell compiles)
 
