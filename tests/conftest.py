@@ -1,5 +1,6 @@
 """Compose the real configs (conf/) with Hydra's compose API, as the runner would."""
 
+import os
 import random
 from pathlib import Path
 
@@ -8,8 +9,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import bench.running.config  # noqa: F401 - registers the schema and the `lower` resolver
+from bench.numerics import fused
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+# The suite runs the eager quantisers, the reference (and no compile per new shape); tests/test_fused.py switches the
+# fused ones on, and holds them and a fused training run to it. Set before any test, so launched ranks inherit it.
+os.environ.setdefault(fused.SWITCH, "0")
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ BLOCKED_FIELDS = ("values", "elements", "scale", "amax", "factor", "scale_bits")
 
 @pytest.fixture(autouse=True)
 def fused_on(monkeypatch):
-    monkeypatch.setenv(fused.SWITCH, "1")  # on here; off by default (the rest of the suite runs the eager reference)
+    monkeypatch.setenv(fused.SWITCH, "1")  # on here; the rest of the suite runs the eager reference (conftest.py)
 
 
 def _inputs(element: str, width: int) -> list[torch.Tensor]:
@@ -120,29 +120,38 @@ def test_stochastic_rounding_fused_rounds_the_same_draws_to_the_same_bits():
 
 
 def test_a_call_takes_the_fused_path_only_where_it_pays_and_draws_nothing():
-    """Large enough, on CPU, no draws, no gradient recorded, switched on: compiled; otherwise eager."""
+    """Large enough for its quantiser (a native cast later than arithmetic), on CPU, no draws, no gradient recorded,
+    switched on: compiled; otherwise eager."""
     compiled = quantise_value.compiled
-    small, large = torch.randn(fused.ELEMENTWISE_FROM - 1), torch.randn(fused.ELEMENTWISE_FROM)
 
     def compiles(call) -> bool:
-        before = len(compiled)
+        before = sum(len(s.graphs) for s in compiled.values() if s is not None)
         call()
-        return len(compiled) > before
+        return sum(len(s.graphs) for s in compiled.values() if s is not None) > before
 
-    assert not compiles(lambda: quantise_value(small, "fp6_e3m2", "nan"))
-    assert compiles(lambda: quantise_value(large, "fp6_e3m2", "nan"))
-    assert not compiles(lambda: quantise_value(large.requires_grad_(), "fp6_e2m3", "nan"))
+    arithmetic, cast = fused.ARITHMETIC_FROM, fused.CAST_FROM
+    assert not compiles(lambda: quantise_value(torch.randn(arithmetic - 1), "fp6_e3m2", "nan"))
+    assert compiles(lambda: quantise_value(torch.randn(arithmetic), "fp6_e3m2", "nan"))
+    assert not compiles(lambda: quantise_value(torch.randn(cast - 1), "fp8_e5m2", "nan"))
+    assert compiles(lambda: quantise_value(torch.randn(cast), "fp8_e5m2", "nan"))
+    assert not compiles(lambda: quantise_value(torch.randn(cast).requires_grad_(), "fp6_e2m3", "nan"))
     blocked = blocks.mx_quantise.compiled
     before = len(blocked)
     blocks.mx_quantise(torch.randn(64, 32), "fp6_e3m2", rounding="stochastic",
                        generator=torch.Generator().manual_seed(0))
     assert len(blocked) == before  # stochastic: eager, whatever the size
+    blocks.mx_quantise(torch.randn(arithmetic // 32, 32), "fp6_e3m2")
+    assert len(blocked) == before + 1  # to nearest, as large: compiled
+    x = torch.randn(3, arithmetic)
+    assert compiles(lambda: quantise_value(x, "fp4_e2m1", "nan"))
+    assert not compiles(lambda: quantise_value(x.clone(), "fp4_e2m1", "nan"))  # the same layout: its graph again
+    assert compiles(lambda: quantise_value(x.t(), "fp4_e2m1", "nan"))  # other strides: a graph of their own
 
 
 def test_a_16_bit_input_is_compiled_as_fp32_and_returned_in_its_own_dtype():
     """Inductor's code for a BF16 tensor cast to FP8 and back ran 2x slower than the eager casts (LeNet's autocast
     activations): the compiled graph sees FP32, the caller gets its dtype back, bit for bit the eager result."""
-    x = torch.randn(fused.ELEMENTWISE_FROM).to(torch.bfloat16)
+    x = torch.randn(fused.CAST_FROM).to(torch.bfloat16)
     quantise_value(x, "fp8_e5m2", "inf")
     key = ("fp8_e5m2", "inf")
     graph = quantise_value.compiled[key]
@@ -157,9 +166,9 @@ def test_a_16_bit_input_is_compiled_as_fp32_and_returned_in_its_own_dtype():
 
 
 def test_switched_off_every_quantiser_is_eager(monkeypatch):
-    monkeypatch.delenv(fused.SWITCH)
+    monkeypatch.setenv(fused.SWITCH, "0")
     before = len(quantise_value.compiled)
-    quantise_value(torch.randn(fused.ELEMENTWISE_FROM), "fp6_e2m3", "inf", True)
+    quantise_value(torch.randn(fused.ARITHMETIC_FROM), "fp6_e2m3", "inf", True)
     assert len(quantise_value.compiled) == before
 
 
@@ -167,7 +176,7 @@ def test_a_record_says_whether_its_quantisers_ran_fused(monkeypatch):
     from bench.running.device import describe
 
     assert describe(torch.device("cpu"))["fused_quantisers"] is True  # switched on by the fixture
-    monkeypatch.delenv(fused.SWITCH)
+    monkeypatch.setenv(fused.SWITCH, "0")
     assert describe(torch.device("cpu"))["fused_quantisers"] is False
 
 
@@ -227,3 +236,33 @@ def test_on_cuda_stochastic_rounding_of_the_same_draws_gives_the_cpu_bits():
     draw = torch.rand(x.shape, generator=torch.Generator().manual_seed(1))
     for element, policy in (("fp8_e4m3", "saturate"), ("fp8_e5m2", "inf")):
         _same_on_cuda(_round_up_below, x, (draw, FORMATS[element], policy, False))
+
+
+def _losses(make_cfg, tmp_path, monkeypatch, switch: str, *overrides) -> tuple[list[float], bool]:
+    """The logged losses of a short cell run with the fused quantisers switched on ("1") or off ("0"), and what its
+    record says ran."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from bench.running.run import run_cell
+
+    monkeypatch.setenv(fused.SWITCH, switch)
+    cfg = make_cfg(*overrides, "train.max_steps=24", "train.log_every=6")
+    record = run_cell(cfg)
+    run_dir = Path(tmp_path) / cfg.cell
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run_dir)
+    return [row["loss"] for row in rows if "loss" in row], record["env"]["fused_quantisers"]
+
+
+@pytest.mark.parametrize("fmt", [
+    pytest.param("fp8", marks=pytest.mark.slow), "mxfp8", pytest.param("nvfp4_recipe", marks=pytest.mark.slow)])
+def test_an_emulated_run_fused_logs_the_eager_runs_losses_exactly(make_cfg, tmp_path, monkeypatch, fmt):
+    """The whole path, not only each quantiser: a cell trained with its roundings fused (every one that pays:
+    activations, weights, gradients, along either dimension) is the eager cell, loss for loss, bit for bit."""
+    model = "model=bert_tiny" if fmt == "nvfp4_recipe" else "model=lenet"
+    eager, eager_said = _losses(make_cfg, tmp_path, monkeypatch, "0", model, f"format={fmt}")
+    fast, fast_said = _losses(make_cfg, tmp_path, monkeypatch, "1", model, f"format={fmt}")
+    assert (eager_said, fast_said) == (False, True)
+    assert len(eager) >= 3 and fast == eager

@@ -36,8 +36,8 @@ divided by s again for the GEMM):
   mantissa cleared (TE's compute_scale_from_amax: amax 0 gives s = 1, an infinite s the largest float).
 Neither saturates by construction (amax * s <= 448); the cast saturates anyway, as both do.
 
-Blocks run along the last dimension after `dim` is moved there; a dimension that is not a multiple of k ends in
-a shorter block (its amax over the elements it has), as the spec's edge blocks. Everything is returned in FP32:
+Blocks run along `dim`, which is split where it lies into (blocks, k) (no transposing copy); a dimension that is not
+a multiple of k ends in a shorter block (its amax over the elements it has), as the spec's edge blocks. Everything is returned in FP32:
 `values` (dequantised: what the GEMM sees), `elements` (x / X on the element grid) and the per-block scales.
 """
 
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value
-from bench.numerics.fused import BLOCKWISE_FROM, fused
+from bench.numerics.fused import ARITHMETIC_FROM, fused
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
 
@@ -96,28 +96,30 @@ class Blocked:
     scale_bits: torch.Tensor | None = None  # MX: the biased E8M0 byte (uint8), as hardware stores it
 
 
-def _blocks(x: torch.Tensor, dim: int, k: int) -> tuple[torch.Tensor, int]:
-    """x (as FP32) with `dim` last, padded with zeros to a multiple of k and viewed as (..., blocks, k); the
-    original length of that dimension. Zeros never change a block's amax."""
-    x = x.float().movedim(dim, -1).contiguous()  # one copy: every pass after it reads memory in order
-    length = x.shape[-1]
+def _blocks(x: torch.Tensor, dim: int, k: int) -> tuple[torch.Tensor, int, int]:
+    """x (as FP32) with `dim` zero-padded to a multiple of k and split where it is into (blocks, k), so that no pass
+    reads across memory (a block along dim 0 is k rows; its elements are a row apart); the original length of `dim`
+    and the axis that runs within a block (dim + 1). Zeros never change a block's amax."""
+    x = x.float()
+    dim = dim % x.dim()
+    length = x.shape[dim]
     pad = -length % k
     if pad:
-        x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(*x.shape[:-1], -1, k), length
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1 - dim) + (0, pad))
+    return x.unflatten(dim, (-1, k)), length, dim + 1
 
 
-def _unblock(blocks: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    return blocks.flatten(-2)[..., :length].movedim(-1, dim)
+def _unblock(blocks: torch.Tensor, length: int, within: int) -> torch.Tensor:
+    return blocks.flatten(within - 1, within).narrow(within - 1, 0, length)
 
 
-def _blocked(values: torch.Tensor, elements: torch.Tensor, length: int, dim: int, scale: torch.Tensor,
+def _blocked(values: torch.Tensor, elements: torch.Tensor, length: int, within: int, scale: torch.Tensor,
              amax: torch.Tensor, factor: torch.Tensor, scale_bits: torch.Tensor | None = None) -> Blocked:
     """A Blocked from `_blocks`' layout: values and elements back in the input's shape, the per-block tensors
-    (one trailing singleton per block) with their block index where `dim` was."""
-    per_block = lambda t: t.squeeze(-1).movedim(-1, dim)
-    return Blocked(_unblock(values, length, dim), _unblock(elements, length, dim), per_block(scale), per_block(amax),
-                   per_block(factor), None if scale_bits is None else per_block(scale_bits))
+    (one singleton per block, at `within`) with their block index where the blocked dimension was."""
+    per_block = lambda t: t.squeeze(within)
+    return Blocked(_unblock(values, length, within), _unblock(elements, length, within), per_block(scale),
+                   per_block(amax), per_block(factor), None if scale_bits is None else per_block(scale_bits))
 
 
 def _round_elements(x: torch.Tensor, element: str, rounding: str, generator: torch.Generator | None,
@@ -137,8 +139,12 @@ def mx_scale_exponent(amax: torch.Tensor, spec: ElementFormat, mode: str) -> tor
         raise ValueError(f"unknown MX scale mode {mode!r}; valid: {', '.join(SCALE_MODES)}")
     if mode == "rceil":
         descale = amax / spec.max
-        mantissa, exponent = torch.frexp(descale)  # descale = mantissa * 2^exponent, mantissa in [0.5, 1)
-        unbiased = exponent - (mantissa == 0.5).int()  # ceil(log2 descale), exact (subnormals included)
+        # ceil(log2 descale), exact, from its bits: its binade's exponent, one more where a mantissa bit is set; a
+        # subnormal descale (under 2^-126) gives -126 above 2^-127 and -127 at or below it, once clamped
+        bits = descale.view(torch.int32)
+        exponent = (bits >> 23) & 0xFF
+        unbiased = torch.where(exponent == 0, torch.where(descale > 2.0**-127, -126, -127).int(),
+                               exponent - E8M0_BIAS + ((bits & 0x7FFFFF) > 0).int())
         biased = torch.where(descale == 0, 0, unbiased.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS)
         return torch.where(descale.isnan(), E8M0_NAN, torch.where(descale.isinf(), 254, biased))
     bits = amax.view(torch.int32)
@@ -151,7 +157,14 @@ def mx_scale_exponent(amax: torch.Tensor, spec: ElementFormat, mode: str) -> tor
     return torch.where(amax.isnan(), E8M0_NAN, biased)
 
 
-@fused(BLOCKWISE_FROM)
+def _e8m0_value(biased: torch.Tensor) -> torch.Tensor:
+    """2^(biased - 127) for int32 biased in [0, 254], built from its bits (2^-127, biased 0, is FP32's subnormal
+    0x00400000): exact, as torch.ldexp is, and a few integer operations where inductor's CPU code calls the C
+    library's ldexp once per element."""
+    return torch.where(biased > 0, biased.int() << 23, 1 << 22).view(torch.float32)
+
+
+@fused(ARITHMETIC_FROM)
 def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -1, block: int = MX_BLOCK,
                 rounding: str = "nearest", generator: torch.Generator | None = None) -> Blocked:
     """x in an MX format: blocks of `block` along `dim`, E8M0 scales by `mode`, elements saturated and rounded by
@@ -159,16 +172,16 @@ def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -
     if element not in MX_ELEMENTS:
         raise ValueError(f"unknown MX element format {element!r}; valid: {', '.join(MX_ELEMENTS)}")
     spec = FORMATS[element]
-    blocks, length = _blocks(x, dim, block)
-    amax = blocks.abs().amax(-1, keepdim=True)  # NaN where the block holds one
+    blocks, length, within = _blocks(x, dim, block)
+    amax = blocks.abs().amax(within, keepdim=True)  # NaN where the block holds one
     biased = mx_scale_exponent(amax, spec, mode)
-    scale = torch.ldexp(torch.ones_like(amax), biased - E8M0_BIAS)  # 2^e, exact down to 2^-127
-    scale = torch.where(biased == E8M0_NAN, torch.nan, scale)
+    nan = biased == E8M0_NAN
+    scale = torch.where(nan, torch.nan, _e8m0_value(biased))  # 2^e, exact down to 2^-127
     # x * 2^-e is x / 2^e exactly (a power of two), and a multiply is cheaper than a divide
-    elements = _round_elements(blocks * torch.ldexp(torch.ones_like(amax), E8M0_BIAS - biased).where(
-        biased != E8M0_NAN, torch.nan), element, rounding, generator)
+    elements = _round_elements(blocks * torch.where(nan, torch.nan, _e8m0_value(2 * E8M0_BIAS - biased)), element,
+                               rounding, generator)
     values = elements * scale
-    return _blocked(values, elements, length, dim, scale, amax, scale, biased.to(torch.uint8))
+    return _blocked(values, elements, length, within, scale, amax, scale, biased.to(torch.uint8))
 
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
@@ -183,17 +196,17 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     return (x.detach().abs().max().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
 
 
-@fused(BLOCKWISE_FROM)
+@fused(ARITHMETIC_FROM)
 def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1,
                    rounding: str = "nearest", generator: torch.Generator | None = None,
                    sr_bits: int | None = None) -> Blocked:
     """x in NVFP4 by torchao's rule: blocks of 16 along `dim`, E4M3 block scales (under `tensor_scale` when given),
     E2M1 elements rounded by `rounding` (NVIDIA's NVFP4 training recipe rounds gradients stochastically, from
     `sr_bits` random bits where given)."""
-    blocks, length = _blocks(x, dim, NVFP4_BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
+    blocks, length, within = _blocks(x, dim, NVFP4_BLOCK)
+    amax = blocks.abs().amax(within, keepdim=True)
     elements, stored, scale = _nvfp4_scaled(blocks, amax, tensor_scale, rounding, generator, sr_bits)
-    return _blocked(elements * scale, elements, length, dim, stored, amax, scale)
+    return _blocked(elements * scale, elements, length, within, stored, amax, scale)
 
 
 def _nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_scale: torch.Tensor | None, rounding: str,
@@ -242,15 +255,15 @@ def _te_nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_amax: torc
     return elements, stored, stored * tensor_amax.detach().float() * per_2688  # TE's order: (s x amax) x fl(1/2688)
 
 
-@fused(BLOCKWISE_FROM)
+@fused(ARITHMETIC_FROM)
 def te_nvfp4_quantise(x: torch.Tensor, tensor_amax: torch.Tensor, dim: int = -1, rounding: str = "nearest",
                       generator: torch.Generator | None = None, sr_bits: int | None = None) -> Blocked:
     """x in NVFP4 by Transformer Engine's rule (format.scale_rule=te): blocks of 16 along `dim` under the FP32
     encode scale of `tensor_amax` (x's own, or its transform's), E2M1 elements rounded by `rounding`."""
-    blocks, length = _blocks(x, dim, NVFP4_BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
+    blocks, length, within = _blocks(x, dim, NVFP4_BLOCK)
+    amax = blocks.abs().amax(within, keepdim=True)
     elements, stored, scale = _te_nvfp4_scaled(blocks, amax, tensor_amax, rounding, generator, sr_bits)
-    return _blocked(elements * scale, elements, length, dim, stored, amax, scale)
+    return _blocked(elements * scale, elements, length, within, stored, amax, scale)
 
 
 def torchao_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -276,14 +289,14 @@ def _fp8_scaled(blocks: torch.Tensor, scale: torch.Tensor, rounding: str = "near
 
 
 def _fp8_runs(x: torch.Tensor, dim: int, run: int, scale_rule, rounding: str, generator) -> Blocked:
-    blocks, length = _blocks(x, dim, run)
-    amax = blocks.abs().amax(-1, keepdim=True)
+    blocks, length, within = _blocks(x, dim, run)
+    amax = blocks.abs().amax(within, keepdim=True)
     scale = scale_rule(amax)
     elements, values = _fp8_scaled(blocks, scale, rounding, generator)
-    return _blocked(values, elements, length, dim, scale, amax, 1 / scale)
+    return _blocked(values, elements, length, within, scale, amax, 1 / scale)
 
 
-@fused(BLOCKWISE_FROM)
+@fused(ARITHMETIC_FROM)
 def rowwise_quantise(x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
                      generator: torch.Generator | None = None) -> Blocked:
     """x in E4M3 with one torchao power-of-two scale per row along `dim` (`scale` holds s: x ~ elements / s),
@@ -291,7 +304,7 @@ def rowwise_quantise(x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
     return _fp8_runs(x, dim, x.shape[dim], torchao_pow2_scale, rounding, generator)
 
 
-@fused(BLOCKWISE_FROM)
+@fused(ARITHMETIC_FROM)
 def tile_quantise(x: torch.Tensor, dim: int = -1, tile: int = FP8_TILE, rounding: str = "nearest",
                   generator: torch.Generator | None = None) -> Blocked:
     """x in E4M3 with one Transformer Engine power-of-two scale per 1 x `tile` run along `dim`."""
@@ -315,7 +328,7 @@ def _tiled(w: torch.Tensor, values: torch.Tensor, elements: torch.Tensor, scale:
     return Blocked(whole(values), whole(elements), per_tile(scale), per_tile(amax), per_tile(factor))
 
 
-@fused(BLOCKWISE_FROM)
+@fused(ARITHMETIC_FROM)
 def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:
     """A 2-D weight in E4M3 with one Transformer Engine power-of-two scale per `tile` x `tile` square (edge tiles
     shorter); `scale` is (ceil(rows / tile), ceil(cols / tile))."""
@@ -372,7 +385,7 @@ def random_hadamard_transform(x: torch.Tensor, matrix: torch.Tensor, dim: int = 
     return grouped.reshape(-1, *moved.shape[1:]).movedim(0, dim)
 
 
-@fused(BLOCKWISE_FROM)
+@fused(ARITHMETIC_FROM)
 def nvfp4_tile_quantise(w: torch.Tensor, tensor_scale: torch.Tensor, rounding: str = "nearest",
                         generator: torch.Generator | None = None) -> Blocked:
     """A 2-D weight in NVFP4 with one E4M3 scale per 16 x 16 tile (NVIDIA's recipe: the forward GEMM, which reduces
@@ -386,7 +399,7 @@ def nvfp4_tile_quantise(w: torch.Tensor, tensor_scale: torch.Tensor, rounding: s
     return _tiled(w, elements * scale, elements, stored, amax, scale)
 
 
-@fused(BLOCKWISE_FROM)
+@fused(ARITHMETIC_FROM)
 def te_nvfp4_tile_quantise(w: torch.Tensor, tensor_amax: torch.Tensor) -> Blocked:
     """A 2-D weight in 16 x 16 NVFP4 tiles by Transformer Engine's rule (format.scale_rule=te): one E4M3 scale per
     tile from the tile's amax, under the encode scale of `tensor_amax`, elements rounded to nearest (TE rounds

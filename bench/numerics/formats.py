@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.numerics.fused import ELEMENTWISE_FROM, fused
+from bench.numerics.fused import ARITHMETIC_FROM, CAST_FROM, fused
 
 OVERFLOW_POLICIES = ("saturate", "inf", "nan")
 SR_BITS = (8,)  # stochastic rounding from n random bits per element (Transformer Engine's NVFP4 cvt.rs: 8)
@@ -202,7 +202,13 @@ def _round_mantissa_bits(x: torch.Tensor, man_bits: int) -> torch.Tensor:
     return torch.where(x.isnan(), x, rounded)
 
 
-@fused(ELEMENTWISE_FROM)
+def _fused_from(fmt: str | ElementFormat, *_, **__) -> int:
+    """The fewest elements whose rounding to `fmt` is compiled: torch's own cast is two eager passes, and pays
+    later (bench/numerics/fused.py)."""
+    return CAST_FROM if get_format(fmt).name in _NATIVE_CAST else ARITHMETIC_FROM
+
+
+@fused(_fused_from)
 def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | None = None,
                    ftz: bool = False) -> torch.Tensor:
     """The forward value of `quantise` (no autograd): x rounded to `fmt`, in x's dtype (one fused pass where that
@@ -276,7 +282,7 @@ def _uniforms(x: torch.Tensor, generator: torch.Generator | None, bits: int | No
                      f"uniform), {', '.join(map(str, SR_BITS))}")
 
 
-@fused(ELEMENTWISE_FROM)
+@fused(ARITHMETIC_FROM)
 def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, policy: str, ftz: bool,
                     bits: int | None = None) -> torch.Tensor:
     """quantise_stochastic given its uniform draws: |x| rounds up where draw < its distance above the grid point

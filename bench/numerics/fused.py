@@ -1,34 +1,44 @@
 """Quantisers at memory speed: each eager quantiser (a chain of elementwise passes over the tensor) also runs as one
 fused pass compiled by inductor, bit for bit the same, where that pays.
 
-`@fused(from_elements=n)` wraps a quantiser `fn(x, ...)`. A call runs `torch.compile(fn)` when every one of these
+`@fused(from_elements=n)` wraps a quantiser `fn(x, ...)`. A call runs fn's compiled graph (a `Specialisation`:
+traced by make_fx, compiled by `torch._inductor.compile`, called without dynamo's guards) when every one of these
 holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
-- x has at least n elements: below it a compiled call's fixed cost (about 25 µs of guards and dispatch on this
-  2-core CPU) is more than the eager passes (docs/performance.md gives the measured crossover per quantiser);
-- x is on the CPU (FUSED_DEVICES) and nothing is being compiled already (a compiled model traces the eager body
-  into its own graph). On CUDA the quantisers run eagerly: inductor's Triton code for MX's rceil scale was not bit for
-  bit the eager one on an H100 (2026-11-27, `pytest -m cuda`), where the eager quantisers on CUDA gave the CPU's bits;
+- x has at least n elements (n may depend on the call's arguments): below it the eager passes cost less than a
+  compiled call's fixed ~10 us. Measured on a 2-core Intel Xeon (docs/performance.md): the block quantisers and
+  the arithmetic element roundings (FP8 E4M3, TF32, FP6, FP4) win from 256 elements, so they compile from there;
+  a format torch casts to natively (FP16, BF16, E5M2: two eager passes) only from 4,096;
+- x is on the CPU (FUSED_DEVICES), and no graph is being traced or compiled already (a compiled model, or a fused
+  quantiser calling another, takes the eager body into its own graph). On CUDA the quantisers run eagerly:
+  inductor's Triton code for MX's rceil scale was not bit for bit the eager one on an H100 (2026-11-27, `pytest -m
+  cuda`), where the eager quantisers on CUDA gave the CPU's bits;
 - the call draws no random numbers: stochastic rounding (`rounding="stochastic"`, or a `generator`) stays eager,
-  because a compiled graph draws from inductor's own generator, not the eager one's stream;
+  because a compiled graph draws from inductor's own generator, not the eager one's stream (given its draws,
+  `_round_up_below` is fused);
 - no gradient is being recorded through x (the quantisers run inside autograd Functions' forward passes);
-- the environment says `PRECISION_BENCH_FUSED=1`. Off by default: alone the fused quantisers are 2-4x faster
-  than the eager ones, but inside LeNet's and BERT-tiny's emulated steps a compiled call's guards and dispatch
-  (60-120 µs) cost what the passes it replaces do, and MXFP8 steps got slower (docs/performance.md). Records say
-  which ran (`env.fused_quantisers`).
+- the environment does not say `PRECISION_BENCH_FUSED=0` (the switch; on by default). Records say which ran
+  (`env.fused_quantisers`); the test suite runs the eager reference unless a test switches it on.
 A BF16 or FP16 x enters the compiled graph as FP32 and its result leaves in x's dtype: inductor's CPU code for a
 16-bit tensor cast to FP8 and back ran 2x slower than torch's eager casts.
+
+Why not `torch.compile`: its guards and dispatch cost about 20 us a call here (60-120 us inside an emulated step,
+profiled), as much as the passes saved on LeNet's and BERT-tiny's tensors, and made emulated steps slower. A
+Specialisation keys its graphs on what a graph assumes (shape, strides, offset, dtype, device) and looks the key up
+itself.
 
 Exactness. Inductor may fuse a cast to a 16-bit type and back into nothing: `x.to(bf16).to(fp32)`, the rounding
 itself, comes back unrounded unless `emulate_precision_casts` is set, which it is here. Everything else the
 quantisers compute is exact in FP32 (adds of a power-of-two magic number, integer bit operations, multiplies by
 powers of two, compares), so neither reordering nor contraction into FMAs can change a bit; tests/test_fused.py
-holds every quantiser to its eager self on every conformance family, format and overflow policy.
+holds every quantiser to its eager self on every conformance family, format and overflow policy, and an emulated
+training run fused to the eager run's losses.
 The one departure it finds is a NaN's payload (FP32's quiet NaN in, 0x7fffffff out where eager returns 0x7fc00000):
 still NaN.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -36,31 +46,34 @@ import os
 from typing import Callable
 
 import torch
+import torch._inductor
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}  # keep x.to(bf16/fp16).to(fp32) a rounding when fused
-SWITCH = "PRECISION_BENCH_FUSED"  # =1: fused where it pays; otherwise (the default) every quantiser eager
-ELEMENTWISE_FROM = 1 << 16  # element rounding: compiled from 65,536 elements (the measured crossover, 2 threads)
-BLOCKWISE_FROM = 1 << 12  # block and tile quantisers (ten or more eager passes): from 4,096 elements
+SWITCH = "PRECISION_BENCH_FUSED"  # =0: every quantiser eager; otherwise (the default) fused where it pays
+ARITHMETIC_FROM = 1 << 8  # block and tile quantisers, and element roundings done in arithmetic: from 256 elements
+CAST_FROM = 1 << 12  # element roundings that are torch's own cast (two eager passes): from 4,096
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # compiled on their FP32 widening (the module docstring says why)
 # where a compiled quantiser is its eager self bit for bit, as tested: not CUDA, whose Triton code divides amax / 448
 # approximately (div.full) for MX's rceil scale unless inductor's eager_numerics options say otherwise (untried there)
 FUSED_DEVICES = ("cpu",)
+LAYOUTS_PER_SPECIALISATION = 32  # graphs per quantiser and arguments; past it, a new shape runs eagerly
 
 
+_tracing = False  # a graph is being traced: every quantiser called inside it runs its eager body
 FELL_BACK: list[str] = []  # the specialisations that failed to compile in this process (they run eagerly)
 logger = logging.getLogger(__name__)
 
 
 def enabled() -> bool:
-    """Whether fused quantisers may run in this process (`PRECISION_BENCH_FUSED=1`)."""
-    return os.environ.get(SWITCH, "0") == "1"
+    """Whether fused quantisers may run in this process (unless `PRECISION_BENCH_FUSED=0`)."""
+    return os.environ.get(SWITCH, "1") != "0"
 
 
 def _static_key(args: tuple, kwargs: dict) -> tuple | None:
-    """The call's non-tensor arguments (format, policy, dim, ...), which the compiled graph is specialised on; None
-    where one cannot be a key."""
-    key = tuple(a for a in args if not isinstance(a, torch.Tensor)) + tuple(
-        (k, v) for k, v in sorted(kwargs.items()) if not isinstance(v, torch.Tensor))
+    """The call's non-tensor arguments (format, policy, dim, ...) and where its tensors sit, which a compiled graph
+    is specialised on; None where one cannot be a key."""
+    key = tuple(a if not isinstance(a, torch.Tensor) else _TENSOR for a in args) + tuple(
+        (k, v if not isinstance(v, torch.Tensor) else _TENSOR) for k, v in sorted(kwargs.items()))
     try:
         hash(key)
     except TypeError:
@@ -68,40 +81,112 @@ def _static_key(args: tuple, kwargs: dict) -> tuple | None:
     return key
 
 
-def _compiled(fn: Callable, index: int) -> Callable:
-    """`torch.compile` of a new function calling `fn`, under a code object of its own: dynamo keeps its graphs, and
-    counts them against its recompile limit (8), per code object, so each specialisation of a quantiser (a format,
-    an overflow policy, a dimension) gets its own budget for the shapes it meets instead of sharing one."""
-    def call(*args, **kwargs):
-        return fn(*args, **kwargs)
+class _TensorSlot:
+    """Where a tensor argument sits in a static key (its value is an input of the graph, not part of the key)."""
 
-    call.__code__ = call.__code__.replace(co_name=f"{fn.__name__}_fused_{index}")
-    return torch.compile(call, fullgraph=True, options=INDUCTOR_OPTIONS)
+    def __repr__(self) -> str:
+        return "<tensor>"
 
 
-def fused(from_elements: int) -> Callable[[Callable], Callable]:
+_TENSOR = _TensorSlot()
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple:
+    """What a graph compiled for these tensors assumes of them: shape, strides, offset, dtype, device."""
+    return tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in tensors)
+
+
+class Specialisation:
+    """One quantiser with its non-tensor arguments fixed, compiled per layout of its tensor arguments: each graph
+    traced by make_fx and compiled by inductor (`torch._inductor.compile`), then called directly. A graph compiled
+    this way has no guards to check: the layout is the key that a call is checked against, in Python, for about
+    10 us a call where `torch.compile`'s guards and dispatch cost about 20 on this 2-core CPU (docs/performance.md).
+    Past LAYOUTS_PER_SPECIALISATION layouts (shapes that keep changing), new ones run eagerly."""
+
+    def __init__(self, fn: Callable, name: str):
+        self.fn, self.name = fn, name
+        self.graphs: dict[tuple, Callable] = {}
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs):
+        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        names = [k for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor)]
+        tensors = [x, *(args[i] for i in slots), *(kwargs[k] for k in names)]
+        layout = _layout(tensors)
+        graph = self.graphs.get(layout)
+        if graph is None:
+            if len(self.graphs) >= LAYOUTS_PER_SPECIALISATION:
+                return self.fn(x, *args, **kwargs)
+            graph = self.graphs[layout] = self._compile(tensors, args, kwargs, slots, names)
+        return graph(*tensors)
+
+    def _compile(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict, slots: list[int],
+                 names: list[str]) -> Callable:
+        """The graph of fn on these tensors (the other arguments as constants), compiled; a callable returning what
+        fn returns (a tensor, or a dataclass of tensors such as blocks.Blocked)."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        made: dict = {}
+
+        def traced(*inputs):
+            x, rest, named = inputs[0], list(args), dict(kwargs)
+            for i, t in zip(slots, inputs[1:]):
+                rest[i] = t
+            for k, t in zip(names, inputs[1 + len(slots):]):
+                named[k] = t
+            result = self.fn(x, *rest, **named)
+            if isinstance(result, torch.Tensor):
+                made["rebuild"] = lambda outputs: outputs[0]
+                return (result,)
+            fields = [f.name for f in dataclasses.fields(result) if getattr(result, f.name) is not None]
+            every = dict.fromkeys((f.name for f in dataclasses.fields(result)), None)
+            made["rebuild"] = lambda outputs: type(result)(**{**every, **dict(zip(fields, outputs))})
+            return tuple(getattr(result, name) for name in fields)
+
+        global _tracing
+        with torch.no_grad():
+            _tracing, outer = True, _tracing
+            try:  # the quantisers fn calls (quantise_value inside mx_quantise) are traced into its graph, eagerly
+                graph = make_fx(traced)(*tensors)
+            finally:
+                _tracing = outer
+            compiled = torch._inductor.compile(graph, list(tensors), options=INDUCTOR_OPTIONS)
+        rebuild = made["rebuild"]
+        return lambda *inputs: rebuild(compiled(*inputs))
+
+
+def fused(from_elements: int | Callable[..., int]) -> Callable[[Callable], Callable]:
     """Decorate quantiser `fn(x, ...)`: its compiled twin where it pays (the module docstring says when), `fn`
-    otherwise. `quantiser.eager` is `fn`, `quantiser.fused` the compiled path whatever the call (the tests' and the
+    otherwise. from_elements: the fewest elements compiled, or a function of the call's other arguments giving it. `quantiser.eager` is `fn`, `quantiser.fused` the compiled path whatever the call (the tests' and the
     benchmark's), `quantiser.compiled` its specialisations so far."""
     def decorate(fn: Callable) -> Callable:
         signature = inspect.signature(fn)
         compiled: dict[tuple, Callable | None] = {}  # per static key; None: it failed to compile, eager
 
+        # where `rounding` and `generator` sit among the arguments after x (None: fn has no such parameter)
+        position = {name: (list(signature.parameters).index(name) - 1 if name in signature.parameters else None)
+                    for name in ("rounding", "generator")}
+
+        def chosen(name: str, args: tuple, kwargs: dict, default):
+            at = position[name]
+            if at is None:
+                return default
+            return args[at] if at < len(args) else kwargs.get(name, default)
+
         def draws(args, kwargs) -> bool:
-            chosen = signature.bind_partial(None, *args, **kwargs).arguments
-            return chosen.get("rounding", "nearest") != "nearest" or chosen.get("generator") is not None
+            return (chosen("rounding", args, kwargs, "nearest") != "nearest"
+                    or chosen("generator", args, kwargs, None) is not None)
 
         def run_fused(x: torch.Tensor, *args, **kwargs):
             key = _static_key(args, kwargs)
             if key is not None and key not in compiled:
-                compiled[key] = _compiled(fn, len(compiled))
+                compiled[key] = Specialisation(fn, f"{fn.__name__}{key}")
             if key is not None and compiled[key] is not None:
                 try:
                     if x.dtype in SIXTEEN_BIT:  # FP32 in, and back: inductor's 16-bit code is slower than eager
                         result = compiled[key](x.float(), *args, **kwargs)
                         return result.to(x.dtype) if isinstance(result, torch.Tensor) else result
                     return compiled[key](x, *args, **kwargs)
-                except Exception as e:  # dynamo's limits, or inductor cannot compile here: eager from now on
+                except Exception as e:  # make_fx or inductor cannot compile it here: eager from now on
                     compiled[key] = None
                     FELL_BACK.append(f"{fn.__name__}{key}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                     logger.warning("fused %s fell back to eager: %s", fn.__name__, FELL_BACK[-1])
@@ -110,8 +195,9 @@ def fused(from_elements: int) -> Callable[[Callable], Callable]:
         @functools.wraps(fn)
         def quantiser(x: torch.Tensor, *args, **kwargs):
             # the switch first: off (the default), a call costs one lookup before the eager quantiser
-            if (not enabled() or x.numel() < from_elements or x.device.type not in FUSED_DEVICES
-                    or torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled())
+            least = from_elements if isinstance(from_elements, int) else from_elements(*args, **kwargs)
+            if (not enabled() or x.numel() < least or x.device.type not in FUSED_DEVICES
+                    or _tracing or torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled())
                     or draws(args, kwargs)):
                 return fn(x, *args, **kwargs)
             return run_fused(x, *args, **kwargs)
