@@ -37,8 +37,9 @@ divided by s again for the GEMM):
 Neither saturates by construction (amax * s <= 448); the cast saturates anyway, as both do.
 
 Blocks run along `dim`, which is split where it lies into (blocks, k) (no transposing copy); a dimension that is not
-a multiple of k ends in a shorter block (its amax over the elements it has), as the spec's edge blocks. Everything is returned in FP32:
-`values` (dequantised: what the GEMM sees), `elements` (x / X on the element grid) and the per-block scales.
+a multiple of k ends in a shorter block (its amax over the elements it has), as the spec's edge blocks. Everything is
+returned in FP32: `values` (dequantised: what the GEMM sees), `elements` (x / X on the element grid) and the per-block
+scales.
 """
 
 from __future__ import annotations

@@ -156,8 +156,9 @@ class Specialisation:
 
 def fused(from_elements: int | Callable[..., int]) -> Callable[[Callable], Callable]:
     """Decorate quantiser `fn(x, ...)`: its compiled twin where it pays (the module docstring says when), `fn`
-    otherwise. from_elements: the fewest elements compiled, or a function of the call's other arguments giving it. `quantiser.eager` is `fn`, `quantiser.fused` the compiled path whatever the call (the tests' and the
-    benchmark's), `quantiser.compiled` its specialisations so far."""
+    otherwise. from_elements: the fewest elements compiled, or a function of the call's other arguments giving it.
+    `quantiser.eager` is `fn`, `quantiser.fused` the compiled path whatever the call (the tests' and the benchmark's),
+    `quantiser.compiled` its Specialisations so far (None: one that failed to compile, eager)."""
     def decorate(fn: Callable) -> Callable:
         signature = inspect.signature(fn)
         compiled: dict[tuple, Callable | None] = {}  # per static key; None: it failed to compile, eager
