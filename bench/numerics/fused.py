@@ -46,7 +46,6 @@ import os
 from typing import Callable
 
 import torch
-import torch._inductor
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}  # keep x.to(bf16/fp16).to(fp32) a rounding when fused
 SWITCH = "PRECISION_BENCH_FUSED"  # =0: every quantiser eager; otherwise (the default) fused where it pays
@@ -123,6 +122,7 @@ class Specialisation:
                  names: list[str]) -> Callable:
         """The graph of fn on these tensors (the other arguments as constants), compiled; a callable returning what
         fn returns (a tensor, or a dataclass of tensors such as blocks.Blocked)."""
+        import torch._inductor  # here, not at import: a refused command imports nothing heavy
         from torch.fx.experimental.proxy_tensor import make_fx
 
         made: dict = {}
