@@ -102,8 +102,8 @@ class Specialisation:
     10 us a call where `torch.compile`'s guards and dispatch cost about 20 on this 2-core CPU (docs/performance.md).
     Past LAYOUTS_PER_SPECIALISATION layouts (shapes that keep changing), new ones run eagerly."""
 
-    def __init__(self, fn: Callable, name: str):
-        self.fn, self.name = fn, name
+    def __init__(self, fn: Callable):
+        self.fn = fn
         self.graphs: dict[tuple, Callable] = {}
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):
@@ -180,7 +180,7 @@ def fused(from_elements: int | Callable[..., int]) -> Callable[[Callable], Calla
         def run_fused(x: torch.Tensor, *args, **kwargs):
             key = _static_key(args, kwargs)
             if key is not None and key not in compiled:
-                compiled[key] = Specialisation(fn, f"{fn.__name__}{key}")
+                compiled[key] = Specialisation(fn)
             if key is not None and compiled[key] is not None:
                 try:
                     if x.dtype in SIXTEEN_BIT:  # FP32 in, and back: inductor's 16-bit code is slower than eager
