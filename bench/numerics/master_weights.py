@@ -64,17 +64,22 @@ class MasterWeights:
             for p in self.params:
                 p.copy_(_to_bf16_values(p))
 
-    @torch.no_grad()
     def after_backward(self) -> None:
+        if self.active:  # checked before entering no_grad: FP32 masters pay nothing a step
+            self._round_gradients()
+
+    def after_step(self) -> None:
         if self.active:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.copy_(_to_bf16_values(p.grad))
+            self._round_weights()
 
     @torch.no_grad()
-    def after_step(self) -> None:
-        if not self.active:
-            return
+    def _round_gradients(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.copy_(_to_bf16_values(p.grad))
+
+    @torch.no_grad()
+    def _round_weights(self) -> None:
         for p in self.params:
             if self.mode == "bf16":
                 p.copy_(_to_bf16_values(p))
