@@ -17,7 +17,12 @@ BLOCKED_FIELDS = ("values", "elements", "scale", "amax", "factor", "scale_bits")
 
 @pytest.fixture(autouse=True)
 def fused_on(monkeypatch):
-    monkeypatch.setenv(fused.SWITCH, "1")  # on here; the rest of the suite runs the eager reference (conftest.py)
+    """On here (the rest of the suite runs the eager reference: conftest.py); and nothing may fall back to eager,
+    which would compare the eager quantiser with itself."""
+    monkeypatch.setenv(fused.SWITCH, "1")
+    fused.FELL_BACK.clear()
+    yield
+    assert not fused.FELL_BACK, fused.FELL_BACK
 
 
 def _inputs(element: str, width: int) -> list[torch.Tensor]:

@@ -68,15 +68,12 @@ def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
-def _static_key(args: tuple, kwargs: dict) -> tuple | None:
+def _static_key(args: tuple, kwargs: dict) -> tuple:
     """The call's non-tensor arguments (format, policy, dim, ...) and where its tensors sit, which a compiled graph
-    is specialised on; None where one cannot be a key."""
-    key = tuple(a if not isinstance(a, torch.Tensor) else _TENSOR for a in args) + tuple(
-        (k, v if not isinstance(v, torch.Tensor) else _TENSOR) for k, v in sorted(kwargs.items()))
-    try:
-        hash(key)
-    except TypeError:
-        return None
+    is specialised on (a key only where they can all be hashed)."""
+    key = tuple(a if not isinstance(a, torch.Tensor) else _TENSOR for a in args)
+    if kwargs:
+        key += tuple((k, v if not isinstance(v, torch.Tensor) else _TENSOR) for k, v in sorted(kwargs.items()))
     return key
 
 
@@ -88,6 +85,7 @@ class _TensorSlot:
 
 
 _TENSOR = _TensorSlot()
+_UNSEEN = object()  # a static key not met before
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple:
@@ -97,35 +95,42 @@ def _layout(tensors: list[torch.Tensor]) -> tuple:
 
 class Specialisation:
     """One quantiser with its non-tensor arguments fixed, compiled per layout of its tensor arguments: each graph
-    traced by make_fx and compiled by inductor (`torch._inductor.compile`), then called directly. A graph compiled
-    this way has no guards to check: the layout is the key that a call is checked against, in Python, for about
-    10 us a call where `torch.compile`'s guards and dispatch cost about 20 on this 2-core CPU (docs/performance.md).
-    Past LAYOUTS_PER_SPECIALISATION layouts (shapes that keep changing), new ones run eagerly."""
+    traced by make_fx (functionalised, with inductor's decompositions) and compiled by inductor's inner compiler
+    (`compile_fx_inner`, what `torch._inductor.compile` ends in), then called directly. A graph compiled this way has
+    no guards to check: the layout is the key that a call is checked against, in Python. A call costs about 10 us
+    here where `torch.compile`'s guards and dispatch cost about 20, and `torch._inductor.compile`'s AOTAutograd
+    wrappers about 5 more (docs/performance.md). Past LAYOUTS_PER_SPECIALISATION layouts (shapes that keep
+    changing), new ones run eagerly."""
 
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        """args, kwargs: a call's, whose static key this is: where its tensor arguments sit is part of that key."""
         self.fn = fn
+        self.slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        self.names = [k for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor)]
         self.graphs: dict[tuple, Callable] = {}
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):
-        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        names = [k for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor)]
-        tensors = [x, *(args[i] for i in slots), *(kwargs[k] for k in names)]
+        tensors = [x, *(args[i] for i in self.slots), *(kwargs[k] for k in self.names)] \
+            if self.slots or self.names else [x]
         layout = _layout(tensors)
         graph = self.graphs.get(layout)
         if graph is None:
             if len(self.graphs) >= LAYOUTS_PER_SPECIALISATION:
                 return self.fn(x, *args, **kwargs)
-            graph = self.graphs[layout] = self._compile(tensors, args, kwargs, slots, names)
-        return graph(*tensors)
+            graph = self.graphs[layout] = self._compile(tensors, args, kwargs)
+        return graph(tensors)
 
-    def _compile(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict, slots: list[int],
-                 names: list[str]) -> Callable:
-        """The graph of fn on these tensors (the other arguments as constants), compiled; a callable returning what
-        fn returns (a tensor, or a dataclass of tensors such as blocks.Blocked)."""
-        import torch._inductor  # here, not at import: a refused command imports nothing heavy
+    def _compile(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Callable:
+        """The graph of fn on these tensors (the other arguments as constants), compiled; a callable of the list of
+        tensors returning what fn returns (a tensor, or a dataclass of tensors such as blocks.Blocked)."""
+        # here, not at import: a refused command imports nothing heavy
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
 
         made: dict = {}
+        slots, names = self.slots, self.names
 
         def traced(*inputs):
             x, rest, named = inputs[0], list(args), dict(kwargs)
@@ -146,12 +151,14 @@ class Specialisation:
         with torch.no_grad():
             _tracing, outer = True, _tracing
             try:  # the quantisers fn calls (quantise_value inside mx_quantise) are traced into its graph, eagerly
-                graph = make_fx(traced)(*tensors)
+                graph = make_fx(torch.func.functionalize(traced, remove="mutations_and_views"),
+                                decomposition_table=select_decomp_table())(*tensors)
             finally:
                 _tracing = outer
-            compiled = torch._inductor.compile(graph, list(tensors), options=INDUCTOR_OPTIONS)
+            with config.patch(INDUCTOR_OPTIONS):
+                compiled = compile_fx_inner(graph, list(tensors))
         rebuild = made["rebuild"]
-        return lambda *inputs: rebuild(compiled(*inputs))
+        return lambda inputs: rebuild(compiled(list(inputs)))  # boxed: it empties the list it is given
 
 
 def fused(from_elements: int | Callable[..., int]) -> Callable[[Callable], Callable]:
@@ -179,14 +186,18 @@ def fused(from_elements: int | Callable[..., int]) -> Callable[[Callable], Calla
 
         def run_fused(x: torch.Tensor, *args, **kwargs):
             key = _static_key(args, kwargs)
-            if key is not None and key not in compiled:
-                compiled[key] = Specialisation(fn)
-            if key is not None and compiled[key] is not None:
+            try:
+                specialisation = compiled.get(key, _UNSEEN)  # hashed once a call (a FormatSpec's hash is ~1 us)
+            except TypeError:  # an argument that cannot be hashed: no key, eager
+                return fn(x, *args, **kwargs)
+            if specialisation is _UNSEEN:
+                specialisation = compiled[key] = Specialisation(fn, args, kwargs)
+            if specialisation is not None:
                 try:
                     if x.dtype in SIXTEEN_BIT:  # FP32 in, and back: inductor's 16-bit code is slower than eager
-                        result = compiled[key](x.float(), *args, **kwargs)
+                        result = specialisation(x.float(), *args, **kwargs)
                         return result.to(x.dtype) if isinstance(result, torch.Tensor) else result
-                    return compiled[key](x, *args, **kwargs)
+                    return specialisation(x, *args, **kwargs)
                 except Exception as e:  # make_fx or inductor cannot compile it here: eager from now on
                     compiled[key] = None
                     FELL_BACK.append(f"{fn.__name__}{key}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -195,7 +206,7 @@ def fused(from_elements: int | Callable[..., int]) -> Callable[[Callable], Calla
 
         @functools.wraps(fn)
         def quantiser(x: torch.Tensor, *args, **kwargs):
-            # the switch first: off (the default), a call costs one lookup before the eager quantiser
+            # the switch first: off, a call costs one lookup before the eager quantiser
             least = from_elements if isinstance(from_elements, int) else from_elements(*args, **kwargs)
             if (not enabled() or x.numel() < least or x.device.type not in FUSED_DEVICES
                     or _tracing or torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled())
