@@ -229,7 +229,7 @@ def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | No
         else:  # nan
             overflowed = r.abs() > spec.max
             if spec.has_inf:  # an infinite input stays infinite; only finite overflow becomes NaN
-                overflowed.bitwise_and_(x32.isfinite())
+                overflowed &= x32.isfinite()
             r = torch.where(overflowed, math.nan, r)
     return _finish(r, spec, ftz).to(x.dtype)
 

@@ -95,12 +95,13 @@ def _layout(tensors: list[torch.Tensor]) -> tuple:
 
 class Specialisation:
     """One quantiser with its non-tensor arguments fixed, compiled per layout of its tensor arguments: each graph
-    traced by make_fx (functionalised, with inductor's decompositions) and compiled by inductor's inner compiler
-    (`compile_fx_inner`, what `torch._inductor.compile` ends in), then called directly. A graph compiled this way has
-    no guards to check: the layout is the key that a call is checked against, in Python. A call costs about 10 us
-    here where `torch.compile`'s guards and dispatch cost about 20, and `torch._inductor.compile`'s AOTAutograd
-    wrappers about 5 more (docs/performance.md). Past LAYOUTS_PER_SPECIALISATION layouts (shapes that keep
-    changing), new ones run eagerly."""
+    traced by make_fx and compiled as `torch._inductor.compile` compiles it (AOTAutograd's passes, then inductor's),
+    and inductor's compiled graph then called directly, without AOTAutograd's runtime wrappers (about 5 us a call).
+    Where those wrappers do something (`_called_directly`), the graph keeps them. A graph compiled this way has no
+    guards to check:
+    the layout is the key that a call is checked against, in Python. A call costs about 10 us here where
+    `torch.compile`'s guards and dispatch cost about 20 (docs/performance.md). Past LAYOUTS_PER_SPECIALISATION
+    layouts (shapes that keep changing), new ones run eagerly."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict):
         """args, kwargs: a call's, whose static key this is: where its tensor arguments sit is part of that key."""
@@ -124,9 +125,7 @@ class Specialisation:
         """The graph of fn on these tensors (the other arguments as constants), compiled; a callable of the list of
         tensors returning what fn returns (a tensor, or a dataclass of tensors such as blocks.Blocked)."""
         # here, not at import: a refused command imports nothing heavy
-        from torch._inductor import config
-        from torch._inductor.compile_fx import compile_fx_inner
-        from torch._inductor.decomposition import select_decomp_table
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
         from torch.fx.experimental.proxy_tensor import make_fx
 
         made: dict = {}
@@ -140,25 +139,42 @@ class Specialisation:
                 named[k] = t
             result = self.fn(x, *rest, **named)
             if isinstance(result, torch.Tensor):
-                made["rebuild"] = lambda outputs: outputs[0]
+                made["rebuild"], made["outputs"] = (lambda outputs: outputs[0]), 1
                 return (result,)
             fields = [f.name for f in dataclasses.fields(result) if getattr(result, f.name) is not None]
             every = dict.fromkeys((f.name for f in dataclasses.fields(result)), None)
             made["rebuild"] = lambda outputs: type(result)(**{**every, **dict(zip(fields, outputs))})
+            made["outputs"] = len(fields)
             return tuple(getattr(result, name) for name in fields)
 
         global _tracing
         with torch.no_grad():
             _tracing, outer = True, _tracing
             try:  # the quantisers fn calls (quantise_value inside mx_quantise) are traced into its graph, eagerly
-                graph = make_fx(torch.func.functionalize(traced, remove="mutations_and_views"),
-                                decomposition_table=select_decomp_table())(*tensors)
+                graph = make_fx(traced)(*tensors)
             finally:
                 _tracing = outer
-            with config.patch(INDUCTOR_OPTIONS):
-                compiled = compile_fx_inner(graph, list(tensors))
-        rebuild = made["rebuild"]
-        return lambda inputs: rebuild(compiled(list(inputs)))  # boxed: it empties the list it is given
+            inner = []  # inductor's compiled graph, kept as AOTAutograd's pipeline hands it on
+
+            def keep(*args, **kwargs):
+                inner.append(compile_fx_inner(*args, **kwargs))
+                return inner[-1]
+
+            wrapped = compile_fx(graph, list(tensors), inner_compile=keep, config_patches=INDUCTOR_OPTIONS)
+            direct, rebuild = inner[0], made["rebuild"]
+            if not _called_directly(direct, tensors, made["outputs"]):
+                return lambda inputs: rebuild(wrapped(*inputs))
+        return lambda inputs: rebuild(direct(list(inputs)))  # boxed: it empties the list it is given
+
+
+def _called_directly(compiled: Callable, tensors: list[torch.Tensor], outputs: int) -> bool:
+    """Whether inductor's compiled graph, called on the quantiser's own tensors, gives all its outputs. Not where
+    AOTAutograd's wrappers add inputs (a constant tensor the trace captured, lifted to an input) or remake an output
+    (one aliasing another): Transformer Engine's NVFP4 quantisers keep the wrappers."""
+    try:
+        return len(compiled(list(tensors))) == outputs
+    except Exception:  # wrong arguments: inductor's code unpacks the inputs it was compiled for
+        return False
 
 
 def fused(from_elements: int | Callable[..., int]) -> Callable[[Callable], Callable]:
