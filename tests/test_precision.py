@@ -236,3 +236,35 @@ def test_a_swapped_module_holds_the_same_tensors_and_the_original_is_left_alone(
     assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear] and set(replaced) == {"0", "2"}
     restore(model, replaced)
     assert [type(m) for m in model] == [EmulatedLinear, nn.ReLU, EmulatedLinear]
+
+
+def test_an_ops_input_casts_are_one_node_that_rounds_and_draws_as_three_cast_nodes_did():
+    """bench/numerics/emulation.py _InputCasts: x, weight and bias rounded forward in that order, their gradients
+    backward in the order autograd ran three `cast` nodes (bias, weight, x), each site drawing from the global
+    generator here, as a stochastic rounding would: the same gradients, bit for bit, and the same draws."""
+    from types import SimpleNamespace
+
+    from bench.numerics.emulation import _InputCasts, cast
+
+    def run(merged: bool):
+        torch.manual_seed(0)
+        order = []
+
+        def site(name):
+            def rounded(t):
+                order.append(name)
+                return quantise_value(t + 1e-3 * torch.rand(t.shape), "bf16")
+            return rounded
+
+        casts = SimpleNamespace(**{name: site(name) for name in ("activation", "weight", "bias", "grad_activation",
+                                                                 "grad_weight", "grad_bias")})
+        x, w, b = (torch.randn(*shape, requires_grad=True) for shape in ((4, 3), (5, 3), (5,)))
+        inputs = _InputCasts.apply(casts, x, w, b) if merged else (
+            cast(x, casts.activation, casts.grad_activation), cast(w, casts.weight, casts.grad_weight),
+            cast(b, casts.bias, casts.grad_bias))
+        F.linear(*inputs).square().sum().backward()
+        return order, [t.grad for t in (x, w, b)]
+
+    (three_order, three_grads), (one_order, one_grads) = run(merged=False), run(merged=True)
+    assert one_order == three_order == ["activation", "weight", "bias", "grad_bias", "grad_weight", "grad_activation"]
+    assert all(torch.equal(a, b) for a, b in zip(three_grads, one_grads))
