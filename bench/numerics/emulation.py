@@ -95,8 +95,13 @@ class _InputCasts(torch.autograd.Function):
     def forward(ctx, casts: "OpCasts", x, weight, bias):
         ctx.casts = casts
         ctx.set_materialize_grads(False)
-        return tuple(t if t is None or site is None else site(t)
-                     for t, site in ((x, casts.activation), (weight, casts.weight), (bias, casts.bias)))
+        outputs = tuple(t if t is None or site is None else site(t)
+                        for t, site in ((x, casts.activation), (weight, casts.weight), (bias, casts.bias)))
+        # an output whose input wants no gradient wants none either (autograd would otherwise mark every output, and
+        # the op would compute a gradient nobody reads: the input batch's, through the first convolution)
+        ctx.mark_non_differentiable(*(t for t, wanted in zip(outputs, ctx.needs_input_grad[1:])
+                                      if t is not None and not wanted))
+        return outputs
 
     @staticmethod
     def backward(ctx, grad_x, grad_weight, grad_bias):
