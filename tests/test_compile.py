@@ -49,7 +49,7 @@ def test_a_compiled_cell_trains_as_the_eager_one(make_cfg, cell):
     assert described["compiled"] and described["backend"] == "inductor" and described["eager_because"] is None
     # what falls back to eager past dynamo's recompile limit is the telemetry of sampled steps (every step here):
     # its observers, and the rounding sites' code resumed after each observation (one frame per site: emulation.py's
-    # `cast`, whose tensors' ranks differ from site to site, and precision.py's), never the model or the loss
+    # casts, whose tensors' ranks differ from site to site, and precision.py's), never the model or the loss
     assert all(any(f"bench/numerics/{home}.py" in where for home in ("telemetry", "emulation", "precision"))
                for where in described["recompile_limit_hit_by"]), described["recompile_limit_hit_by"]
     assert eager["env"]["compile"] == {"requested": False, "compiled": False, "per_block": False, "graphs": 0,

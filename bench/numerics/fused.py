@@ -2,7 +2,7 @@
 fused pass compiled by inductor, bit for bit the same, where that pays.
 
 `@fused(from_elements=n)` wraps a quantiser `fn(x, ...)`. A call runs fn's compiled graph (a `Specialisation`:
-traced by make_fx, compiled by `torch._inductor.compile`, called without dynamo's guards) when every one of these
+traced by make_fx, compiled by inductor, called without dynamo's guards) when every one of these
 holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
 - x has at least n elements (n may depend on the call's arguments): below it the eager passes cost less than a
   compiled call's fixed ~10 us. Measured on a 2-core Intel Xeon (docs/performance.md): the block quantisers and
@@ -98,10 +98,9 @@ class Specialisation:
     traced by make_fx and compiled as `torch._inductor.compile` compiles it (AOTAutograd's passes, then inductor's),
     and inductor's compiled graph then called directly, without AOTAutograd's runtime wrappers (about 5 us a call).
     Where those wrappers do something (`_called_directly`), the graph keeps them. A graph compiled this way has no
-    guards to check:
-    the layout is the key that a call is checked against, in Python. A call costs about 10 us here where
-    `torch.compile`'s guards and dispatch cost about 20 (docs/performance.md). Past LAYOUTS_PER_SPECIALISATION
-    layouts (shapes that keep changing), new ones run eagerly."""
+    guards to check: the layout is the key that a call is checked against, in Python. A call costs about 10 us here
+    where `torch.compile`'s guards and dispatch cost about 20 (docs/performance.md). Past
+    LAYOUTS_PER_SPECIALISATION layouts (shapes that keep changing), new ones run eagerly."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict):
         """args, kwargs: a call's, whose static key this is: where its tensor arguments sit is part of that key."""
