@@ -10,6 +10,7 @@ import torch
 
 from bench.numerics import blocks, fused
 from bench.numerics.formats import FORMATS, OVERFLOW_POLICIES, _round_up_below, quantise_stochastic, quantise_value
+from bench.numerics.telemetry import category_counts
 from bench.tools.conformance import families
 
 BLOCKED_FIELDS = ("values", "elements", "scale", "amax", "factor", "scale_bits")
@@ -64,6 +65,16 @@ def test_element_rounding_fused_is_the_eager_rounding_bit_for_bit(element, polic
     for x in _element_inputs(element):
         eager = quantise_value.eager(x, element, policy, ftz)
         assert _same_bits(eager, quantise_value.fused(x, element, policy, ftz)), (element, policy, ftz, x.dtype)
+
+
+@pytest.mark.parametrize("element", [
+    pytest.param(element, marks=() if element == "fp8_e4m3" else pytest.mark.slow) for element in FORMATS])
+def test_telemetry_counts_fused_are_the_eager_counts(element):
+    """bench/numerics/telemetry.py's category counts, one fused pass, against its four eager passes: exact."""
+    for x in _element_inputs(element):
+        eager, fast = category_counts.eager(x, FORMATS[element]), category_counts.fused(x, FORMATS[element])
+        assert fast.dtype == eager.dtype == torch.int64 and torch.equal(eager, fast), (element, x.dtype)
+        assert int(eager.sum()) == x.numel()
 
 
 def _element_inputs(element: str) -> list[torch.Tensor]:

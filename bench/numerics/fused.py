@@ -210,8 +210,9 @@ def fused(from_elements: int | Callable[..., int]) -> Callable[[Callable], Calla
             if specialisation is not None:
                 try:
                     if x.dtype in SIXTEEN_BIT:  # FP32 in, and back: inductor's 16-bit code is slower than eager
-                        result = specialisation(x.float(), *args, **kwargs)
-                        return result.to(x.dtype) if isinstance(result, torch.Tensor) else result
+                        result = specialisation(x.float(), *args, **kwargs)  # (counts stay integers)
+                        return result.to(x.dtype) if isinstance(result, torch.Tensor) and \
+                            result.is_floating_point() else result
                     return specialisation(x, *args, **kwargs)
                 except Exception as e:  # make_fx or inductor cannot compile it here: eager from now on
                     compiled[key] = None

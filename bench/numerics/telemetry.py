@@ -13,6 +13,7 @@ import functools
 import torch
 
 from bench.numerics.formats import ElementFormat
+from bench.numerics.fused import ARITHMETIC_FROM, fused
 
 TENSOR_CLASSES = ("weights", "activations", "gradients")
 _COUNTS = ("total", "underflow", "subnormal", "overflow")
@@ -30,10 +31,12 @@ def _edges(spec: ElementFormat) -> tuple[float, ...]:
     return tuple(spec.rounding_edges())
 
 
+@fused(ARITHMETIC_FROM)
 def category_counts(x: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
     """How many values of x rounding to `spec` leaves zero, underflows to zero, lands subnormal, stays
     normal, overflows or is not finite (CATEGORIES order), decided from |x| alone against the format's
-    exact RNE decision points, as cumulative counts (int32 sums: the fastest CPU reduction of a mask)."""
+    exact RNE decision points, as cumulative counts (int32 sums: the fastest CPU reduction of a mask).
+    Fused (bench/numerics/fused.py), its four counts are one pass over x, not four: counts are exact either way."""
     magnitude = x.detach().float().abs()
     at_most = torch.stack([(magnitude <= edge).sum(dtype=torch.int32) for edge in _edges(spec)]).long()
     return torch.diff(at_most, prepend=at_most.new_zeros(1), append=at_most.new_full((1,), x.numel()))
