@@ -28,7 +28,12 @@ BLOCK_FIELDS = ("clipped_block_fraction",  # blocks whose largest element satura
 
 @functools.cache
 def _edges(spec: ElementFormat) -> tuple[float, ...]:
-    return tuple(spec.rounding_edges())
+    """The format's decision points as numbers, computed outside any trace: the first call may come while the fused
+    counts are being traced (make_fx), which cannot read a traced tensor's value."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing():
+        return tuple(spec.rounding_edges())
 
 
 @fused(ARITHMETIC_FROM)
