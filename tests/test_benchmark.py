@@ -22,8 +22,13 @@ def test_quick_benchmark_writes_every_row_family(tmp_path):
                      "emulation_ratio.bert_tiny.mxfp8", "emulation_ratio.lenet.fp8+block", "quantise_ns.nvfp4"):
         assert expected in metrics
     assert all(set(r) == {"metric", "value", "unit", "target"} for r in data["rows"])
-    # every measured figure is positive; the speed model's errors (predicted / measured - 1) may be either sign
-    assert all(r["value"] > 0 for r in data["rows"] if not r["metric"].endswith(".error"))
+    # every measured figure is positive; the speed model's errors (predicted / measured - 1) may be either sign, and
+    # the accounting's cost is a difference of two step times clamped at 0 (a quick run's 4 rounds can find none:
+    # the quick slow suite failed so on 2026-11-27 with accounting_s.lenet.fp32 = 0)
+    differences = ("accounting_s.", "accounting_share.")
+    assert all(r["value"] > 0 for r in data["rows"]
+               if not r["metric"].endswith(".error") and not r["metric"].startswith(differences))
+    assert all(r["value"] >= 0 for r in data["rows"] if r["metric"].startswith(differences))
     assert any(r["metric"].startswith("predicted.") and r["metric"].endswith(".error") for r in data["rows"])
 
 
