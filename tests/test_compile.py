@@ -15,8 +15,11 @@ from tests.conftest import interrupted_at_checkpoint_then_resumed
 
 # inductor fuses the forward and reorders its reductions, and computes a chain of 16-bit pointwise ops in FP32
 # without rounding between them: the same cell's losses agree to these relative errors over 30 steps, not bit for
-# bit (measured on LeNet: FP32 1e-7, bf16-mixed 1.2e-5, emulated FP8 and MXFP8 within 1e-5 by step 29)
+# bit (measured on LeNet: FP32 1e-7, bf16-mixed 1.2e-5, emulated FP8 within 1e-5 by step 29; MXFP8 1.1e-4 where
+# its convolutions, BF16 under autocast, are emulated (a CPU without BF16 units, bench/numerics/autocast.py): their
+# rounding to BF16 is then a cast inductor fuses into the ReLU after it)
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
+SIXTEEN_BIT_CELLS = ("format=bf16", "format=mxfp8")
 STEPS = ["train.max_steps=30", "train.log_every=1"]
 
 
@@ -42,7 +45,7 @@ def test_a_compiled_cell_trains_as_the_eager_one(make_cfg, cell):
     compiled, compiled_losses = _trained(make_cfg, *cell, "train.compile=true", "experiment_name=compiled")
     eager, eager_losses = _trained(make_cfg, *cell, "train.compile=false", "experiment_name=eager")
     assert len(compiled_losses) == len(eager_losses) == 30
-    tolerance = LOSS_TOLERANCE["bf16" if "format=bf16" in cell else "fp32"]
+    tolerance = LOSS_TOLERANCE["bf16" if set(SIXTEEN_BIT_CELLS) & set(cell) else "fp32"]
     assert all(abs(c - e) <= tolerance * abs(e) for c, e in zip(compiled_losses, eager_losses)), \
         [abs(c - e) / abs(e) for c, e in zip(compiled_losses, eager_losses)]
     described = compiled["env"]["compile"]

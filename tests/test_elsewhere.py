@@ -2,6 +2,7 @@
 torchao's float8 training, Transformer Engine and DeepSeek-V3 run them; FP32 there (the default) as before."""
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,100 @@ def test_elsewhere_fp32_is_the_run_it_always_was_and_bf16_the_recipes_default(ma
 def test_elsewhere_is_refused_where_it_means_nothing(make_cfg, overrides, message):
     with pytest.raises(PrecisionError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check(make_cfg(*overrides))
+
+
+def _exact_operands(*shapes, seed=0):
+    """Small integers times powers of two: every product and partial sum is exact in FP32, so any order of
+    accumulation gives the same sum and a GEMM's result depends on its rounding alone (to BF16, at the end)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randint(-15, 16, shape, generator=generator) * 2.0 ** torch.randint(-3, 4, shape,
+                                                                                       generator=generator))
+            .float().requires_grad_() for shape in shapes]
+
+
+GEMM_CALLS = {  # each as a model may spell it; with its operands' shapes
+    "conv2d": (lambda x, w, b: torch.nn.functional.conv2d(x, w, b), ((4, 3, 9, 9), (5, 3, 3, 3), (5,))),
+    "linear": (lambda x, w, b: torch.nn.functional.linear(x, w, b), ((7, 40), (24, 40), (24,))),
+    "matmul (@)": (lambda a, b: a @ b, ((2, 6, 40), (2, 40, 6))),
+    "baddbmm": (lambda c, a, b: torch.baddbmm(c, a, b), ((3, 8, 5), (3, 8, 40), (3, 40, 5))),
+}
+
+
+@pytest.mark.parametrize("call", GEMM_CALLS)
+def test_emulated_autocast_gemms_are_the_native_bf16_kernels_bit_for_bit(call):
+    """bench/numerics/autocast.py against torch's own BF16 autocast on this CPU (oneDNN, the BLAS): on operands whose
+    FP32 accumulation is exact in any order, the outputs and every input gradient the same bits: BF16 out, FP32
+    gradients back."""
+    from bench.numerics.autocast import EmulatedGemms
+
+    function, shapes = GEMM_CALLS[call]
+    results = {}
+    for emulated in (False, True):
+        operands = _exact_operands(*shapes)
+        with torch.autocast("cpu", dtype=torch.bfloat16), EmulatedGemms("cpu") if emulated else nullcontext():
+            y = function(*operands)
+        y.backward(_exact_operands(y.shape, seed=1)[0].detach().to(y.dtype))
+        results[emulated] = [y.detach(), *(t.grad for t in operands)]
+    for native, emulated in zip(results[False], results[True]):
+        assert native.dtype == emulated.dtype and torch.equal(native, emulated), call
+    assert results[True][0].dtype == torch.bfloat16 and results[True][1].dtype == torch.float32
+
+
+def test_emulated_autocast_gemms_round_what_native_ones_round():
+    """Random operands (accumulation order may then move a last bit): the emulated GEMM rounds its operands and its
+    result to BF16 as the native kernel does, so the two agree to within one BF16 unit, far closer than an FP32 GEMM
+    (the GEMM not emulated at all) or a GEMM on unrounded operands."""
+    from bench.numerics.autocast import EmulatedGemms
+
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 256, generator=generator), torch.randn(256, 48, generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        native = a @ b
+        with EmulatedGemms("cpu"):
+            emulated = a @ b
+    unit = torch.finfo(torch.bfloat16).eps * native.float().abs()
+    assert emulated.dtype == torch.bfloat16
+    assert ((emulated.float() - native.float()).abs() <= unit).all()
+    assert (emulated.float() == native.float()).float().mean() > 0.95
+    assert (((a @ b).bfloat16().float() - native.float()).abs() > unit).any()  # operands unrounded: visibly not it
+
+
+@pytest.mark.parametrize("cpu_flags, fmt, elsewhere, emulated", [
+    ((), "mxfp8", "bf16", True), ((), "fp8", "bf16", True), (("avx512_bf16",), "mxfp8", "bf16", False),
+    (("amx_bf16",), "fp8", "bf16", False), ((), "mxfp8", "fp32", False)])
+def test_bf16_elsewhere_emulates_its_gemms_on_a_cpu_without_bf16_units_and_says_so(cpu_flags, fmt, elsewhere,
+                                                                                     emulated):
+    """Where oneDNN's BF16 kernels are slow (no avx512_bf16, no amx_bf16), the plan emulates autocast's GEMMs and the
+    record says why; with BF16 units, or with nothing in BF16 elsewhere, autocast runs as torch runs it."""
+    from bench.numerics import hardware
+    from bench.numerics.autocast import EmulatedGemms
+
+    with hardware.simulated("cpu", cpu_flags) as device:
+        precision = Precision.of(fmt, device, mode="mixed", elsewhere=elsewhere)
+    why = precision.describe()["elsewhere_emulated"]
+    assert (why is not None) == emulated
+    if emulated:
+        assert why.startswith("CPU lacks amx_bf16/avx512_bf16") and "emulated in FP32" in why
+    with precision.autocast():
+        modes = torch.overrides._get_current_function_mode_stack()
+        assert any(isinstance(m, EmulatedGemms) for m in modes) == emulated
+        assert torch.is_autocast_enabled("cpu") == (elsewhere == "bf16")
+
+
+def test_an_emulated_elsewhere_cell_trains_its_convolutions_through_the_emulated_gemms(make_cfg, monkeypatch):
+    """LeNet in MXFP8 keeps its convolutions out of the format (torchao converts Linears alone): on a CPU without
+    BF16 units they are autocast's BF16 convolutions, computed by the emulation, and the record says so."""
+    from bench.numerics import autocast, hardware
+    from bench.running.run import run_cell
+
+    taken = []
+    original = autocast.EmulatedGemms._widened
+    monkeypatch.setattr(autocast.EmulatedGemms, "_widened",
+                        lambda self, a, dtype: taken.append(tuple(a.shape)) or original(self, a, dtype)
+                        if isinstance(a, torch.Tensor) else original(self, a, dtype))
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: frozenset())
+    cfg = make_cfg("format=mxfp8", "train.max_steps=2")
+    run_cell(cfg)
+    record = json.loads((Path(cfg.results_dir) / cfg.cell / "result.json").read_text())
+    assert record["status"] == "ok" and record["env"]["precision"]["elsewhere_emulated"]
+    assert (6, 1, 5, 5) in taken and (16, 6, 5, 5) in taken  # both convolutions' weights

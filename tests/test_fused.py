@@ -95,6 +95,7 @@ def test_mx_blocks_fused_are_the_eager_blocks_bit_for_bit(element, mode):
     for x in _inputs(element, blocks.MX_BLOCK):
         eager = blocks.mx_quantise.eager(x, element, mode)
         assert _same_bits(eager, blocks.mx_quantise.fused(x, element, mode), BLOCKED_FIELDS), (element, mode)
+        assert _same_bits(eager.values, blocks.mx_quantise.values.fused(x, element, mode)), (element, mode)
 
 
 BLOCK_QUANTISERS = ["nvfp4 one level", "nvfp4 two levels", "nvfp4 16x16 tiles", "nvfp4 te", "nvfp4 te 16x16 tiles",
@@ -125,7 +126,21 @@ def _block_calls(quantiser: str) -> list[tuple]:
 @pytest.mark.parametrize("quantiser", BLOCK_QUANTISERS)
 def test_every_other_block_quantiser_fused_is_its_eager_self_bit_for_bit(quantiser):
     for call, x, args in _block_calls(quantiser):
-        assert _same_bits(call.eager(x, *args), call.fused(x, *args), BLOCKED_FIELDS), quantiser
+        eager = call.eager(x, *args)
+        assert _same_bits(eager, call.fused(x, *args), BLOCKED_FIELDS), quantiser
+        assert _same_bits(eager.values, call.values.fused(x, *args)), quantiser
+
+
+def test_values_alone_are_the_blocked_values_and_write_nothing_else():
+    """What a training step asks for (`quantiser.values`): the Blocked's values, bit for bit, eager and fused, from a
+    graph with one output (inductor writes no elements and no per-block fields)."""
+    x = _inputs("fp8_e4m3", blocks.MX_BLOCK)[0]
+    values = blocks.mx_quantise.values
+    for call in (values, values.eager, values.fused):
+        assert _same_bits(blocks.mx_quantise.eager(x, "fp8_e4m3", "rceil").values, call(x, "fp8_e4m3", "rceil"))
+    graph = next(iter(values.compiled[("fp8_e4m3", "rceil")].graphs.values()))
+    assert isinstance(graph([x]), torch.Tensor)
+    assert not hasattr(quantise_value, "values")  # an element quantiser returns its values already
 
 
 def test_stochastic_rounding_fused_rounds_the_same_draws_to_the_same_bits():

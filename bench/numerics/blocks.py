@@ -165,7 +165,7 @@ def _e8m0_value(biased: torch.Tensor) -> torch.Tensor:
     return torch.where(biased > 0, biased.int() << 23, 1 << 22).view(torch.float32)
 
 
-@fused(ARITHMETIC_FROM)
+@fused(ARITHMETIC_FROM, values_alone=True)
 def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -1, block: int = MX_BLOCK,
                 rounding: str = "nearest", generator: torch.Generator | None = None) -> Blocked:
     """x in an MX format: blocks of `block` along `dim`, E8M0 scales by `mode`, elements saturated and rounded by
@@ -197,7 +197,7 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     return (x.detach().abs().max().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
 
 
-@fused(ARITHMETIC_FROM)
+@fused(ARITHMETIC_FROM, values_alone=True)
 def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1,
                    rounding: str = "nearest", generator: torch.Generator | None = None,
                    sr_bits: int | None = None) -> Blocked:
@@ -256,7 +256,7 @@ def _te_nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_amax: torc
     return elements, stored, stored * tensor_amax.detach().float() * per_2688  # TE's order: (s x amax) x fl(1/2688)
 
 
-@fused(ARITHMETIC_FROM)
+@fused(ARITHMETIC_FROM, values_alone=True)
 def te_nvfp4_quantise(x: torch.Tensor, tensor_amax: torch.Tensor, dim: int = -1, rounding: str = "nearest",
                       generator: torch.Generator | None = None, sr_bits: int | None = None) -> Blocked:
     """x in NVFP4 by Transformer Engine's rule (format.scale_rule=te): blocks of 16 along `dim` under the FP32
@@ -297,7 +297,7 @@ def _fp8_runs(x: torch.Tensor, dim: int, run: int, scale_rule, rounding: str, ge
     return _blocked(values, elements, length, within, scale, amax, 1 / scale)
 
 
-@fused(ARITHMETIC_FROM)
+@fused(ARITHMETIC_FROM, values_alone=True)
 def rowwise_quantise(x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
                      generator: torch.Generator | None = None) -> Blocked:
     """x in E4M3 with one torchao power-of-two scale per row along `dim` (`scale` holds s: x ~ elements / s),
@@ -305,7 +305,7 @@ def rowwise_quantise(x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
     return _fp8_runs(x, dim, x.shape[dim], torchao_pow2_scale, rounding, generator)
 
 
-@fused(ARITHMETIC_FROM)
+@fused(ARITHMETIC_FROM, values_alone=True)
 def tile_quantise(x: torch.Tensor, dim: int = -1, tile: int = FP8_TILE, rounding: str = "nearest",
                   generator: torch.Generator | None = None) -> Blocked:
     """x in E4M3 with one Transformer Engine power-of-two scale per 1 x `tile` run along `dim`."""
@@ -329,7 +329,7 @@ def _tiled(w: torch.Tensor, values: torch.Tensor, elements: torch.Tensor, scale:
     return Blocked(whole(values), whole(elements), per_tile(scale), per_tile(amax), per_tile(factor))
 
 
-@fused(ARITHMETIC_FROM)
+@fused(ARITHMETIC_FROM, values_alone=True)
 def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:
     """A 2-D weight in E4M3 with one Transformer Engine power-of-two scale per `tile` x `tile` square (edge tiles
     shorter); `scale` is (ceil(rows / tile), ceil(cols / tile))."""
@@ -386,7 +386,7 @@ def random_hadamard_transform(x: torch.Tensor, matrix: torch.Tensor, dim: int = 
     return grouped.reshape(-1, *moved.shape[1:]).movedim(0, dim)
 
 
-@fused(ARITHMETIC_FROM)
+@fused(ARITHMETIC_FROM, values_alone=True)
 def nvfp4_tile_quantise(w: torch.Tensor, tensor_scale: torch.Tensor, rounding: str = "nearest",
                         generator: torch.Generator | None = None) -> Blocked:
     """A 2-D weight in NVFP4 with one E4M3 scale per 16 x 16 tile (NVIDIA's recipe: the forward GEMM, which reduces
@@ -400,7 +400,7 @@ def nvfp4_tile_quantise(w: torch.Tensor, tensor_scale: torch.Tensor, rounding: s
     return _tiled(w, elements * scale, elements, stored, amax, scale)
 
 
-@fused(ARITHMETIC_FROM)
+@fused(ARITHMETIC_FROM, values_alone=True)
 def te_nvfp4_tile_quantise(w: torch.Tensor, tensor_amax: torch.Tensor) -> Blocked:
     """A 2-D weight in 16 x 16 NVFP4 tiles by Transformer Engine's rule (format.scale_rule=te): one E4M3 scale per
     tile from the tile's amax, under the encode scale of `tensor_amax`, elements rounded to nearest (TE rounds

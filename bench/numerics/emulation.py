@@ -5,6 +5,7 @@ FP8TileOperands, _BlockLinear). The precision policy (precision.py) decides whic
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from bench.numerics.blocks import (
     tile2d_quantise,
     tile_quantise,
 )
-from bench.numerics.formats import FORMATS, quantise_stochastic, quantise_value, resolve_overflow
+from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value, resolve_overflow
 from bench.numerics.specs import Recipe
 from bench.numerics.telemetry import QuantTelemetry
 from bench.numerics.tensor_cores import Accumulation, matmul
@@ -195,11 +196,12 @@ def emulated_gemm(function, *tensors, rounded=lambda *t: t):
     autocast off: the operands hold the format's values, and an autocast GEMM would round them again (NVFP4's tensor
     scale does not fit BF16). Under autocast (format.elsewhere=bf16) BF16 inputs are widened before they are rounded,
     which is exact, so the operands the GEMM saves are the rounded ones (bench/numerics/memory.py counts those), and
-    the result is handed on in the autocast dtype, as an FP8 GEMM writes it; otherwise as computed."""
+    the result is handed on in the autocast dtype, as an FP8 GEMM writes it; otherwise as computed. Torch-function
+    modes are off inside (bench/numerics/autocast.py's, which would take each of the emulation's own torch calls)."""
     device = next(t for t in tensors if t is not None).device.type
     if not torch.is_autocast_enabled(device):
         return function(*rounded(*tensors))
-    with torch.autocast(device, enabled=False):
+    with torch.autocast(device, enabled=False), torch._C.DisableTorchFunction():
         y = function(*rounded(*(t if t is None or not t.is_floating_point() else t.float() for t in tensors)))
     return y.to(torch.get_autocast_dtype(device))
 
@@ -268,6 +270,18 @@ class EmulatedConv2d(CastOp, nn.Conv2d):
 EMULATED_MODULES = {nn.Linear: EmulatedLinear, nn.Conv2d: EmulatedConv2d}
 
 
+def _values(telemetry: QuantTelemetry | None, tensor_class: str, spec: ElementFormat, quantiser: Callable,
+            t: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The dequantised operand `quantiser(t, *args, **kwargs).values`, a block quantiser's (bench/numerics/blocks.py),
+    described to `telemetry` on a sampled step. Other steps ask for the values alone (`quantiser.values`): fused,
+    that graph writes nothing the GEMM does not read (bench/numerics/fused.py)."""
+    if telemetry is None or not telemetry.sampling:
+        return quantiser.values(t, *args, **kwargs)
+    blocked = quantiser(t, *args, **kwargs)
+    telemetry.observe_blocks(tensor_class, t, blocked, spec)
+    return blocked.values
+
+
 @dataclass(frozen=True)
 class BlockOperands:
     """How a block-format GEMM operand is made: recipe, scale mode, rounding of the gradient operands; each one
@@ -294,17 +308,13 @@ class BlockOperands:
     def _blocked(self, t: torch.Tensor, tensor_class: str, element: str, dim: int, rounding: str) -> torch.Tensor:
         # NVFP4: dynamic two-level scaling, this tensor's amax sets its FP32 scale
         if self.recipe.block == "nvfp4" and self.scale_rule == "te":
-            blocked = te_nvfp4_quantise(t, t.detach().abs().max(), dim, rounding, sr_bits=self.sr_bits)
-        elif self.recipe.block == "nvfp4":
-            blocked = nvfp4_quantise(t, nvfp4_tensor_scale(t), dim, rounding, sr_bits=self.sr_bits)
-        else:
-            blocked = mx_quantise(t, element, self.scale_mode, dim, rounding=rounding)
-        return self._observed(t, tensor_class, element, blocked)
-
-    def _observed(self, t: torch.Tensor, tensor_class: str, element: str, blocked) -> torch.Tensor:
-        if self.telemetry is not None:
-            self.telemetry.observe_blocks(tensor_class, t, blocked, FORMATS[element])
-        return blocked.values
+            return _values(self.telemetry, tensor_class, FORMATS[element], te_nvfp4_quantise, t,
+                           t.detach().abs().max(), dim, rounding, sr_bits=self.sr_bits)
+        if self.recipe.block == "nvfp4":
+            return _values(self.telemetry, tensor_class, FORMATS[element], nvfp4_quantise, t, nvfp4_tensor_scale(t),
+                           dim, rounding, sr_bits=self.sr_bits)
+        return _values(self.telemetry, tensor_class, FORMATS[element], mx_quantise, t, element, self.scale_mode, dim,
+                       rounding=rounding)
 
     def forward(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self._blocked(t, "activations", self.recipe.inputs, dim, "nearest")
@@ -314,9 +324,10 @@ class BlockOperands:
 
     def tiled_weight(self, t: torch.Tensor) -> torch.Tensor:
         """The weight in 16 x 16 NVFP4 tiles under its tensor scale, rounded to nearest: both GEMMs' operand."""
-        tiles = (te_nvfp4_tile_quantise(t, t.detach().abs().max()) if self.scale_rule == "te"
-                 else nvfp4_tile_quantise(t, nvfp4_tensor_scale(t)))
-        return self._observed(t, "weights", self.recipe.inputs, tiles)
+        spec = FORMATS[self.recipe.inputs]
+        if self.scale_rule == "te":
+            return _values(self.telemetry, "weights", spec, te_nvfp4_tile_quantise, t, t.detach().abs().max())
+        return _values(self.telemetry, "weights", spec, nvfp4_tile_quantise, t, nvfp4_tensor_scale(t))
 
     def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self._blocked(t, "gradients", self.recipe.grads, dim, self.rounding)
@@ -348,10 +359,8 @@ class FP8TileOperands:
     rounding: str = "nearest"  # of the gradient operands
     telemetry: QuantTelemetry | None = field(default=None, compare=False)
 
-    def _observed(self, t: torch.Tensor, tensor_class: str, blocked) -> torch.Tensor:
-        if self.telemetry is not None:
-            self.telemetry.observe_blocks(tensor_class, t, blocked, FORMATS["fp8_e4m3"])
-        return blocked.values
+    def _observed(self, t: torch.Tensor, tensor_class: str, quantiser, *args, **kwargs) -> torch.Tensor:
+        return _values(self.telemetry, tensor_class, FORMATS["fp8_e4m3"], quantiser, t, *args, **kwargs)
 
     @property
     def rowwise(self) -> bool:
@@ -369,27 +378,27 @@ class FP8TileOperands:
         return not self.rowwise
 
     def tiled_weight(self, t: torch.Tensor) -> torch.Tensor:
-        return self._observed(t, "weights", tile2d_quantise(t))
+        return self._observed(t, "weights", tile2d_quantise)
 
-    def _runs(self, t: torch.Tensor, dim: int, rounding: str = "nearest"):
-        quantiser = rowwise_quantise if self.rowwise else tile_quantise
-        return quantiser(t, dim, rounding=rounding)
+    def _runs(self, t: torch.Tensor, tensor_class: str, dim: int, rounding: str = "nearest") -> torch.Tensor:
+        return self._observed(t, tensor_class, rowwise_quantise if self.rowwise else tile_quantise, dim,
+                              rounding=rounding)
 
     def forward(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if dim == 0 and self.grad_weight_in_high_precision:
             return t
-        return self._observed(t, "activations", self._runs(t, dim))
+        return self._runs(t, "activations", dim)
 
     def weight(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if dim == 0 and self.grad_weight_in_high_precision:  # one power-of-two scale for the whole weight
             flat = t.reshape(1, -1)
-            return self._observed(flat, "weights", rowwise_quantise(flat, -1)).reshape(t.shape)
-        return self._observed(t, "weights", self._runs(t, dim))  # rowwise (block scaling's weight: tiled_weight)
+            return self._observed(flat, "weights", rowwise_quantise, -1).reshape(t.shape)
+        return self._runs(t, "weights", dim)  # rowwise (block scaling's weight: tiled_weight)
 
     def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if dim == 0 and self.grad_weight_in_high_precision:
             return t
-        return self._observed(t, "gradients", self._runs(t, dim, self.rounding))
+        return self._runs(t, "gradients", dim, self.rounding)
 
     def weight_gradient_operands(self, grad: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gradient(grad, 0), self.forward(x, 0)

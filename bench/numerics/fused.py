@@ -102,9 +102,10 @@ class Specialisation:
     where `torch.compile`'s guards and dispatch cost about 20 (docs/performance.md). Past
     LAYOUTS_PER_SPECIALISATION layouts (shapes that keep changing), new ones run eagerly."""
 
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
-        """args, kwargs: a call's, whose static key this is: where its tensor arguments sit is part of that key."""
-        self.fn = fn
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, pick: str | None = None):
+        """args, kwargs: a call's, whose static key this is: where its tensor arguments sit is part of that key.
+        pick: the one field of fn's dataclass result that the graph returns (None: all of them)."""
+        self.fn, self.pick = fn, pick
         self.slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.names = [k for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor)]
         self.graphs: dict[tuple, Callable] = {}
@@ -137,6 +138,8 @@ class Specialisation:
             for k, t in zip(names, inputs[1 + len(slots):]):
                 named[k] = t
             result = self.fn(x, *rest, **named)
+            if self.pick is not None:  # the other fields are never written: inductor drops what no output needs
+                result = getattr(result, self.pick)
             if isinstance(result, torch.Tensor):
                 made["rebuild"], made["outputs"] = (lambda outputs: outputs[0]), 1
                 return (result,)
@@ -176,60 +179,74 @@ def _called_directly(compiled: Callable, tensors: list[torch.Tensor], outputs: i
         return False
 
 
-def fused(from_elements: int | Callable[..., int]) -> Callable[[Callable], Callable]:
+def fused(from_elements: int | Callable[..., int], values_alone: bool = False) -> Callable[[Callable], Callable]:
     """Decorate quantiser `fn(x, ...)`: its compiled twin where it pays (the module docstring says when), `fn`
     otherwise. from_elements: the fewest elements compiled, or a function of the call's other arguments giving it.
     `quantiser.eager` is `fn`, `quantiser.fused` the compiled path whatever the call (the tests' and the benchmark's),
-    `quantiser.compiled` its Specialisations so far (None: one that failed to compile, eager)."""
+    `quantiser.compiled` its Specialisations so far (None: one that failed to compile, eager).
+    With `values_alone` (a quantiser returning a blocks.Blocked), `quantiser.values` is the same call returning only its
+    `values` (with its own `.eager`, `.fused` and `.compiled`): what a training step's GEMM reads. Fused, its graph
+    writes one tensor where the whole Blocked writes two and the per-block fields, which also keep inductor from
+    running the block amax and the elements in one loop: MX's values alone ran 1.9x faster (docs/performance.md)."""
     def decorate(fn: Callable) -> Callable:
-        signature = inspect.signature(fn)
-        compiled: dict[tuple, Callable | None] = {}  # per static key; None: it failed to compile, eager
-
-        # where `rounding` and `generator` sit among the arguments after x (None: fn has no such parameter)
-        position = {name: (list(signature.parameters).index(name) - 1 if name in signature.parameters else None)
-                    for name in ("rounding", "generator")}
-
-        def chosen(name: str, args: tuple, kwargs: dict, default):
-            at = position[name]
-            if at is None:
-                return default
-            return args[at] if at < len(args) else kwargs.get(name, default)
-
-        def draws(args, kwargs) -> bool:
-            return (chosen("rounding", args, kwargs, "nearest") != "nearest"
-                    or chosen("generator", args, kwargs, None) is not None)
-
-        def run_fused(x: torch.Tensor, *args, **kwargs):
-            key = _static_key(args, kwargs)
-            try:
-                specialisation = compiled.get(key, _UNSEEN)  # hashed once a call (a FormatSpec's hash is ~1 us)
-            except TypeError:  # an argument that cannot be hashed: no key, eager
-                return fn(x, *args, **kwargs)
-            if specialisation is _UNSEEN:
-                specialisation = compiled[key] = Specialisation(fn, args, kwargs)
-            if specialisation is not None:
-                try:
-                    if x.dtype in SIXTEEN_BIT:  # FP32 in, and back: inductor's 16-bit code is slower than eager
-                        result = specialisation(x.float(), *args, **kwargs)  # (counts stay integers)
-                        return result.to(x.dtype) if isinstance(result, torch.Tensor) and \
-                            result.is_floating_point() else result
-                    return specialisation(x, *args, **kwargs)
-                except Exception as e:  # make_fx or inductor cannot compile it here: eager from now on
-                    compiled[key] = None
-                    FELL_BACK.append(f"{fn.__name__}{key}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                    logger.warning("fused %s fell back to eager: %s", fn.__name__, FELL_BACK[-1])
-            return fn(x, *args, **kwargs)
-
-        @functools.wraps(fn)
-        def quantiser(x: torch.Tensor, *args, **kwargs):
-            # the switch first: off, a call costs one lookup before the eager quantiser
-            least = from_elements if isinstance(from_elements, int) else from_elements(*args, **kwargs)
-            if (not enabled() or x.numel() < least or x.device.type not in FUSED_DEVICES
-                    or _tracing or torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled())
-                    or draws(args, kwargs)):
-                return fn(x, *args, **kwargs)
-            return run_fused(x, *args, **kwargs)
-
-        quantiser.eager, quantiser.fused, quantiser.compiled = fn, run_fused, compiled
+        quantiser = _dispatch(fn, from_elements, None)
+        if values_alone:
+            quantiser.values = _dispatch(fn, from_elements, "values")
         return quantiser
     return decorate
+
+
+def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str | None) -> Callable:
+    """`fused`'s quantiser for fn, returning its result's field `pick` alone where pick is given."""
+    signature = inspect.signature(fn)
+    compiled: dict[tuple, Callable | None] = {}  # per static key; None: it failed to compile, eager
+    eager = fn if pick is None else functools.wraps(fn)(lambda x, *args, **kwargs: getattr(fn(x, *args, **kwargs),
+                                                                                             pick))
+
+    # where `rounding` and `generator` sit among the arguments after x (None: fn has no such parameter)
+    position = {name: (list(signature.parameters).index(name) - 1 if name in signature.parameters else None)
+                for name in ("rounding", "generator")}
+
+    def chosen(name: str, args: tuple, kwargs: dict, default):
+        at = position[name]
+        if at is None:
+            return default
+        return args[at] if at < len(args) else kwargs.get(name, default)
+
+    def draws(args, kwargs) -> bool:
+        return (chosen("rounding", args, kwargs, "nearest") != "nearest"
+                or chosen("generator", args, kwargs, None) is not None)
+
+    def run_fused(x: torch.Tensor, *args, **kwargs):
+        key = _static_key(args, kwargs)
+        try:
+            specialisation = compiled.get(key, _UNSEEN)  # hashed once a call (a FormatSpec's hash is ~1 us)
+        except TypeError:  # an argument that cannot be hashed: no key, eager
+            return eager(x, *args, **kwargs)
+        if specialisation is _UNSEEN:
+            specialisation = compiled[key] = Specialisation(fn, args, kwargs, pick)
+        if specialisation is not None:
+            try:
+                if x.dtype in SIXTEEN_BIT:  # FP32 in, and back: inductor's 16-bit code is slower than eager
+                    result = specialisation(x.float(), *args, **kwargs)  # (counts, and a Blocked's FP32
+                    return result.to(x.dtype) if pick is None and isinstance(result, torch.Tensor) and \
+                        result.is_floating_point() else result  # fields, stay as they are)
+                return specialisation(x, *args, **kwargs)
+            except Exception as e:  # make_fx or inductor cannot compile it here: eager from now on
+                compiled[key] = None
+                FELL_BACK.append(f"{fn.__name__}{key}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                logger.warning("fused %s fell back to eager: %s", fn.__name__, FELL_BACK[-1])
+        return eager(x, *args, **kwargs)
+
+    @functools.wraps(fn)
+    def quantiser(x: torch.Tensor, *args, **kwargs):
+        # the switch first: off, a call costs one lookup before the eager quantiser
+        least = from_elements if isinstance(from_elements, int) else from_elements(*args, **kwargs)
+        if (not enabled() or x.numel() < least or x.device.type not in FUSED_DEVICES
+                or _tracing or torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled())
+                or draws(args, kwargs)):
+            return eager(x, *args, **kwargs)
+        return run_fused(x, *args, **kwargs)
+
+    quantiser.eager, quantiser.fused, quantiser.compiled = eager, run_fused, compiled
+    return quantiser

@@ -109,10 +109,11 @@ class StepMemory:
             self.made.clear()
 
     def _site_made(self, x: torch.Tensor, rounded: torch.Tensor, tensor_class: str, fmt: str) -> None:
-        """A native kernel reads an input as it is when the input is already in its format, or when the format
+        """A native kernel reads an input as it is when the input is already in its format (its values, or its
+        torch dtype: a BF16 tensor entering an emulated BF16 GEMM, bench/numerics/autocast.py), or when the format
         lives in the input's storage (TF32 in FP32): then the output stands for the input (no copy)."""
-        in_place = rounded.dtype == x.dtype and (FORMATS[fmt].storage_bytes == x.element_size()
-                                                 or torch.equal(rounded, x))
+        in_place = x.dtype == FORMATS[fmt].torch_dtype or rounded.dtype == x.dtype and (
+            FORMATS[fmt].storage_bytes == x.element_size() or torch.equal(rounded, x))
         self.made[_storage_key(rounded)] = SiteOutput(tensor_class, fmt, rounded, x if in_place else None)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:

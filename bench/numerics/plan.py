@@ -269,6 +269,9 @@ class PrecisionPlan:
     tiles: TileScaling | None  # FP8 operands scaled per row or tile
     torchao_recipe: str | None  # native FP8: torchao's float8 recipe
     native_recipe: str | None  # how the record describes a native torchao recipe
+    # format.elsewhere=bf16's own GEMMs (autocast's convolutions and matmuls): None, native BF16; else why they are
+    # emulated in FP32 (bench/numerics/autocast.py: a CPU without BF16 units)
+    elsewhere_emulated: str | None = None
 
     @property
     def spec(self) -> FormatSpec:
@@ -385,6 +388,22 @@ def _emulated(plan: PrecisionPlan, refusal: str, reason: str) -> PrecisionPlan:
 
 def plan(config: PrecisionConfig, method: ScalingMethod, device: torch.device) -> PrecisionPlan:
     """The cell's precision on `device` (see the module docstring)."""
+    made = _plan(config, method, device)
+    return replace(made, elsewhere_emulated=elsewhere_emulated(made, device))
+
+
+def elsewhere_emulated(made: PrecisionPlan, device: torch.device) -> str | None:
+    """Why format.elsewhere=bf16's autocast GEMMs are emulated on `device` (None: they run natively): on a CPU
+    whose BF16 kernels are not fast (no BF16 units), where they cost more than the format's whole emulation."""
+    if made.elsewhere != "bf16" or device.type != "cpu":
+        return None
+    support = native_support("bf16", device)
+    if support.fast:
+        return None
+    return f"{support.why}: autocast's BF16 convolutions and matmuls emulated in FP32 (bench/numerics/autocast.py)"
+
+
+def _plan(config: PrecisionConfig, method: ScalingMethod, device: torch.device) -> PrecisionPlan:
     spec = config.spec
     support = native_support(config.format, device)
     recipe = spec.recipe if config.gradients is None else replace(spec.recipe, grads=config.gradients)

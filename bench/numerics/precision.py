@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from bench.numerics.autocast import EmulatedGemms
 from bench.numerics.blocks import RHT_SIZE, rht_matrix, rht_signs
 from bench.numerics.emulation import (
     EMULATED_MODULES,
@@ -108,6 +109,11 @@ def full_precision(model: nn.Module, widen: bool = False):
 
 # the Linear classes torchao's float8 and MXFP8 training convert to (Precision._convert_with_torchao)
 TORCHAO_LINEARS = ("Float8Linear", "PaddedMXFP8Linear")
+
+
+def _tensor_class(x: torch.Tensor) -> str:
+    """A GEMM operand's tensor class: a parameter is a weight, anything else an activation."""
+    return "weights" if isinstance(x, nn.Parameter) else "activations"
 
 
 class Precision:
@@ -310,8 +316,19 @@ class Precision:
         if self.native and self.mode == "mixed" and self.dtype is not None:
             return torch.autocast(self.device.type, dtype=self.dtype)
         if self.elsewhere == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if self.plan.elsewhere_emulated is None:
+                return torch.autocast(self.device.type, dtype=torch.bfloat16)
+            return self._autocast_emulating_gemms()
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _autocast_emulating_gemms(self):
+        """BF16 autocast whose convolutions and matmuls compute in FP32 as a BF16 kernel would (autocast.py); each
+        operand made is told to the memory accounting as a BF16 tensor, as a native run saves it."""
+        listener = self.site_listener
+        told = None if listener is None else lambda x, widened: listener(x, widened, _tensor_class(x), "bf16")
+        with torch.autocast(self.device.type, dtype=torch.bfloat16), EmulatedGemms(self.device.type, told):
+            yield
 
     @contextlib.contextmanager
     def evaluating(self, model: nn.Module, in_precision: str = "trained"):
@@ -383,6 +400,7 @@ class Precision:
             "label": p.setting + (" (bf16 elsewhere)" if p.elsewhere == "bf16" else "")
             + ("" if p.native else " (emulated)"),  # what dashboards group by
             "elsewhere": p.elsewhere,  # outside the converted GEMMs (format.elsewhere)
+            "elsewhere_emulated": p.elsewhere_emulated,  # why bf16 elsewhere's own GEMMs were emulated; null: native
             "backend_reason": p.why,
             "element_formats": elements,
             "overflow": {e: "saturate" if self.block else resolve_overflow(FORMATS[e], c.overflow) for e in elements},

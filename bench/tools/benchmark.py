@@ -548,17 +548,26 @@ def quantise_rows(quick: bool = False) -> list[dict]:
 def of_clone_rows(device: torch.device) -> list[dict]:
     """quantise_of_clone (on CUDA: quantise_of_clone_cuda): each quantiser's eager and fused throughput as a fraction
     of clone's, on FP32 values past every cache: 4096 x 4096 on the CPU, 8192 x 8192 on a GPU (an H100's 4096 x 4096
-    clone takes 45 µs, near a launch's cost)."""
+    clone takes 45 µs, near a launch's cost). A block quantiser's `fused` row is its values alone, what a training
+    step asks for (`quantiser.values`: one tensor written, as clone writes one); `fused_blocked` the whole Blocked
+    (elements and per-block fields too, what telemetry's sampled steps ask for)."""
     side = 4096 if device.type == "cpu" else 8192
     x = (torch.randn(side, side, generator=torch.Generator().manual_seed(0)) * 100).to(device)
     prefix = "quantise_of_clone" if device.type == "cpu" else f"quantise_of_clone_{device.type}"
     rows = []
     for name, (quantiser, extra) in FUSED_QUANTISERS.items():
         args = tuple(nvfp4_tensor_scale(x) if a is None else a for a in extra)
-        t = alternate({"clone": x.clone, "eager": lambda q=quantiser, a=args: q.eager(x, *a),
-                       "fused": lambda q=quantiser, a=args: q.fused(x, *a)}, device, 3 if device.type == "cpu" else 9)
+        values = getattr(quantiser, "values", quantiser)  # a block quantiser's values alone; an element's result
+        calls = {"clone": x.clone, "eager": lambda q=quantiser, a=args: q.eager(x, *a),
+                 "fused": lambda q=values, a=args: q.fused(x, *a)}
+        if hasattr(quantiser, "values"):
+            calls["fused_blocked"] = lambda q=quantiser, a=args: q.fused(x, *a)
+        t = alternate(calls, device, 3 if device.type == "cpu" else 9)
         rows.append(row(f"{prefix}.{name}.eager", t["clone"] / t["eager"], "x clone's throughput"))
         rows.append(row(f"{prefix}.{name}.fused", t["clone"] / t["fused"], "x clone's throughput", OF_CLONE_TARGET))
+        if "fused_blocked" in t:
+            rows.append(row(f"{prefix}.{name}.fused_blocked", t["clone"] / t["fused_blocked"],
+                            "x clone's throughput (the whole Blocked)"))
     return rows
 
 
