@@ -168,3 +168,17 @@ def test_an_emulated_elsewhere_cell_trains_its_convolutions_through_the_emulated
     record = json.loads((Path(cfg.results_dir) / cfg.cell / "result.json").read_text())
     assert record["status"] == "ok" and record["env"]["precision"]["elsewhere_emulated"]
     assert (6, 1, 5, 5) in taken and (16, 6, 5, 5) in taken  # both convolutions' weights
+
+
+def test_the_emulation_is_entered_only_where_a_layer_computes_under_autocast():
+    """FP8 emulates every Linear and convolution itself (autocast off inside): nothing would be left for the
+    emulated GEMMs but their cost, so autocast runs as torch runs it. MXFP8 leaves LeNet's convolutions to autocast."""
+    from bench.numerics import hardware
+    from bench.tasks.lenet import LeNet5
+
+    with hardware.simulated("cpu") as device:
+        fp8, mxfp8 = (Precision.of(fmt, device, mode="mixed", elsewhere="bf16") for fmt in ("fp8", "mxfp8"))
+    fp8.prepare(LeNet5())
+    mxfp8.prepare(LeNet5())
+    assert fp8.autocast_layers == [] and fp8.describe()["elsewhere_emulated"] is None
+    assert mxfp8.autocast_layers == ["0", "3"] and mxfp8.describe()["elsewhere_emulated"]

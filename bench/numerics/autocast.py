@@ -15,7 +15,9 @@ BLAS's blocking; no kernel promises one order, and the native kernels of two CPU
 `F.scaled_dot_product_attention` is not taken: a BF16 attention kernel rounds its scores and probabilities inside,
 at points an FP32 decomposition would not reproduce, so it runs natively (a transformer written with explicit
 matmuls, as transformers' eager attention, gets its products emulated).
-The record says which ran (env.precision.elsewhere_gemms), as the plan decided it (bench/numerics/plan.py).
+The plan decides it for the device (bench/numerics/plan.py), and Precision enters it only in a model with a Linear
+or convolution layer that autocast computes (its cost, a Python call per torch call of the forward pass, is repaid
+there; FP8's own emulated layers turn autocast off). The record says which ran (env.precision.elsewhere_emulated).
 """
 
 from __future__ import annotations

@@ -111,6 +111,14 @@ def full_precision(model: nn.Module, widen: bool = False):
 TORCHAO_LINEARS = ("Float8Linear", "PaddedMXFP8Linear")
 
 
+def _autocast_layers(model: nn.Module) -> list[str]:
+    """The Linear and convolution layers of a prepared model that compute under autocast: neither an emulated op's
+    rounding sites nor block operands (which compute in FP32 with autocast off) took them."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+            and getattr(m, "casts", None) is None and getattr(m, "operands", None) is None]
+
+
 def _tensor_class(x: torch.Tensor) -> str:
     """A GEMM operand's tensor class: a parameter is a weight, anything else an activation."""
     return "weights" if isinstance(x, nn.Parameter) else "activations"
@@ -162,6 +170,8 @@ class Precision:
         self.telemetry = QuantTelemetry()
         self._site_scales: list = []  # every scaler its sites made: paused while evaluating
         self.conversion: dict | None = None  # what `prepare` did to the model (the record's fp8_modules, kept layers)
+        # the model's Linear and Conv layers autocast computes (none of the format's GEMMs); None: no model prepared
+        self.autocast_layers: list[str] | None = None
         self.fp8_all_gather = False  # FSDP2 gathers torchao's float8 weights in FP8 (gather_in_fp8)
         c = decided.config
         if decided.tiles is not None:
@@ -254,6 +264,7 @@ class Precision:
                 n for n, m in model.named_modules()
                 if isinstance(m, (nn.Linear, nn.Conv2d)) and getattr(m, "operands", None) is None],
                 "kept_by_request": kept}
+            self.autocast_layers = _autocast_layers(model)
             return model
         model = swapped(model, lambda name, module: with_state_of(EMULATED_MODULES[type(module)], module)
                         if type(module) in EMULATED_MODULES and name not in kept else None)
@@ -267,6 +278,7 @@ class Precision:
             self.conversion = {"kept_by_request": kept}
         if self.mode == "true":
             self._round_tensors(model.parameters())
+        self.autocast_layers = _autocast_layers(model)
         return model
 
     def _accumulating(self, name: str, module: nn.Module, accumulation: Accumulation) -> Accumulation:
@@ -316,10 +328,20 @@ class Precision:
         if self.native and self.mode == "mixed" and self.dtype is not None:
             return torch.autocast(self.device.type, dtype=self.dtype)
         if self.elsewhere == "bf16":
-            if self.plan.elsewhere_emulated is None:
+            if self.elsewhere_emulated is None:
                 return torch.autocast(self.device.type, dtype=torch.bfloat16)
             return self._autocast_emulating_gemms()
         return contextlib.nullcontext()
+
+    @property
+    def elsewhere_emulated(self) -> str | None:
+        """Why autocast's own GEMMs are emulated (autocast.py), None where they run natively: as the plan decided
+        for the device, but only in a model with a Linear or convolution layer autocast computes. The emulation
+        costs a Python call per torch call in the forward pass, repaid by a layer's GEMMs; a model whose every layer
+        is the format's own (FP8's emulated sites, which turn autocast off) would only pay it."""
+        if self.plan.elsewhere_emulated is None or self.autocast_layers == []:
+            return None
+        return self.plan.elsewhere_emulated
 
     @contextlib.contextmanager
     def _autocast_emulating_gemms(self):
@@ -400,7 +422,7 @@ class Precision:
             "label": p.setting + (" (bf16 elsewhere)" if p.elsewhere == "bf16" else "")
             + ("" if p.native else " (emulated)"),  # what dashboards group by
             "elsewhere": p.elsewhere,  # outside the converted GEMMs (format.elsewhere)
-            "elsewhere_emulated": p.elsewhere_emulated,  # why bf16 elsewhere's own GEMMs were emulated; null: native
+            "elsewhere_emulated": self.elsewhere_emulated,  # why bf16 elsewhere's own GEMMs were emulated; null: native
             "backend_reason": p.why,
             "element_formats": elements,
             "overflow": {e: "saturate" if self.block else resolve_overflow(FORMATS[e], c.overflow) for e in elements},
