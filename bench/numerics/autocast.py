@@ -36,6 +36,9 @@ LOWER_PRECISION_GEMMS = frozenset({
     torch.addmm, torch.Tensor.addmm, torch.addbmm, torch.Tensor.addbmm})
 
 
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # the operand types taken
+
+
 class EmulatedGemms(TorchFunctionMode):
     """Inside an autocast region (and only there, as autocast itself), each LOWER_PRECISION_GEMMS call computed in
     FP32 on BF16-rounded operands and returned in BF16 (the module docstring). `on_operand(x, widened)`, if given,
@@ -47,8 +50,9 @@ class EmulatedGemms(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in LOWER_PRECISION_GEMMS or not torch.is_autocast_enabled(self.device_type):
-            return func(*args, **kwargs)
+        if func not in LOWER_PRECISION_GEMMS or not torch.is_autocast_enabled(self.device_type) or any(
+                type(a) not in PLAIN for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)):
+            return func(*args, **kwargs)  # a tensor subclass (torchao's FP8 weights) computes its own GEMM
         dtype = torch.get_autocast_dtype(self.device_type)
         with torch.autocast(self.device_type, enabled=False):
             result = func(*tree_map(lambda a: self._widened(a, dtype), args),

@@ -320,6 +320,7 @@ class Precision:
             "kept_in_high_precision": [n for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)],
             "kept_by_request": kept,
         }
+        self.autocast_layers = self.conversion["kept_in_high_precision"]
         return model
 
     def autocast(self):
