@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
 # The Python functions that reach the ops CPU autocast computes in its lower-precision dtype (torch.amp's list for
 # CPU: convolutions, linear, matmul, mm, bmm, baddbmm, addmm, addbmm), however a model spells them
@@ -34,8 +33,6 @@ LOWER_PRECISION_GEMMS = frozenset({
     torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
     torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm,
     torch.addmm, torch.Tensor.addmm, torch.addbmm, torch.Tensor.addbmm})
-
-
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # the operand types taken
 
 
@@ -55,8 +52,8 @@ class EmulatedGemms(TorchFunctionMode):
             return func(*args, **kwargs)  # a tensor subclass (torchao's FP8 weights) computes its own GEMM
         dtype = torch.get_autocast_dtype(self.device_type)
         with torch.autocast(self.device_type, enabled=False):
-            result = func(*tree_map(lambda a: self._widened(a, dtype), args),
-                          **tree_map(lambda a: self._widened(a, dtype), kwargs))
+            result = func(*(self._widened(a, dtype) for a in args),  # each op takes its tensors as arguments
+                          **{k: self._widened(v, dtype) for k, v in kwargs.items()})
         return result.to(dtype)
 
     def _widened(self, a, dtype: torch.dtype):

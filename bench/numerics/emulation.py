@@ -308,13 +308,16 @@ class BlockOperands:
     def _blocked(self, t: torch.Tensor, tensor_class: str, element: str, dim: int, rounding: str) -> torch.Tensor:
         # NVFP4: dynamic two-level scaling, this tensor's amax sets its FP32 scale
         if self.recipe.block == "nvfp4" and self.scale_rule == "te":
-            return _values(self.telemetry, tensor_class, FORMATS[element], te_nvfp4_quantise, t,
-                           t.detach().abs().max(), dim, rounding, sr_bits=self.sr_bits)
+            return self._observed(t, tensor_class, element, te_nvfp4_quantise, t.detach().abs().max(), dim, rounding,
+                                  sr_bits=self.sr_bits)
         if self.recipe.block == "nvfp4":
-            return _values(self.telemetry, tensor_class, FORMATS[element], nvfp4_quantise, t, nvfp4_tensor_scale(t),
-                           dim, rounding, sr_bits=self.sr_bits)
-        return _values(self.telemetry, tensor_class, FORMATS[element], mx_quantise, t, element, self.scale_mode, dim,
-                       rounding=rounding)
+            return self._observed(t, tensor_class, element, nvfp4_quantise, nvfp4_tensor_scale(t), dim, rounding,
+                                  sr_bits=self.sr_bits)
+        return self._observed(t, tensor_class, element, mx_quantise, element, self.scale_mode, dim,
+                              rounding=rounding)
+
+    def _observed(self, t: torch.Tensor, tensor_class: str, element: str, quantiser, *args, **kwargs) -> torch.Tensor:
+        return _values(self.telemetry, tensor_class, FORMATS[element], quantiser, t, *args, **kwargs)
 
     def forward(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self._blocked(t, "activations", self.recipe.inputs, dim, "nearest")
@@ -324,10 +327,9 @@ class BlockOperands:
 
     def tiled_weight(self, t: torch.Tensor) -> torch.Tensor:
         """The weight in 16 x 16 NVFP4 tiles under its tensor scale, rounded to nearest: both GEMMs' operand."""
-        spec = FORMATS[self.recipe.inputs]
         if self.scale_rule == "te":
-            return _values(self.telemetry, "weights", spec, te_nvfp4_tile_quantise, t, t.detach().abs().max())
-        return _values(self.telemetry, "weights", spec, nvfp4_tile_quantise, t, nvfp4_tensor_scale(t))
+            return self._observed(t, "weights", self.recipe.inputs, te_nvfp4_tile_quantise, t.detach().abs().max())
+        return self._observed(t, "weights", self.recipe.inputs, nvfp4_tile_quantise, nvfp4_tensor_scale(t))
 
     def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self._blocked(t, "gradients", self.recipe.grads, dim, self.rounding)

@@ -560,7 +560,7 @@ def of_clone_rows(device: torch.device) -> list[dict]:
         values = getattr(quantiser, "values", quantiser)  # a block quantiser's values alone; an element's result
         calls = {"clone": x.clone, "eager": lambda q=quantiser, a=args: q.eager(x, *a),
                  "fused": lambda q=values, a=args: q.fused(x, *a)}
-        if hasattr(quantiser, "values"):
+        if values is not quantiser:
             calls["fused_blocked"] = lambda q=quantiser, a=args: q.fused(x, *a)
         t = alternate(calls, device, 3 if device.type == "cpu" else 9)
         rows.append(row(f"{prefix}.{name}.eager", t["clone"] / t["eager"], "x clone's throughput"))
