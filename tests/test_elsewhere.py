@@ -31,6 +31,37 @@ def test_an_emulated_gemm_under_bf16_autocast_is_the_fp32_gemm_of_its_operands_h
     assert y.dtype == torch.bfloat16 and torch.equal(y, reference.to(torch.bfloat16))
 
 
+def test_under_bf16_autocast_an_emulated_fp8_layers_gradient_is_rounded_once_in_fp32_to_the_same_values():
+    """The BF16 gradient reaching an emulated FP8 layer is widened for its FP32 backward anyway: its E5M2 rounding
+    takes the widened FP32 tensor (no BF16 pass of its own), and every gradient equals the reference: E5M2 of the
+    BF16 gradient, through the FP32 GEMMs of the E4M3 operands, the input's gradient handed back in BF16."""
+    from bench.numerics import emulation
+    from bench.numerics.formats import quantise_value
+
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(64, 32), torch.randn(8, 64)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    precision = Precision.of("fp8", CPU, mode="mixed", backend="emulated", elsewhere="bf16")
+    model = precision.prepare(layer)
+    seen = []
+    rounds = emulation.TensorSite._round
+    emulation.TensorSite._round = lambda site, t: seen.append((site.tensor_class, t.dtype)) or rounds(site, t)
+    try:
+        x_bf16 = x.to(torch.bfloat16).requires_grad_()
+        with precision.autocast():
+            y = model(x_bf16)
+        upstream = torch.randn(8, 32).to(torch.bfloat16) * 1e-3
+        y.backward(upstream)
+    finally:
+        emulation.TensorSite._round = rounds
+    assert ("gradients", torch.float32) in seen and ("gradients", torch.bfloat16) not in seen
+    x_e4m3, w_e4m3 = quantise_value(x_bf16.detach().float(), "fp8_e4m3"), quantise_value(weight, "fp8_e4m3")
+    assert torch.equal(y, torch.nn.functional.linear(x_e4m3, w_e4m3, bias).to(torch.bfloat16))
+    g = quantise_value(upstream.float(), "fp8_e5m2")
+    assert x_bf16.grad.dtype == torch.bfloat16 and torch.equal(x_bf16.grad, (g @ w_e4m3).to(torch.bfloat16))
+    assert torch.equal(model.weight.grad, (x_e4m3.t() @ g).t()) and torch.equal(model.bias.grad, g.sum(0))
+
+
 def test_bf16_elsewhere_runs_the_rest_of_a_cell_in_bf16_and_says_so(make_cfg):
     from bench.reporting.aggregate import summarise, to_frame
     from bench.reporting.tables import precision_table

@@ -191,19 +191,21 @@ class _TensorCoreLinear(torch.autograd.Function):
                 grad_2d.sum(0) if ctx.has_bias else None, None, None)
 
 
-def emulated_gemm(function, *tensors, rounded=lambda *t: t):
+def emulated_gemm(function, *tensors, rounded=lambda *t: t, result=lambda y: y):
     """`function` (a linear, a conv or a blocked GEMM) on its emulated operands (`rounded` makes them) in FP32,
     autocast off: the operands hold the format's values, and an autocast GEMM would round them again (NVFP4's tensor
     scale does not fit BF16). Under autocast (format.elsewhere=bf16) BF16 inputs are widened before they are rounded,
     which is exact, so the operands the GEMM saves are the rounded ones (bench/numerics/memory.py counts those), and
-    the result is handed on in the autocast dtype, as an FP8 GEMM writes it; otherwise as computed. Torch-function
-    modes are off inside (bench/numerics/autocast.py's, which would take each of the emulation's own torch calls)."""
+    the result is handed on in the autocast dtype, as an FP8 GEMM writes it; otherwise as computed. `result` takes
+    the FP32 result before that (OpCasts.result: its gradient is then rounded in FP32, where the BF16 gradient has
+    already been widened for the GEMM's backward: the same values, two passes fewer). Torch-function modes are off
+    inside (bench/numerics/autocast.py's, which would take each of the emulation's own torch calls)."""
     device = next(t for t in tensors if t is not None).device.type
     if not torch.is_autocast_enabled(device):
-        return function(*rounded(*tensors))
+        return result(function(*rounded(*tensors)))
     with torch.autocast(device, enabled=False), torch._C.DisableTorchFunction():
         y = function(*rounded(*(t if t is None or not t.is_floating_point() else t.float() for t in tensors)))
-    return y.to(torch.get_autocast_dtype(device))
+    return result(y).to(torch.get_autocast_dtype(device))
 
 
 class CastOp:
@@ -231,7 +233,7 @@ class CastOp:
         with nothing to round (FP32, or a native format), as torch runs it, under the run's autocast if any."""
         if self.casts is None:
             return function(x, weight, bias)
-        return self.casts.result(emulated_gemm(function, x, weight, bias, rounded=self.casts.inputs))
+        return emulated_gemm(function, x, weight, bias, rounded=self.casts.inputs, result=self.casts.result)
 
 
 class EmulatedLinear(CastOp, nn.Linear):

@@ -49,7 +49,7 @@ import torch
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}  # keep x.to(bf16/fp16).to(fp32) a rounding when fused
 SWITCH = "PRECISION_BENCH_FUSED"  # =0: every quantiser eager; otherwise (the default) fused where it pays
-ARITHMETIC_FROM = 1 << 8  # block and tile quantisers, and element roundings done in arithmetic: from 256 elements
+ARITHMETIC_FROM = 1  # block and tile quantisers, and element roundings done in arithmetic: every size
 CAST_FROM = 1 << 12  # element roundings that are torch's own cast (two eager passes): from 4,096
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # compiled on their FP32 widening (the module docstring says why)
 # where a compiled quantiser is its eager self bit for bit, as tested: not CUDA, whose Triton code divides amax / 448

@@ -44,7 +44,8 @@ things compared, in one process:
   block quantisers (MX, NVFP4, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix (fused where that
   pays: bench/numerics/fused.py). quantise_of_clone.<format>.{eager,fused}: each one's throughput as a fraction of
   x.clone()'s (the memory floor: one read, one write) on 4096 x 4096, eager and fused, and on a CUDA machine
-  quantise_of_clone_cuda.* on 8192 x 8192. Target for the fused path: >= 0.7.
+  quantise_of_clone_cuda.* on 8192 x 8192. Target for the fused path: >= 0.7. quantise_call_us.<format>.<elements>.
+  {eager,fused}: one call on 32 to 16,384 values, which fixes from what size the fused path is taken. No target.
 - optimizer_ratio.<state_format>: one AdamW step over the char-LM's matrices with its moments in BF16, int8, int4
   or FP8 (model.optimizer.state_format, torchao's optimisers) over the same step with FP32 moments, after a warm-up
   that compiles torchao's per-tensor steps; optimizer_step_ms.fp32 the FP32 step itself. No target.
@@ -542,7 +543,28 @@ def quantise_rows(quick: bool = False) -> list[dict]:
     if quick:
         return rows
     cuda = [torch.device("cuda")] if torch.cuda.is_available() else []
-    return rows + [r for device in (torch.device("cpu"), *cuda) for r in of_clone_rows(device)]
+    return rows + call_rows() + [r for device in (torch.device("cpu"), *cuda) for r in of_clone_rows(device)]
+
+
+CALL_SIZES = (32, 1024, 16384)  # elements: a bias or LeNet's first kernel, a small weight, a small activation
+CALL_QUANTISERS = {"fp8_e4m3": (quantise_value, ("fp8_e4m3",)), "fp8_e5m2": (quantise_value, ("fp8_e5m2",)),
+                   "mxfp8_e4m3": (mx_quantise.values, ("fp8_e4m3",)), "nvfp4": (nvfp4_quantise.values, (None,))}
+
+
+def call_rows() -> list[dict]:
+    """quantise_call_us.<format>.<elements>.{eager,fused}: one call's median microseconds on a small FP32 tensor
+    (32 columns) with the eager reference and with the fused path, which fixes from what size a quantiser is
+    compiled (fused.ARITHMETIC_FROM, fused.CAST_FROM; docs/performance.md). No target."""
+    rows = []
+    for elements in CALL_SIZES:
+        x = torch.randn(elements // 32, 32, generator=torch.Generator().manual_seed(0))
+        for name, (quantiser, extra) in CALL_QUANTISERS.items():
+            args = tuple(nvfp4_tensor_scale(x) if a is None else a for a in extra)
+            calls = {"eager": lambda q=quantiser, a=args: q.eager(x, *a),
+                     "fused": lambda q=quantiser, a=args: q.fused(x, *a)}
+            for path, seconds in alternate(calls, torch.device("cpu"), 200).items():
+                rows.append(row(f"quantise_call_us.{name}.{elements}.{path}", seconds * 1e6, "us a call (median)"))
+    return rows
 
 
 def of_clone_rows(device: torch.device) -> list[dict]:
