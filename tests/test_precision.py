@@ -259,7 +259,7 @@ def test_an_ops_input_casts_are_one_node_that_rounds_and_draws_as_three_cast_nod
         casts = SimpleNamespace(**{name: site(name) for name in ("activation", "weight", "bias", "grad_activation",
                                                                  "grad_weight", "grad_bias")})
         x, w, b = (torch.randn(*shape, requires_grad=True) for shape in ((4, 3), (5, 3), (5,)))
-        inputs = _InputCasts.apply(casts, x, w, b) if merged else (
+        inputs = _InputCasts.apply(casts, False, x, w, b) if merged else (
             cast(x, casts.activation, casts.grad_activation), cast(w, casts.weight, casts.grad_weight),
             cast(b, casts.bias, casts.grad_bias))
         F.linear(*inputs).square().sum().backward()
@@ -272,4 +272,4 @@ def test_an_ops_input_casts_are_one_node_that_rounds_and_draws_as_three_cast_nod
     # backward then skips that gradient (LeNet FP8's first convolution: 0.8 ms a step, had it not)
     rounding = SimpleNamespace(activation=None, weight=None, bias=None)
     batch, weight = torch.randn(4, 3), torch.randn(5, 3, requires_grad=True)
-    assert [t.requires_grad for t in _InputCasts.apply(rounding, batch, weight, None)[:2]] == [False, True]
+    assert [t.requires_grad for t in _InputCasts.apply(rounding, False, batch, weight, None)[:2]] == [False, True]

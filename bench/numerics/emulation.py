@@ -67,40 +67,47 @@ class TensorSite:
 
 
 class _Cast(torch.autograd.Function):
-    """Identity up to rounding: `forward_site` rounds the value, `backward_site` the gradient."""
+    """Identity up to rounding: `forward_site` rounds the value, `backward_site` the gradient. With a `dtype` the
+    value is handed on in it (an emulated GEMM's FP32 result in autocast's BF16) and its gradient comes back widened
+    to the input's dtype before it is rounded: one node, not a rounding and a cast."""
 
     @staticmethod
-    def forward(ctx, x, forward_site, backward_site):
-        ctx.backward_site = backward_site
-        return x if forward_site is None else forward_site(x)
+    def forward(ctx, x, forward_site, backward_site, dtype=None):
+        ctx.backward_site, ctx.input_dtype = backward_site, x.dtype
+        y = x if forward_site is None else forward_site(x)
+        return y if dtype is None else y.to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        site = ctx.backward_site
-        return (grad if site is None else site(grad)), None, None
+        site, grad = ctx.backward_site, grad.to(ctx.input_dtype)
+        return (grad if site is None else site(grad)), None, None, None
 
 
-def cast(x: torch.Tensor | None, forward_site: TensorSite | None, backward_site: TensorSite | None):
+def cast(x: torch.Tensor | None, forward_site: TensorSite | None, backward_site: TensorSite | None,
+         dtype: torch.dtype | None = None):
     if x is None or (forward_site is None and backward_site is None):
-        return x
-    return _Cast.apply(x, forward_site, backward_site)
+        return x if x is None or dtype is None else x.to(dtype)
+    return _Cast.apply(x, forward_site, backward_site, dtype)
 
 
 class _InputCasts(torch.autograd.Function):
     """`cast` of an op's three inputs (x, weight, bias) as one autograd node, not three (each node costs ~12 us a
     step on CPU). Forward rounds x, weight, bias in that order; backward rounds their gradients in the order autograd
     ran three nodes, which were made one after another: bias, weight, x (the last made first). So a stochastic
-    rounding draws what it drew as three nodes. A gradient nobody needs is not made, nor rounded (no draws)."""
+    rounding draws what it drew as three nodes. A gradient nobody needs is not made, nor rounded (no draws).
+    `widen` (under autocast): a 16-bit input is widened to FP32 first, in the node; autograd hands its gradient back
+    in the input's dtype, as the widening cast's own node did."""
 
     @staticmethod
-    def forward(ctx, casts: "OpCasts", x, weight, bias):
+    def forward(ctx, casts: "OpCasts", widen: bool, x, weight, bias):
         ctx.casts = casts
         ctx.set_materialize_grads(False)
-        outputs = tuple(t if t is None or site is None else site(t)
+        wide = (lambda t: t.float() if t.is_floating_point() else t) if widen else (lambda t: t)
+        outputs = tuple(t if t is None else wide(t) if site is None else site(wide(t))
                         for t, site in ((x, casts.activation), (weight, casts.weight), (bias, casts.bias)))
         # an output whose input wants no gradient wants none either (autograd would otherwise mark every output, and
         # the op would compute a gradient nobody reads: the input batch's, through the first convolution)
-        ctx.mark_non_differentiable(*(t for t, wanted in zip(outputs, ctx.needs_input_grad[1:])
+        ctx.mark_non_differentiable(*(t for t, wanted in zip(outputs, ctx.needs_input_grad[2:])
                                       if t is not None and not wanted))
         return outputs
 
@@ -108,11 +115,11 @@ class _InputCasts(torch.autograd.Function):
     def backward(ctx, grad_x, grad_weight, grad_bias):
         casts, needed = ctx.casts, ctx.needs_input_grad
         rounded = {}
-        for name, grad, site, wanted in (("bias", grad_bias, casts.grad_bias, needed[3]),
-                                         ("weight", grad_weight, casts.grad_weight, needed[2]),
-                                         ("x", grad_x, casts.grad_activation, needed[1])):
+        for name, grad, site, wanted in (("bias", grad_bias, casts.grad_bias, needed[4]),
+                                         ("weight", grad_weight, casts.grad_weight, needed[3]),
+                                         ("x", grad_x, casts.grad_activation, needed[2])):
             rounded[name] = None if grad is None or not wanted else grad if site is None else site(grad)
-        return None, rounded["x"], rounded["weight"], rounded["bias"]
+        return None, None, rounded["x"], rounded["weight"], rounded["bias"]
 
 
 class OpCasts:
@@ -132,11 +139,11 @@ class OpCasts:
         self.grad_output = site("gradients", recipe.grads)
         self.output = site("activations", recipe.inputs) if sixteen else None
 
-    def inputs(self, x, weight, bias):
-        return _InputCasts.apply(self, x, weight, bias)
+    def inputs(self, x, weight, bias, widen: bool = False):
+        return _InputCasts.apply(self, widen, x, weight, bias)
 
-    def result(self, y):
-        return cast(y, self.output, self.grad_output)
+    def result(self, y, dtype: torch.dtype | None = None):
+        return cast(y, self.output, self.grad_output, dtype)
 
 
 def _operand(value: torch.Tensor, site: TensorSite) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -191,21 +198,27 @@ class _TensorCoreLinear(torch.autograd.Function):
                 grad_2d.sum(0) if ctx.has_bias else None, None, None)
 
 
-def emulated_gemm(function, *tensors, rounded=lambda *t: t, result=lambda y: y):
-    """`function` (a linear, a conv or a blocked GEMM) on its emulated operands (`rounded` makes them) in FP32,
-    autocast off: the operands hold the format's values, and an autocast GEMM would round them again (NVFP4's tensor
-    scale does not fit BF16). Under autocast (format.elsewhere=bf16) BF16 inputs are widened before they are rounded,
-    which is exact, so the operands the GEMM saves are the rounded ones (bench/numerics/memory.py counts those), and
-    the result is handed on in the autocast dtype, as an FP8 GEMM writes it; otherwise as computed. `result` takes
-    the FP32 result before that (OpCasts.result: its gradient is then rounded in FP32, where the BF16 gradient has
-    already been widened for the GEMM's backward: the same values, two passes fewer). Torch-function modes are off
-    inside (bench/numerics/autocast.py's, which would take each of the emulation's own torch calls)."""
+def _widened(*tensors):
+    return tuple(t if t is None or not t.is_floating_point() else t.float() for t in tensors)
+
+
+def emulated_gemm(function, *tensors, rounded=None, result=None):
+    """`function` (a linear, a conv or a blocked GEMM) on its emulated operands (`rounded` makes them; OpCasts.inputs)
+    in FP32, autocast off: the operands hold the format's values, and an autocast GEMM would round them again
+    (NVFP4's tensor scale does not fit BF16). Under autocast (format.elsewhere=bf16) BF16 inputs are widened before
+    they are rounded, which is exact, so the operands the GEMM saves are the rounded ones (bench/numerics/memory.py
+    counts those), and the result is handed on in the autocast dtype, as an FP8 GEMM writes it; otherwise as
+    computed. `result` (OpCasts.result) takes the FP32 result and that dtype: its gradient comes back widened and is
+    rounded in FP32, where the BF16 gradient would take two passes more (the same values). Torch-function modes are
+    off inside (bench/numerics/autocast.py's, which would take each of the emulation's own torch calls)."""
     device = next(t for t in tensors if t is not None).device.type
     if not torch.is_autocast_enabled(device):
-        return result(function(*rounded(*tensors)))
+        y = function(*(tensors if rounded is None else rounded(*tensors)))
+        return y if result is None else result(y)
+    dtype = torch.get_autocast_dtype(device)
     with torch.autocast(device, enabled=False), torch._C.DisableTorchFunction():
-        y = function(*rounded(*(t if t is None or not t.is_floating_point() else t.float() for t in tensors)))
-    return result(y).to(torch.get_autocast_dtype(device))
+        y = function(*(_widened(*tensors) if rounded is None else rounded(*tensors, widen=True)))
+    return y.to(dtype) if result is None else result(y, dtype)
 
 
 class CastOp:
