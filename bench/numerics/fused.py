@@ -4,10 +4,12 @@ fused pass compiled by inductor, bit for bit the same, where that pays.
 `@fused(from_elements=n)` wraps a quantiser `fn(x, ...)`. A call runs fn's compiled graph (a `Specialisation`:
 traced by make_fx, compiled by inductor, called without dynamo's guards) when every one of these
 holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
-- x has at least n elements (n may depend on the call's arguments): below it the eager passes cost less than a
-  compiled call's fixed ~10 us. Measured on a 2-core Intel Xeon (docs/performance.md): the block quantisers and
-  the arithmetic element roundings (FP8 E4M3, TF32, FP6, FP4) win from 256 elements, so they compile from there;
-  a format torch casts to natively (FP16, BF16, E5M2: two eager passes) only from 4,096;
+- x has at least n elements (n may depend on the call's arguments). A compiled call costs a fixed 6-8 us, and a
+  new layout one compile (0.1-0.9 s). Measured on a 2-core Intel Xeon (`make bench`'s quantise_call_us rows,
+  docs/performance.md): the block quantisers and the arithmetic element roundings (FP8 E4M3, TF32, FP6, FP4) cost
+  20-120 us eagerly at any size, so they compile at every size; a format torch casts to natively (FP16, BF16,
+  E5M2: two eager passes) saves 2-3 us a call below 4,096 elements, too little to repay a compile, so only from
+  there;
 - x is on the CPU (FUSED_DEVICES), and no graph is being traced or compiled already (a compiled model, or a fused
   quantiser calling another, takes the eager body into its own graph). On CUDA the quantisers run eagerly:
   inductor's Triton code for MX's rceil scale was not bit for bit the eager one on an H100 (2026-11-27, `pytest -m
