@@ -273,3 +273,39 @@ def test_an_ops_input_casts_are_one_node_that_rounds_and_draws_as_three_cast_nod
     rounding = SimpleNamespace(activation=None, weight=None, bias=None)
     batch, weight = torch.randn(4, 3), torch.randn(5, 3, requires_grad=True)
     assert [t.requires_grad for t in _InputCasts.apply(rounding, False, batch, weight, None)[:2]] == [False, True]
+
+
+@pytest.mark.parametrize("gemm, x_shape, w_shape, bias, wanted", [
+    ("linear", (8, 16), (4, 16), True, (True, True, True)),
+    ("linear", (2, 6, 16), (4, 16), True, (True, True, True)),
+    ("linear", (2, 6, 16), (4, 16), False, (True, True, False)),
+    ("linear", (16, 8), (4, 16), True, (True, True, True)),  # x column-major (transposed below)
+    ("linear", (8, 16), (4, 16), True, (False, True, True)),
+    ("conv", (2, 3, 9, 9), (4, 3, 3, 3), True, (True, True, True)),
+    ("conv", (2, 4, 9, 9), (6, 2, 3, 3), False, (False, True, False)),
+])
+def test_an_exact_emulated_ops_backward_is_torchs_autograd_bit_for_bit(gemm, x_shape, w_shape, bias, wanted):
+    """An emulated Linear or convolution is one autograd node (bench/numerics/emulation.py _EmulatedOp) computing the
+    backward torch's autograd computes for F.linear (addmm, or mm without a bias; a column-major input's gradient
+    column-major) and F.conv2d (stride, padding, dilation, groups): the same bits on the same operands."""
+    from bench.numerics.emulation import ConvGemm, LinearGemm
+
+    torch.manual_seed(0)
+    groups = x_shape[1] // w_shape[1]
+    op = LinearGemm() if gemm == "linear" else ConvGemm((2, 1), (1, 2), (1, 2), groups)
+    x = torch.randn(x_shape)
+    x = x.t() if gemm == "linear" and x_shape[0] == 16 else x
+    x.requires_grad_(wanted[0])
+    w = torch.randn(w_shape, requires_grad=wanted[1])
+    b = torch.randn(w_shape[0], requires_grad=wanted[2]) if bias else None
+    y = op.forward(x, w, b)
+    g = torch.randn_like(y)
+    inputs = [t for t, want in zip((x, w, b), wanted) if want]
+    reference = iter(torch.autograd.grad(y, inputs, g))
+    ours = op.backward(g, x.detach(), w.detach(), wanted)
+    for want, mine in zip(wanted, ours):
+        if want:
+            expected = next(reference)
+            assert mine.shape == expected.shape and torch.equal(mine, expected)
+        else:
+            assert mine is None

@@ -4,6 +4,7 @@ FP8TileOperands, _BlockLinear). The precision policy (precision.py) decides whic
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -90,21 +91,37 @@ def cast(x: torch.Tensor | None, forward_site: TensorSite | None, backward_site:
     return _Cast.apply(x, forward_site, backward_site, dtype)
 
 
+def _rounded_inputs(casts: "OpCasts", widen: bool, x, weight, bias) -> tuple:
+    """An op's inputs as its sites round them: x, weight, bias in that order; with `widen` (under autocast) a 16-bit
+    input widened to FP32 first."""
+    wide = (lambda t: t.float() if t.is_floating_point() else t) if widen else (lambda t: t)
+    return tuple(t if t is None else wide(t) if site is None else site(wide(t))
+                 for t, site in ((x, casts.activation), (weight, casts.weight), (bias, casts.bias)))
+
+
+def _rounded_gradients(casts: "OpCasts", wanted: tuple[bool, bool, bool], grad_x, grad_weight, grad_bias) -> tuple:
+    """The gradients an op returns for x, weight and bias, rounded by their sites (a 16-bit kernel's) in the order
+    autograd ran three cast nodes made one after another: bias, weight, x (the last made first), so that a stochastic
+    rounding draws what it drew then. A gradient nobody wants is not rounded (no draws)."""
+    rounded = {}
+    for name, grad, site, want in (("bias", grad_bias, casts.grad_bias, wanted[2]),
+                                   ("weight", grad_weight, casts.grad_weight, wanted[1]),
+                                   ("x", grad_x, casts.grad_activation, wanted[0])):
+        rounded[name] = None if grad is None or not want else grad if site is None else site(grad)
+    return rounded["x"], rounded["weight"], rounded["bias"]
+
+
 class _InputCasts(torch.autograd.Function):
     """`cast` of an op's three inputs (x, weight, bias) as one autograd node, not three (each node costs ~12 us a
-    step on CPU). Forward rounds x, weight, bias in that order; backward rounds their gradients in the order autograd
-    ran three nodes, which were made one after another: bias, weight, x (the last made first). So a stochastic
-    rounding draws what it drew as three nodes. A gradient nobody needs is not made, nor rounded (no draws).
-    `widen` (under autocast): a 16-bit input is widened to FP32 first, in the node; autograd hands its gradient back
-    in the input's dtype, as the widening cast's own node did."""
+    step on CPU), around an op with a backward of its own (a tensor-core GEMM, a convolution torch pads itself):
+    `_rounded_inputs` forward, `_rounded_gradients` backward. A gradient nobody needs is not made. Under autocast
+    (`widen`) autograd hands x's gradient back in x's dtype, as the widening cast's own node did."""
 
     @staticmethod
     def forward(ctx, casts: "OpCasts", widen: bool, x, weight, bias):
         ctx.casts = casts
         ctx.set_materialize_grads(False)
-        wide = (lambda t: t.float() if t.is_floating_point() else t) if widen else (lambda t: t)
-        outputs = tuple(t if t is None else wide(t) if site is None else site(wide(t))
-                        for t, site in ((x, casts.activation), (weight, casts.weight), (bias, casts.bias)))
+        outputs = _rounded_inputs(casts, widen, x, weight, bias)
         # an output whose input wants no gradient wants none either (autograd would otherwise mark every output, and
         # the op would compute a gradient nobody reads: the input batch's, through the first convolution)
         ctx.mark_non_differentiable(*(t for t, wanted in zip(outputs, ctx.needs_input_grad[2:])
@@ -113,13 +130,76 @@ class _InputCasts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x, grad_weight, grad_bias):
-        casts, needed = ctx.casts, ctx.needs_input_grad
-        rounded = {}
-        for name, grad, site, wanted in (("bias", grad_bias, casts.grad_bias, needed[4]),
-                                         ("weight", grad_weight, casts.grad_weight, needed[3]),
-                                         ("x", grad_x, casts.grad_activation, needed[2])):
-            rounded[name] = None if grad is None or not wanted else grad if site is None else site(grad)
-        return None, None, rounded["x"], rounded["weight"], rounded["bias"]
+        return None, None, *_rounded_gradients(ctx.casts, ctx.needs_input_grad[2:], grad_x, grad_weight, grad_bias)
+
+
+@dataclass(frozen=True)
+class LinearGemm:
+    """F.linear, with the backward torch's autograd runs for it (addmm's or mm's: the same formulas and layouts)."""
+
+    def forward(self, x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    def backward(self, grad, x, weight, wanted):
+        grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+        if wanted[0]:  # mm_mat1_backward: a column-major input gets its gradient column-major
+            column_major = x_2d.stride(0) == 1 and x_2d.stride(1) == x_2d.shape[0]
+            grad_x = (weight.t().mm(grad_2d.t()).t() if column_major else grad_2d.mm(weight)).view(x.shape)
+        if wanted[1]:  # mm_mat2_backward of weight.t(), transposed back
+            grad_weight = grad_2d.t().mm(x_2d)
+        if wanted[2]:  # the broadcast bias: summed to its shape
+            grad_bias = grad_2d.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
+@dataclass(frozen=True)
+class ConvGemm:
+    """F.conv2d with zero padding given in numbers, with the backward torch's autograd runs for it
+    (aten.convolution_backward, as ConvolutionBackward0 calls it)."""
+
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+
+    def forward(self, x, weight, bias):
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def backward(self, grad, x, weight, wanted):
+        return torch.ops.aten.convolution_backward(
+            grad, x, weight, [weight.shape[0]] if wanted[2] else None, self.stride, self.padding, self.dilation,
+            False, [0] * len(self.stride), self.groups, list(wanted))
+
+
+class _EmulatedOp(torch.autograd.Function):
+    """An emulated Linear or convolution accumulated exactly in FP32, as one autograd node where it was three (the
+    input casts, torch's op, the output cast: a node costs 10-30 us a step here). Forward: `_rounded_inputs`, the
+    op in FP32 on them (autocast off), the output rounded and handed on in `dtype` (autocast's) where given.
+    Backward: the output's gradient widened back and rounded, the op's backward as torch's autograd computes it (the
+    same kernels on the same layouts: bit for bit, tests/test_precision.py), `_rounded_gradients`. The op saves its
+    rounded operands, as torch's op did (bench/numerics/memory.py counts them)."""
+
+    @staticmethod
+    def forward(ctx, gemm, casts: "OpCasts", widen: bool, dtype, x, weight, bias):
+        x_r, w_r, b_r = _rounded_inputs(casts, widen, x, weight, bias)
+        y = gemm.forward(x_r, w_r, b_r)
+        ctx.gemm, ctx.casts, ctx.result_dtype = gemm, casts, y.dtype
+        ctx.save_for_backward(x_r, w_r)
+        y = y if casts.output is None else casts.output(y)
+        return y if dtype is None else y.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        casts, wanted = ctx.casts, ctx.needs_input_grad[4:]
+        grad = grad.to(ctx.result_dtype)
+        grad = grad if casts.grad_output is None else casts.grad_output(grad)
+        x_r, w_r = ctx.saved_tensors
+        device = grad.device.type  # a backward run under autocast would otherwise compute its GEMMs in 16 bits
+        with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext(), \
+                torch._C.DisableTorchFunction():
+            grads = ctx.gemm.backward(grad, x_r, w_r, wanted)
+        return None, None, None, None, *_rounded_gradients(casts, wanted, *grads)
 
 
 class OpCasts:
@@ -221,6 +301,20 @@ def emulated_gemm(function, *tensors, rounded=None, result=None):
     return y.to(dtype) if result is None else result(y, dtype)
 
 
+def emulated_op(gemm: LinearGemm | ConvGemm, casts: "OpCasts", x, weight, bias):
+    """`emulated_gemm` of an op accumulated exactly, as one `_EmulatedOp` node (which widens, rounds and narrows
+    itself)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return _EmulatedOp.apply(gemm, casts, False, None, x, weight, bias)
+    dtype = torch.get_autocast_dtype(device)
+    with torch.autocast(device, enabled=False), torch._C.DisableTorchFunction():
+        return _EmulatedOp.apply(gemm, casts, True, dtype, x, weight, bias)
+
+
+LINEAR = LinearGemm()
+
+
 class CastOp:
     """Mixin for a matmul/conv module whose inputs, output and gradients an emulated precision rounds.
 
@@ -239,13 +333,16 @@ class CastOp:
             return emulated_gemm(lambda *t: _BlockLinear.apply(*t, self.operands), x, weight, bias)
         if self.accumulation is not None and self.casts is not None:
             return self.gemm(lambda *t: _TensorCoreLinear.apply(*t, self.casts, self.accumulation), x, weight, bias)
-        return self.gemm(F.linear, x, weight, bias)
+        return self.gemm(F.linear, x, weight, bias, exact=LINEAR)
 
-    def gemm(self, function, x, weight, bias):
-        """`function(x, weight, bias)` as the precision computes it: emulated on rounded inputs, its output rounded;
-        with nothing to round (FP32, or a native format), as torch runs it, under the run's autocast if any."""
+    def gemm(self, function, x, weight, bias, exact: LinearGemm | ConvGemm | None = None):
+        """`function(x, weight, bias)` as the precision computes it: emulated on rounded inputs, its output rounded
+        (`exact`, where the op accumulates exactly and has it: as one autograd node); with nothing to round (FP32, or
+        a native format), as torch runs it, under the run's autocast if any."""
         if self.casts is None:
             return function(x, weight, bias)
+        if exact is not None:
+            return emulated_op(exact, self.casts, x, weight, bias)
         return emulated_gemm(function, x, weight, bias, rounded=self.casts.inputs, result=self.casts.result)
 
 
@@ -258,7 +355,9 @@ class EmulatedConv2d(CastOp, nn.Conv2d):
     def forward(self, x):
         if self.accumulation is not None and self.casts is not None:
             return self.gemm(self._tensor_core_conv, x, self.weight, self.bias)
-        return self.gemm(self._conv_forward, x, self.weight, self.bias)
+        exact = None if isinstance(self.padding, str) or self.padding_mode != "zeros" else \
+            ConvGemm(self.stride, self.padding, self.dilation, self.groups)  # torch pads the others itself
+        return self.gemm(self._conv_forward, x, self.weight, self.bias, exact=exact)
 
     def _tensor_core_conv(self, x, weight, bias):
         """The convolution as an implicit GEMM through the tensor-core model: each output position's patch (channels x

@@ -13,8 +13,9 @@ kept out of the step-time median and reported apart (`timing.compile`): the firs
 telemetry-sampled one, whose observers read values on the host (graph breaks, counted in `env.compile`), so that
 sampled steps run as pieces of graph while ordinary steps run as one. Under `auto`, a path that fails to compile
 (its forward, or its backward at the step's first backward) runs that step again and every later one eagerly, and
-the record says why (`env.compile.eager_because`): emulated FP8 with
-per-tensor scales (its amax state leaves the autograd.Function that casts, which dynamo refuses) is one.
+the record says why (`env.compile.eager_because`). Emulated FP8 with per-tensor scales, whose amax state leaves
+each emulated layer's autograd.Function, compiles with a graph break at each such layer, which runs eagerly
+(`env.compile.graph_break_reasons`: "HOP: Unsafe side effect").
 """
 
 from __future__ import annotations
