@@ -4,7 +4,7 @@ fused pass compiled by inductor, bit for bit the same, where that pays.
 `@fused(from_elements=n)` wraps a quantiser `fn(x, ...)`. A call runs fn's compiled graph (a `Specialisation`:
 traced by make_fx, compiled by inductor, called without dynamo's guards) when every one of these
 holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
-- x has at least n elements (n may depend on the call's arguments). A compiled call costs a fixed 6-8 us, and a
+- x has at least n elements (n may depend on the call's arguments). A compiled call costs a fixed 6-13 us, and a
   new layout one compile (0.1-0.9 s). Measured on a 2-core Intel Xeon (`make bench`'s quantise_call_us rows,
   docs/performance.md): the block quantisers and the arithmetic element roundings (FP8 E4M3, TF32, FP6, FP4) cost
   20-120 us eagerly at any size, so they compile at every size; a format torch casts to natively (FP16, BF16,
