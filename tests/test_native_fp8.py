@@ -284,3 +284,16 @@ def test_fsdp2_gathers_torchaos_float8_weights_in_fp8_one_byte_each_and_fp32_par
     cfg = make_cfg(*overrides, "parallel.fp8_all_gather=true")  # no plug-in: on this CPU FP8 is emulated
     with pytest.raises(DeviceError, match="parallel.fp8_all_gather gathers torchao's float8 weights: it needs"):
         run_cell(cfg)
+
+
+def test_the_native_paths_autocast_layers_are_the_layers_torchao_left(torchao_on_cpu):
+    """Under format.elsewhere=bf16 autocast computes the Linears torchao did not convert (here a head of 10 outputs,
+    not a multiple of 16), never torchao's own Float8Linear: one rule (precision._autocast_layers) on every path."""
+    from torch import nn
+
+    from bench.numerics.precision import Precision
+
+    precision = Precision.of("fp8", torch.device("cpu"), "per_tensor", mode="mixed", backend="auto", elsewhere="bf16")
+    precision.prepare(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)))
+    assert precision.native and precision.conversion["converted"] == ["0"]
+    assert precision.autocast_layers == ["2"] == precision.conversion["kept_in_high_precision"]

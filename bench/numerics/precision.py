@@ -113,9 +113,10 @@ TORCHAO_LINEARS = ("Float8Linear", "PaddedMXFP8Linear")
 
 def _autocast_layers(model: nn.Module) -> list[str]:
     """The Linear and convolution layers of a prepared model that compute under autocast: neither an emulated op's
-    rounding sites nor block operands (which compute in FP32 with autocast off) took them."""
+    rounding sites nor block operands (which compute in FP32 with autocast off) nor torchao's conversion (its own
+    FP8 or MXFP8 GEMMs) took them."""
     return [name for name, m in model.named_modules()
-            if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+            if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and type(m).__name__ not in TORCHAO_LINEARS
             and getattr(m, "casts", None) is None and getattr(m, "operands", None) is None]
 
 
@@ -320,7 +321,7 @@ class Precision:
             "kept_in_high_precision": [n for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)],
             "kept_by_request": kept,
         }
-        self.autocast_layers = self.conversion["kept_in_high_precision"]
+        self.autocast_layers = _autocast_layers(model)
         return model
 
     def autocast(self):
