@@ -10,7 +10,7 @@ from bench.numerics.scaling_methods import combining_with
 from bench.numerics.specs import FORMAT_SPECS
 from bench.running.config import check
 from bench.running.run import build_precision
-from bench.tools.matrix import PROFILES, decide, markdown, settings, simulated
+from bench.tools.matrix import PROFILES, decide, elsewhere_emulated, markdown, settings, simulated
 from tests.conftest import CONF
 
 FORMATS_DOC = CONF.parent / "docs" / "formats.md"
@@ -119,3 +119,11 @@ def test_no_cell_of_any_grid_is_refused_on_any_device(make_cfg):
         with simulated(profile) as device:
             for _name, _cell, cfg in composed:
                 build_precision(cfg, device)  # raises PrecisionError for a refused cell
+
+
+def test_the_matrix_says_where_autocasts_own_gemms_are_emulated():
+    """format.elsewhere=bf16 leaves some layers to BF16 autocast; only a CPU without BF16 units emulates their
+    convolutions and matmuls (bench/numerics/autocast.py), and the line under the table says so."""
+    emulated = [profile for profile in PROFILES if elsewhere_emulated(profile) is not None]
+    assert emulated == ["CPU without 16-bit units"]
+    assert "emulated on the others" in markdown().splitlines()[-1]

@@ -77,7 +77,18 @@ def markdown() -> str:
     for fmt, cell, options in RECIPE_NOTES:
         native = [p for p in PROFILES if decide(p, fmt, "mixed", "none", **options)[0] == "native"]
         lines.append(f"\n{cell}: native on {', '.join(native) or 'none of these'}; emulated elsewhere.")
+    native = [p for p in PROFILES if elsewhere_emulated(p) is None]
+    lines.append(f"\nformat.elsewhere=bf16 (FP8's, MX's and NVFP4's default), autocast's own convolutions and matmuls "
+                 f"(the layers the format leaves to it): torch's BF16 kernels on {', '.join(native)}; emulated on "
+                 f"the others (FP32 on BF16-rounded operands, bench/numerics/autocast.py).")
     return "\n".join(lines)
+
+
+def elsewhere_emulated(profile: str) -> str | None:
+    """Why format.elsewhere=bf16's own GEMMs are emulated on a simulated device (None: native BF16 there)."""
+    with simulated(profile) as device:
+        return plan(PrecisionConfig("mxfp8", "mixed", "auto", elsewhere="bf16"), scaling_class("none")(name="none"),
+                    device).elsewhere_emulated
 
 
 if __name__ == "__main__":
