@@ -1,6 +1,7 @@
 """Emulated operands: how an emulated Linear or Conv2d rounds what enters and leaves it (TensorSite, OpCasts, the
-Emulated* modules), and the block-scaled GEMM operands of the MX, NVFP4 and FP8 row/tile formats (BlockOperands,
-FP8TileOperands, _BlockLinear). The precision policy (precision.py) decides which of them a run uses."""
+Emulated* modules; accumulated exactly, each layer one autograd node, _EmulatedOp), and the block-scaled GEMM
+operands of the MX, NVFP4 and FP8 row/tile formats (BlockOperands, FP8TileOperands, _BlockLinear). The precision
+policy (precision.py) decides which of them a run uses."""
 
 from __future__ import annotations
 
