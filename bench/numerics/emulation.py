@@ -92,11 +92,17 @@ def cast(x: torch.Tensor | None, forward_site: TensorSite | None, backward_site:
     return _Cast.apply(x, forward_site, backward_site, dtype)
 
 
+def _widened(*tensors) -> tuple:
+    """Floating tensors in FP32 (a 16-bit one widened, exactly), the rest (None among them) as they are."""
+    return tuple(t if t is None or not t.is_floating_point() else t.float() for t in tensors)
+
+
 def _rounded_inputs(casts: "OpCasts", widen: bool, x, weight, bias) -> tuple:
     """An op's inputs as its sites round them: x, weight, bias in that order; with `widen` (under autocast) a 16-bit
     input widened to FP32 first."""
-    wide = (lambda t: t.float() if t.is_floating_point() else t) if widen else (lambda t: t)
-    return tuple(t if t is None else wide(t) if site is None else site(wide(t))
+    if widen:
+        x, weight, bias = _widened(x, weight, bias)
+    return tuple(t if t is None or site is None else site(t)
                  for t, site in ((x, casts.activation), (weight, casts.weight), (bias, casts.bias)))
 
 
@@ -279,8 +285,16 @@ class _TensorCoreLinear(torch.autograd.Function):
                 grad_2d.sum(0) if ctx.has_bias else None, None, None)
 
 
-def _widened(*tensors):
-    return tuple(t if t is None or not t.is_floating_point() else t.float() for t in tensors)
+def _outside_autocast(device: str, call: Callable):
+    """call(widen, dtype) as an emulated GEMM runs: as it is (False, None) outside autocast; under autocast
+    (format.elsewhere=bf16) with autocast and torch-function modes off (bench/numerics/autocast.py's would take each
+    of the emulation's own torch calls), told to widen its 16-bit inputs and to hand its result on in autocast's
+    dtype."""
+    if not torch.is_autocast_enabled(device):
+        return call(False, None)
+    dtype = torch.get_autocast_dtype(device)
+    with torch.autocast(device, enabled=False), torch._C.DisableTorchFunction():
+        return call(True, dtype)
 
 
 def emulated_gemm(function, *tensors, rounded=None, result=None):
@@ -290,27 +304,22 @@ def emulated_gemm(function, *tensors, rounded=None, result=None):
     they are rounded, which is exact, so the operands the GEMM saves are the rounded ones (bench/numerics/memory.py
     counts those), and the result is handed on in the autocast dtype, as an FP8 GEMM writes it; otherwise as
     computed. `result` (OpCasts.result) takes the FP32 result and that dtype: its gradient comes back widened and is
-    rounded in FP32, where the BF16 gradient would take two passes more (the same values). Torch-function modes are
-    off inside (bench/numerics/autocast.py's, which would take each of the emulation's own torch calls)."""
-    device = next(t for t in tensors if t is not None).device.type
-    if not torch.is_autocast_enabled(device):
-        y = function(*(tensors if rounded is None else rounded(*tensors)))
-        return y if result is None else result(y)
-    dtype = torch.get_autocast_dtype(device)
-    with torch.autocast(device, enabled=False), torch._C.DisableTorchFunction():
-        y = function(*(_widened(*tensors) if rounded is None else rounded(*tensors, widen=True)))
-    return y.to(dtype) if result is None else result(y, dtype)
+    rounded in FP32, where the BF16 gradient would take two passes more (the same values)."""
+    def call(widen: bool, dtype: torch.dtype | None):
+        y = function(*(rounded(*tensors, widen=widen) if rounded is not None else
+                       _widened(*tensors) if widen else tensors))
+        if result is not None:
+            return result(y, dtype)
+        return y if dtype is None else y.to(dtype)
+
+    return _outside_autocast(next(t for t in tensors if t is not None).device.type, call)
 
 
 def emulated_op(gemm: LinearGemm | ConvGemm, casts: "OpCasts", x, weight, bias):
     """`emulated_gemm` of an op accumulated exactly, as one `_EmulatedOp` node (which widens, rounds and narrows
     itself)."""
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return _EmulatedOp.apply(gemm, casts, False, None, x, weight, bias)
-    dtype = torch.get_autocast_dtype(device)
-    with torch.autocast(device, enabled=False), torch._C.DisableTorchFunction():
-        return _EmulatedOp.apply(gemm, casts, True, dtype, x, weight, bias)
+    return _outside_autocast(x.device.type, lambda widen, dtype: _EmulatedOp.apply(gemm, casts, widen, dtype, x,
+                                                                                   weight, bias))
 
 
 LINEAR = LinearGemm()

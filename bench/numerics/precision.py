@@ -244,8 +244,14 @@ class Precision:
     def prepare(self, model: nn.Module, blocks: str | None = None) -> nn.Module:
         """Make `model` compute in this precision and return the model to train: `model` itself, changed in place,
         or its replacement where the model is itself a module the precision replaces (a bare Linear); `conversion`
-        says what was done. `blocks`: the module name of the model's list of blocks (model.task.blocks), which
-        format.keep_high_precision's first_blocks/last_blocks count."""
+        says what was done, `autocast_layers` which layers autocast computes. `blocks`: the module name of the
+        model's list of blocks (model.task.blocks), which format.keep_high_precision's first_blocks/last_blocks
+        count."""
+        model = self._prepared(model, blocks)
+        self.autocast_layers = _autocast_layers(model)
+        return model
+
+    def _prepared(self, model: nn.Module, blocks: str | None) -> nn.Module:
         if self.plan.spec.recipe is None:
             return model
         kept = self._kept(model, blocks) if self.plan.spec.gemm_only else []
@@ -265,7 +271,6 @@ class Precision:
                 n for n, m in model.named_modules()
                 if isinstance(m, (nn.Linear, nn.Conv2d)) and getattr(m, "operands", None) is None],
                 "kept_by_request": kept}
-            self.autocast_layers = _autocast_layers(model)
             return model
         model = swapped(model, lambda name, module: with_state_of(EMULATED_MODULES[type(module)], module)
                         if type(module) in EMULATED_MODULES and name not in kept else None)
@@ -279,7 +284,6 @@ class Precision:
             self.conversion = {"kept_by_request": kept}
         if self.mode == "true":
             self._round_tensors(model.parameters())
-        self.autocast_layers = _autocast_layers(model)
         return model
 
     def _accumulating(self, name: str, module: nn.Module, accumulation: Accumulation) -> Accumulation:
@@ -321,7 +325,6 @@ class Precision:
             "kept_in_high_precision": [n for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)],
             "kept_by_request": kept,
         }
-        self.autocast_layers = _autocast_layers(model)
         return model
 
     def autocast(self):
