@@ -65,6 +65,11 @@ FELL_BACK: list[str] = []  # the specialisations that failed to compile in this 
 logger = logging.getLogger(__name__)
 
 
+def in_graph() -> bool:
+    """Whether the code running now is being traced into a graph: a fused quantiser's, or a compiled model's."""
+    return _tracing or torch.compiler.is_compiling()
+
+
 def enabled() -> bool:
     """Whether fused quantisers may run in this process (unless `PRECISION_BENCH_FUSED=0`)."""
     return os.environ.get(SWITCH, "1") != "0"
@@ -245,7 +250,7 @@ def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str |
         # the switch first: off, a call costs one lookup before the eager quantiser
         least = from_elements if isinstance(from_elements, int) else from_elements(*args, **kwargs)
         if (not enabled() or x.numel() < least or x.device.type not in FUSED_DEVICES
-                or _tracing or torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled())
+                or in_graph() or (x.requires_grad and torch.is_grad_enabled())
                 or draws(args, kwargs)):
             return eager(x, *args, **kwargs)
         return run_fused(x, *args, **kwargs)
