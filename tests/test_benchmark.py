@@ -5,6 +5,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from bench.tools import benchmark
 
@@ -30,6 +31,19 @@ def test_quick_benchmark_writes_every_row_family(tmp_path):
                if not r["metric"].endswith(".error") and not r["metric"].startswith(differences))
     assert all(r["value"] >= 0 for r in data["rows"] if r["metric"].startswith(differences))
     assert any(r["metric"].startswith("predicted.") and r["metric"].endswith(".error") for r in data["rows"])
+
+
+def test_a_quantisers_throughput_is_the_median_of_each_rounds_ratio_to_clone(monkeypatch):
+    """Not the ratio of the medians: a round's clone and quantiser ran side by side, so their ratio is what a burst
+    on a shared machine leaves alone; the fused figure comes with its median's interval."""
+    rounds = {"clone": [1.0, 2.0, 3.0], "eager": [2.0, 2.0, 6.0], "fused": [1.0, 4.0, 3.0]}
+    monkeypatch.setattr(benchmark, "FUSED_QUANTISERS", {"fp8_e4m3": benchmark.FUSED_QUANTISERS["fp8_e4m3"]})
+    monkeypatch.setattr(benchmark, "alternate_all", lambda calls, device, repeats: [rounds])
+    rows = {r["metric"]: r["value"] for r in benchmark.of_clone_rows(torch.device("cpu"), side=8)}
+    assert rows["quantise_of_clone.fp8_e4m3.fused"] == 1.0  # the ratios 1, 0.5, 1 (the medians' ratio: 2/3)
+    assert rows["quantise_of_clone.fp8_e4m3.eager"] == 0.5
+    fused = "quantise_of_clone.fp8_e4m3.fused"
+    assert rows[f"{fused}.median_low"] <= 1.0 <= rows[f"{fused}.median_high"]
 
 
 def test_only_measures_the_named_sections_and_names_the_valid_ones(tmp_path, capsys):
@@ -86,8 +100,6 @@ def test_every_native_row_is_a_valid_cell_and_fp8_is_also_measured_with_bf16_els
 
 
 def test_synthetic_batch_keeps_the_task_shape():
-    import torch
-
     from bench.tasks.text import full_length_batch
 
     template = {"input_ids": torch.ones(2, 7, dtype=torch.long), "attention_mask": torch.ones(2, 7, dtype=torch.long),
@@ -105,8 +117,6 @@ def test_host_sync_rows_count_the_harness_apart_from_the_model(monkeypatch):
     scaler's flags and, for an emulated format, the telemetry counts, one read each); the end reads the losses
     and any unread scaler flags."""
     import warnings
-
-    import torch
 
     reads = ("item", "tolist", "__bool__")
     originals = {name: getattr(torch.Tensor, name) for name in reads}

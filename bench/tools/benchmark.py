@@ -44,8 +44,10 @@ things compared, in one process:
   block quantisers (MX, NVFP4, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix (fused where that
   pays: bench/numerics/fused.py). quantise_of_clone.<format>.{eager,fused}: each one's throughput as a fraction of
   x.clone()'s (the memory floor: one read, one write) on 4096 x 4096, eager and fused, and on a CUDA machine
-  quantise_of_clone_cuda.* on 8192 x 8192. Target for the fused path: >= 0.7. quantise_call_us.<format>.<elements>.
-  {eager,fused}: one call on 32 to 16,384 values, which fixes from what size the fused path is taken. No target.
+  quantise_of_clone_cuda.* on 8192 x 8192: the median over alternating rounds of each round's ratio, the fused
+  path's with its 95% bootstrap interval (.median_low, .median_high). Target for the fused path: >= 0.7.
+  quantise_call_us.<format>.<elements>.{eager,fused}: one call on 32 to 16,384 values, which fixes from what size
+  the fused path is taken. No target.
 - optimizer_ratio.<state_format>: one AdamW step over the char-LM's matrices with its moments in BF16, int8, int4
   or FP8 (model.optimizer.state_format, torchao's optimisers) over the same step with FP32 moments, after a warm-up
   that compiles torchao's per-tensor steps; optimizer_step_ms.fp32 the FP32 step itself. No target.
@@ -525,6 +527,7 @@ FUSED_QUANTISERS = {**{fmt: (quantise_value, (fmt,)) for fmt in ELEMENT_FORMATS}
                     "fp8_rowwise": (rowwise_quantise, ()), "fp8_1x128": (tile_quantise, ()),
                     "fp8_128x128": (tile2d_quantise, ())}
 OF_CLONE_TARGET = ">= 0.7"  # a fused quantiser's throughput as a fraction of x.clone()'s (one read, one write)
+OF_CLONE_ROUNDS = 15  # a ratio per round: 3 rounds' medians moved by up to 0.4 run to run (a shared 2-core VM)
 
 
 def quantise_rows(quick: bool = False) -> list[dict]:
@@ -567,13 +570,13 @@ def call_rows() -> list[dict]:
     return rows
 
 
-def of_clone_rows(device: torch.device) -> list[dict]:
+def of_clone_rows(device: torch.device, side: int | None = None) -> list[dict]:
     """quantise_of_clone (on CUDA: quantise_of_clone_cuda): each quantiser's eager and fused throughput as a fraction
     of clone's, on FP32 values past every cache: 4096 x 4096 on the CPU, 8192 x 8192 on a GPU (an H100's 4096 x 4096
     clone takes 45 µs, near a launch's cost). A block quantiser's `fused` row is its values alone, what a training
     step asks for (`quantiser.values`: one tensor written, as clone writes one); `fused_blocked` the whole Blocked
     (elements and per-block fields too, what telemetry's sampled steps ask for)."""
-    side = 4096 if device.type == "cpu" else 8192
+    side = side or (4096 if device.type == "cpu" else 8192)
     x = (torch.randn(side, side, generator=torch.Generator().manual_seed(0)) * 100).to(device)
     prefix = "quantise_of_clone" if device.type == "cpu" else f"quantise_of_clone_{device.type}"
     rows = []
@@ -584,11 +587,16 @@ def of_clone_rows(device: torch.device) -> list[dict]:
                  "fused": lambda q=values, a=args: q.fused(x, *a)}
         if values is not quantiser:
             calls["fused_blocked"] = lambda q=quantiser, a=args: q.fused(x, *a)
-        t = alternate(calls, device, 3 if device.type == "cpu" else 9)
-        rows.append(row(f"{prefix}.{name}.eager", t["clone"] / t["eager"], "x clone's throughput"))
-        rows.append(row(f"{prefix}.{name}.fused", t["clone"] / t["fused"], "x clone's throughput", OF_CLONE_TARGET))
-        if "fused_blocked" in t:
-            rows.append(row(f"{prefix}.{name}.fused_blocked", t["clone"] / t["fused_blocked"],
+        wall, = alternate_all(calls, device, OF_CLONE_ROUNDS)
+        of_clone = {path: [c / q for c, q in zip(wall["clone"], seconds)] for path, seconds in wall.items()}
+        low, high = median_interval(of_clone["fused"])
+        rows += [row(f"{prefix}.{name}.eager", statistics.median(of_clone["eager"]), "x clone's throughput"),
+                 row(f"{prefix}.{name}.fused", statistics.median(of_clone["fused"]), "x clone's throughput",
+                     OF_CLONE_TARGET),
+                 row(f"{prefix}.{name}.fused.median_low", low, "the median's 95% bootstrap interval, low end"),
+                 row(f"{prefix}.{name}.fused.median_high", high, "the median's 95% bootstrap interval, high end")]
+        if "fused_blocked" in of_clone:
+            rows.append(row(f"{prefix}.{name}.fused_blocked", statistics.median(of_clone["fused_blocked"]),
                             "x clone's throughput (the whole Blocked)"))
     return rows
 
