@@ -9,7 +9,7 @@ holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
   docs/performance.md): the block quantisers and the arithmetic element roundings (FP8 E4M3, TF32, FP6, FP4) cost
   20-120 us eagerly at any size, so they compile at every size; a format torch casts to natively (FP16, BF16,
   E5M2: two eager passes) saves 2-3 us a call below 4,096 elements, too little to repay a compile, so only from
-  there;
+  there (compiled, E5M2 is rounded in arithmetic, not cast: bench/numerics/formats.py says why);
 - x is on the CPU (FUSED_DEVICES), and no graph is being traced or compiled already (a compiled model, or a fused
   quantiser calling another, takes the eager body into its own graph). On CUDA the quantisers run eagerly:
   inductor's Triton code for MX's rceil scale was not bit for bit the eager one on an H100 (2026-11-27, `pytest -m
