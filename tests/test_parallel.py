@@ -129,10 +129,12 @@ def test_gradients_reduced_in_bf16_are_the_same_through_ddps_hook_and_fsdp2_and_
 
 def test_a_unit_scaled_cell_trains_alike_under_ddp_and_fsdp2_whose_new_parameters_keep_their_lr_factors(lenet_cells):
     """Unit scaling's relative learning rates are keyed by parameter; FSDP2 replaces every parameter with a sharded
-    one, so the factors must follow them (without, FSDP2 trains at the plain lr and ends elsewhere)."""
+    one, so the factors must follow them (without, FSDP2 trains at the plain lr and ends elsewhere: 2.373 against
+    2.055). Equal within 1e-6, not bit for bit: on a 2-core AMD EPYC with AVX2 (2026-11-28) the two ended one FP32
+    unit apart (2.0550327 and 2.0550325, with SGD too), where the AVX-512 machines gave the same bits."""
     _, records = lenet_cells
     loss = {name: r["metrics"]["final_train_loss"] for name, r in records.items()}
-    assert loss["fsdp2_unit"] == loss["ddp_unit"]
+    assert math.isclose(loss["fsdp2_unit"], loss["ddp_unit"], rel_tol=1e-6)
     assert math.isclose(loss["ddp_unit"], loss["none_unit"], rel_tol=1e-5) and loss["none_unit"] != loss["one"]
 
 

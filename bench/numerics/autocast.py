@@ -11,7 +11,9 @@ the output gradient arrives in BF16, the FP32 GEMMs of the backward pass compute
 widening's backward rounds them to BF16, as a BF16 kernel writes them.
 
 What departs from a native BF16 kernel: the order in which FP32 accumulation adds the products (oneDNN's and the
-BLAS's blocking; no kernel promises one order, and the native kernels of two CPUs differ alike).
+BLAS's blocking; no kernel promises one order, and the native kernels of two CPUs differ alike); and, on a CPU with
+AVX2 alone, oneDNN's BF16 convolution backward, which rounds partial sums (up to hundreds of BF16 units from the exact
+result rounded once where sums cancel, docs/formats.md): the emulation rounds once, as a GPU's BF16 kernel does.
 `F.scaled_dot_product_attention` is not taken: a BF16 attention kernel rounds its scores and probabilities inside,
 at points an FP32 decomposition would not reproduce, so it runs natively (a transformer written with explicit
 matmuls, as transformers' eager attention, gets its products emulated).
