@@ -186,17 +186,18 @@ def test_a_call_takes_the_fused_path_only_where_it_pays_and_draws_nothing():
     assert compiles(lambda: quantise_value(x.t(), "fp4_e2m1", "nan"))  # other strides: a graph of their own
 
 
-@pytest.mark.parametrize("inside_a_graph", [False, True])
-def test_e5m2_is_torchs_cast_eagerly_and_arithmetic_in_a_graph(monkeypatch, inside_a_graph):
+@pytest.mark.parametrize("inside_a_graph, device", [(False, "cpu"), (True, "cpu"), (True, "meta")])
+def test_e5m2_is_torchs_cast_eagerly_and_arithmetic_in_a_cpu_graph(monkeypatch, inside_a_graph, device):
     """Inductor's CPU code casts to FP8 E5M2 one value at a time without AVX-512 (0.53 of clone's throughput against
-    0.94 in arithmetic, docs/performance.md): a traced E5M2 rounding holds no FP8 tensor, an eager one is the cast.
-    (The bits are the same: test_element_rounding_fused_is_the_eager_rounding_bit_for_bit.)"""
+    0.94 in arithmetic, docs/performance.md): a traced E5M2 rounding on the CPU holds no FP8 tensor; an eager one,
+    or one traced for another device (a GPU's, here the meta device), is the cast. (The bits are the same:
+    test_element_rounding_fused_is_the_eager_rounding_bit_for_bit.)"""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     monkeypatch.setattr(fused, "_tracing", inside_a_graph)
-    graph = make_fx(lambda x: quantise_value.eager(x, "fp8_e5m2", "inf"))(torch.randn(8))
+    graph = make_fx(lambda x: quantise_value.eager(x, "fp8_e5m2", "inf"))(torch.randn(8, device=device))
     dtypes = {node.meta["val"].dtype for node in graph.graph.nodes if isinstance(node.meta.get("val"), torch.Tensor)}
-    assert (torch.float8_e5m2 in dtypes) is not inside_a_graph, dtypes
+    assert (torch.float8_e5m2 in dtypes) is not (inside_a_graph and device == "cpu"), dtypes
 
 
 def test_a_16_bit_input_is_compiled_as_fp32_and_returned_in_its_own_dtype():

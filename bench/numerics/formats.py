@@ -7,9 +7,9 @@ ml_dtypes returns NaN; here the policy decides, and it is recorded with every ru
 
 How each format is rounded (each path is checked bit-for-bit against ml_dtypes in tests):
 - fp16, bf16, fp8_e5m2: torch's native casts (RNE, subnormals, IEEE overflow to inf; fast), but for fp8_e5m2 in a
-  compiled graph, which rounds it as fp8_e4m3 below: inductor's CPU code casts to FP8 E5M2 one value at a time
-  where the machine lacks AVX-512 (0.53 of clone's throughput against 0.94 in arithmetic on a 2-core AMD EPYC with
-  AVX2; 0.91 against 0.94-0.98 on AVX-512 machines, docs/performance.md). The same bits (tests/test_fused.py).
+  graph compiled for the CPU, which rounds it as fp8_e4m3 below: inductor's CPU code casts to FP8 E5M2 one value at
+  a time where the machine lacks AVX-512 (0.53 of clone's throughput against 0.94 in arithmetic on a 2-core AMD EPYC
+  with AVX2; 0.91 against 0.94-0.98 on AVX-512 machines, docs/performance.md). The same bits (tests/test_fused.py).
 - fp8_e4m3: exact float32 arithmetic, because torch's float8_e4m3fn cast has no IEEE overflow
   (NaN on some code paths, saturation on others) and is slower on CPU than this. Adding and
   subtracting a power of two 2^(e+23-m) rounds |x| to a multiple of 2^(e-m) with the FPU's own
@@ -34,7 +34,7 @@ from bench.numerics.fused import ARITHMETIC_FROM, CAST_FROM, fused, in_graph
 OVERFLOW_POLICIES = ("saturate", "inf", "nan")
 SR_BITS = (8,)  # stochastic rounding from n random bits per element (Transformer Engine's NVFP4 cvt.rs: 8)
 _NATIVE_CAST = {"fp16", "bf16", "fp8_e5m2"}  # torch's cast is RNE with IEEE overflow: the rounding itself
-_ARITHMETIC_IN_GRAPHS = {"fp8_e5m2"}  # cast eagerly, rounded in arithmetic in a compiled graph (docstring: why)
+_ARITHMETIC_IN_GRAPHS = {"fp8_e5m2"}  # cast eagerly, rounded in arithmetic in a CPU graph (docstring: why)
 
 
 NAN_ENCODINGS = ("ieee", "all_ones", "negative_zero", "none")
@@ -179,19 +179,21 @@ def round_unbounded(x: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
         return x
     if spec.name == "tf32":
         return _round_mantissa_bits(x, spec.man_bits)
-    if _rounds_by_cast(spec):
+    if _rounds_by_cast(spec, x.device):
         return x.to(spec.torch_dtype).to(torch.float32)
     return _round_on_grid(x.abs(), spec, top_exponent=spec.emax + 1).copysign_(x)
 
 
-def _rounds_by_cast(spec: ElementFormat) -> bool:
-    """Whether a rounding to spec here is torch's cast (in a compiled graph, not for _ARITHMETIC_IN_GRAPHS)."""
-    return spec.name in _NATIVE_CAST and not (spec.name in _ARITHMETIC_IN_GRAPHS and in_graph())
+def _rounds_by_cast(spec: ElementFormat, device: torch.device) -> bool:
+    """Whether a rounding to spec on device is torch's cast: not for _ARITHMETIC_IN_GRAPHS in a CPU graph (a CUDA
+    graph keeps Triton's cast, which was not measured slow)."""
+    return spec.name in _NATIVE_CAST and not (
+        spec.name in _ARITHMETIC_IN_GRAPHS and device.type == "cpu" and in_graph())
 
 
-def _overflows_to_inf(spec: ElementFormat) -> bool:
-    """Whether spec's rounding path already turns overflow into +-inf (a cast, or FP32's range)."""
-    return spec.name in ("fp32", "tf32") or _rounds_by_cast(spec)
+def _overflows_to_inf(spec: ElementFormat, device: torch.device) -> bool:
+    """Whether spec's rounding path on device already turns overflow into +-inf (a cast, or FP32's range)."""
+    return spec.name in ("fp32", "tf32") or _rounds_by_cast(spec, device)
 
 
 def _round_on_grid(magnitude: torch.Tensor, spec: ElementFormat, top_exponent: int | None) -> torch.Tensor:
@@ -228,7 +230,7 @@ def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | No
     spec = get_format(fmt)
     policy = resolve_overflow(spec, overflow)
     x32 = x.to(torch.float32)
-    if policy == "saturate" and not _overflows_to_inf(spec):  # the arithmetic path, saturating
+    if policy == "saturate" and not _overflows_to_inf(spec, x.device):  # the arithmetic path, saturating
         # clamping |x| to max (on the grid) first is the same as rounding, then clamping; it saves passes
         r = _round_on_grid(x32.abs().clamp_(max=spec.max), spec, top_exponent=None).copysign_(x32)
     else:
@@ -236,7 +238,7 @@ def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | No
         if policy == "saturate":
             r = r.clamp(-spec.max, spec.max)
         elif policy == "inf":
-            if not _overflows_to_inf(spec):
+            if not _overflows_to_inf(spec, x.device):
                 r = torch.where(r.abs() > spec.max, r.sign() * math.inf, r)
         else:  # nan
             overflowed = r.abs() > spec.max
