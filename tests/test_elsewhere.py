@@ -151,7 +151,7 @@ def test_emulated_autocast_gemms_round_the_exact_result_once_as_the_native_bf16_
         gradient = _exact_operands(y.shape, seed=1)[0].detach().to(y.dtype)
         y.backward(gradient)
         results[emulated] = [y.detach(), *(t.grad for t in operands)]
-    exact_operands = [t.detach().to(torch.bfloat16).double().requires_grad_() for t in _exact_operands(*shapes)]
+    exact_operands = [t.detach().to(torch.bfloat16).double().requires_grad_() for t in operands]
     y = function(*exact_operands)
     exact = [y.detach(), *torch.autograd.grad(y, exact_operands, gradient.double())]
     reference = [exact[0].to(torch.bfloat16), *(g.to(torch.bfloat16).float() for g in exact[1:])]
