@@ -119,6 +119,22 @@ def test_compiled_and_eager_compose_gpu_and_host_time_on_a_made_up_profile():
                                                                                       rel=1e-3)
 
 
+def test_a_model_traced_on_the_meta_device_is_built_there_drawing_no_weight_and_keeping_its_ties():
+    """Initialising BERT-large on the CPU cost 3 s of each trace (make bench's speed_model section traced it ten
+    times). Built on the meta device, no weight is drawn (the CPU generator is where it was) and the tied MLM head
+    stays tied."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from bench.tasks.base import built_on
+
+    before = torch.random.get_rng_state()
+    model = built_on(torch.device("meta"), lambda: BertForMaskedLM(BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert all(p.is_meta for p in model.parameters())
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+
+
 def test_the_trace_accounts_for_the_step_memory_the_runner_counts(make_cfg):
     """LeNet in FP32 and natively in bf16-mixed (autocast): the trace's account of a step (parameters, gradients,
     momentum, saved activations, autocast's weight copies) against bench/numerics/memory.py's count of a real one."""

@@ -26,7 +26,7 @@ from torch import nn
 
 from bench.errors import ConfigError, check_choice
 from bench.numerics.ops import Add, CausalAttention, Residual
-from bench.tasks.base import Task, on_device
+from bench.tasks.base import Task, built_on
 
 
 class CausalSelfAttention(nn.Module):
@@ -207,8 +207,8 @@ def charlm_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
     train_ids, val_ids, vocabulary = encode(load_text(cfg.data), cfg.data.train_fraction)
     train_ids = train_ids.to(device)
     val_x, val_y = (t.to(device) for t in validation_windows(val_ids, arch.block_size))
-    model = on_device(CharGPT(len(vocabulary), arch.block_size, arch.layers, arch.heads, arch.embedding, arch.bias,
-                              arch.dropout, arch.norm), device)
+    model = built_on(device, lambda: CharGPT(len(vocabulary), arch.block_size, arch.layers, arch.heads, arch.embedding,
+                                             arch.bias, arch.dropout, arch.norm))
     batch_size, block = cfg.batch_size, arch.block_size
 
     def train_batches(epoch: int):

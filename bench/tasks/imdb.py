@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from bench.errors import ConfigError
-from bench.tasks.base import Task, on_device
+from bench.tasks.base import Task
 from bench.tasks.text import batches, build_model, check_config, load_splits, load_tokenizer, require_hub
 
 
@@ -43,12 +43,11 @@ def imdb_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
 
     train_t, val_t, test_t = encode(train), encode(val), encode(test)
     arch = cfg.arch
-    model, source = build_model(cfg, "AutoModelForSequenceClassification", "DistilBertForSequenceClassification",
-                                "DistilBertConfig",
+    model, source = build_model(cfg, device, "AutoModelForSequenceClassification",
+                                "DistilBertForSequenceClassification", "DistilBertConfig",
                                 dict(n_layers=arch.layers, dim=arch.hidden, hidden_dim=arch.intermediate,
                                      n_heads=arch.heads, max_position_embeddings=max(512, cfg.max_length)),
                                 vocab_size=len(tokenizer), num_labels=2)
-    model = on_device(model, device)
 
     def train_batches(epoch: int):
         generator = torch.Generator().manual_seed(seed * 100_003 + epoch)

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from bench.data import hub
-from bench.tasks.base import Task, on_device
+from bench.tasks.base import Task, built_on
 
 
 class LeNet5(nn.Sequential):
@@ -95,7 +95,7 @@ def lenet_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
     background = float(x_train.min())  # read here, on the host: on a device every read is a transfer
     x_train, y_train, x_val, y_val, x_test, y_test = (t.to(device) for t in (x_train, y_train, x_val, y_val,
                                                                              x_test, y_test))
-    model = on_device(LeNet5(), device)
+    model = built_on(device, LeNet5)
     n_batches = len(y_train) // batch_size  # drop_last: every step sees a full batch
 
     shift = cfg.data.augment_shift

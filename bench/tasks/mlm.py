@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from bench.errors import ConfigError, check_choice
-from bench.tasks.base import Task, on_device
+from bench.tasks.base import Task, built_on
 from bench.tasks.charlm import SHAKESPEARE_SHA256, check_text_source, load_text
 
 IGNORED = -100  # a label the loss skips (transformers' and torch's ignore_index)
@@ -114,7 +114,7 @@ def mlm_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
     val_inputs, val_labels = mask_tokens(val_ids[:windows * block].view(windows, block), cfg.mask_rate, mask_id,
                                          candidates, torch.Generator().manual_seed(2**31 - 1))  # one set for all cells
     val_inputs, val_labels = val_inputs.to(device), val_labels.to(device)
-    model = on_device(build_encoder(cfg, tokenizer), device)
+    model = built_on(device, lambda: build_encoder(cfg, tokenizer))
 
     def train_batches(epoch: int):
         """`iterations` batches of windows at random offsets, masked afresh: a pure function of seed and epoch."""

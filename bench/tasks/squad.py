@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from bench.errors import ConfigError
-from bench.tasks.base import Task, on_device
+from bench.tasks.base import Task
 from bench.tasks.squad_processing import (
     postprocess_predictions,
     prepare_eval_features,
@@ -41,12 +41,11 @@ def squad_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
     train_t = {k: torch.tensor(train_features[k]) for k in (*model_inputs, "start_positions", "end_positions")}
     dev_t = {k: torch.tensor(dev_features[k]) for k in model_inputs}
     arch = cfg.arch
-    model, source = build_model(cfg, "AutoModelForQuestionAnswering", "BertForQuestionAnswering", "BertConfig",
+    model, source = build_model(cfg, device, "AutoModelForQuestionAnswering", "BertForQuestionAnswering", "BertConfig",
                                 dict(num_hidden_layers=arch.layers, hidden_size=arch.hidden,
                                      intermediate_size=arch.intermediate, num_attention_heads=arch.heads,
                                      max_position_embeddings=max(512, cfg.max_length)),
                                 vocab_size=len(tokenizer))
-    model = on_device(model, device)
 
     def train_batches(epoch: int):
         return batches(train_t, cfg.batch_size, torch.Generator().manual_seed(seed * 100_003 + epoch), device)

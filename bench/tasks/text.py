@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from bench.data import hub
 from bench.errors import ConfigError
-from bench.tasks.base import checkpoint_marks, hub_dataset
+from bench.tasks.base import built_on, checkpoint_marks, hub_dataset, on_device
 
 _LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -75,9 +75,9 @@ def load_splits(data: DictConfig) -> datasets.DatasetDict:
     return datasets.load_dataset(_LOADERS[suffixes.pop()], data_files=files)
 
 
-def build_model(cfg: DictConfig, auto_class: str, model_class: str, config_class: str, config_kwargs: dict,
-                vocab_size: int, **model_kwargs) -> tuple[torch.nn.Module, dict]:
-    """(model, what it was built from).
+def build_model(cfg: DictConfig, device: torch.device, auto_class: str, model_class: str, config_class: str,
+                config_kwargs: dict, vocab_size: int, **model_kwargs) -> tuple[torch.nn.Module, dict]:
+    """(model on `device`, what it was built from).
 
     pretrained: `auto_class.from_pretrained(hub_name)`, checked by `check_loading`. Otherwise
     `model_class(config_class(...))` at `cfg.arch` size, randomly initialised.
@@ -87,11 +87,12 @@ def build_model(cfg: DictConfig, auto_class: str, model_class: str, config_class
     if cfg.pretrained:
         model, loading = getattr(transformers, auto_class).from_pretrained(cfg.hub_name, output_loading_info=True,
                                                                            **model_kwargs)
-        return model, {"pretrained": True, **checkpoint_source(cfg.hub_name), "architecture": type(model).__name__,
-                       **check_loading(model, loading, cfg.hub_name), **checkpoint_marks(model.config.to_dict())}
+        return on_device(model, device), {
+            "pretrained": True, **checkpoint_source(cfg.hub_name), "architecture": type(model).__name__,
+            **check_loading(model, loading, cfg.hub_name), **checkpoint_marks(model.config.to_dict())}
     config = getattr(transformers, config_class)(vocab_size=vocab_size, **config_kwargs, **model_kwargs)
-    return getattr(transformers, model_class)(config), {"pretrained": False, "architecture": model_class,
-                                                        "size": dict(config_kwargs)}
+    return built_on(device, lambda: getattr(transformers, model_class)(config)), {
+        "pretrained": False, "architecture": model_class, "size": dict(config_kwargs)}
 
 
 def checkpoint_source(name: str) -> dict:
