@@ -20,7 +20,8 @@ def test_quick_benchmark_writes_every_row_family(tmp_path):
     for expected in ("harness_ratio.lenet.fp32", "harness_ratio.bert_tiny.fp8", "emulation_ratio.lenet.fp8",
                      "telemetry_ratio.lenet.fp8", "peer_ratio.bert_tiny.unit_scaling_simulate_fp8",
                      "peer_ratio.bert_tiny.torchao_float8_emulate", "aggregate_s.10k", "quantise_ns.fp8_e4m3",
-                     "emulation_ratio.bert_tiny.mxfp8", "emulation_ratio.lenet.fp8+block", "quantise_ns.nvfp4"):
+                     "emulation_ratio.bert_tiny.mxfp8", "emulation_ratio.lenet.fp8+block", "quantise_ns.nvfp4",
+                     "accumulation_ratio.bert_tiny.fp8+H100", "compile_speedup.lenet.fp8"):
         assert expected in metrics
     assert all(set(r) == {"metric", "value", "unit", "target"} for r in data["rows"])
     # every measured figure is positive; the speed model's errors (predicted / measured - 1) may be either sign, and

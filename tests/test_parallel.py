@@ -449,8 +449,11 @@ def test_a_pre_empted_distributed_cell_resumes_bit_for_bit_and_at_another_world_
     again, it ends with the uninterrupted cell's weights, bit for bit. Stopped likewise and run again on one rank,
     it resumes from the two-rank checkpoint (DCP reshards the shards into one) and ends within the reduction order's
     reach of the two-rank weights."""
+    import shutil
+
     whole, weights = _finished(tmp_path / "whole")
     stopped = _stopped_at_a_checkpoint(tmp_path / "stopped")
+    shutil.copytree(tmp_path / "stopped", tmp_path / "resharded")  # the same stop, resumed on one rank below
     resumed, resumed_weights = _finished(tmp_path / "stopped")
     assert 0 < stopped < 150 and resumed["resumed_from"] == {"checkpoint": "checkpoint.dcp", "step": stopped,
                                                              "world_size": 2}
@@ -458,7 +461,6 @@ def test_a_pre_empted_distributed_cell_resumes_bit_for_bit_and_at_another_world_
     assert weights.keys() == resumed_weights.keys()
     assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
 
-    stopped = _stopped_at_a_checkpoint(tmp_path / "resharded")
     one_rank, one_rank_weights = _finished(tmp_path / "resharded", "parallel.world_size=1")
     assert one_rank["resumed_from"]["world_size"] == 2 and one_rank["resumed_from"]["step"] == stopped
     assert one_rank["resumed_from"]["checkpoint"].endswith(",parallel.world_size=2,train.max_steps=150/checkpoint.dcp")

@@ -346,7 +346,8 @@ ACCUMULATION_TARGET = "<= 4"  # #52's, on CPU
 def accumulation_rows(steps: int, repeats: int) -> list[dict]:
     """BERT-tiny's FP8 step with every GEMM accumulated as H100's tensor cores do (format.accumulation=H100:
     compiled integer kernels) over the same step accumulated exactly, alternating rounds after a warm-up that
-    compiles each GEMM shape."""
+    compiles each GEMM shape (2.4 minutes on a 2-core AMD EPYC with an empty inductor cache; LeNet's convolutions
+    have more shapes: 3.6 minutes)."""
     loops, device = {}, None
     for name, args in ACCUMULATED.items():
         cfg, precision, cell = make_cell(*MODELS["bert_tiny"], *args, f"train.log_every={NO_TELEMETRY}")
@@ -359,11 +360,11 @@ def accumulation_rows(steps: int, repeats: int) -> list[dict]:
 COMPILED_FORMATS = {"fp32": ["format=fp32"], "bf16": ["format=bf16"], "fp8": ["format=fp8"]}
 
 
-def compile_rows(steps: int, repeats: int) -> list[dict]:
+def compile_rows(steps: int, repeats: int, models: dict[str, list[str]] = MODELS) -> list[dict]:
     """Per model and format, our loop compiled (train.compile=true) and eager: the median step time of each (steps
     that compiled left out, as records do) over `repeats` alternating runs, and the first compile's seconds."""
     rows = []
-    for model, model_args in MODELS.items():
+    for model, model_args in models.items():
         for fmt, args in COMPILED_FORMATS.items():
             medians, compile_s = {"eager": [], "compiled": []}, None
             for _ in range(repeats):
@@ -634,7 +635,8 @@ CUDA_ONLY = ("host_syncs", "native")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tools.benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
-    parser.add_argument("--quick", action="store_true", help="few steps and repeats (a smoke test of the benchmark)")
+    parser.add_argument("--quick", action="store_true", help="few steps and repeats, and LeNet's compiled loop alone "
+                                                             "(a smoke test of the benchmark)")
     parser.add_argument("--steps", type=int, help="steps per timed loop (default 100; native rows 10)")
     parser.add_argument("--repeats", type=int, help="alternating rounds per figure (default 7)")
     parser.add_argument("--native-formats", default=",".join(NATIVE_FORMATS),
@@ -667,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     measure = {"harness": lambda: harness_rows(steps, repeats),
                "emulation": lambda: emulation_rows(steps, repeats, emulated),
                "accumulation": lambda: accumulation_rows(max(1, steps // 5), min(repeats, 3)),
-               "compile": lambda: compile_rows(steps, min(repeats, 3)),
+               "compile": lambda: compile_rows(steps, min(repeats, 3),
+                                               {"lenet": MODELS["lenet"]} if args.quick else MODELS),
                "peers": lambda: peer_rows(steps, repeats), "accounting": lambda: accounting_rows(repeats),
                "host_syncs": lambda: host_sync_rows(steps),
                "native": lambda: native_rows(steps=args.steps or (10 if not args.quick else 2), repeats=repeats,
