@@ -214,9 +214,11 @@ def collective_timeout() -> dt.timedelta:
 
 # Ranks start from a fork server that has imported these once (multiprocessing's "forkserver"), not each from a fresh
 # interpreter ("spawn"): a two-rank LeNet cell here takes 2 s instead of 5. The server is one process, started
-# before any thread, and lives as long as the launching process; it forks each rank from its clean state.
+# before any thread, and lives as long as the launching process; it forks each rank from its clean state. The tasks'
+# libraries (LeNet's split in scikit-learn, the text models' transformers and datasets) are among them: 2.4 s once
+# for the server, where each rank of each cell imported its own (1.4 s for scikit-learn; 2-core AMD EPYC).
 PRELOADED = ["bench.running.run", "bench.speed.trace", "torch._dynamo", "torch.distributed.fsdp",
-             "torch.distributed.checkpoint"]
+             "torch.distributed.checkpoint", "sklearn.model_selection", "transformers", "datasets"]
 
 
 @dataclass(frozen=True)
