@@ -214,11 +214,12 @@ def collective_timeout() -> dt.timedelta:
 
 # Ranks start from a fork server that has imported these once (multiprocessing's "forkserver"), not each from a fresh
 # interpreter ("spawn"): a two-rank LeNet cell here takes 2 s instead of 5. The server is one process, started
-# before any thread, and lives as long as the launching process; it forks each rank from its clean state. The tasks'
-# libraries (LeNet's split in scikit-learn, the text models' transformers and datasets) are among them: 2.4 s once
-# for the server, where each rank of each cell imported its own (1.4 s for scikit-learn; 2-core AMD EPYC).
+# before any thread, and lives as long as the launching process; it forks each rank from its clean state.
+# scikit-learn (LeNet's split) is among them: 1.4 s once, where each rank of each LeNet cell imported it (2-core AMD
+# EPYC). transformers and datasets are not: huggingface_hub reads HF_HOME and HF_HUB_OFFLINE when it is imported,
+# and a rank takes its launcher's environment (Launcher) only after the fork.
 PRELOADED = ["bench.running.run", "bench.speed.trace", "torch._dynamo", "torch.distributed.fsdp",
-             "torch.distributed.checkpoint", "sklearn.model_selection", "transformers", "datasets"]
+             "torch.distributed.checkpoint", "sklearn.model_selection"]
 
 
 @dataclass(frozen=True)
