@@ -446,8 +446,8 @@ def _finished(results: Path, *overrides: str) -> tuple[dict, dict]:
 
 def test_a_pre_empted_distributed_cell_resumes_bit_for_bit_and_at_another_world_size(tmp_path):
     """Two-rank FSDP2 LeNet through torch.distributed.checkpoint: stopped by SIGTERM after a checkpoint and run
-    again, it ends with the uninterrupted cell's weights, bit for bit. Stopped likewise and run again on one rank,
-    it resumes from the two-rank checkpoint (DCP reshards the shards into one) and ends within the reduction order's
+    again, it ends with the uninterrupted cell's weights, bit for bit. A copy of the same stop, run again on one rank,
+    resumes from the two-rank checkpoint (DCP reshards the shards into one) and ends within the reduction order's
     reach of the two-rank weights."""
     import shutil
 
