@@ -226,8 +226,7 @@ def _nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_scale: torch.
         stored = quantise_value((block_scale / tensor_scale).clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX), "fp8_e4m3")
         scaled = blocks * ((1.0 / tensor_scale) / stored)
         scale = stored * tensor_scale
-    elements = _round_elements(scaled.clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX), "fp4_e2m1", rounding, generator,
-                               sr_bits)
+    elements = _round_elements(scaled, "fp4_e2m1", rounding, generator, sr_bits)
     return elements, stored, scale
 
 
@@ -250,8 +249,7 @@ def _te_nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_amax: torc
     per_amax = encode * torch.tensor(1 / NVFP4_ELEMENT_MAX, dtype=torch.float32)  # fl(S_enc x fl(1/6)) first
     stored = quantise_value((amax * per_amax).clamp(max=FLOAT32_MAX), "fp8_e4m3", overflow="saturate")
     inverse = (1.0 / (stored * decode)).clamp(max=FLOAT32_MAX)  # a zero block's 1/0 = inf held at FLT_MAX
-    elements = _round_elements((blocks * inverse).clamp(-NVFP4_ELEMENT_MAX, NVFP4_ELEMENT_MAX), "fp4_e2m1",
-                               rounding, generator, sr_bits)
+    elements = _round_elements(blocks * inverse, "fp4_e2m1", rounding, generator, sr_bits)
     per_2688 = torch.tensor(1 / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX), dtype=torch.float32)
     return elements, stored, stored * tensor_amax.detach().float() * per_2688  # TE's order: (s x amax) x fl(1/2688)
 
