@@ -1,6 +1,7 @@
 """`make bench` runs end to end (in its quick mode) and writes the promised JSON; the CUDA-only native rows
 run here on the CPU for the formats the CPU has, at a tiny shape. No test asserts on a timing."""
 
+import datetime as dt
 import json
 import sys
 
@@ -54,6 +55,8 @@ def test_only_measures_the_named_sections_and_names_the_valid_ones(tmp_path, cap
     (path,) = tmp_path.glob("*.json")
     metrics = [r["metric"] for r in json.loads(path.read_text())["rows"]]
     assert metrics and all(m.startswith("quantise_ns.") for m in metrics)  # native is CUDA-only: skipped here
+    capability = torch.backends.cpu.get_cpu_capability().lower()  # two AMD EPYCs here differ in it alone
+    assert path.name.startswith("cpu-") and path.name.endswith(f"-{capability}-{dt.date.today().isoformat()}.json")
     with pytest.raises(SystemExit) as refused:
         benchmark.main(["--only", "quantise,speed"])
     assert refused.value.code == 2 and "unknown section(s) speed; valid: harness, emulation" in capsys.readouterr().err

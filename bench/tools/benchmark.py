@@ -3,7 +3,8 @@
     python -m bench.tools.benchmark [--out results/bench] [--quick] [--only harness,native,...]
                                     [--native-formats fp32,bf16-mixed,...]
 
-Writes results/bench/<device>-<date>.json: {"device", "env", "rows": [{"metric", "value", "unit", "target"}]}
+Writes results/bench/<device>-<date>.json (<device>: `machine_name`, on a CPU with its vector capability):
+{"device", "env", "rows": [{"metric", "value", "unit", "target"}]}
 and prints the rows as a table. Every timing is the median of repeats after a warm-up, alternating the
 things compared, in one process:
 - harness_ratio.<model>.<format>: steps/s of bench's training loop / a bare hand-written loop over the
@@ -171,6 +172,14 @@ def alternate_all(fns: dict, device, repeats: int, clocks=(time.perf_counter,)) 
 def alternate(fns: dict, device, repeats: int) -> dict[str, float]:
     """Median wall-clock seconds of each function over `alternate_all`'s rounds."""
     return {name: statistics.median(t) for name, t in alternate_all(fns, device, repeats)[0].items()}
+
+
+def machine_name(device: torch.device, env: dict) -> str:
+    """The JSON's name before its date: the device's type and name, and on a CPU its vector capability, in which two
+    machines of one name differ (2-core AMD EPYCs here have come with AVX2 alone and with AVX-512 and BF16 units, and
+    the emulation's rows with them)."""
+    words = [device.type, env["device_name"], *([env["cpu_capability"]] if device.type == "cpu" else [])]
+    return re.sub(r"[^A-Za-z0-9]+", "-", "-".join(words)).strip("-").lower()
 
 
 def row(metric: str, value, unit: str, target: str | None = None) -> dict:
@@ -681,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
                "quantise": lambda: quantise_rows(quick=args.quick),
                "optimizer": lambda: optimizer_rows(min(repeats, 5))}
     env = devices.describe(device)
-    name = re.sub(r"[^A-Za-z0-9]+", "-", f"{device.type}-{env['device_name']}").strip("-").lower()
+    name = machine_name(device, env)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{name}-{dt.date.today().isoformat()}.json"
     rows = []
