@@ -4,6 +4,7 @@ run here on the CPU for the formats the CPU has, at a tiny shape. No test assert
 import datetime as dt
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,6 +34,23 @@ def test_quick_benchmark_writes_every_row_family(tmp_path):
                if not r["metric"].endswith(".error") and not r["metric"].startswith(differences))
     assert all(r["value"] >= 0 for r in data["rows"] if r["metric"].startswith(differences))
     assert any(r["metric"].startswith("predicted.") and r["metric"].endswith(".error") for r in data["rows"])
+
+
+def test_an_emulation_ratio_is_the_median_of_each_rounds_ratio_with_its_interval(monkeypatch):
+    """As the quantisers' rows: a round's FP32 and FP8 loops ran side by side, and a target is judged on the
+    median's interval (runs of one commit have moved these rows by up to 13%)."""
+    rounds = {"fp32": [1.0, 2.0, 3.0], "fp8": [2.0, 2.0, 6.0], "fp8+telemetry": [2.0, 3.0, 6.0]}
+    monkeypatch.setattr(benchmark, "make_cell", lambda *args: (None, SimpleNamespace(device=torch.device("cpu")), None))
+    monkeypatch.setattr(benchmark, "batches", lambda cell, steps: [])
+    monkeypatch.setattr(benchmark, "our_loop", lambda *args: None)
+    monkeypatch.setattr(benchmark, "alternate_all", lambda loops, device, repeats: [rounds])
+    rows = {r["metric"]: r for r in benchmark.emulation_rows(3, 3, ["fp8"])}
+    fp8 = rows["emulation_ratio.lenet.fp8"]
+    assert fp8["value"] == 2.0 and fp8["target"] == "<= 1.25"  # the ratios 2, 1, 2 (the medians' ratio: 1)
+    assert rows["emulation_ratio.lenet.fp8.median_low"]["value"] <= 2.0 <= \
+        rows["emulation_ratio.lenet.fp8.median_high"]["value"]
+    assert "emulation_ratio.lenet.fp8+telemetry.median_low" not in rows  # no target, no interval
+    assert rows["telemetry_ratio.lenet.fp8"]["value"] == 1.5
 
 
 def test_a_quantisers_throughput_is_the_median_of_each_rounds_ratio_to_clone(monkeypatch):
