@@ -226,19 +226,19 @@ def test_benchmark_steps_and_repeats_reach_the_timed_loops(tmp_path, monkeypatch
     """--steps and --repeats reach what is timed: the batches each timed loop runs and the rounds alternated (the
     real emulation rows, for FP8 only, on tiny loops); --emulated picks the settings and refuses an unknown one."""
     seen = {"steps": set(), "repeats": set(), "settings": set()}
-    real_batches, real_alternate = benchmark.batches, benchmark.alternate
+    real_batches, real_alternate_all = benchmark.batches, benchmark.alternate_all
 
     def batches(cell, steps):
         seen["steps"].add(steps)
         return real_batches(cell, steps)
 
-    def alternate(loops, device, repeats):
+    def alternate_all(loops, device, repeats):
         seen["repeats"].add(repeats)
         seen["settings"] |= set(loops)
-        return real_alternate(loops, device, repeats)
+        return real_alternate_all(loops, device, repeats)
 
     monkeypatch.setattr(benchmark, "batches", batches)
-    monkeypatch.setattr(benchmark, "alternate", alternate)
+    monkeypatch.setattr(benchmark, "alternate_all", alternate_all)
     assert benchmark.main(["--out", str(tmp_path), "--only", "emulation", "--emulated", "fp8", "--steps", "3",
                            "--repeats", "2"]) == 0
     assert seen == {"steps": {3}, "repeats": {2}, "settings": {"fp32", "fp8", "fp8+telemetry"}}
