@@ -125,8 +125,8 @@ def _blocked(values: torch.Tensor, elements: torch.Tensor, length: int, within: 
 
 def _round_elements(x: torch.Tensor, element: str, rounding: str, generator: torch.Generator | None,
                     sr_bits: int | None = None) -> torch.Tensor:
-    """Scaled values onto the element grid, saturating: RNE, or stochastic from an FP32 uniform or `sr_bits`
-    random bits (bench.numerics.formats.quantise_stochastic)."""
+    """Scaled values onto the element grid, saturating (a caller need not clamp them first): RNE, or stochastic from
+    an FP32 uniform or `sr_bits` random bits (bench.numerics.formats.quantise_stochastic)."""
     if rounding == "nearest":
         return quantise_value(x, element, overflow="saturate")
     if rounding == "stochastic":
