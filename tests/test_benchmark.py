@@ -38,7 +38,7 @@ def test_quick_benchmark_writes_every_row_family(tmp_path):
 
 def test_an_emulation_ratio_is_the_median_of_each_rounds_ratio_with_its_interval(monkeypatch):
     """As the quantisers' rows: a round's FP32 and FP8 loops ran side by side, and a target is judged on the
-    median's interval (runs of one commit have moved these rows by up to 13%)."""
+    median's interval (runs of one commit have moved these rows by up to 13%); telemetry's row the same way."""
     rounds = {"fp32": [1.0, 2.0, 3.0], "fp8": [2.0, 2.0, 6.0], "fp8+telemetry": [2.0, 3.0, 6.0]}
     monkeypatch.setattr(benchmark, "make_cell", lambda *args: (None, SimpleNamespace(device=torch.device("cpu")), None))
     monkeypatch.setattr(benchmark, "batches", lambda cell, steps: [])
@@ -50,7 +50,10 @@ def test_an_emulation_ratio_is_the_median_of_each_rounds_ratio_with_its_interval
     assert rows["emulation_ratio.lenet.fp8.median_low"]["value"] <= 2.0 <= \
         rows["emulation_ratio.lenet.fp8.median_high"]["value"]
     assert "emulation_ratio.lenet.fp8+telemetry.median_low" not in rows  # no target, no interval
-    assert rows["telemetry_ratio.lenet.fp8"]["value"] == 1.5
+    telemetry = rows["telemetry_ratio.lenet.fp8"]
+    assert telemetry["value"] == 1.0 and telemetry["target"] == "<= 1.5"  # the ratios 1, 1.5, 1 (the medians': 1.5)
+    assert rows["telemetry_ratio.lenet.fp8.median_low"]["value"] <= 1.0 <= \
+        rows["telemetry_ratio.lenet.fp8.median_high"]["value"]
 
 
 def test_a_quantisers_throughput_is_the_median_of_each_rounds_ratio_to_clone(monkeypatch):

@@ -21,7 +21,8 @@ things compared, in one process:
   (format=nvfp4_recipe, BERT-tiny only). Targets on CPU: <= 1.25 for fp8, <= 1.75 for mxfp8, <= 2 for nvfp4_recipe
   (`--emulated nvfp4_recipe,...` measures only those settings): the median of the rounds' ratios (alternating
   rounds), those with a target with .median_low and .median_high, the median's 95% bootstrap interval.
-  telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off (target <= 1.5).
+  telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off, the same median with its interval (target
+  <= 1.5).
 - accumulation_ratio.bert_tiny.fp8+H100: BERT-tiny's FP8 (per-tensor) step with every GEMM accumulated as H100's
   tensor cores do (format.accumulation=H100, bench/numerics/tensor_cores.py) / accumulated exactly; a fifth of the
   steps, 3 rounds. Target on CPU: <= 4.
@@ -204,6 +205,23 @@ def median_interval(ratios: list[float], confidence: float = 0.95) -> tuple[floa
     return float(found.low), float(found.high)
 
 
+def per_round(times: dict[str, list[float]], numerator: str, denominator: str) -> list[float]:
+    """Each round's ratio of two things timed side by side in it (`alternate_all`'s rounds): a burst on a shared
+    machine hits both sides of a round, where a ratio of the two sides' medians would pair unlike rounds."""
+    return [n / d for n, d in zip(times[numerator], times[denominator]) if d > 0]
+
+
+def median_rows(metric: str, ratios: list[float], unit: str, target: str | None = None) -> list[dict]:
+    """The rounds' median ratio; with a target, which it is judged on, also its median's 95% bootstrap interval
+    (.median_low, .median_high; none from one round). Runs of one commit have moved these rows by up to 13%."""
+    rows = [row(metric, statistics.median(ratios), unit, target)]
+    if target is not None and len(ratios) > 1:
+        low, high = median_interval(ratios)
+        rows += [row(f"{metric}.median_low", low, "the median's 95% bootstrap interval over the rounds, low end"),
+                 row(f"{metric}.median_high", high, "the median's 95% bootstrap interval over the rounds, high end")]
+    return rows
+
+
 def rounds_to_resolve(ratios: list[float], difference: float = HARNESS_RESOLUTION, confidence: float = 0.95) -> int:
     """Rounds whose median's interval is `difference` wide, given these rounds' spread: the median of n rounds has a
     standard error of about sqrt(pi / 2) sigma / sqrt(n) (rounds near normal), so its interval is 2 z that wide."""
@@ -231,18 +249,15 @@ def harness_rows(steps: int, repeats: int) -> list[dict]:
                    "bare": lambda: bare_loop(bare.task.model, bare.task, precision, bare.optimizer, data)}
             wall, cpu = alternate_all(fns, precision.device, rounds, clocks=(time.perf_counter, time.process_time))
             name = f"harness_ratio.{model}.{fmt}"
-            ratios = [b / o for b, o in zip(wall["bare"], wall["ours"])]
-            cpu_ratios = [b / o for b, o in zip(cpu["bare"], cpu["ours"]) if o > 0]
-            low, high = median_interval(ratios)
-            rows += [row(name, statistics.median(ratios), f"ours/bare steps per s, median of {rounds} rounds "
-                         f"of {chunk} steps", ">= 0.97"),
-                     row(f"{name}.median_low", low, "the median's 95% bootstrap interval over the rounds, low end"),
-                     row(f"{name}.median_high", high, "the median's 95% bootstrap interval over the rounds, high end"),
-                     row(f"{name}.rounds_needed", rounds_to_resolve(ratios),
+            ratios = per_round(wall, "bare", "ours")
+            rows += median_rows(name, ratios, f"ours/bare steps per s, median of {rounds} rounds of {chunk} steps",
+                                ">= 0.97")
+            rows += [row(f"{name}.rounds_needed", rounds_to_resolve(ratios),
                          f"rounds for an interval {HARNESS_RESOLUTION} wide (0.95 told from 0.97) at this spread"),
                      row(f"{name}.min", min(ratios), "ours/bare, slowest round"),
                      row(f"{name}.max", max(ratios), "ours/bare, fastest round"),
-                     row(f"{name}.cpu_time", statistics.median(cpu_ratios), "ours/bare, process CPU time, median")]
+                     row(f"{name}.cpu_time", statistics.median(per_round(cpu, "bare", "ours")),
+                         "ours/bare, process CPU time, median")]
     return rows
 
 
@@ -340,17 +355,13 @@ def emulation_rows(steps: int, repeats: int, only: list[str] | None = None) -> l
             loops[name] = our_loop(cfg, precision, cell, data)
             device = precision.device
         wall, = alternate_all(loops, device, repeats)
-        t = {name: statistics.median(seconds) for name, seconds in wall.items()}
         for name in (*emulated, *telemetry):
-            target = EMULATION_TARGETS.get(name) if device.type == "cpu" else None
-            metric, ratios = f"emulation_ratio.{model}.{name}", [e / f for e, f in zip(wall[name], wall["fp32"])]
-            rows.append(row(metric, statistics.median(ratios), "x fp32 step time, median of the rounds", target))
-            if target is not None and len(ratios) > 1:  # judged on it: runs of one commit moved a row by up to 13%
-                low, high = median_interval(ratios)
-                rows += [row(f"{metric}.median_low", low, "the median's 95% bootstrap interval, low end"),
-                         row(f"{metric}.median_high", high, "the median's 95% bootstrap interval, high end")]
+            rows += median_rows(f"emulation_ratio.{model}.{name}", per_round(wall, name, "fp32"),
+                                "x fp32 step time, median of the rounds",
+                                EMULATION_TARGETS.get(name) if device.type == "cpu" else None)
         if telemetry:
-            rows.append(row(f"telemetry_ratio.{model}.fp8", t["fp8+telemetry"] / t["fp8"], "x fp8 step time", "<= 1.5"))
+            rows += median_rows(f"telemetry_ratio.{model}.fp8", per_round(wall, "fp8+telemetry", "fp8"),
+                                "x fp8 step time, median of the rounds", "<= 1.5")
     return rows
 
 
@@ -605,16 +616,12 @@ def of_clone_rows(device: torch.device, side: int | None = None) -> list[dict]:
         if values is not quantiser:
             calls["fused_blocked"] = lambda q=quantiser, a=args: q.fused(x, *a)
         wall, = alternate_all(calls, device, OF_CLONE_ROUNDS)
-        of_clone = {path: [c / q for c, q in zip(wall["clone"], seconds)] for path, seconds in wall.items()}
-        low, high = median_interval(of_clone["fused"])
-        rows += [row(f"{prefix}.{name}.eager", statistics.median(of_clone["eager"]), "x clone's throughput"),
-                 row(f"{prefix}.{name}.fused", statistics.median(of_clone["fused"]), "x clone's throughput",
-                     OF_CLONE_TARGET),
-                 row(f"{prefix}.{name}.fused.median_low", low, "the median's 95% bootstrap interval, low end"),
-                 row(f"{prefix}.{name}.fused.median_high", high, "the median's 95% bootstrap interval, high end")]
-        if "fused_blocked" in of_clone:
-            rows.append(row(f"{prefix}.{name}.fused_blocked", statistics.median(of_clone["fused_blocked"]),
-                            "x clone's throughput (the whole Blocked)"))
+        rows += median_rows(f"{prefix}.{name}.eager", per_round(wall, "clone", "eager"), "x clone's throughput")
+        rows += median_rows(f"{prefix}.{name}.fused", per_round(wall, "clone", "fused"), "x clone's throughput",
+                            OF_CLONE_TARGET)
+        if "fused_blocked" in wall:
+            rows += median_rows(f"{prefix}.{name}.fused_blocked", per_round(wall, "clone", "fused_blocked"),
+                                "x clone's throughput (the whole Blocked)")
     return rows
 
 
