@@ -4,11 +4,11 @@ rules written out by hand, kept equal to the README's table, and no cell of any 
 import itertools
 
 import pytest
-import yaml
+from omegaconf import OmegaConf
 
 from bench.numerics.scaling_methods import combining_with
 from bench.numerics.specs import FORMAT_SPECS
-from bench.running.config import check
+from bench.running.config import check, preset_sweeper
 from bench.running.run import build_precision
 from bench.tools.matrix import PROFILES, decide, elsewhere_emulated, markdown, settings, simulated
 from tests.conftest import CONF
@@ -81,7 +81,8 @@ def _grids() -> dict[str, list[dict]]:
     grids = {"default": [default | {"model": "lenet"}]}
     settings = {"default": [{}]}
     for preset in sorted((CONF / "experiment").glob("*.yaml")):
-        sweeper = yaml.safe_load(preset.read_text())["hydra"]["sweeper"]
+        # as Hydra composes it: a preset may take its settings from another's (nvfp4_recipe_2000)
+        sweeper = OmegaConf.to_container(preset_sweeper(preset.stem))
         grids[preset.stem] = [{k: str(v) for k, v in sweeper["params"].items()} | {"experiment": preset.stem}]
         settings[preset.stem] = [dict(item.split("=", 1)
                                       for item in (s["overrides"] if isinstance(s, dict) else s).split())

@@ -3,7 +3,6 @@ resume after a kill or a preemption signal, and one offline W&B run per cell."""
 
 import json
 import os
-import shutil
 import signal
 import struct
 import subprocess
@@ -380,8 +379,7 @@ def test_block_formats_preset_declares_each_row_once_and_every_cell_passes_the_c
             assert made == (row.setting, row.scaling, row.rounding, row.options) and row.label == setting.label
 
 
-def test_nvfp4_recipe_preset_rows_are_the_cells_it_makes_and_each_pairing_names_a_row(make_cfg, tmp_path,
-                                                                                      monkeypatch):
+def test_nvfp4_recipe_preset_rows_are_the_cells_it_makes_and_each_pairing_names_a_row(make_cfg, monkeypatch):
     """Each labelled setting selects the cell the runner makes of it (on the char-LM's config, unbuilt); every
     `against` names a row; one that names none stops the table's declaration with the labels there are."""
     from hydra import compose, initialize_config_dir
@@ -402,12 +400,13 @@ def test_nvfp4_recipe_preset_rows_are_the_cells_it_makes_and_each_pairing_names_
         options = format_options(OmegaConf.to_container(cell.format))  # as a record's config holds it
         made = (precision.setting, cell.scaling.name, cell.format.rounding, options)
         assert made == (row.setting, row.scaling, row.rounding, row.options) and row.label == setting.label
-    (tmp_path / "experiment").mkdir()
-    shutil.copytree(CONF / "format", tmp_path / "format")
-    (tmp_path / "experiment" / "typo.yaml").write_text(
-        "hydra:\n  sweeper:\n    table: ablation\n    settings:\n      - {overrides: 'format=bf16', label: BF16}\n"
-        "      - {overrides: 'format=nvfp4', label: plain, against: 'ful recipe'}\n")
-    monkeypatch.setattr(experiment_tables, "CONF_DIR", tmp_path)
+    # the same preset over 2,000 iterations takes its settings through its defaults list: the same rows
+    longer_layout, longer_rows = experiment_tables.declared_table("nvfp4_recipe_2000")
+    assert longer_layout == layout and [r._replace(bits=0) for r in longer_rows] == [r._replace(bits=0) for r in rows]
+    typo = OmegaConf.create({"table": "ablation", "settings": [
+        {"overrides": "format=bf16", "label": "BF16"},
+        {"overrides": "format=nvfp4", "label": "plain", "against": "ful recipe"}]})
+    monkeypatch.setattr(experiment_tables, "preset_sweeper", lambda experiment: typo)
     with pytest.raises(ConfigError, match="'plain' is paired against 'ful recipe', which labels no setting; "
                                           "valid: BF16, plain"):
         experiment_tables.declared_table("typo")

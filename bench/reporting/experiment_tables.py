@@ -34,7 +34,7 @@ from bench.reporting.table_cells import (
     setting_label,
     status_note,
 )
-from bench.running.config import CONF_DIR
+from bench.running.config import CONF_DIR, preset_sweeper
 
 BPC_PER_NAT = 1 / math.log(2)
 BITS = Unit("bits per character", BPC_PER_NAT, 3, (0.0, math.inf))  # a loss in nats, shown in bits
@@ -120,8 +120,7 @@ def declared_table(experiment: str) -> tuple[str, list[BlockRow]] | None:
     """The table a preset declares for its records (`hydra.sweeper.table` in conf/experiment/<experiment>.yaml),
     found by their experiment_name, with its rows: the preset's settings that carry a `label` (and `bits`), each
     turned into the cell it selects. None where the experiment declares no table of its own."""
-    path = CONF_DIR / "experiment" / f"{experiment}.yaml"
-    sweeper = (OmegaConf.load(path).get("hydra") or {}).get("sweeper") or {} if path.is_file() else {}
+    sweeper = preset_sweeper(experiment) or {}
     if not sweeper.get("table"):
         return None
     rows = [_row(setting) for setting in sweeper.get("settings") or []

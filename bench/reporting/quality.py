@@ -18,10 +18,9 @@ import functools
 
 import numpy as np
 import pandas as pd
-from omegaconf import OmegaConf
 
 from bench.numerics.scaling_methods import NO_SCALING
-from bench.running.config import CONF_DIR
+from bench.running.config import preset_sweeper
 
 NEAR_CHANCE = 0.1  # a tenth of the way from chance to a perfect score, or less: nothing learned to compare against
 
@@ -46,10 +45,7 @@ def steps_to_target(points: list, target: float, higher_is_better: bool) -> int 
 @functools.lru_cache(maxsize=None)
 def declared_target(experiment: str) -> float | None:
     """A preset's own quality target (`hydra.sweeper.quality_target` in conf/experiment/<experiment>.yaml), if any."""
-    path = CONF_DIR / "experiment" / f"{experiment}.yaml"
-    if not path.is_file():
-        return None
-    value = ((OmegaConf.load(path).get("hydra") or {}).get("sweeper") or {}).get("quality_target")
+    value = (preset_sweeper(experiment) or {}).get("quality_target")
     return None if value is None else float(value)
 
 

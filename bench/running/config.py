@@ -42,6 +42,25 @@ CONF_DIR = DATA_DIR.parents[1] / "conf"  # the Hydra configs, beside the package
 OmegaConf.register_new_resolver("bench_data", lambda relative: str(DATA_DIR / relative), replace=True)
 OmegaConf.register_new_resolver("bench_parallel_jobs", parallel_jobs, replace=True)  # LAUNCHER=parallel's n_jobs
 
+
+@functools.lru_cache(maxsize=None)
+def preset_sweeper(experiment: str) -> DictConfig | None:
+    """conf/experiment/<experiment>.yaml's `hydra.sweeper` (its params, settings, table, quality target) as Hydra
+    composes it for a sweep, a preset's defaults list included (nvfp4_recipe_2000 takes nvfp4_recipe's settings);
+    None where no such preset exists (records of a sweep without one)."""
+    if not (CONF_DIR / "experiment" / f"{experiment}.yaml").is_file():
+        return None
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    def composed():
+        return compose("config", overrides=[f"experiment={experiment}"], return_hydra_config=True).hydra.sweeper
+
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app (a sweep checks its table before it starts)
+        return composed()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return composed()
+
 def _cell_resolver(*, _root_: DictConfig) -> str:
     """`cell: ${bench_cell:}`: in a Hydra job, from this job's choices and overrides (Hydra sets its
     HydraConfig before it resolves the job's directory); composed outside a job, from the config alone."""
