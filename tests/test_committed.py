@@ -166,17 +166,19 @@ def test_a_device_subfolder_is_remade_into_itself_not_over_the_cpu_folder(two_ru
     assert "--experiment smoke --out results/tables/h100 --keep-records" in dry.stdout, dry.stdout + dry.stderr
 
 
-def test_the_nvfp4_ablation_pairs_each_cell_with_bf16_seed_by_seed_as_its_records_say(tmp_path):
-    """The ablation remade from the committed records (as the committed one), its differences against ones computed
-    here from the records alone: each cell picked by its format node (not by the table's selectors), its validation
-    loss minus BF16's of the same seed, averaged; and each "full − X" minus the full recipe's, seed by seed."""
+@pytest.mark.parametrize("experiment", ["nvfp4_recipe", "nvfp4_recipe_2000"])
+def test_the_nvfp4_ablation_pairs_each_cell_with_bf16_seed_by_seed_as_its_records_say(tmp_path, experiment):
+    """The ablation (at 1,000 and at 2,000 iterations) remade from the committed records (as the committed one), its
+    differences against ones computed here from the records alone: each cell picked by its format node (not by the
+    table's selectors), its validation loss minus BF16's of the same seed, averaged; and each "full − X" minus the
+    full recipe's, seed by seed."""
     import pandas as pd
 
-    folder = tmp_path / "nvfp4_recipe"
+    folder = tmp_path / experiment
     folder.mkdir()
-    shutil.copy(TABLES / "nvfp4_recipe" / archive.ARCHIVE, folder / archive.ARCHIVE)
+    shutil.copy(TABLES / experiment / archive.ARCHIVE, folder / archive.ARCHIVE)
     committed.regenerate(folder, plots_too=False)
-    assert filecmp.cmp(folder / "ablation.csv", TABLES / "nvfp4_recipe" / "ablation.csv", shallow=False)
+    assert filecmp.cmp(folder / "ablation.csv", TABLES / experiment / "ablation.csv", shallow=False)
     records, problems = archive.read(folder / archive.ARCHIVE)
     assert not problems and len(records) == 36
 
