@@ -17,7 +17,7 @@ from bench.numerics.blocks import (
     tile2d_quantise,
     tile_quantise,
 )
-from bench.numerics.formats import quantise_stochastic, quantise_value
+from bench.numerics.formats import FORMATS, quantise_stochastic, quantise_value
 from bench.numerics.scaling_methods import SCALING_METHODS
 from bench.tools.conformance import (
     DEPARTURES,
@@ -106,7 +106,6 @@ def test_rceil_follows_the_exact_rule_where_torchaos_float32_log2_rounds_down(el
     (|j| >= 4 or 5), torchao a binade low."""
     from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
 
-    from bench.numerics.formats import FORMATS
     from bench.tools.conformance import _torchao
 
     spec = FORMATS[element]
@@ -294,6 +293,18 @@ def test_stochastic_rounding_is_reproducible_keeps_grid_values_saturates_and_kee
     assert torch.equal(quantise_stochastic(grid, "fp4_e2m1"), grid)
     assert quantise_stochastic(torch.tensor([7.0, -1e30, float("inf")]), "fp4_e2m1").tolist() == [6.0, -6.0, 6.0]
     assert quantise_stochastic(torch.tensor([float("nan")]), "fp4_e2m1").isnan().all()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "tf32"])
+def test_stochastic_rounding_of_an_infinity_past_fp32s_range_follows_the_overflow_policy(fmt):
+    """BF16's and TF32's grids reach past FP32's largest value, so |x| is not bounded before its rounding: an
+    infinity's distance above its grid point is inf - inf, NaN, which must round neither up nor to NaN."""
+    x = torch.tensor([math.inf, -math.inf, math.nan, 1.0])
+    top = FORMATS[fmt].max
+    for policy, infinities in (("saturate", [top, -top]), ("inf", [math.inf, -math.inf]),
+                               ("nan", [math.inf, -math.inf])):
+        rounded = quantise_stochastic(x, fmt, torch.Generator().manual_seed(0), overflow=policy)
+        assert rounded[:2].tolist() == infinities and rounded[2].isnan() and rounded[3] == 1.0, policy
 
 
 @pytest.mark.parametrize("policy", ["inf", "nan", "saturate"])

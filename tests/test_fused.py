@@ -156,6 +156,27 @@ def test_stochastic_rounding_fused_rounds_the_same_draws_to_the_same_bits():
     assert _same_bits(*seeded)
 
 
+@pytest.mark.parametrize("rule", ["torchao", "te"])
+def test_nvfp4_stochastic_rounding_is_fused_on_the_draws_its_eager_self_makes(rule):
+    """An NVFP4 quantiser told to round stochastically draws eagerly, from the call's generator, what its eager body
+    would draw (one per element of its padded blocks, in their order), and its compiled graph rounds on them: the
+    same bits as the eager quantiser on the same seed, and the generator left where the eager one leaves it. On
+    the conformance families (fp4_e2m1 in blocks of 16), each along both dimensions, with 8 random bits and with an
+    FP32 uniform, and on a shape whose blocks are padded (24 values a row: 32 draws)."""
+    quantiser = blocks.te_nvfp4_quantise if rule == "te" else blocks.nvfp4_quantise
+    inputs = [*_inputs("fp4_e2m1", 16), torch.randn(40, 24) * 3]
+    for x in inputs:
+        extra = (x.float().abs().amax(),) if rule == "te" else (blocks.nvfp4_tensor_scale(x),)
+        for dim, sr_bits in ((-1, 8), (0, None)):
+            seeded = [torch.Generator().manual_seed(3) for _ in range(2)]
+            eager = quantiser.eager(x, *extra, dim, "stochastic", seeded[0], sr_bits)
+            fast = quantiser.values(x, *extra, dim=dim, rounding="stochastic", generator=seeded[1], sr_bits=sr_bits)
+            assert _same_bits(eager.values, fast), (rule, x.shape, x.dtype, dim, sr_bits)
+            assert torch.equal(torch.rand(8, generator=seeded[0]), torch.rand(8, generator=seeded[1]))
+    stochastic = [made for key, made in quantiser.values.compiled.items() if ("rounding", "stochastic") in key]
+    assert stochastic and all(made is not None and made.graphs for made in stochastic)  # compiled, not eager
+
+
 def test_a_call_takes_the_fused_path_only_where_it_pays_and_draws_nothing():
     """Large enough for its quantiser (a native cast later than arithmetic), on CPU, no draws, no gradient recorded,
     switched on: compiled; otherwise eager."""

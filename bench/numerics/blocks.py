@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value
+from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value, uniforms
 from bench.numerics.fused import ARITHMETIC_FROM, fused
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
@@ -124,13 +124,14 @@ def _blocked(values: torch.Tensor, elements: torch.Tensor, length: int, within: 
 
 
 def _round_elements(x: torch.Tensor, element: str, rounding: str, generator: torch.Generator | None,
-                    sr_bits: int | None = None) -> torch.Tensor:
+                    sr_bits: int | None = None, draw: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled values onto the element grid, saturating (a caller need not clamp them first): RNE, or stochastic from
-    an FP32 uniform or `sr_bits` random bits (bench.numerics.formats.quantise_stochastic)."""
+    an FP32 uniform or `sr_bits` random bits (bench.numerics.formats.quantise_stochastic; `draw`: those drawn
+    already, one per element of x)."""
     if rounding == "nearest":
         return quantise_value(x, element, overflow="saturate")
     if rounding == "stochastic":
-        return quantise_stochastic(x, element, generator, bits=sr_bits)
+        return quantise_stochastic(x, element, generator, bits=sr_bits, draw=draw)
     raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
 
 
@@ -197,21 +198,28 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     return (x.detach().abs().max().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
 
 
-@fused(ARITHMETIC_FROM, values_alone=True)
+def _nvfp4_draws(x: torch.Tensor, arguments: dict) -> torch.Tensor:
+    """The draws an NVFP4 quantiser's stochastic rounding makes from its generator: one per element of its blocks
+    (`_blocks`' layout along `dim`, padding included), in their order."""
+    shape = _blocks(torch.empty(x.shape, device="meta"), arguments["dim"], NVFP4_BLOCK)[0].shape
+    return uniforms(shape, x.device, arguments["generator"], arguments["sr_bits"])
+
+
+@fused(ARITHMETIC_FROM, values_alone=True, draws=_nvfp4_draws)
 def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1,
                    rounding: str = "nearest", generator: torch.Generator | None = None,
-                   sr_bits: int | None = None) -> Blocked:
+                   sr_bits: int | None = None, draw: torch.Tensor | None = None) -> Blocked:
     """x in NVFP4 by torchao's rule: blocks of 16 along `dim`, E4M3 block scales (under `tensor_scale` when given),
     E2M1 elements rounded by `rounding` (NVIDIA's NVFP4 training recipe rounds gradients stochastically, from
-    `sr_bits` random bits where given)."""
+    `sr_bits` random bits where given; `draw`: those `_nvfp4_draws` drew already)."""
     blocks, length, within = _blocks(x, dim, NVFP4_BLOCK)
     amax = blocks.abs().amax(within, keepdim=True)
-    elements, stored, scale = _nvfp4_scaled(blocks, amax, tensor_scale, rounding, generator, sr_bits)
+    elements, stored, scale = _nvfp4_scaled(blocks, amax, tensor_scale, rounding, generator, sr_bits, draw)
     return _blocked(elements * scale, elements, length, within, stored, amax, scale)
 
 
 def _nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_scale: torch.Tensor | None, rounding: str,
-                  generator: torch.Generator | None, sr_bits: int | None = None
+                  generator: torch.Generator | None, sr_bits: int | None = None, draw: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4's step for blocks (1 x 16, or 16 x 16 tiles) with their `amax`: the stored E4M3 scale
     E4M3(clamp(amax / 6 [/ t], 2^-6, 448)), the elements x * ((1 / t) / s) rounded to E2M1, and the factor s [* t]
@@ -226,7 +234,7 @@ def _nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_scale: torch.
         stored = quantise_value((block_scale / tensor_scale).clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX), "fp8_e4m3")
         scaled = blocks * ((1.0 / tensor_scale) / stored)
         scale = stored * tensor_scale
-    elements = _round_elements(scaled, "fp4_e2m1", rounding, generator, sr_bits)
+    elements = _round_elements(scaled, "fp4_e2m1", rounding, generator, sr_bits, draw)
     return elements, stored, scale
 
 
@@ -239,7 +247,7 @@ def te_nvfp4_encode_scale(tensor_amax: torch.Tensor) -> torch.Tensor:
 
 
 def _te_nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_amax: torch.Tensor, rounding: str,
-                     generator: torch.Generator | None, sr_bits: int | None
+                     generator: torch.Generator | None, sr_bits: int | None, draw: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4's step by Transformer Engine's arithmetic (the module docstring), for blocks with their `amax`: the
     stored E4M3 scale, the elements on the E2M1 grid, and the factor (s x amax_t) x fl(1 / 2688) that dequantises
@@ -249,19 +257,21 @@ def _te_nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_amax: torc
     per_amax = encode * torch.tensor(1 / NVFP4_ELEMENT_MAX, dtype=torch.float32)  # fl(S_enc x fl(1/6)) first
     stored = quantise_value((amax * per_amax).clamp(max=FLOAT32_MAX), "fp8_e4m3", overflow="saturate")
     inverse = (1.0 / (stored * decode)).clamp(max=FLOAT32_MAX)  # a zero block's 1/0 = inf held at FLT_MAX
-    elements = _round_elements(blocks * inverse, "fp4_e2m1", rounding, generator, sr_bits)
+    elements = _round_elements(blocks * inverse, "fp4_e2m1", rounding, generator, sr_bits, draw)
     per_2688 = torch.tensor(1 / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX), dtype=torch.float32)
     return elements, stored, stored * tensor_amax.detach().float() * per_2688  # TE's order: (s x amax) x fl(1/2688)
 
 
-@fused(ARITHMETIC_FROM, values_alone=True)
+@fused(ARITHMETIC_FROM, values_alone=True, draws=_nvfp4_draws)
 def te_nvfp4_quantise(x: torch.Tensor, tensor_amax: torch.Tensor, dim: int = -1, rounding: str = "nearest",
-                      generator: torch.Generator | None = None, sr_bits: int | None = None) -> Blocked:
+                      generator: torch.Generator | None = None, sr_bits: int | None = None,
+                      draw: torch.Tensor | None = None) -> Blocked:
     """x in NVFP4 by Transformer Engine's rule (format.scale_rule=te): blocks of 16 along `dim` under the FP32
-    encode scale of `tensor_amax` (x's own, or its transform's), E2M1 elements rounded by `rounding`."""
+    encode scale of `tensor_amax` (x's own, or its transform's), E2M1 elements rounded by `rounding` (`draw`: the
+    stochastic draws, as `nvfp4_quantise`'s)."""
     blocks, length, within = _blocks(x, dim, NVFP4_BLOCK)
     amax = blocks.abs().amax(within, keepdim=True)
-    elements, stored, scale = _te_nvfp4_scaled(blocks, amax, tensor_amax, rounding, generator, sr_bits)
+    elements, stored, scale = _te_nvfp4_scaled(blocks, amax, tensor_amax, rounding, generator, sr_bits, draw)
     return _blocked(elements * scale, elements, length, within, stored, amax, scale)
 
 

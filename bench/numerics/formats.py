@@ -282,16 +282,18 @@ def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: to
     draw: the FP32 uniforms to use, one per element (a sharded tensor's slice of the whole's), instead of drawing."""
     spec = get_format(fmt)
     if draw is None:
-        draw = _uniforms(x, generator, bits)
+        draw = uniforms(x.shape, x.device, generator, bits)
     return _round_up_below(x, draw, spec, resolve_overflow(spec, overflow), ftz, bits)
 
 
-def _uniforms(x: torch.Tensor, generator: torch.Generator | None, bits: int | None) -> torch.Tensor:
-    """One uniform in [0, 1) per element of x: FP32 (bits None) or n random bits' worth."""
+def uniforms(shape: torch.Size, device: torch.device, generator: torch.Generator | None,
+             bits: int | None) -> torch.Tensor:
+    """The draws `quantise_stochastic` takes for a tensor of `shape`, one per element in its order: FP32 uniforms
+    in [0, 1) (bits None) or n random bits' worth, from the generator's own stream (drawn eagerly, always)."""
     if bits is None:
-        return torch.rand(x.shape, generator=generator, device=x.device)  # eager: the generator's own stream
+        return torch.rand(shape, generator=generator, device=device)
     if bits in SR_BITS:
-        return torch.randint(0, 1 << bits, x.shape, generator=generator, device=x.device).float() / (1 << bits)
+        return torch.randint(0, 1 << bits, shape, generator=generator, device=device).float() / (1 << bits)
     raise ValueError(f"stochastic rounding with {bits} random bits is not offered; valid: null (an FP32 "
                      f"uniform), {', '.join(map(str, SR_BITS))}")
 
@@ -315,7 +317,10 @@ def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, po
     distance = (magnitude - below) / spacing  # exact, in [0, 1)
     if bits is not None:
         distance = torch.floor(distance * (1 << bits)) / (1 << bits)
-    rounded = below + spacing * (draw < distance)
+    # 1 where draw < distance, else 0, from their difference: 0 only where they are equal, and torch's sign of NaN
+    # (an infinite |x|'s distance, inf - inf) is 0, as `draw < NaN` was False. A compiled graph held the comparison
+    # `draw < distance` as a buffer of bools, 5.5x slower (docs/performance.md)
+    rounded = below + spacing * (distance - draw).sign().clamp(min=0)
     overflowed = rounded > spec.max
     if policy == "saturate":
         rounded = rounded.clamp(max=spec.max)

@@ -14,9 +14,11 @@ holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
   quantiser calling another, takes the eager body into its own graph). On CUDA the quantisers run eagerly:
   inductor's Triton code for MX's rceil scale was not bit for bit the eager one on an H100 (2026-11-27, `pytest -m
   cuda`), where the eager quantisers on CUDA gave the CPU's bits;
-- the call draws no random numbers: stochastic rounding (`rounding="stochastic"`, or a `generator`) stays eager,
-  because a compiled graph draws from inductor's own generator, not the eager one's stream (given its draws,
-  `_round_up_below` is fused);
+- the call draws no random numbers, or its quantiser makes its draws itself (`fused(draws=...)`: NVFP4's, both
+  scale rules). A compiled graph would draw from inductor's own generator, not the eager one's stream, so such a
+  quantiser draws eagerly, from the call's generator, what its eager body would draw, and its graph takes them
+  (`draw`). Other stochastic calls (`rounding="stochastic"`, or a `generator`) run eagerly; `_round_up_below`,
+  given its draws, is fused;
 - no gradient is being recorded through x (the quantisers run inside autograd Functions' forward passes);
 - the environment does not say `PRECISION_BENCH_FUSED=0` (the switch; on by default). Records say which ran
   (`env.fused_quantisers`); the test suite runs the eager reference unless a test switches it on.
@@ -186,9 +188,12 @@ def _called_directly(compiled: Callable, tensors: list[torch.Tensor], outputs: i
         return False
 
 
-def fused(from_elements: int | Callable[..., int], values_alone: bool = False) -> Callable[[Callable], Callable]:
+def fused(from_elements: int | Callable[..., int], values_alone: bool = False,
+          draws: Callable[[torch.Tensor, dict], torch.Tensor] | None = None) -> Callable[[Callable], Callable]:
     """Decorate quantiser `fn(x, ...)`: its compiled twin where it pays (the module docstring says when), `fn`
     otherwise. from_elements: the fewest elements compiled, or a function of the call's other arguments giving it.
+    draws: for a quantiser with a `draw` parameter, `draws(x, arguments)` (its arguments by name, defaults filled
+    in) makes the stochastic draws its eager body would make; a stochastic call is then fused, given them.
     `quantiser.eager` is `fn`, `quantiser.fused` the compiled path whatever the call (the tests' and the benchmark's),
     `quantiser.compiled` its Specialisations so far (None: one that failed to compile, eager).
     With `values_alone` (a quantiser returning a blocks.Blocked), `quantiser.values` is the same call returning only its
@@ -196,14 +201,15 @@ def fused(from_elements: int | Callable[..., int], values_alone: bool = False) -
     writes one tensor where the whole Blocked writes two and the per-block fields, which also keep inductor from
     running the block amax and the elements in one loop: MX's values alone ran 1.9x faster (docs/performance.md)."""
     def decorate(fn: Callable) -> Callable:
-        quantiser = _dispatch(fn, from_elements, None)
+        quantiser = _dispatch(fn, from_elements, None, draws)
         if values_alone:
-            quantiser.values = _dispatch(fn, from_elements, "values")
+            quantiser.values = _dispatch(fn, from_elements, "values", draws)
         return quantiser
     return decorate
 
 
-def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str | None) -> Callable:
+def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str | None,
+              draws_for: Callable[[torch.Tensor, dict], torch.Tensor] | None = None) -> Callable:
     """`fused`'s quantiser for fn, returning its result's field `pick` alone where pick is given."""
     signature = inspect.signature(fn)
     compiled: dict[tuple, Callable | None] = {}  # per static key; None: it failed to compile, eager
@@ -245,14 +251,27 @@ def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str |
                 logger.warning("fused %s fell back to eager: %s", fn.__name__, FELL_BACK[-1])
         return eager(x, *args, **kwargs)
 
+    def with_draws(x: torch.Tensor, args: tuple, kwargs: dict) -> dict:
+        """The call's arguments by name (x's aside) with its draws made, eagerly, as its eager body would make them,
+        and no generator left to draw from."""
+        arguments = signature.bind(x, *args, **kwargs)
+        arguments.apply_defaults()
+        named = dict(list(arguments.arguments.items())[1:])
+        named["draw"] = draws_for(x, named)
+        named["generator"] = None
+        return named
+
     @functools.wraps(fn)
     def quantiser(x: torch.Tensor, *args, **kwargs):
         # the switch first: off, a call costs one lookup before the eager quantiser
         least = from_elements if isinstance(from_elements, int) else from_elements(*args, **kwargs)
         if (not enabled() or x.numel() < least or x.device.type not in FUSED_DEVICES
-                or in_graph() or (x.requires_grad and torch.is_grad_enabled())
-                or draws(args, kwargs)):
+                or in_graph() or (x.requires_grad and torch.is_grad_enabled())):
             return eager(x, *args, **kwargs)
+        if draws(args, kwargs):
+            if draws_for is None or chosen("rounding", args, kwargs, "nearest") != "stochastic":
+                return eager(x, *args, **kwargs)
+            return run_fused(x, **with_draws(x, args, kwargs))
         return run_fused(x, *args, **kwargs)
 
     quantiser.eager, quantiser.fused, quantiser.compiled = eager, run_fused, compiled
