@@ -161,8 +161,8 @@ def test_nvfp4_stochastic_rounding_is_fused_on_the_draws_its_eager_self_makes(ru
     """An NVFP4 quantiser told to round stochastically draws eagerly, from the call's generator, what its eager body
     would draw (one per element of its padded blocks, in their order), and its compiled graph rounds on them: the
     same bits as the eager quantiser on the same seed, and the generator left where the eager one leaves it. On
-    the conformance families (fp4_e2m1 in blocks of 16), each along both dimensions, with 8 random bits and with an
-    FP32 uniform, and on a shape whose blocks are padded (24 values a row: 32 draws)."""
+    the conformance families (fp4_e2m1 in blocks of 16), along the last dimension with 8 random bits and along the
+    first with FP32 uniforms, and on a shape whose blocks are padded (24 values a row: 32 draws)."""
     quantiser = blocks.te_nvfp4_quantise if rule == "te" else blocks.nvfp4_quantise
     inputs = [*_inputs("fp4_e2m1", 16), torch.randn(40, 24) * 3]
     for x in inputs:

@@ -14,8 +14,6 @@ lower is); a run whose curve never does has none, and says so: no number is made
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pandas as pd
 
@@ -42,7 +40,6 @@ def steps_to_target(points: list, target: float, higher_is_better: bool) -> int 
     return None
 
 
-@functools.lru_cache(maxsize=None)
 def declared_target(experiment: str) -> float | None:
     """A preset's own quality target (`hydra.sweeper.quality_target` in conf/experiment/<experiment>.yaml), if any."""
     value = (preset_sweeper(experiment) or {}).get("quality_target")

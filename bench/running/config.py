@@ -61,6 +61,7 @@ def preset_sweeper(experiment: str) -> DictConfig | None:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return composed()
 
+
 def _cell_resolver(*, _root_: DictConfig) -> str:
     """`cell: ${bench_cell:}`: in a Hydra job, from this job's choices and overrides (Hydra sets its
     HydraConfig before it resolves the job's directory); composed outside a job, from the config alone."""
