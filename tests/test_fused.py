@@ -156,22 +156,40 @@ def test_stochastic_rounding_fused_rounds_the_same_draws_to_the_same_bits():
     assert _same_bits(*seeded)
 
 
-@pytest.mark.parametrize("rule", ["torchao", "te"])
-def test_nvfp4_stochastic_rounding_is_fused_on_the_draws_its_eager_self_makes(rule):
-    """An NVFP4 quantiser told to round stochastically draws eagerly, from the call's generator, what its eager body
+# each block quantiser that rounds stochastically: (the quantiser, the conformance families it is checked on: element
+# and block width, its arguments before `dim` for an input x, the dimensions it is run along with the random bits
+# it is given there: None, an FP32 uniform; () for one with no dimension, a 2-D weight's tiles)
+STOCHASTIC_BLOCK_QUANTISERS = {
+    "nvfp4": (blocks.nvfp4_quantise, ("fp4_e2m1", 16), lambda x: (blocks.nvfp4_tensor_scale(x),),
+              ((-1, 8), (0, None))),
+    "nvfp4 te": (blocks.te_nvfp4_quantise, ("fp4_e2m1", 16), lambda x: (x.float().abs().amax(),),
+                 ((-1, 8), (0, None))),
+    **{f"mx {element}": (blocks.mx_quantise, (element, blocks.MX_BLOCK), lambda x, element=element: (element,),
+                         ((-1, None), (0, None))) for element in blocks.MX_ELEMENTS},
+    "rowwise": (blocks.rowwise_quantise, ("fp8_e4m3", 128), lambda x: (), ((-1, None), (0, None))),
+    "1x128 tiles": (blocks.tile_quantise, ("fp8_e4m3", 128), lambda x: (), ((-1, None), (0, None))),
+    "nvfp4 16x16 tiles": (blocks.nvfp4_tile_quantise, ("fp4_e2m1", 16), lambda x: (blocks.nvfp4_tensor_scale(x),),
+                          ((None, None),)),
+}
+FAST_STOCHASTIC = ("nvfp4", "nvfp4 te", "mx fp8_e4m3", "rowwise")
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in FAST_STOCHASTIC else pytest.mark.slow)
+                                  for name in STOCHASTIC_BLOCK_QUANTISERS])
+def test_stochastic_block_rounding_is_fused_on_the_draws_its_eager_self_makes(name):
+    """A block quantiser told to round stochastically draws eagerly, from the call's generator, what its eager body
     would draw (one per element of its padded blocks, in their order), and its compiled graph rounds on them: the
-    same bits as the eager quantiser on the same seed, and the generator left where the eager one leaves it. On
-    the conformance families (fp4_e2m1 in blocks of 16), along the last dimension with 8 random bits and along the
-    first with FP32 uniforms, and on a shape whose blocks are padded (24 values a row: 32 draws)."""
-    quantiser = blocks.te_nvfp4_quantise if rule == "te" else blocks.nvfp4_quantise
-    inputs = [*_inputs("fp4_e2m1", 16), torch.randn(40, 24) * 3]
-    for x in inputs:
-        extra = (x.float().abs().amax(),) if rule == "te" else (blocks.nvfp4_tensor_scale(x),)
-        for dim, sr_bits in ((-1, 8), (0, None)):
+    same bits as the eager quantiser on the same seed, and the generator left where the eager one leaves it. On the
+    conformance families of its element and block, along each dimension it is run along (NVFP4's last with 8 random
+    bits, the others with FP32 uniforms), and on a shape whose blocks are padded (40 x 24)."""
+    quantiser, (element, width), leading, runs = STOCHASTIC_BLOCK_QUANTISERS[name]
+    for x in [*_inputs(element, width), torch.randn(40, 24) * 3]:
+        for dim, sr_bits in runs:
+            named = ({} if dim is None else {"dim": dim}) | ({} if sr_bits is None else {"sr_bits": sr_bits})
             seeded = [torch.Generator().manual_seed(3) for _ in range(2)]
-            eager = quantiser.eager(x, *extra, dim, "stochastic", seeded[0], sr_bits)
-            fast = quantiser.values(x, *extra, dim=dim, rounding="stochastic", generator=seeded[1], sr_bits=sr_bits)
-            assert _same_bits(eager.values, fast), (rule, x.shape, x.dtype, dim, sr_bits)
+            eager = quantiser.eager(x, *leading(x), rounding="stochastic", generator=seeded[0], **named)
+            fast = quantiser.values(x, *leading(x), rounding="stochastic", generator=seeded[1], **named)
+            assert _same_bits(eager.values, fast), (name, x.shape, x.dtype, dim, sr_bits)
             assert torch.equal(torch.rand(8, generator=seeded[0]), torch.rand(8, generator=seeded[1]))
     stochastic = [made for key, made in quantiser.values.compiled.items() if ("rounding", "stochastic") in key]
     assert stochastic and all(made is not None and made.graphs for made in stochastic)  # compiled, not eager
@@ -196,9 +214,8 @@ def test_a_call_takes_the_fused_path_only_where_it_pays_and_draws_nothing():
     assert not compiles(lambda: quantise_value(torch.randn(cast).requires_grad_(), "fp6_e2m3", "nan"))
     blocked = blocks.mx_quantise.compiled
     before = len(blocked)
-    blocks.mx_quantise(torch.randn(64, 32), "fp6_e3m2", rounding="stochastic",
-                       generator=torch.Generator().manual_seed(0))
-    assert len(blocked) == before  # stochastic: eager, whatever the size
+    blocks.mx_quantise(torch.randn(64, 32), "fp6_e3m2", generator=torch.Generator().manual_seed(0))
+    assert len(blocked) == before  # a generator but no stochastic rounding to make draws for: eager, any size
     blocks.mx_quantise(torch.randn(1, 32), "fp6_e3m2")
     assert len(blocked) == before + 1  # to nearest, as large: compiled
     x = torch.randn(3, arithmetic)
@@ -331,12 +348,18 @@ def _losses(make_cfg, tmp_path, monkeypatch, switch: str, *overrides) -> tuple[l
 
 # FP8 in make test (18 s here); MXFP8's LeNet compiles a graph for each block layout of each layer (79 s): slow
 @pytest.mark.parametrize("fmt", [
-    "fp8", pytest.param("mxfp8", marks=pytest.mark.slow), pytest.param("nvfp4_recipe", marks=pytest.mark.slow)])
+    "fp8", pytest.param("mxfp8 format.rounding=stochastic", marks=pytest.mark.slow),
+    pytest.param("nvfp4_recipe", marks=pytest.mark.slow)])
 def test_an_emulated_run_fused_logs_the_eager_runs_losses_exactly(make_cfg, tmp_path, monkeypatch, fmt):
     """The whole path, not only each quantiser: a cell trained with its roundings fused (every one that pays:
-    activations, weights, gradients, along either dimension) is the eager cell, loss for loss, bit for bit."""
+    activations, weights, gradients, along either dimension; MXFP8's and the NVFP4 recipe's gradients rounded
+    stochastically, on the draws their eager selves make) is the eager cell, loss for loss, bit for bit."""
     model = "model=bert_tiny" if fmt == "nvfp4_recipe" else "model=lenet"
-    eager, eager_said = _losses(make_cfg, tmp_path, monkeypatch, "0", model, f"format={fmt}")
-    fast, fast_said = _losses(make_cfg, tmp_path, monkeypatch, "1", model, f"format={fmt}")
+    overrides = [f"format={fmt.split()[0]}", *fmt.split()[1:]]
+    eager, eager_said = _losses(make_cfg, tmp_path, monkeypatch, "0", model, *overrides)
+    fast, fast_said = _losses(make_cfg, tmp_path, monkeypatch, "1", model, *overrides)
     assert (eager_said, fast_said) == (False, True)
     assert len(eager) >= 3 and fast == eager
+    if "stochastic" in fmt:  # its gradients' graphs compiled, not run eagerly
+        assert any(("rounding", "stochastic") in key and made.graphs
+                   for key, made in blocks.mx_quantise.values.compiled.items() if made is not None)

@@ -45,6 +45,7 @@ scales.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -123,6 +124,26 @@ def _blocked(values: torch.Tensor, elements: torch.Tensor, length: int, within: 
                    per_block(amax), per_block(factor), None if scale_bits is None else per_block(scale_bits))
 
 
+def _draws_over(blocked_shape: Callable[[torch.Tensor, dict], torch.Size]
+                ) -> Callable[[torch.Tensor, dict], torch.Tensor]:
+    """A block quantiser's `fused(draws=...)`: the draws its stochastic rounding makes from its generator, one per
+    element of its blocks as its eager body lays them out (`blocked_shape(x, arguments)`, padding included), in their
+    order: FP32 uniforms, or `sr_bits` random bits where the quantiser takes them."""
+    return lambda x, arguments: uniforms(blocked_shape(x, arguments), x.device, arguments["generator"],
+                                         arguments.get("sr_bits"))
+
+
+def _blocks_shape(x: torch.Tensor, dim: int, k: int) -> torch.Size:
+    """The shape `_blocks` gives x (worked out on the meta device: nothing is read or written)."""
+    return _blocks(torch.empty(x.shape, device="meta"), dim, k)[0].shape
+
+
+_mx_draws = _draws_over(lambda x, arguments: _blocks_shape(x, arguments["dim"], arguments["block"]))
+_nvfp4_draws = _draws_over(lambda x, arguments: _blocks_shape(x, arguments["dim"], NVFP4_BLOCK))
+_row_draws = _draws_over(lambda x, arguments: _blocks_shape(x, arguments["dim"], x.shape[arguments["dim"]]))
+_tile_draws = _draws_over(lambda x, arguments: _blocks_shape(x, arguments["dim"], arguments["tile"]))
+
+
 def _round_elements(x: torch.Tensor, element: str, rounding: str, generator: torch.Generator | None,
                     sr_bits: int | None = None, draw: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled values onto the element grid, saturating (a caller need not clamp them first): RNE, or stochastic from
@@ -166,11 +187,13 @@ def _e8m0_value(biased: torch.Tensor) -> torch.Tensor:
     return torch.where(biased > 0, biased.int() << 23, 1 << 22).view(torch.float32)
 
 
-@fused(ARITHMETIC_FROM, values_alone=True)
+@fused(ARITHMETIC_FROM, values_alone=True, draws=_mx_draws)
 def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -1, block: int = MX_BLOCK,
-                rounding: str = "nearest", generator: torch.Generator | None = None) -> Blocked:
+                rounding: str = "nearest", generator: torch.Generator | None = None,
+                draw: torch.Tensor | None = None) -> Blocked:
     """x in an MX format: blocks of `block` along `dim`, E8M0 scales by `mode`, elements saturated and rounded by
-    `rounding` (nearest even, or stochastic from `generator`: the scale is the same either way)."""
+    `rounding` (nearest even, or stochastic from `generator`: the scale is the same either way; `draw`: the
+    stochastic draws, made already by `_mx_draws`)."""
     if element not in MX_ELEMENTS:
         raise ValueError(f"unknown MX element format {element!r}; valid: {', '.join(MX_ELEMENTS)}")
     spec = FORMATS[element]
@@ -181,7 +204,7 @@ def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -
     scale = torch.where(nan, torch.nan, _e8m0_value(biased))  # 2^e, exact down to 2^-127
     # x * 2^-e is x / 2^e exactly (a power of two), and a multiply is cheaper than a divide
     elements = _round_elements(blocks * torch.where(nan, torch.nan, _e8m0_value(2 * E8M0_BIAS - biased)), element,
-                               rounding, generator)
+                               rounding, generator, draw=draw)
     values = elements * scale
     return _blocked(values, elements, length, within, scale, amax, scale, biased.to(torch.uint8))
 
@@ -196,13 +219,6 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     infinite or NaN amax still gives a non-finite t, so an overflow stays visible."""
     # max(), not amax(): the same full reduction, but torch_xla 2.9 reduces nothing for amax() without dims
     return (x.detach().abs().max().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
-
-
-def _nvfp4_draws(x: torch.Tensor, arguments: dict) -> torch.Tensor:
-    """The draws an NVFP4 quantiser's stochastic rounding makes from its generator: one per element of its blocks
-    (`_blocks`' layout along `dim`, padding included), in their order."""
-    shape = _blocks(torch.empty(x.shape, device="meta"), arguments["dim"], NVFP4_BLOCK)[0].shape
-    return uniforms(shape, x.device, arguments["generator"], arguments["sr_bits"])
 
 
 @fused(ARITHMETIC_FROM, values_alone=True, draws=_nvfp4_draws)
@@ -292,32 +308,35 @@ def te_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_scaled(blocks: torch.Tensor, scale: torch.Tensor, rounding: str = "nearest",
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    elements = _round_elements(blocks * scale, "fp8_e4m3", rounding, generator)
+                generator: torch.Generator | None = None, draw: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    elements = _round_elements(blocks * scale, "fp8_e4m3", rounding, generator, draw=draw)
     return elements, elements / scale
 
 
-def _fp8_runs(x: torch.Tensor, dim: int, run: int, scale_rule, rounding: str, generator) -> Blocked:
+def _fp8_runs(x: torch.Tensor, dim: int, run: int, scale_rule, rounding: str, generator, draw) -> Blocked:
     blocks, length, within = _blocks(x, dim, run)
     amax = blocks.abs().amax(within, keepdim=True)
     scale = scale_rule(amax)
-    elements, values = _fp8_scaled(blocks, scale, rounding, generator)
+    elements, values = _fp8_scaled(blocks, scale, rounding, generator, draw)
     return _blocked(values, elements, length, within, scale, amax, 1 / scale)
 
 
-@fused(ARITHMETIC_FROM, values_alone=True)
+@fused(ARITHMETIC_FROM, values_alone=True, draws=_row_draws)
 def rowwise_quantise(x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
-                     generator: torch.Generator | None = None) -> Blocked:
+                     generator: torch.Generator | None = None, draw: torch.Tensor | None = None) -> Blocked:
     """x in E4M3 with one torchao power-of-two scale per row along `dim` (`scale` holds s: x ~ elements / s),
-    the elements rounded by `rounding` (stochastic: an option of this suite; torchao rounds to nearest)."""
-    return _fp8_runs(x, dim, x.shape[dim], torchao_pow2_scale, rounding, generator)
+    the elements rounded by `rounding` (stochastic: an option of this suite; torchao rounds to nearest; `draw`: the
+    stochastic draws, made already by `_row_draws`)."""
+    return _fp8_runs(x, dim, x.shape[dim], torchao_pow2_scale, rounding, generator, draw)
 
 
-@fused(ARITHMETIC_FROM, values_alone=True)
+@fused(ARITHMETIC_FROM, values_alone=True, draws=_tile_draws)
 def tile_quantise(x: torch.Tensor, dim: int = -1, tile: int = FP8_TILE, rounding: str = "nearest",
-                  generator: torch.Generator | None = None) -> Blocked:
-    """x in E4M3 with one Transformer Engine power-of-two scale per 1 x `tile` run along `dim`."""
-    return _fp8_runs(x, dim, tile, te_pow2_scale, rounding, generator)
+                  generator: torch.Generator | None = None, draw: torch.Tensor | None = None) -> Blocked:
+    """x in E4M3 with one Transformer Engine power-of-two scale per 1 x `tile` run along `dim` (rounded as
+    `rowwise_quantise`'s; `draw`: made already by `_tile_draws`)."""
+    return _fp8_runs(x, dim, tile, te_pow2_scale, rounding, generator, draw)
 
 
 def _square_tiles(w: torch.Tensor, tile: int) -> torch.Tensor:
@@ -394,17 +413,22 @@ def random_hadamard_transform(x: torch.Tensor, matrix: torch.Tensor, dim: int = 
     return grouped.reshape(-1, *moved.shape[1:]).movedim(0, dim)
 
 
-@fused(ARITHMETIC_FROM, values_alone=True)
+_square_tile_draws = _draws_over(lambda w, arguments: _square_tiles(torch.empty(w.shape, device="meta"),
+                                                                    NVFP4_TILE).shape)
+
+
+@fused(ARITHMETIC_FROM, values_alone=True, draws=_square_tile_draws)
 def nvfp4_tile_quantise(w: torch.Tensor, tensor_scale: torch.Tensor, rounding: str = "nearest",
-                        generator: torch.Generator | None = None) -> Blocked:
+                        generator: torch.Generator | None = None, draw: torch.Tensor | None = None) -> Blocked:
     """A 2-D weight in NVFP4 with one E4M3 scale per 16 x 16 tile (NVIDIA's recipe: the forward GEMM, which reduces
     along the columns, and the input-gradient GEMM, along the rows, then read the same quantised weight). Each tile as
     nvfp4_quantise makes a block: E4M3(clamp(tile amax / 6 / t, 2^-6, 448)) under the FP32 tensor scale t, elements
-    x * ((1 / t) / s) rounded to E2M1. Edge tiles are shorter (their amax over the elements they have); `scale` and
-    `amax` are (ceil(rows / 16), ceil(cols / 16))."""
+    x * ((1 / t) / s) rounded to E2M1 (`draw`: the stochastic draws, made already by `_square_tile_draws`). Edge
+    tiles are shorter (their amax over the elements they have); `scale` and `amax` are (ceil(rows / 16),
+    ceil(cols / 16))."""
     squares = _square_tiles(w, NVFP4_TILE)
     amax = squares.abs().amax((1, 3), keepdim=True)
-    elements, stored, scale = _nvfp4_scaled(squares, amax, tensor_scale, rounding, generator)
+    elements, stored, scale = _nvfp4_scaled(squares, amax, tensor_scale, rounding, generator, draw=draw)
     return _tiled(w, elements * scale, elements, stored, amax, scale)
 
 

@@ -14,11 +14,12 @@ holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
   quantiser calling another, takes the eager body into its own graph). On CUDA the quantisers run eagerly:
   inductor's Triton code for MX's rceil scale was not bit for bit the eager one on an H100 (2026-11-27, `pytest -m
   cuda`), where the eager quantisers on CUDA gave the CPU's bits;
-- the call draws no random numbers, or its quantiser makes its draws itself (`fused(draws=...)`: NVFP4's, both
-  scale rules). A compiled graph would draw from inductor's own generator, not the eager one's stream, so such a
+- the call draws no random numbers, or its quantiser makes its draws itself (`fused(draws=...)`: every block
+  quantiser that rounds stochastically, MX, NVFP4 by either scale rule, its 16 x 16 tiles, FP8 rowwise and 1 x 128
+  tiles). A compiled graph would draw from inductor's own generator, not the eager one's stream, so such a
   quantiser draws eagerly, from the call's generator, what its eager body would draw, and its graph takes them
-  (`draw`). Other stochastic calls (`rounding="stochastic"`, or a `generator`) run eagerly; `_round_up_below`,
-  given its draws, is fused;
+  (`draw`). Other calls that would draw (a `generator` with no stochastic rounding to give it, a quantiser that
+  declares no draws) run eagerly; `_round_up_below`, given its draws, is fused;
 - no gradient is being recorded through x (the quantisers run inside autograd Functions' forward passes);
 - the environment does not say `PRECISION_BENCH_FUSED=0` (the switch; on by default). Records say which ran
   (`env.fused_quantisers`); the test suite runs the eager reference unless a test switches it on.
