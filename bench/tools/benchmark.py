@@ -46,9 +46,11 @@ things compared, in one process:
 - quantise_ns.<format>: nanoseconds per value of bench.numerics.formats.quantise on 2^20 float32 values, and of the
   block quantisers (MX, NVFP4, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix (fused where that
   pays: bench/numerics/fused.py). quantise_of_clone.<format>.{eager,fused}: each one's throughput as a fraction of
-  x.clone()'s (the memory floor: one read, one write) on 4096 x 4096, eager and fused, and on a CUDA machine
-  quantise_of_clone_cuda.* on 8192 x 8192: the median over alternating rounds of each round's ratio, the fused
-  path's with its 95% bootstrap interval (.median_low, .median_high). Target for the fused path: >= 0.7.
+  x.clone()'s (the memory floor: one read, one write) on 4096 x 4096, eager and fused (MXFP8, NVFP4 and FP8's
+  1 x 128 tiles also with their blocks along dim 0, `<format>_dim0`, as a weight-gradient GEMM's operands are), and on
+  a CUDA machine quantise_of_clone_cuda.* on 8192 x 8192: the median over alternating rounds of each round's
+  ratio, the fused path's with its 95% bootstrap interval (.median_low, .median_high). Target for the fused path:
+  >= 0.7.
   quantise_call_us.<format>.<elements>.{eager,fused}: one call on 32 to 16,384 values, which fixes from what size
   the fused path is taken. No target.
 - optimizer_ratio.<state_format>: one AdamW step over the char-LM's matrices with its moments in BF16, int8, int4
@@ -548,12 +550,14 @@ BLOCK_QUANTISERS = {  # on a (1024, 1024) tensor, blocked along its rows
     "nvfp4_stochastic": lambda x: nvfp4_quantise(x, nvfp4_tensor_scale(x), rounding="stochastic"),
     "fp8_rowwise": rowwise_quantise, "fp8_1x128": tile_quantise, "fp8_128x128": tile2d_quantise}
 ELEMENT_FORMATS = ("tf32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
-# quantise_of_clone: each quantiser and its arguments after x (None: the tensor's NVFP4 scale), eager and fused
+# quantise_of_clone: each quantiser and its arguments after x (None: the tensor's NVFP4 scale), eager and fused;
+# blocks along dim -1, and (`_dim0`) along dim 0, as a weight-gradient GEMM's operands are blocked
 FUSED_QUANTISERS = {**{fmt: (quantise_value, (fmt,)) for fmt in ELEMENT_FORMATS},
                     "mxfp8_e4m3": (mx_quantise, ("fp8_e4m3",)), "mxfp6_e2m3": (mx_quantise, ("fp6_e2m3",)),
                     "mxfp4_e2m1": (mx_quantise, ("fp4_e2m1",)), "nvfp4": (nvfp4_quantise, (None,)),
                     "fp8_rowwise": (rowwise_quantise, ()), "fp8_1x128": (tile_quantise, ()),
-                    "fp8_128x128": (tile2d_quantise, ())}
+                    "fp8_128x128": (tile2d_quantise, ()), "mxfp8_e4m3_dim0": (mx_quantise, ("fp8_e4m3", "floor", 0)),
+                    "nvfp4_dim0": (nvfp4_quantise, (None, 0)), "fp8_1x128_dim0": (tile_quantise, (0,))}
 OF_CLONE_TARGET = ">= 0.7"  # a fused quantiser's throughput as a fraction of x.clone()'s (one read, one write)
 OF_CLONE_ROUNDS = 15  # a ratio per round: 3 rounds' medians moved by up to 0.4 run to run (a shared 2-core VM)
 
