@@ -14,7 +14,7 @@ from bench.numerics.blocks import (
     te_nvfp4_quantise,
     te_nvfp4_tile_quantise,
 )
-from bench.numerics.formats import quantise_stochastic
+from bench.numerics.formats import quantise_stochastic, uniforms
 from bench.running.config import ConfigError, check
 from bench.tools import conformance
 
@@ -94,6 +94,17 @@ def test_eight_bit_stochastic_rounding_rounds_up_with_probability_floor_256_f_ov
     if fraction < 1 / 256:
         assert not (quantise_stochastic(x, "fp4_e2m1", torch.Generator().manual_seed(1), bits=8) == 1.5).any()
 
+
+
+def test_eight_bit_draws_are_the_int64_streams_and_leave_the_generator_where_it_left():
+    """`uniforms(..., bits=8)` draws its integers as FP32 (faster); they are the draws the committed stochastic cells
+    made, torch.randint's int64 integers over 256, and the generator ends where that left it."""
+    generators = [torch.Generator().manual_seed(11) for _ in range(2)]
+    shape = (3, 1000, 7)
+    ours = uniforms(shape, torch.device("cpu"), generators[0], 8)
+    reference = torch.randint(0, 256, shape, generator=generators[1]).float() / 256
+    assert ours.dtype == torch.float32 and torch.equal(ours, reference)
+    assert torch.equal(torch.rand(16, generator=generators[0]), torch.rand(16, generator=generators[1]))
 
 def test_a_te_weight_tile_rounds_to_nearest_under_its_tile_scale():
     w = torch.randn(32, 48, generator=torch.Generator().manual_seed(0))
