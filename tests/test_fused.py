@@ -132,6 +132,24 @@ def test_every_other_block_quantiser_fused_is_its_eager_self_bit_for_bit(quantis
         assert _same_bits(eager.values, call.values.fused(x, *args)), quantiser
 
 
+
+def test_te_nvfp4_takes_its_own_tensor_amax_inside_its_graph_as_the_caller_took_it():
+    """Transformer Engine's NVFP4 quantisers given no tensor amax take x's own (`tensor_amax_of`), which a fused call
+    computes inside its graph: the bits of the eager quantiser given x.abs().max() by its caller, as training called
+    it, on the conformance families whole (NaN and infinities included: their amax is NaN or inf) and on their
+    finite rows alone (a finite amax), along both dimensions and in 16 x 16 tiles."""
+    families = _inputs("fp4_e2m1", 16)
+    for x in [*families, *(x[x.isfinite().all(-1)] for x in families)]:
+        given = x.float().abs().max()
+        for dim in (-1, 0):
+            eager = blocks.te_nvfp4_quantise.eager(x, given, dim)
+            assert _same_bits(eager, blocks.te_nvfp4_quantise.fused(x, None, dim), BLOCKED_FIELDS), (x.dtype, dim)
+            assert _same_bits(eager.values, blocks.te_nvfp4_quantise.values.fused(x, dim=dim)), (x.dtype, dim)
+        square = x.float()[: len(x) // 16 * 16]
+        eager = blocks.te_nvfp4_tile_quantise.eager(square, square.abs().max())
+        assert _same_bits(eager, blocks.te_nvfp4_tile_quantise.fused(square), BLOCKED_FIELDS), x.dtype
+    assert not torch.isfinite(families[0].abs().max())  # the families hold a non-finite value
+
 def test_values_alone_are_the_blocked_values_and_write_nothing_else():
     """What a training step asks for (`quantiser.values`): the Blocked's values, bit for bit, eager and fused, from a
     graph with one output (inductor writes no elements and no per-block fields)."""
@@ -349,12 +367,14 @@ def _losses(make_cfg, tmp_path, monkeypatch, switch: str, *overrides) -> tuple[l
 # FP8 in make test (18 s here); MXFP8's LeNet compiles a graph for each block layout of each layer (79 s): slow
 @pytest.mark.parametrize("fmt", [
     "fp8", pytest.param("mxfp8 format.rounding=stochastic", marks=pytest.mark.slow),
-    pytest.param("nvfp4_recipe", marks=pytest.mark.slow)])
+    pytest.param("nvfp4_recipe", marks=pytest.mark.slow),
+    pytest.param("nvfp4_recipe format.scale_rule=te format.sr_bits=8", marks=pytest.mark.slow)])
 def test_an_emulated_run_fused_logs_the_eager_runs_losses_exactly(make_cfg, tmp_path, monkeypatch, fmt):
     """The whole path, not only each quantiser: a cell trained with its roundings fused (every one that pays:
     activations, weights, gradients, along either dimension; MXFP8's and the NVFP4 recipe's gradients rounded
-    stochastically, on the draws their eager selves make) is the eager cell, loss for loss, bit for bit."""
-    model = "model=bert_tiny" if fmt == "nvfp4_recipe" else "model=lenet"
+    stochastically, on the draws their eager selves make; the recipe by torchao's and by Transformer Engine's scale
+    rule, whose tensor amax a fused graph takes itself) is the eager cell, loss for loss, bit for bit."""
+    model = "model=bert_tiny" if fmt.startswith("nvfp4_recipe") else "model=lenet"
     overrides = [f"format={fmt.split()[0]}", *fmt.split()[1:]]
     eager, eager_said = _losses(make_cfg, tmp_path, monkeypatch, "0", model, *overrides)
     fast, fast_said = _losses(make_cfg, tmp_path, monkeypatch, "1", model, *overrides)

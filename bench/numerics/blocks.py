@@ -217,8 +217,13 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     element saturates to 6). With the floor a zero tensor quantises to exact zeros and a tiny one to finite values
     on its grid; the result equals torchao's wherever the amax is 2688 * 2^-121 (about 1.05e-33) or more. An
     infinite or NaN amax still gives a non-finite t, so an overflow stays visible."""
-    # max(), not amax(): the same full reduction, but torch_xla 2.9 reduces nothing for amax() without dims
-    return (x.detach().abs().max().float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
+    return (tensor_amax_of(x).float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
+
+
+def tensor_amax_of(x: torch.Tensor) -> torch.Tensor:
+    """x's largest magnitude (NaN where it holds one), the amax of NVFP4's two-level scale. max(), not amax(): the
+    same full reduction, but torch_xla 2.9 reduces nothing for amax() without dims."""
+    return x.detach().abs().max()
 
 
 @fused(ARITHMETIC_FROM, values_alone=True, draws=_nvfp4_draws)
@@ -279,12 +284,14 @@ def _te_nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_amax: torc
 
 
 @fused(ARITHMETIC_FROM, values_alone=True, draws=_nvfp4_draws)
-def te_nvfp4_quantise(x: torch.Tensor, tensor_amax: torch.Tensor, dim: int = -1, rounding: str = "nearest",
-                      generator: torch.Generator | None = None, sr_bits: int | None = None,
+def te_nvfp4_quantise(x: torch.Tensor, tensor_amax: torch.Tensor | None = None, dim: int = -1,
+                      rounding: str = "nearest", generator: torch.Generator | None = None, sr_bits: int | None = None,
                       draw: torch.Tensor | None = None) -> Blocked:
     """x in NVFP4 by Transformer Engine's rule (format.scale_rule=te): blocks of 16 along `dim` under the FP32
-    encode scale of `tensor_amax` (x's own, or its transform's), E2M1 elements rounded by `rounding` (`draw`: the
-    stochastic draws, as `nvfp4_quantise`'s)."""
+    encode scale of `tensor_amax` (None: x's own, taken in the same call, and so inside its fused graph, which then
+    reads x once more rather than three times), E2M1 elements rounded by `rounding` (`draw`: the stochastic draws,
+    as `nvfp4_quantise`'s)."""
+    tensor_amax = tensor_amax_of(x) if tensor_amax is None else tensor_amax
     blocks, length, within = _blocks(x, dim, NVFP4_BLOCK)
     amax = blocks.abs().amax(within, keepdim=True)
     elements, stored, scale = _te_nvfp4_scaled(blocks, amax, tensor_amax, rounding, generator, sr_bits, draw)
@@ -433,10 +440,11 @@ def nvfp4_tile_quantise(w: torch.Tensor, tensor_scale: torch.Tensor, rounding: s
 
 
 @fused(ARITHMETIC_FROM, values_alone=True)
-def te_nvfp4_tile_quantise(w: torch.Tensor, tensor_amax: torch.Tensor) -> Blocked:
+def te_nvfp4_tile_quantise(w: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> Blocked:
     """A 2-D weight in 16 x 16 NVFP4 tiles by Transformer Engine's rule (format.scale_rule=te): one E4M3 scale per
-    tile from the tile's amax, under the encode scale of `tensor_amax`, elements rounded to nearest (TE rounds
-    weights to nearest: stochastic rounding is for gradients)."""
+    tile from the tile's amax, under the encode scale of `tensor_amax` (None: w's own, as `te_nvfp4_quantise`),
+    elements rounded to nearest (TE rounds weights to nearest: stochastic rounding is for gradients)."""
+    tensor_amax = tensor_amax_of(w) if tensor_amax is None else tensor_amax
     squares = _square_tiles(w, NVFP4_TILE)
     amax = squares.abs().amax((1, 3), keepdim=True)
     elements, stored, scale = _te_nvfp4_scaled(squares, amax, tensor_amax, "nearest", None, None)

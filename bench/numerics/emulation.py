@@ -432,7 +432,7 @@ class BlockOperands:
     def _blocked(self, t: torch.Tensor, tensor_class: str, element: str, dim: int, rounding: str) -> torch.Tensor:
         # NVFP4: dynamic two-level scaling, this tensor's amax sets its FP32 scale
         if self.recipe.block == "nvfp4" and self.scale_rule == "te":
-            return self._observed(t, tensor_class, element, te_nvfp4_quantise, t.detach().abs().max(), dim, rounding,
+            return self._observed(t, tensor_class, element, te_nvfp4_quantise, None, dim, rounding,
                                   sr_bits=self.sr_bits)
         if self.recipe.block == "nvfp4":
             return self._observed(t, tensor_class, element, nvfp4_quantise, nvfp4_tensor_scale(t), dim, rounding,
@@ -452,7 +452,7 @@ class BlockOperands:
     def tiled_weight(self, t: torch.Tensor) -> torch.Tensor:
         """The weight in 16 x 16 NVFP4 tiles under its tensor scale, rounded to nearest: both GEMMs' operand."""
         if self.scale_rule == "te":
-            return self._observed(t, "weights", self.recipe.inputs, te_nvfp4_tile_quantise, t.detach().abs().max())
+            return self._observed(t, "weights", self.recipe.inputs, te_nvfp4_tile_quantise)
         return self._observed(t, "weights", self.recipe.inputs, nvfp4_tile_quantise, nvfp4_tensor_scale(t))
 
     def gradient(self, t: torch.Tensor, dim: int) -> torch.Tensor:
