@@ -132,7 +132,6 @@ def test_every_other_block_quantiser_fused_is_its_eager_self_bit_for_bit(quantis
         assert _same_bits(eager.values, call.values.fused(x, *args)), quantiser
 
 
-
 def test_te_nvfp4_takes_its_own_tensor_amax_inside_its_graph_as_the_caller_took_it():
     """Transformer Engine's NVFP4 quantisers given no tensor amax take x's own (`tensor_amax_of`), which a fused call
     computes inside its graph: the bits of the eager quantiser given x.abs().max() by its caller, as training called
@@ -149,6 +148,7 @@ def test_te_nvfp4_takes_its_own_tensor_amax_inside_its_graph_as_the_caller_took_
         eager = blocks.te_nvfp4_tile_quantise.eager(square, square.abs().max())
         assert _same_bits(eager, blocks.te_nvfp4_tile_quantise.fused(square), BLOCKED_FIELDS), x.dtype
     assert not torch.isfinite(families[0].abs().max())  # the families hold a non-finite value
+
 
 def test_values_alone_are_the_blocked_values_and_write_nothing_else():
     """What a training step asks for (`quantiser.values`): the Blocked's values, bit for bit, eager and fused, from a

@@ -95,7 +95,6 @@ def test_eight_bit_stochastic_rounding_rounds_up_with_probability_floor_256_f_ov
         assert not (quantise_stochastic(x, "fp4_e2m1", torch.Generator().manual_seed(1), bits=8) == 1.5).any()
 
 
-
 def test_eight_bit_draws_are_the_int64_streams_and_leave_the_generator_where_it_left():
     """`uniforms(..., bits=8)` draws its integers as FP32 (faster); they are the draws the committed stochastic cells
     made, torch.randint's int64 integers over 256, and the generator ends where that left it."""
@@ -105,6 +104,7 @@ def test_eight_bit_draws_are_the_int64_streams_and_leave_the_generator_where_it_
     reference = torch.randint(0, 256, shape, generator=generators[1]).float() / 256
     assert ours.dtype == torch.float32 and torch.equal(ours, reference)
     assert torch.equal(torch.rand(16, generator=generators[0]), torch.rand(16, generator=generators[1]))
+
 
 def test_a_te_weight_tile_rounds_to_nearest_under_its_tile_scale():
     w = torch.randn(32, 48, generator=torch.Generator().manual_seed(0))

@@ -55,8 +55,8 @@ import torch
 # emulate_precision_casts: keep x.to(bf16/fp16).to(fp32) a rounding when fused. realize_opcount_threshold: store a
 # value that takes more than 8 operations, and that more than one consumer reads, where inductor's CPU code would
 # recompute it for every element that reads it (50 by default): a block's scale, computed once per block and not
-# once per element (docs/performance.md: 2-8x faster along the first dimension, where the loop over a block's
-# elements is outside the loop over columns)
+# once per element (docs/performance.md: a call 2.3-7.5x faster along the first dimension, where the loop over a
+# block's elements is outside the loop over columns)
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold": 8}
 SWITCH = "PRECISION_BENCH_FUSED"  # =0: every quantiser eager; otherwise (the default) fused where it pays
 ARITHMETIC_FROM = 1  # block and tile quantisers, and element roundings done in arithmetic: every size
