@@ -39,8 +39,10 @@ def test_quick_benchmark_writes_every_row_family(tmp_path):
 def test_an_emulation_ratio_is_the_median_of_each_rounds_ratio_with_its_interval(monkeypatch):
     """As the quantisers' rows: a round's FP32 and FP8 loops ran side by side, and a target is judged on the
     median's interval (runs of one commit have moved these rows by up to 13%); telemetry's row the same way."""
-    rounds = {"fp32": [1.0, 2.0, 3.0], "fp8": [2.0, 2.0, 6.0], "fp8+telemetry": [2.0, 3.0, 6.0]}
-    monkeypatch.setattr(benchmark, "make_cell", lambda *args: (None, SimpleNamespace(device=torch.device("cpu")), None))
+    rounds = {"fp32": [1.0, 2.0, 3.0], "fp8": [2.0, 2.0, 6.0], "fp8+telemetry": [2.0, 3.0, 6.0],
+              benchmark.BF16_AS_RUN: [1.5, 2.0, 3.75]}
+    precision = SimpleNamespace(device=torch.device("cpu"), plan=SimpleNamespace(native=True))
+    monkeypatch.setattr(benchmark, "make_cell", lambda *args: (None, precision, None))
     monkeypatch.setattr(benchmark, "batches", lambda cell, steps: [])
     monkeypatch.setattr(benchmark, "our_loop", lambda *args: None)
     monkeypatch.setattr(benchmark, "alternate_all", lambda loops, device, repeats: [rounds])
@@ -54,6 +56,9 @@ def test_an_emulation_ratio_is_the_median_of_each_rounds_ratio_with_its_interval
     assert telemetry["value"] == 1.0 and telemetry["target"] == "<= 1.5"  # the ratios 1, 1.5, 1 (the medians': 1.5)
     assert rows["telemetry_ratio.lenet.fp8.median_low"]["value"] <= 1.0 <= \
         rows["telemetry_ratio.lenet.fp8.median_high"]["value"]
+    bf16 = rows["bf16_ratio.lenet"]  # the floor under FP8's ratio: no target, with its interval
+    assert bf16["value"] == 1.25 and bf16["target"] is None and "(native)" in bf16["unit"]  # ratios 1.5, 1, 1.25
+    assert rows["bf16_ratio.lenet.median_low"]["value"] <= 1.25 <= rows["bf16_ratio.lenet.median_high"]["value"]
 
 
 def test_a_quantisers_throughput_is_the_median_of_each_rounds_ratio_to_clone(monkeypatch):
@@ -244,7 +249,8 @@ def test_benchmark_steps_and_repeats_reach_the_timed_loops(tmp_path, monkeypatch
     monkeypatch.setattr(benchmark, "alternate_all", alternate_all)
     assert benchmark.main(["--out", str(tmp_path), "--only", "emulation", "--emulated", "fp8", "--steps", "3",
                            "--repeats", "2"]) == 0
-    assert seen == {"steps": {3}, "repeats": {2}, "settings": {"fp32", "fp8", "fp8+telemetry"}}
+    assert seen == {"steps": {3}, "repeats": {2},
+                    "settings": {"fp32", benchmark.BF16_AS_RUN, "fp8", "fp8+telemetry"}}
     with pytest.raises(SystemExit) as exit_:
         benchmark.main(["--out", str(tmp_path), "--only", "emulation", "--emulated", "nvfp5"])
     assert exit_.value.code == 2

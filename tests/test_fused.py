@@ -242,6 +242,50 @@ def test_a_call_takes_the_fused_path_only_where_it_pays_and_draws_nothing():
     assert compiles(lambda: quantise_value(x.t(), "fp4_e2m1", "nan"))  # other strides: a graph of their own
 
 
+def test_a_bound_quantiser_runs_its_layouts_graph_again_and_is_the_quantiser_bit_for_bit(monkeypatch):
+    """A rounding site's quantiser (`quantise_value.bind`): from a layout's second call on, the graph compiled for
+    it, without the quantiser's lookups; the quantiser's bits on every layout it meets; and the quantiser's own call
+    wherever that would not run the graph: switched off, a graph being traced, a gradient being recorded, a 16-bit
+    x, below the quantiser's threshold, or arguments that draw or hold a tensor."""
+    looked_up, lookup = [], fused.Specialisation.__call__
+    monkeypatch.setattr(fused.Specialisation, "__call__",
+                        lambda self, *args, **kwargs: looked_up.append(1) or lookup(self, *args, **kwargs))
+    bound = quantise_value.bind("fp8_e4m3", "saturate", False)
+    for x in [*_inputs("fp8_e4m3", 32), torch.randn(24, 40), torch.randn(40, 24).t()]:  # FP32, BF16, two layouts
+        for _ in range(2):
+            assert _same_bits(quantise_value.eager(x, "fp8_e4m3", "saturate", False), bound(x))
+    assert len(looked_up) == 3 + 2  # each FP32 layout's first call; both BF16 calls (the quantiser's, on FP32)
+
+    def the_graph_ran(inputs):
+        raise AssertionError("the graph ran")
+
+    x = torch.randn(24, 40)
+    bound(x)
+    assert bound.graph is not None
+    bound.graph = the_graph_ran
+    with pytest.raises(AssertionError, match="the graph ran"):
+        bound(x)
+    for why in ("switched off", "traced", "gradient"):
+        bound.graph = the_graph_ran  # x's layout kept: the quantiser's call on it left it there
+        with monkeypatch.context() as m:
+            m.setenv(fused.SWITCH, "0") if why == "switched off" else None
+            m.setattr(fused, "_tracing", why == "traced")
+            y = x.clone().requires_grad_(why == "gradient")
+            assert _same_bits(quantise_value.eager(x, "fp8_e4m3", "saturate", False), bound(y).detach())
+    small = torch.randn(fused.CAST_FROM - 1)  # E5M2 below its threshold: eager, though a graph for it exists
+    quantise_value.fused(small, "fp8_e5m2", "inf", False)
+    below = quantise_value.bind("fp8_e5m2", "inf", False)
+    below(small), below(small)
+    assert below.graph is None
+    elsewhere = torch.empty(24, 40, device="meta")  # a device whose calls are eager, though given a graph here
+    graphs = quantise_value.compiled[bound.key].graphs
+    with monkeypatch.context() as m:
+        m.setitem(graphs, fused._layout([elsewhere]), the_graph_ran)
+        bound(elsewhere), bound(elsewhere)
+    assert blocks.mx_quantise.values.bind("fp8_e4m3", rounding="stochastic").least is None
+    assert blocks.nvfp4_quantise.values.bind(torch.tensor(1.0)).least is None
+
+
 @pytest.mark.parametrize("inside_a_graph, device", [(False, "cpu"), (True, "cpu"), (True, "meta")])
 def test_e5m2_is_torchs_cast_eagerly_and_arithmetic_in_a_cpu_graph(monkeypatch, inside_a_graph, device):
     """Inductor's CPU code casts to FP8 E5M2 one value at a time without AVX-512 (0.53 of clone's throughput against

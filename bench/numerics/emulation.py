@@ -48,6 +48,8 @@ class TensorSite:
         self.telemetry = telemetry
         self.scaler = scaler  # a bench.numerics.scaling.PerTensorScale, or None
         self.last_scale: torch.Tensor | None = None  # the scale of the tensor made last (a tensor-core GEMM reads it)
+        # a site rounds the same stream every step: its compiled graph kept at hand (bench/numerics/fused.py's Bound)
+        self._nearest = quantise_value.bind(self.spec, self.overflow, self.ftz)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scaler is None:
@@ -64,7 +66,7 @@ class TensorSite:
 
     def _round(self, x: torch.Tensor) -> torch.Tensor:
         if self.rounding == "nearest":
-            return quantise_value(x, self.spec, self.overflow, self.ftz)
+            return self._nearest(x)
         return quantise_stochastic(x, self.spec, overflow=self.overflow, ftz=self.ftz)  # the run's seeded generator
 
 

@@ -22,7 +22,10 @@ things compared, in one process:
   (`--emulated nvfp4_recipe,...` measures only those settings): the median of the rounds' ratios (alternating
   rounds), those with a target with .median_low and .median_high, the median's 95% bootstrap interval.
   telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off, the same median with its interval (target
-  <= 1.5).
+  <= 1.5). bf16_ratio.<model>: format=bf16 as the machine runs it (native BF16 autocast on a CPU with BF16 units) /
+  fp32, in the same rounds, with its interval and no target: the FP8 and MX recipes run BF16 autocast outside their
+  GEMMs (format.elsewhere=bf16), so their ratios cannot fall below this one (LeNet's: 1.22 on an AMD EPYC with
+  avx512_bf16, where FP8's target is 1.25).
 - accumulation_ratio.bert_tiny.fp8+H100: BERT-tiny's FP8 (per-tensor) step with every GEMM accumulated as H100's
   tensor cores do (format.accumulation=H100, bench/numerics/tensor_cores.py) / accumulated exactly; a fifth of the
   steps, 3 rounds. Target on CPU: <= 4.
@@ -213,11 +216,13 @@ def per_round(times: dict[str, list[float]], numerator: str, denominator: str) -
     return [n / d for n, d in zip(times[numerator], times[denominator]) if d > 0]
 
 
-def median_rows(metric: str, ratios: list[float], unit: str, target: str | None = None) -> list[dict]:
-    """The rounds' median ratio; with a target, which it is judged on, also its median's 95% bootstrap interval
-    (.median_low, .median_high; none from one round). Runs of one commit have moved these rows by up to 13%."""
+def median_rows(metric: str, ratios: list[float], unit: str, target: str | None = None,
+                interval: bool = False) -> list[dict]:
+    """The rounds' median ratio; with a target, which it is judged on, or asked for (`interval`), also its median's
+    95% bootstrap interval (.median_low, .median_high; none from one round). Runs of one commit have moved these rows
+    by up to 13%."""
     rows = [row(metric, statistics.median(ratios), unit, target)]
-    if target is not None and len(ratios) > 1:
+    if (target is not None or interval) and len(ratios) > 1:
         low, high = median_interval(ratios)
         rows += [row(f"{metric}.median_low", low, "the median's 95% bootstrap interval over the rounds, low end"),
                  row(f"{metric}.median_high", high, "the median's 95% bootstrap interval over the rounds, high end")]
@@ -339,6 +344,7 @@ EMULATED = {"tf32": ["format=tf32"], "fp16": ["format=fp16"], "bf16": ["format=b
 # NVIDIA's whole NVFP4 recipe keeps the last 3 Linear layers in BF16: LeNet has only 3, so it runs on BERT-tiny only
 EMULATED_ON = {"nvfp4_recipe": ("bert_tiny",)}
 EMULATION_TARGETS = {"fp8": "<= 1.25", "mxfp8": "<= 1.75", "nvfp4_recipe": "<= 2"}  # on CPU (#56's, raised)
+BF16_AS_RUN = "bf16 as run"  # format=bf16 on the machine's default backend: the emulated recipes' floor, beside them
 
 
 def emulation_rows(steps: int, repeats: int, only: list[str] | None = None) -> list[dict]:
@@ -348,15 +354,21 @@ def emulation_rows(steps: int, repeats: int, only: list[str] | None = None) -> l
         emulated = {name: args for name, args in EMULATED.items()
                     if model in EMULATED_ON.get(name, (model,)) and (only is None or name in only)}
         telemetry = {"fp8+telemetry": ["format=fp8"]} if "fp8" in emulated else {}  # measured beside fp8's row
-        variants = {"fp32": ["format=fp32"], **emulated, **telemetry}
-        loops, device = {}, None
+        variants = {"fp32": ["format=fp32"], BF16_AS_RUN: ["format=bf16"], **emulated, **telemetry}
+        loops, device, bf16_native = {}, None, None
         for name, args in variants.items():
             log_every = 1 if name == "fp8+telemetry" else NO_TELEMETRY
             cfg, precision, cell = make_cell(*model_args, *args, f"train.log_every={log_every}")
             data = batches(cell, steps)
             loops[name] = our_loop(cfg, precision, cell, data)
             device = precision.device
+            bf16_native = precision.plan.native if name == BF16_AS_RUN else bf16_native
         wall, = alternate_all(loops, device, repeats)
+        rows += median_rows(f"bf16_ratio.{model}", per_round(wall, BF16_AS_RUN, "fp32"),
+                            f"x fp32 step time, median of the rounds: format=bf16 as this machine runs it "
+                            f"({'native' if bf16_native else 'emulated'}), the autocast that the FP8 and MX recipes "
+                            "run outside their GEMMs (format.elsewhere=bf16) with nothing rounded; no target",
+                            interval=True)
         for name in (*emulated, *telemetry):
             rows += median_rows(f"emulation_ratio.{model}.{name}", per_round(wall, name, "fp32"),
                                 "x fp32 step time, median of the rounds",
