@@ -104,9 +104,14 @@ _TENSOR = _TensorSlot()
 _UNSEEN = object()  # a static key not met before
 
 
+def _tensor_layout(t: torch.Tensor) -> tuple:
+    """What a graph compiled for this tensor assumes of it: shape, strides, offset, dtype, device."""
+    return t.shape, t.stride(), t.storage_offset(), t.dtype, t.device
+
+
 def _layout(tensors: list[torch.Tensor]) -> tuple:
-    """What a graph compiled for these tensors assumes of them: shape, strides, offset, dtype, device."""
-    return tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in tensors)
+    """`_tensor_layout` of each tensor (a list, not a generator: half the time a call, which every call pays)."""
+    return tuple([_tensor_layout(t) for t in tensors])
 
 
 class Specialisation:
@@ -182,7 +187,10 @@ class Specialisation:
             direct, rebuild = inner[0], made["rebuild"]
             if not _called_directly(direct, tensors, made["outputs"]):
                 return lambda inputs: rebuild(wrapped(*inputs))
-        return lambda inputs: rebuild(direct(list(inputs)))  # boxed: it empties the list it is given
+        # the generated module's `call` itself, where inductor hands it on: the CompiledFxGraph around it checks debug
+        # and autotune-cache state no CPU graph of ours has, about 1 us a call (more inside a step, code gone cold)
+        call = getattr(direct, "current_callable", None) or direct
+        return lambda inputs: rebuild(call(list(inputs)))  # boxed: it empties the list it is given
 
 
 def _called_directly(compiled: Callable, tensors: list[torch.Tensor], outputs: int) -> bool:
@@ -215,7 +223,7 @@ class Bound:
     def __call__(self, x: torch.Tensor):
         if in_graph():  # being traced (a compiled model's step): the quantiser's eager body, taken into the graph
             return self.quantiser(x, *self.args, **self.kwargs)
-        layout = _layout([x])
+        layout = (_tensor_layout(x),)  # _layout([x])
         if layout == self.layout and enabled() and not (x.requires_grad and torch.is_grad_enabled()):
             return self.graph([x])
         result = self.quantiser(x, *self.args, **self.kwargs)  # compiles x's layout where the quantiser would
