@@ -268,7 +268,8 @@ def test_a_bound_quantiser_runs_its_layouts_graph_again_and_is_the_quantiser_bit
     for why in ("switched off", "traced", "gradient"):
         bound.graph = the_graph_ran  # x's layout kept: the quantiser's call on it left it there
         with monkeypatch.context() as m:
-            m.setenv(fused.SWITCH, "0") if why == "switched off" else None
+            if why == "switched off":
+                m.setenv(fused.SWITCH, "0")
             m.setattr(fused, "_tracing", why == "traced")
             y = x.clone().requires_grad_(why == "gradient")
             assert _same_bits(quantise_value.eager(x, "fp8_e4m3", "saturate", False), bound(y).detach())

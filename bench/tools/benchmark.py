@@ -24,7 +24,7 @@ things compared, in one process:
   telemetry_ratio.<model>.fp8: fp8 with telemetry on every step / off, the same median with its interval (target
   <= 1.5). bf16_ratio.<model>: format=bf16 as the machine runs it (native BF16 autocast on a CPU with BF16 units) /
   fp32, in the same rounds, with its interval and no target: the FP8 and MX recipes run BF16 autocast outside their
-  GEMMs (format.elsewhere=bf16), the floor their ratios stand on (LeNet's 1.21 on an AMD EPYC with avx512_bf16,
+  GEMMs (format.elsewhere=bf16), the floor their ratios stand on (LeNet's 1.20-1.21 on an AMD EPYC with avx512_bf16,
   where FP8 with nothing rounded measured as much and FP8's target is 1.25; docs/performance.md).
 - accumulation_ratio.bert_tiny.fp8+H100: BERT-tiny's FP8 (per-tensor) step with every GEMM accumulated as H100's
   tensor cores do (format.accumulation=H100, bench/numerics/tensor_cores.py) / accumulated exactly; a fifth of the
