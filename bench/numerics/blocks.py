@@ -49,7 +49,7 @@ from typing import Callable
 
 import torch
 
-from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value, uniforms
+from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value, tensor_amax_of, uniforms
 from bench.numerics.fused import ARITHMETIC_FROM, fused
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
@@ -218,12 +218,6 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     on its grid; the result equals torchao's wherever the amax is 2688 * 2^-121 (about 1.05e-33) or more. An
     infinite or NaN amax still gives a non-finite t, so an overflow stays visible."""
     return (tensor_amax_of(x).float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
-
-
-def tensor_amax_of(x: torch.Tensor) -> torch.Tensor:
-    """x's largest magnitude (NaN where it holds one), the amax of NVFP4's two-level scale. max(), not amax(): the
-    same full reduction, but torch_xla 2.9 reduces nothing for amax() without dims."""
-    return x.detach().abs().max()
 
 
 @fused(ARITHMETIC_FROM, values_alone=True, draws=_nvfp4_draws)

@@ -286,6 +286,13 @@ def quantise_stochastic(x: torch.Tensor, fmt: str | ElementFormat, generator: to
     return _round_up_below(x, draw, spec, resolve_overflow(spec, overflow), ftz, bits)
 
 
+def tensor_amax_of(x: torch.Tensor) -> torch.Tensor:
+    """x's largest magnitude (NaN where it holds one), no gradient recorded: the amax a tensor's scale starts from
+    (per-tensor FP8 scaling, NVFP4's two-level scale). max(), not amax(): the same full reduction, but torch_xla 2.9
+    reduces nothing for amax() without dims."""
+    return x.detach().abs().max()
+
+
 def uniforms(shape: torch.Size, device: torch.device, generator: torch.Generator | None,
              bits: int | None) -> torch.Tensor:
     """The draws `quantise_stochastic` takes for a tensor of `shape`, one per element in its order: FP32 uniforms

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from bench.numerics.formats import ElementFormat
+from bench.numerics.formats import ElementFormat, tensor_amax_of
 from bench.numerics.readings import Readings
 
 LOSS_SCALING = ("none", "static", "dynamic")
@@ -250,8 +250,7 @@ class PerTensorScale:
 
     @torch.no_grad()
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
-        # max(), not amax(): the same full reduction, but torch_xla 2.9 reduces nothing for amax() without dims
-        current = x.detach().abs().max().float()
+        current = tensor_amax_of(x).float()
         if self.amax_mode == "delayed" and self.history:
             amax = torch.stack(list(self.history)).max()
         else:
