@@ -266,7 +266,9 @@ def test_a_bound_quantiser_runs_its_layouts_graph_again_and_is_the_quantiser_bit
     with pytest.raises(AssertionError, match="the graph ran"):
         bound(x)
     for why in ("switched off", "traced", "gradient"):
-        bound.graph = the_graph_ran  # x's layout kept: the quantiser's call on it left it there
+        bound(torch.randn(3, 5)), bound(x)  # another layout, then x's: its graph kept again
+        assert bound.graph is not None
+        bound.graph = the_graph_ran
         with monkeypatch.context() as m:
             if why == "switched off":
                 m.setenv(fused.SWITCH, "0")
