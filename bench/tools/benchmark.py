@@ -355,14 +355,15 @@ def emulation_rows(steps: int, repeats: int, only: list[str] | None = None) -> l
                     if model in EMULATED_ON.get(name, (model,)) and (only is None or name in only)}
         telemetry = {"fp8+telemetry": ["format=fp8"]} if "fp8" in emulated else {}  # measured beside fp8's row
         variants = {"fp32": ["format=fp32"], BF16_AS_RUN: ["format=bf16"], **emulated, **telemetry}
-        loops, device, bf16_native = {}, None, None
+        loops, device, bf16_native = {}, None, False
         for name, args in variants.items():
             log_every = 1 if name == "fp8+telemetry" else NO_TELEMETRY
             cfg, precision, cell = make_cell(*model_args, *args, f"train.log_every={log_every}")
             data = batches(cell, steps)
             loops[name] = our_loop(cfg, precision, cell, data)
             device = precision.device
-            bf16_native = precision.plan.native if name == BF16_AS_RUN else bf16_native
+            if name == BF16_AS_RUN:
+                bf16_native = precision.plan.native
         wall, = alternate_all(loops, device, repeats)
         rows += median_rows(f"bf16_ratio.{model}", per_round(wall, BF16_AS_RUN, "fp32"),
                             f"x fp32 step time, median of the rounds: format=bf16 as this machine runs it "
