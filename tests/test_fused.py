@@ -10,6 +10,7 @@ import torch
 
 from bench.numerics import blocks, fused
 from bench.numerics.formats import FORMATS, OVERFLOW_POLICIES, _round_up_below, quantise_stochastic, quantise_value
+from bench.numerics.precision import Precision
 from bench.numerics.telemetry import category_counts
 from bench.tools.conformance import families
 
@@ -333,6 +334,77 @@ def test_a_record_says_whether_its_quantisers_ran_fused(monkeypatch):
     assert describe(torch.device("cpu"))["fused_quantisers"] is True  # switched on by the fixture
     monkeypatch.setenv(fused.SWITCH, "0")
     assert describe(torch.device("cpu"))["fused_quantisers"] is False
+
+
+def _layer_pass(monkeypatch, switch: str, fmt: str, make_layer, x_shape: tuple, x_wants_grad: bool, **choices):
+    """One forward and backward of a fresh emulated layer (the same weights and inputs each call) with the fused
+    quantisers switched on ("1") or off ("0"): its output, the gradients of x, weight and bias, and the passes its
+    op ran compiled (the keys of `casts.graphs`)."""
+    monkeypatch.setenv(fused.SWITCH, switch)
+    torch.manual_seed(0)
+    precision = Precision.of(fmt, torch.device("cpu"), mode="mixed", backend="emulated", **choices)
+    layer = precision.prepare(make_layer())
+    x = torch.randn(x_shape).requires_grad_(x_wants_grad)
+    with precision.autocast():
+        y = layer(x)
+    y.backward(torch.randn(y.shape).to(y.dtype))
+    return [y, x.grad, layer.weight.grad, layer.bias.grad if layer.bias is not None else None], list(layer.casts.graphs)
+
+
+# (format, its choices, the layer, x's shape, whether x wants a gradient): FP8 under BF16 autocast (16-bit activations
+# widened, the result handed on in BF16, 3-D tokens), a convolution whose input wants no gradient (its graph returns
+# none, in its place), FP16's 16-bit kernel (its output and returned gradients rounded too)
+OP_CASES = {
+    "fp8 linear, bf16 elsewhere": ("fp8", {"elsewhere": "bf16"}, lambda: torch.nn.Linear(24, 16), (2, 5, 24), True),
+    "fp8 conv, no input gradient": ("fp8", {}, lambda: torch.nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 9, 9),
+                                    False),
+    "fp16 linear, no bias": ("fp16", {}, lambda: torch.nn.Linear(24, 16, bias=False), (6, 24), True),
+}
+
+
+@pytest.mark.parametrize("case", OP_CASES)
+def test_an_emulated_ops_compiled_passes_are_its_eager_passes_bit_for_bit(monkeypatch, case):
+    """An emulated Linear or convolution (bench/numerics/emulation.py's _EmulatedOp) runs its forward and its
+    backward each as one compiled graph (the roundings, the op, the casts) where the quantisers are fused: its output
+    and every gradient are the eager op's, bit for bit and in its layout (inductor would hand a convolution's result
+    on channels-last: fused.INDUCTOR_OPTIONS), and the compiled passes did run."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    fmt, choices, make_layer, x_shape, x_wants_grad = OP_CASES[case]
+    eager, eager_graphs = _layer_pass(monkeypatch, "0", fmt, make_layer, x_shape, x_wants_grad, **choices)
+    convolved, convolution = [], extern_kernels.convolution  # what a compiled graph hands torch's convolution
+    monkeypatch.setattr(extern_kernels, "convolution",
+                        lambda x, w, *args, **kwargs: convolved.append(x.is_contiguous() and w.is_contiguous())
+                        or convolution(x, w, *args, **kwargs))
+    fast, fast_graphs = _layer_pass(monkeypatch, "1", fmt, make_layer, x_shape, x_wants_grad, **choices)
+    assert eager_graphs == [] and [key[0] for key in fast_graphs] == ["forward", "backward"]
+    assert all(convolved) and bool(convolved) == ("conv" in case)  # the eager layouts, not channels-last
+    for name, e, f in zip(("y", "x.grad", "weight.grad", "bias.grad"), eager, fast):
+        assert (e is None and f is None) or (f is not None and (e.dtype, e.stride()) == (f.dtype, f.stride())
+                                             and _same_bits(e, f)), name
+
+
+@pytest.mark.parametrize("watched, compiled", [
+    ("nothing", True), ("telemetry sampled", False), ("memory counted", False), ("per-tensor scaled", False),
+    ("gradients rounded stochastically", False)])
+def test_an_emulated_op_runs_compiled_only_where_its_roundings_are_a_function_of_x_alone(monkeypatch, watched,
+                                                                                            compiled):
+    """A compiled pass would take what its sites do in once: not a telemetry sample, a memory accountant's listening,
+    a per-tensor scale's amax history or a stochastic rounding's draws. Those passes run eagerly."""
+    import bench.numerics.emulation as emulation
+
+    ran = []
+    monkeypatch.setattr(emulation, "run_specialised",
+                        lambda graphs, key, body, x, *args: ran.append(key[0]) or body(x, *args))
+    choices = {"rounding": "stochastic"} if watched == "gradients rounded stochastically" else {}
+    precision = Precision.of("fp8", torch.device("cpu"), "per_tensor" if watched == "per-tensor scaled" else "none",
+                             mode="mixed", backend="emulated", **choices)
+    layer = precision.prepare(torch.nn.Linear(8, 4))
+    precision.telemetry.sampling = watched == "telemetry sampled"
+    if watched == "memory counted":
+        precision.site_listener = lambda *told: None
+    layer(torch.randn(3, 8, requires_grad=True)).sum().backward()
+    assert ran == (["forward", "backward"] if compiled else [])
 
 
 # On a CUDA GPU (`pytest -m cuda` where one is; skipped elsewhere, and CI has none): the quantisers give the bits they

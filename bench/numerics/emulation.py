@@ -27,6 +27,7 @@ from bench.numerics.blocks import (
     tile_quantise,
 )
 from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value, resolve_overflow
+from bench.numerics.fused import run_specialised
 from bench.numerics.specs import Recipe
 from bench.numerics.telemetry import QuantTelemetry
 from bench.numerics.tensor_cores import Accumulation, matmul
@@ -36,12 +37,14 @@ class TensorSite:
     """Rounds one stream of tensors (say, conv1's weight) to an element format; optionally per-tensor scaled."""
 
     def __init__(self, tensor_class: str, fmt: str, overflow: str | None, ftz: bool,
-                 telemetry: QuantTelemetry, scaler=None, on_output=None, rounding: str = "nearest"):
-        """on_output(input, output, tensor_class, fmt): told of every tensor the site makes (memory accounting).
+                 telemetry: QuantTelemetry, scaler=None, listener: Callable[[], Callable | None] | None = None,
+                 rounding: str = "nearest"):
+        """listener(): who listens now, if anyone (bench/numerics/memory.py while it counts a step), told
+        (input, output, tensor_class, fmt) of every tensor the site makes.
         rounding: nearest (RNE) or stochastic (bench.numerics.formats.quantise_stochastic, the same overflow policy)."""
         self.tensor_class = tensor_class
         self.rounding = rounding
-        self.on_output = on_output
+        self.listener = listener
         self.spec = FORMATS[fmt]
         self.overflow = resolve_overflow(self.spec, overflow)
         self.ftz = ftz
@@ -60,9 +63,16 @@ class TensorSite:
             scaled = x * scale
             self.telemetry.observe(self.tensor_class, scaled, self.spec)
             rounded = self._round(scaled) / scale
-        if self.on_output is not None:
-            self.on_output(x, rounded, self.tensor_class, self.spec.name)
+        listening = None if self.listener is None else self.listener()
+        if listening is not None:
+            listening(x, rounded, self.tensor_class, self.spec.name)
         return rounded
+
+    def quiet(self) -> bool:
+        """Whether nothing watches the site's roundings now: no telemetry sampled, nobody listening. A quiet site that
+        rounds to nearest (no draws), unscaled (a per-tensor scale's amax history is state), rounds x by x alone, which
+        a compiled graph may take in (OpCasts.run)."""
+        return not self.telemetry.sampling and (self.listener is None or self.listener() is None)
 
     def _round(self, x: torch.Tensor) -> torch.Tensor:
         if self.rounding == "nearest":
@@ -96,7 +106,7 @@ def cast(x: torch.Tensor | None, forward_site: TensorSite | None, backward_site:
 
 def _widened(*tensors) -> tuple:
     """Floating tensors in FP32 (a 16-bit one widened, exactly), the rest (None among them) as they are."""
-    return tuple(t if t is None or not t.is_floating_point() else t.float() for t in tensors)
+    return tuple([t if t is None or not t.is_floating_point() else t.float() for t in tensors])
 
 
 def _rounded_inputs(casts: "OpCasts", widen: bool, x, weight, bias) -> tuple:
@@ -181,34 +191,58 @@ class ConvGemm:
             False, [0] * len(self.stride), self.groups, list(wanted))
 
 
+def _op_forward(x, weight, bias, gemm, casts: "OpCasts", dtype) -> tuple:
+    """`_EmulatedOp`'s forward on its inputs (a 16-bit one already widened): `_rounded_inputs`, the op on them, its
+    result rounded. Returns that result, handed on in `dtype` where given, and the rounded x and weight that the
+    backward reads."""
+    x_r, w_r, b_r = _rounded_inputs(casts, False, x, weight, bias)
+    y = gemm.forward(x_r, w_r, b_r)
+    y = y if casts.output is None else casts.output(y)
+    return (y if dtype is None else y.to(dtype)), x_r, w_r
+
+
+def _op_backward(grad, x_r, w_r, gemm, casts: "OpCasts", wanted: tuple[bool, bool, bool],
+                 dtypes: tuple) -> tuple:
+    """`_EmulatedOp`'s backward on its result's gradient (widened back to the op's dtype): rounded, the op's backward
+    on it, `_rounded_gradients`, each handed back in its input's dtype (`dtypes`: x's, weight's, bias's), as autograd
+    would hand it back."""
+    grad = grad if casts.grad_output is None else casts.grad_output(grad)
+    grads = _rounded_gradients(casts, wanted, *gemm.backward(grad, x_r, w_r, wanted))
+    return tuple([g if g is None else g.to(dtype) for g, dtype in zip(grads, dtypes)])
+
+
 class _EmulatedOp(torch.autograd.Function):
     """An emulated Linear or convolution accumulated exactly in FP32, as one autograd node where it was three (the
-    input casts, torch's op, the output cast: a node costs 10-30 us a step here). Forward: `_rounded_inputs`, the
-    op in FP32 on them (autocast off), the output rounded and handed on in `dtype` (autocast's) where given.
-    Backward: the output's gradient widened back and rounded, the op's backward as torch's autograd computes it (the
-    same kernels on the same layouts: bit for bit, tests/test_precision.py), `_rounded_gradients`. The op saves its
-    rounded operands, as torch's op did (bench/numerics/memory.py counts them)."""
+    input casts, torch's op, the output cast: a node costs 10-30 us a step here). Forward: `_op_forward` on the
+    inputs (widened first under autocast), autocast off. Backward: the output's gradient widened back, `_op_backward`
+    (the op's backward as torch's autograd computes it: the same kernels on the same layouts, bit for bit,
+    tests/test_precision.py). The op saves its rounded operands, as torch's op did (bench/numerics/memory.py counts
+    them). Where its sites round x by x alone (OpCasts.run) and fused quantisers run (the CPU), each pass runs as one
+    compiled graph (`fused.run_specialised`: the roundings, the op and the casts in one call, bit for bit the eager
+    pass, tests/test_fused.py), which saves the Python and dispatch of three or four calls a pass: 1-3% of LeNet's and
+    BERT-tiny's FP8 steps here (docs/performance.md)."""
 
     @staticmethod
     def forward(ctx, gemm, casts: "OpCasts", widen: bool, dtype, x, weight, bias):
-        x_r, w_r, b_r = _rounded_inputs(casts, widen, x, weight, bias)
-        y = gemm.forward(x_r, w_r, b_r)
-        ctx.gemm, ctx.casts, ctx.result_dtype = gemm, casts, y.dtype
+        ctx.input_dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if widen:  # eagerly: inductor's CPU code reading BF16 made BERT-tiny's FP8 step 5% slower
+            x, weight, bias = _widened(x, weight, bias)
+        y, x_r, w_r = casts.run(_op_forward, ("forward", dtype), x, weight, bias, gemm, casts, dtype)
+        ctx.gemm, ctx.casts, ctx.result_dtype = gemm, casts, x_r.dtype
         ctx.save_for_backward(x_r, w_r)
-        y = y if casts.output is None else casts.output(y)
-        return y if dtype is None else y.to(dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
-        casts, wanted = ctx.casts, ctx.needs_input_grad[4:]
-        grad = grad.to(ctx.result_dtype)
-        grad = grad if casts.grad_output is None else casts.grad_output(grad)
+        casts, wanted = ctx.casts, tuple(ctx.needs_input_grad[4:])
         x_r, w_r = ctx.saved_tensors
+        grad = grad.to(ctx.result_dtype)
         device = grad.device.type  # a backward run under autocast would otherwise compute its GEMMs in 16 bits
         with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext(), \
                 torch._C.DisableTorchFunction():
-            grads = ctx.gemm.backward(grad, x_r, w_r, wanted)
-        return None, None, None, None, *_rounded_gradients(casts, wanted, *grads)
+            grads = casts.run(_op_backward, ("backward", wanted, ctx.input_dtypes), grad, x_r, w_r, ctx.gemm, casts,
+                              wanted, ctx.input_dtypes)
+        return None, None, None, None, *grads
 
 
 class OpCasts:
@@ -227,6 +261,22 @@ class OpCasts:
         self.grad_bias = returned_gradient()
         self.grad_output = site("gradients", recipe.grads)
         self.output = site("activations", recipe.inputs) if sixteen else None
+        sites = [s for s in (self.activation, self.grad_activation, self.weight, self.grad_weight, self.bias,
+                             self.grad_bias, self.grad_output, self.output) if s is not None]
+        # whose `quiet` says whether every site's rounding is a function of its x alone now (None: it never is):
+        # sites that round to nearest, unscaled, and share one telemetry and one listener (one Precision's)
+        first = sites[0] if sites else None
+        self.compiles_with = first if sites and all(
+            s.rounding == "nearest" and s.scaler is None and s.telemetry is first.telemetry
+            and s.listener is first.listener for s in sites) else None
+        self.graphs: dict = {}  # this op's forward and backward passes, compiled (fused.run_specialised)
+
+    def run(self, body: Callable, key: tuple, x, *args):
+        """body(x, *args), a pass of this op (`_op_forward`, `_op_backward`), as one compiled graph where its sites'
+        roundings are a function of x alone now (`compiles_with`), as itself otherwise."""
+        if self.compiles_with is not None and self.compiles_with.quiet():
+            return run_specialised(self.graphs, key, body, x, *args)
+        return body(x, *args)
 
     def inputs(self, x, weight, bias, widen: bool = False):
         return _InputCasts.apply(self, widen, x, weight, bias)

@@ -58,7 +58,9 @@ import torch
 # recompute it for every element that reads it (50 by default): a block's scale, computed once per block and not
 # once per element (docs/performance.md: a call 2.3-7.5x faster along the first dimension, where the loop over a
 # block's elements is outside the loop over columns)
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold": 8}
+# layout_optimization off: an emulated op's graph (bench/numerics/emulation.py) calls torch's convolution on the
+# layouts its eager pass gives it, not channels-last ones, whose kernels may sum in another order
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold": 8, "layout_optimization": False}
 SWITCH = "PRECISION_BENCH_FUSED"  # =0: every quantiser eager; otherwise (the default) fused where it pays
 ARITHMETIC_FROM = 1  # block and tile quantisers, and element roundings done in arithmetic: every size
 CAST_FROM = 1 << 12  # element roundings that are torch's own cast (two eager passes): from 4,096
@@ -142,8 +144,11 @@ class Specialisation:
         self.graphs: dict[tuple, Callable] = {}
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):
-        tensors = [x, *(args[i] for i in self.slots), *(kwargs[k] for k in self.names)] \
-            if self.slots or self.names else [x]
+        tensors = [x]  # (map, not a generator: a Python frame less a call, which counts in a step's cold code)
+        if self.slots:
+            tensors += map(args.__getitem__, self.slots)
+        if self.names:
+            tensors += map(kwargs.__getitem__, self.names)
         layout = _layout(tensors)
         graph = self.graphs.get(layout)
         if graph is None:
@@ -172,13 +177,16 @@ class Specialisation:
             if self.pick is not None:  # the other fields are never written: inductor drops what no output needs
                 result = getattr(result, self.pick)
             if isinstance(result, torch.Tensor):
-                made["rebuild"], made["outputs"] = (lambda outputs: outputs[0]), 1
+                made["rebuild"], made["outputs"] = TENSOR, 1
                 return (result,)
-            fields = [f.name for f in dataclasses.fields(result) if getattr(result, f.name) is not None]
-            every = dict.fromkeys((f.name for f in dataclasses.fields(result)), None)
-            made["rebuild"] = lambda outputs: type(result)(**{**every, **dict(zip(fields, outputs))})
-            made["outputs"] = len(fields)
-            return tuple(getattr(result, name) for name in fields)
+            is_tuple = isinstance(result, tuple)
+            values = list(result) if is_tuple else [getattr(result, f.name) for f in dataclasses.fields(result)]
+            written, kind = [v is not None for v in values], type(result)
+            made["rebuild"] = (None if is_tuple else (lambda outputs: kind(*outputs))) if all(written) else \
+                (lambda outputs: _in_place_of_none(written, outputs)) if is_tuple else \
+                (lambda outputs: kind(*_in_place_of_none(written, outputs)))
+            made["outputs"] = sum(written)
+            return tuple(v for v in values if v is not None)
 
         global _tracing
         with torch.no_grad():
@@ -196,11 +204,28 @@ class Specialisation:
             wrapped = compile_fx(graph, list(tensors), inner_compile=keep, config_patches=INDUCTOR_OPTIONS)
             direct, rebuild = inner[0], made["rebuild"]
             if not _called_directly(direct, tensors, made["outputs"]):
-                return lambda inputs: rebuild(wrapped(*inputs))
+                return lambda inputs: _rebuilt(rebuild, wrapped(*inputs))
         # the generated module's `call` itself, where inductor hands it on: the CompiledFxGraph around it checks debug
-        # and autotune-cache state no CPU graph of ours has, about 1 us a call (more inside a step, code gone cold)
+        # and autotune-cache state no CPU graph of ours has, about 1 us a call (more inside a step, code gone cold).
+        # It is boxed: it empties the list it is given, which each caller makes for the call.
         call = getattr(direct, "current_callable", None) or direct
-        return lambda inputs: rebuild(call(list(inputs)))  # boxed: it empties the list it is given
+        if rebuild is TENSOR:
+            return lambda inputs: call(inputs)[0]
+        return call if rebuild is None else lambda inputs: rebuild(call(inputs))
+
+
+TENSOR = "tensor"  # a graph's `rebuild` where fn returns one tensor: the graph's only output
+
+
+def _rebuilt(rebuild, outputs):
+    """What fn returned, from its graph's outputs: `rebuild` (None: they are it, a tuple of tensors)."""
+    return outputs[0] if rebuild is TENSOR else outputs if rebuild is None else rebuild(outputs)
+
+
+def _in_place_of_none(written: list[bool], outputs) -> tuple:
+    """fn's tuple, or its dataclass's fields, in order: the graph's outputs where it wrote one, None where not."""
+    outputs = iter(outputs)
+    return tuple([next(outputs) if w else None for w in written])
 
 
 def _called_directly(compiled: Callable, tensors: list[torch.Tensor], outputs: int) -> bool:
@@ -249,6 +274,32 @@ class Bound:
             return None  # (a 16-bit x's layout has no graph: its quantiser compiled its FP32 widening's)
         specialisation = self.quantiser.compiled.get(self.key)
         return None if specialisation is None else specialisation.graphs.get(layout)
+
+
+def _fell_back(fn: Callable, key, error: Exception) -> None:
+    """Say that fn's graph for `key` failed to compile (make_fx or inductor cannot compile it here) and runs eagerly."""
+    FELL_BACK.append(f"{fn.__name__}{key}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+    logger.warning("fused %s fell back to eager: %s", fn.__name__, FELL_BACK[-1])
+
+
+def run_specialised(specialisations: dict, key: tuple, fn: Callable, x: torch.Tensor, *args):
+    """fn(x, *args), a function of tensors without state or draws, as its graph for x's layout: the Specialisation kept
+    for `key` in `specialisations` (made on the first call; None once it failed to compile). fn itself where fused
+    code does not run (`_runs_eagerly` at any size: switched off, off the CPU, traced, recording a gradient) or
+    cannot compile. For a caller that knows fn's other arguments by `key` (an emulated op's forward and backward
+    passes, bench/numerics/emulation.py)."""
+    if _runs_eagerly(x, ARITHMETIC_FROM):
+        return fn(x, *args)
+    specialisation = specialisations.get(key, _UNSEEN)
+    if specialisation is _UNSEEN:
+        specialisation = specialisations[key] = Specialisation(fn, args, {})
+    if specialisation is not None:
+        try:
+            return specialisation(x, *args)
+        except Exception as e:
+            specialisations[key] = None
+            _fell_back(fn, key, e)
+    return fn(x, *args)
 
 
 def fused(from_elements: int | Callable[..., int], values_alone: bool = False,
@@ -311,8 +362,7 @@ def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str |
                 return specialisation(x, *args, **kwargs)
             except Exception as e:  # make_fx or inductor cannot compile it here: eager from now on
                 compiled[key] = None
-                FELL_BACK.append(f"{fn.__name__}{key}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                logger.warning("fused %s fell back to eager: %s", fn.__name__, FELL_BACK[-1])
+                _fell_back(fn, key, e)
         return eager(x, *args, **kwargs)
 
     def with_draws(x: torch.Tensor, args: tuple, kwargs: dict) -> dict:

@@ -188,6 +188,7 @@ class Precision:
         # While bench.numerics.memory counts a step, it listens here: (input, output, tensor class, format) of every
         # tensor a rounding site makes. None otherwise.
         self.site_listener: Callable | None = None
+        self._listening = lambda: self.site_listener  # every site's one listener lookup (OpCasts checks it is one)
 
     # what the plan decided, as the rest of the suite reads it
     native = property(lambda self: self.plan.native)
@@ -215,11 +216,7 @@ class Precision:
             self._site_scales.append(scaler)
         c = self.plan.config
         rounding = c.rounding if tensor_class == "gradients" else "nearest"
-        return TensorSite(tensor_class, fmt, c.overflow, c.ftz, self.telemetry, scaler, self._note_output, rounding)
-
-    def _note_output(self, x: torch.Tensor, rounded: torch.Tensor, tensor_class: str, fmt: str) -> None:
-        if self.site_listener is not None:
-            self.site_listener(x, rounded, tensor_class, fmt)
+        return TensorSite(tensor_class, fmt, c.overflow, c.ftz, self.telemetry, scaler, self._listening, rounding)
 
     def _kept(self, model: nn.Module, blocks: str | None) -> list[str]:
         """The Linear layers format.keep_high_precision keeps out of the format (PrecisionError where a pattern keeps
