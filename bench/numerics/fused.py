@@ -30,7 +30,9 @@ Why not `torch.compile`: its guards and dispatch cost about 20 us a call here (6
 profiled), as much as the passes saved on LeNet's and BERT-tiny's tensors, and made emulated steps slower. A
 Specialisation keys its graphs on what a graph assumes (shape, strides, offset, dtype, device) and looks the key up
 itself; a caller that rounds one layout step after step (an emulated GEMM's rounding site) binds the quantiser's
-other arguments (`quantiser.bind`, a `Bound`), which calls that layout's graph again without the lookups.
+other arguments (`quantiser.bind`, a `Bound`), which calls that layout's graph again without the lookups. A whole
+pass of an emulated GEMM (its roundings, torch's op, the casts: bench/numerics/emulation.py's _EmulatedOp) runs the
+same way, as one Specialisation per pass (`run_specialised`).
 
 Exactness. Inductor may fuse a cast to a 16-bit type and back into nothing: `x.to(bf16).to(fp32)`, the rounding
 itself, comes back unrounded unless `emulate_precision_casts` is set, which it is here. Everything else the
