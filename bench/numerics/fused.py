@@ -179,15 +179,12 @@ class Specialisation:
             if self.pick is not None:  # the other fields are never written: inductor drops what no output needs
                 result = getattr(result, self.pick)
             if isinstance(result, torch.Tensor):
-                made["rebuild"], made["outputs"] = TENSOR, 1
+                made["rebuild"], made["outputs"] = _ONE_TENSOR, 1
                 return (result,)
             is_tuple = isinstance(result, tuple)
             values = list(result) if is_tuple else [getattr(result, f.name) for f in dataclasses.fields(result)]
-            written, kind = [v is not None for v in values], type(result)
-            made["rebuild"] = (None if is_tuple else (lambda outputs: kind(*outputs))) if all(written) else \
-                (lambda outputs: _in_place_of_none(written, outputs)) if is_tuple else \
-                (lambda outputs: kind(*_in_place_of_none(written, outputs)))
-            made["outputs"] = sum(written)
+            written = [v is not None for v in values]
+            made["rebuild"], made["outputs"] = _rebuild(type(result), is_tuple, written), sum(written)
             return tuple(v for v in values if v is not None)
 
         global _tracing
@@ -211,17 +208,27 @@ class Specialisation:
         # and autotune-cache state no CPU graph of ours has, about 1 us a call (more inside a step, code gone cold).
         # It is boxed: it empties the list it is given, which each caller makes for the call.
         call = getattr(direct, "current_callable", None) or direct
-        if rebuild is TENSOR:
+        if rebuild is _ONE_TENSOR:
             return lambda inputs: call(inputs)[0]
         return call if rebuild is None else lambda inputs: rebuild(call(inputs))
 
 
-TENSOR = "tensor"  # a graph's `rebuild` where fn returns one tensor: the graph's only output
+_ONE_TENSOR = "one tensor"  # the `rebuild` of an fn that returns one tensor: its graph's only output
+
+
+def _rebuild(kind: type, is_tuple: bool, written: list[bool]) -> Callable | None:
+    """How fn's result (a tuple or a dataclass; `written`: which of its items are tensors, not None) is made again
+    from its graph's outputs, the tensors in order: None where the outputs are it (a tuple without a None)."""
+    if is_tuple:
+        return None if all(written) else lambda outputs: _in_place_of_none(written, outputs)
+    if all(written):
+        return lambda outputs: kind(*outputs)
+    return lambda outputs: kind(*_in_place_of_none(written, outputs))
 
 
 def _rebuilt(rebuild, outputs):
-    """What fn returned, from its graph's outputs: `rebuild` (None: they are it, a tuple of tensors)."""
-    return outputs[0] if rebuild is TENSOR else outputs if rebuild is None else rebuild(outputs)
+    """What fn returned, from its graph's outputs, by `rebuild` (`_ONE_TENSOR`, None or a function: `_rebuild`)."""
+    return outputs[0] if rebuild is _ONE_TENSOR else outputs if rebuild is None else rebuild(outputs)
 
 
 def _in_place_of_none(written: list[bool], outputs) -> tuple:
