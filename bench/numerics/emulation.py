@@ -228,7 +228,7 @@ class _EmulatedOp(torch.autograd.Function):
         if widen:  # eagerly: inductor's CPU code reading BF16 made BERT-tiny's FP8 step 5% slower
             x, weight, bias = _widened(x, weight, bias)
         y, x_r, w_r = casts.run(_op_forward, ("forward", dtype), x, weight, bias, gemm, casts, dtype)
-        ctx.gemm, ctx.casts, ctx.result_dtype = gemm, casts, x_r.dtype
+        ctx.gemm, ctx.casts = gemm, casts
         ctx.save_for_backward(x_r, w_r)
         return y
 
@@ -236,7 +236,7 @@ class _EmulatedOp(torch.autograd.Function):
     def backward(ctx, grad):
         casts, wanted = ctx.casts, tuple(ctx.needs_input_grad[4:])
         x_r, w_r = ctx.saved_tensors
-        grad = grad.to(ctx.result_dtype)
+        grad = grad.to(x_r.dtype)  # the op's own dtype, which its result had before it was handed on
         device = grad.device.type  # a backward run under autocast would otherwise compute its GEMMs in 16 bits
         with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext(), \
                 torch._C.DisableTorchFunction():

@@ -203,14 +203,11 @@ class Specialisation:
             wrapped = compile_fx(graph, list(tensors), inner_compile=keep, config_patches=INDUCTOR_OPTIONS)
             direct, rebuild = inner[0], made["rebuild"]
             if not _called_directly(direct, tensors, made["outputs"]):
-                return lambda inputs: _rebuilt(rebuild, wrapped(*inputs))
+                return _returning(rebuild, lambda inputs: wrapped(*inputs))
         # the generated module's `call` itself, where inductor hands it on: the CompiledFxGraph around it checks debug
         # and autotune-cache state no CPU graph of ours has, about 1 us a call (more inside a step, code gone cold).
         # It is boxed: it empties the list it is given, which each caller makes for the call.
-        call = getattr(direct, "current_callable", None) or direct
-        if rebuild is _ONE_TENSOR:
-            return lambda inputs: call(inputs)[0]
-        return call if rebuild is None else lambda inputs: rebuild(call(inputs))
+        return _returning(rebuild, getattr(direct, "current_callable", None) or direct)
 
 
 _ONE_TENSOR = "one tensor"  # the `rebuild` of an fn that returns one tensor: its graph's only output
@@ -226,9 +223,12 @@ def _rebuild(kind: type, is_tuple: bool, written: list[bool]) -> Callable | None
     return lambda outputs: kind(*_in_place_of_none(written, outputs))
 
 
-def _rebuilt(rebuild, outputs):
-    """What fn returned, from its graph's outputs, by `rebuild` (`_ONE_TENSOR`, None or a function: `_rebuild`)."""
-    return outputs[0] if rebuild is _ONE_TENSOR else outputs if rebuild is None else rebuild(outputs)
+def _returning(rebuild, call: Callable) -> Callable:
+    """call (a compiled graph of a list of tensors) returning what fn returned, by `rebuild` (`_ONE_TENSOR`, None or
+    a function: `_rebuild`); call itself where its outputs are that (no frame more a call)."""
+    if rebuild is _ONE_TENSOR:
+        return lambda inputs: call(inputs)[0]
+    return call if rebuild is None else lambda inputs: rebuild(call(inputs))
 
 
 def _in_place_of_none(written: list[bool], outputs) -> tuple:
