@@ -290,6 +290,49 @@ def test_a_bound_quantiser_runs_its_layouts_graph_again_and_is_the_quantiser_bit
     assert blocks.nvfp4_quantise.values.bind(torch.tensor(1.0)).least is None
 
 
+def _a_pass(x: torch.Tensor, weight: torch.Tensor, scale: float) -> tuple:
+    """A pass of tensors with a constant (as an emulated op's carries its gemm and sites): two results, one None."""
+    rounded = quantise_value(x * scale, "fp8_e4m3", "saturate")
+    return rounded @ weight, None, rounded
+
+
+def test_passes_run_a_passs_last_graph_again_and_are_the_pass_bit_for_bit(monkeypatch):
+    """An emulated op's passes (`fused.Passes`): from a layout's second call on, the graph compiled for it, without
+    run_specialised's lookups; the pass's bits on every layout; and run_specialised's call (eager where it is) wherever
+    the kept graph would not do: another layout, switched off, a graph being traced, a gradient being recorded."""
+    specialised, run_specialised = [], fused.run_specialised
+    monkeypatch.setattr(fused, "run_specialised",
+                        lambda *args: specialised.append(1) or run_specialised(*args))
+    passes, weight = fused.Passes(), torch.randn(16, 8)
+
+    def same(x):
+        expected, found = _a_pass(x, weight, 0.5), passes.run(("a pass",), _a_pass, x, weight, 0.5)
+        return all(_same_bits(e, f) if e is not None else f is None for e, f in zip(expected, found))
+
+    x, other = torch.randn(24, 16), torch.randn(16, 24).t()
+    assert all(same(t) for t in (x, x, other, other, x))
+    assert len(specialised) == 3  # each layout's first call, and x's again after the other layout's
+    assert list(passes.specialisations) == [("a pass",)]
+
+    def the_graph_ran(inputs):
+        raise AssertionError("the graph ran")
+
+    layout, graph, slots = passes.kept[("a pass",)]
+    passes.kept[("a pass",)] = (layout, the_graph_ran, slots)
+    with pytest.raises(AssertionError, match="the graph ran"):
+        same(x)
+    for why in ("switched off", "traced", "gradient"):
+        passes.kept[("a pass",)] = (layout, the_graph_ran, slots)
+        with monkeypatch.context() as m:
+            if why == "switched off":
+                m.setenv(fused.SWITCH, "0")
+            m.setattr(fused, "_tracing", why == "traced")
+            with torch.enable_grad():
+                assert same(x.clone().requires_grad_(why == "gradient")), why
+            assert passes.kept[("a pass",)] is None, why  # ran eagerly: nothing kept, the next call asks again
+    assert same(x) and passes.kept[("a pass",)][1] is graph  # the layout's graph, kept again
+
+
 @pytest.mark.parametrize("inside_a_graph, device", [(False, "cpu"), (True, "cpu"), (True, "meta")])
 def test_e5m2_is_torchs_cast_eagerly_and_arithmetic_in_a_cpu_graph(monkeypatch, inside_a_graph, device):
     """Inductor's CPU code casts to FP8 E5M2 one value at a time without AVX-512 (0.53 of clone's throughput against
@@ -339,7 +382,7 @@ def test_a_record_says_whether_its_quantisers_ran_fused(monkeypatch):
 def _layer_pass(monkeypatch, switch: str, fmt: str, make_layer, x_shape: tuple, x_wants_grad: bool, **choices):
     """One forward and backward of a fresh emulated layer (the same weights and inputs each call) with the fused
     quantisers switched on ("1") or off ("0"): its output, the gradients of x, weight and bias, and the passes its
-    op ran compiled (the keys of `casts.graphs`)."""
+    op ran compiled (the keys of `casts.passes.specialisations`)."""
     monkeypatch.setenv(fused.SWITCH, switch)
     torch.manual_seed(0)
     precision = Precision.of(fmt, torch.device("cpu"), mode="mixed", backend="emulated", **choices)
@@ -348,7 +391,8 @@ def _layer_pass(monkeypatch, switch: str, fmt: str, make_layer, x_shape: tuple, 
     with precision.autocast():
         y = layer(x)
     y.backward(torch.randn(y.shape).to(y.dtype))
-    return [y, x.grad, layer.weight.grad, layer.bias.grad if layer.bias is not None else None], list(layer.casts.graphs)
+    return ([y, x.grad, layer.weight.grad, layer.bias.grad if layer.bias is not None else None],
+            list(layer.casts.passes.specialisations))
 
 
 # (format, its choices, the layer, x's shape, whether x wants a gradient): FP8 under BF16 autocast (16-bit activations
@@ -391,11 +435,8 @@ def test_an_emulated_op_runs_compiled_only_where_its_roundings_are_a_function_of
                                                                                             compiled):
     """A compiled pass would take what its sites do in once: not a telemetry sample, a memory accountant's listening,
     a per-tensor scale's amax history or a stochastic rounding's draws. Those passes run eagerly."""
-    import bench.numerics.emulation as emulation
-
     ran = []
-    monkeypatch.setattr(emulation, "run_specialised",
-                        lambda graphs, key, body, x, *args: ran.append(key[0]) or body(x, *args))
+    monkeypatch.setattr(fused.Passes, "run", lambda passes, key, body, x, *args: ran.append(key[0]) or body(x, *args))
     choices = {"rounding": "stochastic"} if watched == "gradients rounded stochastically" else {}
     precision = Precision.of("fp8", torch.device("cpu"), "per_tensor" if watched == "per-tensor scaled" else "none",
                              mode="mixed", backend="emulated", **choices)

@@ -27,7 +27,7 @@ from bench.numerics.blocks import (
     tile_quantise,
 )
 from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value, resolve_overflow
-from bench.numerics.fused import run_specialised
+from bench.numerics.fused import Passes
 from bench.numerics.specs import Recipe
 from bench.numerics.telemetry import QuantTelemetry
 from bench.numerics.tensor_cores import Accumulation, matmul
@@ -218,7 +218,7 @@ class _EmulatedOp(torch.autograd.Function):
     (the op's backward as torch's autograd computes it: the same kernels on the same layouts, bit for bit,
     tests/test_precision.py). The op saves its rounded operands, as torch's op did (bench/numerics/memory.py counts
     them). Where its sites round x by x alone (OpCasts.run) and fused quantisers run (the CPU), each pass runs as one
-    compiled graph (`fused.run_specialised`: the roundings, the op and the casts in one call, bit for bit the eager
+    compiled graph (`fused.Passes`: the roundings, the op and the casts in one call, bit for bit the eager
     pass, tests/test_fused.py), which saves the Python and dispatch of three or four calls a pass: 1-3% of LeNet's and
     BERT-tiny's FP8 steps here (docs/performance.md)."""
 
@@ -269,13 +269,13 @@ class OpCasts:
         self.compiles_with = first if sites and all(
             s.rounding == "nearest" and s.scaler is None and s.telemetry is first.telemetry
             and s.listener is first.listener for s in sites) else None
-        self.graphs: dict = {}  # this op's forward and backward passes, compiled (fused.run_specialised)
+        self.passes = Passes()  # this op's forward and backward passes, compiled
 
     def run(self, body: Callable, key: tuple, x, *args):
         """body(x, *args), a pass of this op (`_op_forward`, `_op_backward`), as one compiled graph where its sites'
         roundings are a function of x alone now (`compiles_with`), as itself otherwise."""
         if self.compiles_with is not None and self.compiles_with.quiet():
-            return run_specialised(self.graphs, key, body, x, *args)
+            return self.passes.run(key, body, x, *args)
         return body(x, *args)
 
     def inputs(self, x, weight, bias, widen: bool = False):
@@ -345,8 +345,14 @@ def _outside_autocast(device: str, call: Callable):
     if not torch.is_autocast_enabled(device):
         return call(False, None)
     dtype = torch.get_autocast_dtype(device)
-    with torch.autocast(device, enabled=False), torch._C.DisableTorchFunction():
-        return call(True, dtype)
+    # what `torch.autocast(device, enabled=False)` does inside an autocast that is on (its nesting count and cache
+    # matter only where it is the outermost), without its 3 us of Python a call: 1% of LeNet's FP8 step
+    torch.set_autocast_enabled(device, False)
+    try:
+        with torch._C.DisableTorchFunction():
+            return call(True, dtype)
+    finally:
+        torch.set_autocast_enabled(device, True)
 
 
 def emulated_gemm(function, *tensors, rounded=None, result=None):

@@ -117,14 +117,10 @@ _TENSOR = _TensorSlot()
 _UNSEEN = object()  # a static key not met before
 
 
-def _tensor_layout(t: torch.Tensor) -> tuple:
-    """What a graph compiled for this tensor assumes of it: shape, strides, offset, dtype, device."""
-    return t.shape, t.stride(), t.storage_offset(), t.dtype, t.device
-
-
 def _layout(tensors: list[torch.Tensor]) -> tuple:
-    """`_tensor_layout` of each tensor (a list, not a generator: half the time a call, which every call pays)."""
-    return tuple([_tensor_layout(t) for t in tensors])
+    """What a graph compiled for these tensors assumes of each: shape, strides, offset, dtype, device (a list, not a
+    generator, and no call a tensor: a call's cost, which every call pays)."""
+    return tuple([(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in tensors])
 
 
 class Specialisation:
@@ -267,7 +263,7 @@ class Bound:
     def __call__(self, x: torch.Tensor):
         if in_graph():  # being traced (a compiled model's step): the quantiser's eager body, taken into the graph
             return self.quantiser(x, *self.args, **self.kwargs)
-        layout = (_tensor_layout(x),)  # _layout([x])
+        layout = _layout([x])
         # of `_runs_eagerly`, what can change between calls on one layout (tracing is asked above; the size and the
         # device are the layout's): asked again here in full, it made a call 0.9 of 3.4 us slower
         if layout == self.layout and enabled() and not (x.requires_grad and torch.is_grad_enabled()):
@@ -309,6 +305,41 @@ def run_specialised(specialisations: dict, key: tuple, fn: Callable, x: torch.Te
             specialisations[key] = None
             _fell_back(fn, key, e)
     return fn(x, *args)
+
+
+class Passes:
+    """`run_specialised` for a caller that runs the same passes on the same layouts step after step (an emulated
+    op's forward and backward, bench/numerics/emulation.py), each pass's last graph kept at hand, as a `Bound` keeps
+    a quantiser's. A call on the layout of its pass's last call asks only what can change between calls (a graph
+    being traced, the switch, a gradient being recorded) and runs that graph: no Specialisation lookup and four
+    Python frames fewer a pass, which inside a step, the code gone cold after each convolution, cost more than hot
+    (docs/performance.md). Any other call is `run_specialised`'s."""
+
+    def __init__(self):
+        self.specialisations: dict = {}  # per pass's key: its Specialisation (run_specialised's)
+        self.kept: dict = {}  # per pass's key: its last call's layout, that layout's graph, where its tensors sit
+
+    def run(self, key: tuple, fn: Callable, x: torch.Tensor, *args):
+        """fn(x, *args) as `run_specialised(self.specialisations, key, fn, x, *args)` runs it."""
+        kept = self.kept.get(key)
+        if kept is not None and not in_graph() and enabled() and not (x.requires_grad and torch.is_grad_enabled()):
+            layout, graph, slots = kept
+            tensors = [x, *map(args.__getitem__, slots)]
+            if _layout(tensors) == layout:
+                return graph(tensors)
+        result = run_specialised(self.specialisations, key, fn, x, *args)
+        self.kept[key] = self._kept(key, x, args)
+        return result
+
+    def _kept(self, key: tuple, x: torch.Tensor, args: tuple) -> tuple | None:
+        """What `run` keeps of the call just run (None: it ran eagerly, and the next call asks again)."""
+        specialisation = self.specialisations.get(key)
+        if specialisation is None or _runs_eagerly(x, ARITHMETIC_FROM):
+            return None
+        tensors = [x, *map(args.__getitem__, specialisation.slots)]
+        layout = _layout(tensors)
+        graph = specialisation.graphs.get(layout)
+        return None if graph is None else (layout, graph, specialisation.slots)
 
 
 def fused(from_elements: int | Callable[..., int], values_alone: bool = False,
