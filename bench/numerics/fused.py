@@ -32,7 +32,7 @@ Specialisation keys its graphs on what a graph assumes (shape, strides, offset, 
 itself; a caller that rounds one layout step after step (an emulated GEMM's rounding site) binds the quantiser's
 other arguments (`quantiser.bind`, a `Bound`), which calls that layout's graph again without the lookups. A whole
 pass of an emulated GEMM (its roundings, torch's op, the casts: bench/numerics/emulation.py's _EmulatedOp) runs the
-same way, as one Specialisation per pass (`run_specialised`).
+same way, as one Specialisation per pass (`run_specialised`), its last layout's graph kept at hand (`Passes`).
 
 Exactness. Inductor may fuse a cast to a 16-bit type and back into nothing: `x.to(bf16).to(fp32)`, the rounding
 itself, comes back unrounded unless `emulate_precision_casts` is set, which it is here. Everything else the
