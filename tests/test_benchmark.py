@@ -38,15 +38,16 @@ def test_quick_benchmark_writes_every_row_family(tmp_path):
 
 def test_an_emulation_ratio_is_the_median_of_each_rounds_ratio_with_its_interval(monkeypatch):
     """As the quantisers' rows: a round's FP32 and FP8 loops ran side by side, and a target is judged on the
-    median's interval (runs of one commit have moved these rows by up to 13%); telemetry's row the same way."""
+    median's interval (runs of one commit have moved these rows by up to 13%); telemetry's row the same way, and the
+    rows FP8's target is read against (BF16 as run, FP8 with FP32 elsewhere) with their intervals."""
     rounds = {"fp32": [1.0, 2.0, 3.0], "fp8": [2.0, 2.0, 6.0], "fp8+telemetry": [2.0, 3.0, 6.0],
-              benchmark.BF16_AS_RUN: [1.5, 2.0, 3.75]}
+              benchmark.BF16_AS_RUN: [1.5, 2.0, 3.75], benchmark.FP8_ALONE: [1.25, 2.5, 3.0]}
     precision = SimpleNamespace(device=torch.device("cpu"), plan=SimpleNamespace(native=True))
     monkeypatch.setattr(benchmark, "make_cell", lambda *args: (None, precision, None))
     monkeypatch.setattr(benchmark, "batches", lambda cell, steps: [])
     monkeypatch.setattr(benchmark, "our_loop", lambda *args: None)
     monkeypatch.setattr(benchmark, "alternate_all", lambda loops, device, repeats: [rounds])
-    rows = {r["metric"]: r for r in benchmark.emulation_rows(3, 3, ["fp8"])}
+    rows = {r["metric"]: r for r in benchmark.emulation_rows(3, 3, ["fp8", benchmark.FP8_ALONE])}
     fp8 = rows["emulation_ratio.lenet.fp8"]
     assert fp8["value"] == 2.0 and fp8["target"] == "<= 1.25"  # the ratios 2, 1, 2 (the medians' ratio: 1)
     assert rows["emulation_ratio.lenet.fp8.median_low"]["value"] <= 2.0 <= \
@@ -59,6 +60,9 @@ def test_an_emulation_ratio_is_the_median_of_each_rounds_ratio_with_its_interval
     bf16 = rows["bf16_ratio.lenet"]  # the floor under FP8's ratio: no target, with its interval
     assert bf16["value"] == 1.25 and bf16["target"] is None and "(native)" in bf16["unit"]  # ratios 1.5, 1, 1.25
     assert rows["bf16_ratio.lenet.median_low"]["value"] <= 1.25 <= rows["bf16_ratio.lenet.median_high"]["value"]
+    alone = "emulation_ratio.lenet.fp8+fp32_elsewhere"  # FP8 without the recipe's BF16: no target, its interval
+    assert rows[alone]["value"] == 1.25 and rows[alone]["target"] is None  # ratios 1.25, 1.25, 1
+    assert rows[f"{alone}.median_low"]["value"] <= 1.25 <= rows[f"{alone}.median_high"]["value"]
 
 
 def test_a_quantisers_throughput_is_the_median_of_each_rounds_ratio_to_clone(monkeypatch):
