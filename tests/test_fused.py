@@ -388,24 +388,28 @@ def _layer_pass(monkeypatch, switch: str, fmt: str, make_layer, x_shape: tuple, 
     op ran compiled (the keys of `casts.passes.specialisations`)."""
     monkeypatch.setenv(fused.SWITCH, switch)
     torch.manual_seed(0)
-    precision = Precision.of(fmt, torch.device("cpu"), mode="mixed", backend="emulated", **choices)
+    precision = Precision.of(fmt, torch.device("cpu"), backend="emulated", **{"mode": "mixed", **choices})
     layer = precision.prepare(make_layer())
     x = torch.randn(x_shape).requires_grad_(x_wants_grad)
     with precision.autocast():
         y = layer(x)
-    y.backward(torch.randn(y.shape).to(y.dtype))
+    # magnitudes over a wide range, so that a sum over rows (the bias gradient) depends on its order
+    y.backward((torch.randn(y.shape) * torch.exp(2 * torch.randn(y.shape))).to(y.dtype))
     return ([y, x.grad, layer.weight.grad, layer.bias.grad if layer.bias is not None else None],
             list(layer.casts.passes.specialisations))
 
 
 # (format, its choices, the layer, x's shape, whether x wants a gradient): FP8 under BF16 autocast (16-bit activations
 # widened, the result handed on in BF16, 3-D tokens), a convolution whose input wants no gradient (its graph returns
-# none, in its place), FP16's 16-bit kernel (its output and returned gradients rounded too)
+# none, in its place), FP16's 16-bit kernel (its output and returned gradients rounded too), TF32's FP32 bias gradient
+# (a sum over rows of gradients with 11 significant bits, whose bits depend on the order it adds them in)
 OP_CASES = {
     "fp8 linear, bf16 elsewhere": ("fp8", {"elsewhere": "bf16"}, lambda: torch.nn.Linear(24, 16), (2, 5, 24), True),
     "fp8 conv, no input gradient": ("fp8", {}, lambda: torch.nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 9, 9),
                                     False),
     "fp16 linear, no bias": ("fp16", {}, lambda: torch.nn.Linear(24, 16, bias=False), (6, 24), True),
+    "tf32 linear, its bias gradient a sum over 32 rows": ("tf32", {"mode": "true"}, lambda: torch.nn.Linear(24, 84),
+                                                           (32, 24), True),
 }
 
 

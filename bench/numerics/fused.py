@@ -39,7 +39,11 @@ itself, comes back unrounded unless `emulate_precision_casts` is set, which it i
 quantisers compute is exact in FP32 (adds of a power-of-two magic number, integer bit operations, multiplies by
 powers of two, compares), so neither reordering nor contraction into FMAs can change a bit; tests/test_fused.py
 holds every quantiser to its eager self on every conformance family, format and overflow policy, and an emulated
-training run fused to the eager run's losses.
+training run fused to the eager run's losses. An emulated op's pass also computes what is not exact: its GEMMs and
+convolutions, which its graph calls as torch's own kernels on the eager layouts, and a Linear's bias gradient, a sum
+over rows, which inductor would generate adding them in another order (different bits in about half its elements
+over 32 rows of FP32 values: a fresh clone's default sweep drifted from the eager records after 580 steps), so it
+too is torch's (`emulation.summed_rows`, an extern call in the graph).
 The one departure it finds is a NaN's payload (FP32's quiet NaN in, 0x7fffffff out where eager returns 0x7fc00000):
 still NaN.
 """
