@@ -552,3 +552,19 @@ def test_a_heatmap_whose_cells_differ_in_the_fifth_digit_reads_them_on_its_colou
     assert bar.yaxis.get_offset_text().get_text() == ""
     labels = [t.get_text() for t in bar.get_yticklabels()]
     assert labels and all(label.replace(".", "", 1).replace("−", "").isdigit() for label in labels), labels
+
+
+def test_an_emulated_cells_time_leaves_out_making_its_fused_graphs_and_says_so(tmp_path):
+    """An emulated FP8 run took 20 s, 12 of them making fused graphs (a fresh clone's empty inductor cache): its time
+    is 8 s beside those 12 s, its speed-up over an eager 10 s FP32 10 / 8, and the table says why."""
+    root = tmp_path / "runs"
+    write(root, record(metrics={"test_accuracy": 0.9}, train_s=10.0))
+    emulated = record(fmt="fp8", mode="mixed", setting="fp8-mixed", metrics={"test_accuracy": 0.9}, train_s=20.0)
+    emulated["timing"] |= {"train_s_without_compile": 8.0,
+                           "compile": {"steps": [1, 2], "seconds": 12.0, "in_validation_s": 3.0}}
+    write(root, emulated)
+    assert main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"]) == 0
+    precision = (tmp_path / "tables" / "t" / "precision.md").read_text()
+    assert "| 8.0 (n=1), +12.0 s making fused graphs" in _row(precision, "fp8-mixed")
+    assert "| 10.0 (n=1) " in _row(precision, "| 32-true") and "+" not in _row(precision, "| 32-true").split("|")[4]
+    assert "making fused graphs: the emulated cell's" in precision and "compiled: the cell" not in precision

@@ -550,3 +550,53 @@ def test_an_emulated_run_fused_logs_the_eager_runs_losses_exactly(make_cfg, tmp_
     if "stochastic" in fmt:  # its gradients' graphs compiled, not run eagerly
         assert any(("rounding", "stochastic") in key and made.graphs
                    for key, made in blocks.mx_quantise.values.compiled.items() if made is not None)
+
+
+def test_the_training_loop_times_apart_the_steps_that_made_fused_graphs_and_the_validations_making_them(
+        make_cfg, monkeypatch):
+    """A fused graph for a new layout is made on its first call, inside a step or a validation (a minute over a cell's
+    first steps on an empty inductor cache): those steps are left out of the step median and counted as compile
+    time, with what the validations spent, and `train_s_without_compile` leaves all of it out (bench/running/train.py
+    reads `fused.compile_seconds`, faked here: LeNet FP32 makes no graph)."""
+    from bench.running.run import build_cell, preflight
+    from bench.running.train import train
+
+    clock = {"seconds": 0.0}
+    monkeypatch.setattr(fused, "compile_seconds", lambda: clock["seconds"])
+    cfg = make_cfg("model=lenet", "train.max_steps=6", "model.epochs=1")
+    _, precision = preflight(cfg)
+    cell = build_cell(cfg, precision)
+    forward, calls = cell.task.forward, []
+
+    def forward_making_a_graph_on_step_2(model, batch, inputs):
+        calls.append(model.training)
+        if model.training and calls.count(True) == 3:
+            clock["seconds"] += 0.25
+        return forward(model, batch, inputs)
+
+    validate = cell.task.validate
+
+    def validate_making_a_graph(model, inputs):
+        clock["seconds"] += 0.5
+        return validate(model, inputs)
+
+    monkeypatch.setattr(cell.task, "forward", forward_making_a_graph_on_step_2)
+    monkeypatch.setattr(cell.task, "validate", validate_making_a_graph)
+    outcome = train(cell.task, precision, cell.scaler, cell.optimizer, cell.schedule, cfg.train, precision.device,
+                    lambda row: None, count_memory=False)
+    timing = outcome.timing()
+    assert outcome.compile_steps == [2] and len(outcome.validations) == 1
+    assert timing["compile"]["in_validation_s"] == 0.5
+    assert timing["compile"]["seconds"] == outcome.step_s[2] + 0.5
+    assert timing["train_s_without_compile"] == outcome.train_s - timing["compile"]["seconds"]
+    others = [s for i, s in enumerate(outcome.step_s) if i != 2]
+    assert timing["step_median_s"] == sorted(others)[len(others) // 2]
+
+
+def test_making_a_graph_counts_its_seconds_and_calling_it_again_does_not():
+    x = torch.randn(3, 7, 11)  # a layout no other test compiles
+    before = fused.compile_seconds()
+    quantise_value(x, "fp8_e4m3", "saturate", False)
+    made = fused.compile_seconds()
+    quantise_value(x, "fp8_e4m3", "saturate", False)
+    assert made > before and fused.compile_seconds() == made

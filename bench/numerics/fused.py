@@ -55,6 +55,7 @@ import functools
 import inspect
 import logging
 import os
+import time
 from typing import Callable
 
 import torch
@@ -79,12 +80,20 @@ LAYOUTS_PER_SPECIALISATION = 32  # graphs per quantiser and arguments; past it, 
 
 _tracing = False  # a graph is being traced: every quantiser called inside it runs its eager body
 FELL_BACK: list[str] = []  # the specialisations that failed to compile in this process (they run eagerly)
+_compile_s = 0.0  # seconds this process has spent making graphs (traced and compiled, or failing to)
 logger = logging.getLogger(__name__)
 
 
 def in_graph() -> bool:
     """Whether the code running now is being traced into a graph: a fused quantiser's, or a compiled model's."""
     return _tracing or torch.compiler.is_compiling()
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent making fused graphs so far. A new layout's graph is made on its first call,
+    inside a training step or an evaluation (0.1-0.9 s each, a minute for a cell's first steps on an empty inductor
+    cache): the training loop times such steps apart, as it does torch.compile's (bench/running/train.py)."""
+    return _compile_s
 
 
 def enabled() -> bool:
@@ -160,6 +169,15 @@ class Specialisation:
         return graph(tensors)
 
     def _compile(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Callable:
+        """`_compiled_graph`, its seconds counted (`compile_seconds`)."""
+        global _compile_s
+        start = time.perf_counter()
+        try:
+            return self._compiled_graph(tensors, args, kwargs)
+        finally:
+            _compile_s += time.perf_counter() - start
+
+    def _compiled_graph(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Callable:
         """The graph of fn on these tensors (the other arguments as constants), compiled; a callable of the list of
         tensors returning what fn returns (a tensor, or a dataclass of tensors such as blocks.Blocked)."""
         # here, not at import: a refused command imports nothing heavy

@@ -62,6 +62,10 @@ NOTES = {
             "this one.",
     "compiled": "compiled: the cell trained with train.compile (torch.compile); its time and speed-up leave out the "
                 "steps during which it compiled, whose median seconds are shown beside it (timing.compile).",
+    "fused_graphs": "making fused graphs: the emulated cell's quantisers and ops compiled a graph for each new "
+                    "layout on its first call (bench/numerics/fused.py; seconds each, a minute on an empty inductor "
+                    "cache); its time and speed-up leave out the steps that did, whose median seconds are shown "
+                    "beside it with what its validations spent on it (timing.compile).",
     "std": "mean ± sample standard deviation over seeds (n runs with a value).",
     "difference": "Δ vs 32-true: mean of the per-seed differences to the 32-true cell of the same scaling, seed and "
                   "configuration (seeds are paired: same initial weights and data order) [95% confidence interval, "
@@ -93,13 +97,19 @@ def cell_unit(cell) -> Unit:
 
 def fmt_time(cell) -> str:
     """Median train time [min–max] (n); for a compiled cell, `compiled` and the median seconds its compiling steps
-    took, which the time (and so the speed-up) leaves out."""
+    took, which the time (and so the speed-up) leaves out; for another that made fused graphs, those seconds."""
     n = cell["train_s_n"]
     if n == 0 or pd.isna(cell["train_s"]):
         return "–"
     spread = "" if n == 1 else f" [{cell['train_s_min']:.1f}–{cell['train_s_max']:.1f}]"
-    compiled = f", compiled (+{cell['compile_s']:.1f} s compiling)" if cell.get("compiled") else ""
+    compiled = f", compiled (+{cell['compile_s']:.1f} s compiling)" if cell.get("compiled") else \
+        f", +{cell['compile_s']:.1f} s making fused graphs" if made_fused_graphs(cell) else ""
     return f"{cell['train_s']:.1f}{spread} (n={n}){compiled}{DISTURBED if cell['disturbed'] else ''}"
+
+
+def made_fused_graphs(cell) -> bool:
+    """Whether a cell trained without torch.compile left out making fused graphs (0.05 s or more: 0.1 shown)."""
+    return not cell.get("compiled") and not pd.isna(cell.get("compile_s")) and cell["compile_s"] >= 0.05
 
 
 def fmt_stat(mean, std, n, digits: int = 2) -> str:

@@ -44,6 +44,7 @@ from bench.reporting.table_cells import (
     fmt_seconds,
     fmt_stat,
     fmt_time,
+    made_fused_graphs,
     metric_text,
     near_chance_note,
     predicted_cells,
@@ -269,6 +270,7 @@ def _timing_notes(cells: pd.DataFrame) -> list[str]:
     return [NOTES["time"], NOTES["memory"], NOTES["difference"]] \
         + ([NOTES["disturbed"]] if cells["disturbed"].any() else []) \
         + ([NOTES["compiled"]] if cells["compiled"].astype(bool).any() else []) \
+        + ([NOTES["fused_graphs"]] if any(made_fused_graphs(cell) for _, cell in cells.iterrows()) else []) \
         + ([NOTES["native_fp8"]] if ((cells["setting"] == "fp8-mixed") & (cells["backend"] == "native")
                                      & ~cells["compiled"].astype(bool)).any() else [])
 

@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from bench.numerics import fused
 from bench.numerics.master_weights import MasterWeights
 from bench.numerics.memory import StepMemory
 from bench.numerics.precision import Precision
@@ -59,7 +60,8 @@ class TrainOutcome:
     validations: list[dict] = field(default_factory=list)
     step_memory: dict | None = None  # bytes the first step held, by category (bench/numerics/memory.py)
     step_time_method: str = "wall_clock"  # how step_s was measured (bench.running.device.StepTimer)
-    compile_steps: list[int] = field(default_factory=list)  # steps during which torch.compile compiled
+    compile_steps: list[int] = field(default_factory=list)  # steps during which torch.compile or fused graphs compiled
+    compile_in_validation_s: float = 0.0  # seconds the validations inside the loop spent making fused graphs
     compile: dict | None = None  # what compiling did (bench.running.compile.CompiledStep.describe)
     collective_time: dict | None = None  # a distributed cell's profiled step (bench.running.parallel.CollectiveTime)
     epoch: int = 0  # position: the epoch in progress...
@@ -68,12 +70,13 @@ class TrainOutcome:
     def timing(self, flops_per_step: int | None = None, native: bool = False) -> dict:
         """The record's timing; achieved TFLOP/s (FLOPs of a step over its median time) only where the format
         ran natively: an emulated step's time says nothing about the format's throughput. Steps that compiled
-        are left out of the median and counted apart (`compile`); `train_s` includes them and
-        `train_s_without_compile` does not."""
+        (torch.compile, or a fused quantiser's or emulated op's graph for a new layout: bench/numerics/fused.py) are
+        left out of the median and counted apart (`compile`), with what the validations spent making fused graphs;
+        `train_s` includes them and `train_s_without_compile` does not."""
         compiling = set(self.compile_steps)
         steady = [s for i, s in enumerate(self.step_s) if i not in compiling]
         median = statistics.median(steady) if steady else None
-        compile_s = sum(s for i, s in enumerate(self.step_s) if i in compiling)
+        compile_s = sum(s for i, s in enumerate(self.step_s) if i in compiling) + self.compile_in_validation_s
         return {
             "train_s": self.train_s,
             "train_s_without_compile": self.train_s - compile_s,
@@ -83,7 +86,8 @@ class TrainOutcome:
             "step_time_method": self.step_time_method,
             "flops_per_step": flops_per_step,
             "tflop_per_s": flops_per_step / median / 1e12 if native and flops_per_step and median else None,
-            "compile": {"steps": list(self.compile_steps), "seconds": compile_s},
+            "compile": {"steps": list(self.compile_steps), "seconds": compile_s,
+                        "in_validation_s": self.compile_in_validation_s},
         }
 
 
@@ -199,6 +203,7 @@ class TrainingLoop:
     def step(self, batch, sampled: bool) -> None:
         """One training step, left on the device: forward, scaled backward, step or skip, the schedule."""
         out, precision = self.out, self.precision
+        compiled_s = fused.compile_seconds()
         self.timer.start()
         precision.telemetry.sampling = sampled
         counting = StepMemory(self.model, precision, self.master.mode) \
@@ -229,6 +234,8 @@ class TrainingLoop:
             out.step_memory = counting.finish(self.optimizer)
         end_step(self.device)
         self.timer.stop()
+        if fused.compile_seconds() > compiled_s and out.steps not in out.compile_steps[-1:]:
+            out.compile_steps.append(out.steps)  # a fused graph for a new layout: its compile is in this step's time
         out.samples += self.task.batch_size
 
     def eager_again(self, batch, error: Exception) -> torch.Tensor:
@@ -266,8 +273,10 @@ class TrainingLoop:
 
     def validate(self, epoch: int) -> None:
         """The task's validation metrics now, in the cell's evaluation precision: one point of the quality curve."""
+        compiled_s = fused.compile_seconds()  # an evaluation batch's layout is new to the fused graphs
         with self.precision.evaluating(self.model, self.cfg.get("eval_precision", "trained")) as cast_inputs:
             metrics = self.task.validate(self.model, cast_inputs)
+        self.out.compile_in_validation_s += fused.compile_seconds() - compiled_s
         self.out.validations.append({"step": self.out.steps, "epoch": epoch, **metrics})
         self.log({"step": self.out.steps, "epoch": epoch, **metrics})
 
