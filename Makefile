@@ -21,7 +21,7 @@ STAMP   := $(VENV)/.installed-torch-$(TORCH)
 .DEFAULT_GOAL := help
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 	@echo "  variables: TORCH=$(TORCH) RESULTS=$(RESULTS) TABLES=$(TABLES) SEEDS=$(SEEDS) FORMATS=$(FORMATS)"
 	@echo "             SCALINGS=$(SCALINGS) EXPERIMENT=$(EXPERIMENT) (a conf/experiment/ preset: smoke,"
 	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet, nanogpt_shakespeare_char_cpu,"
