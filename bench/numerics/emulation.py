@@ -152,17 +152,15 @@ class _InputCasts(torch.autograd.Function):
         return None, None, *_rounded_gradients(ctx.casts, ctx.needs_input_grad[2:], grad_x, grad_weight, grad_bias)
 
 
-@torch.library.custom_op("precision_bench::summed_rows", mutates_args=(), schema="(Tensor grad) -> Tensor")
-def summed_rows(grad: torch.Tensor) -> torch.Tensor:
-    """grad.sum(0) by torch's own reduction, also inside a compiled op pass, which calls it as an extern kernel:
-    inductor's generated sum adds the rows in another order, and a bias gradient summed over 32 rows of FP32 values
-    came out different in about half its elements (tests/test_fused.py)."""
-    return grad.sum(0)
-
-
-@summed_rows.register_fake
-def _(grad: torch.Tensor) -> torch.Tensor:
-    return grad.new_empty(grad.shape[1:])
+# a Linear's bias gradient, grad.sum(0) by torch's own reduction, also inside a compiled op pass, which calls it as an
+# extern kernel: inductor's generated sum adds the rows in another order, and a bias gradient summed over 32 rows of
+# FP32 values came out different in about half its elements (tests/test_fused.py). A torch.library op with its
+# kernel in Python costs 1.6 us a call over the sum (torch.library.custom_op's wrapping, 8.7: 5% of LeNet FP8's step)
+_OPS = torch.library.Library("precision_bench", "DEF")
+_OPS.define("summed_rows(Tensor grad) -> Tensor")
+_OPS.impl("summed_rows", lambda grad: grad.sum(0), "CompositeExplicitAutograd")
+_OPS.impl("summed_rows", lambda grad: grad.new_empty(grad.shape[1:]), "Meta")
+summed_rows = torch.ops.precision_bench.summed_rows.default
 
 
 @dataclass(frozen=True)
