@@ -154,8 +154,9 @@ class _InputCasts(torch.autograd.Function):
 
 # a Linear's bias gradient, grad.sum(0) by torch's own reduction, also inside a compiled op pass, which calls it as an
 # extern kernel: inductor's generated sum adds the rows in another order, and a bias gradient summed over 32 rows of
-# FP32 values came out different in about half its elements (tests/test_fused.py). A torch.library op with its
-# kernel in Python costs 1.6 us a call over the sum (torch.library.custom_op's wrapping, 8.7: 5% of LeNet FP8's step)
+# FP32 values came out different in about half its elements (tests/test_fused.py). Defined with torch.library's
+# Library, its Python kernel costs 1.6 us a call more than the sum; torch.library.custom_op's wrapping cost 8.7 us
+# more, 5% of LeNet FP8's step (docs/performance.md)
 _OPS = torch.library.Library("precision_bench", "DEF")
 _OPS.define("summed_rows(Tensor grad) -> Tensor")
 _OPS.impl("summed_rows", lambda grad: grad.sum(0), "CompositeExplicitAutograd")
