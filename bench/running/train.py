@@ -212,13 +212,12 @@ class TrainingLoop:
         with watched:  # forward and backward, not the optimiser's step: dynamo compiles nothing under a dispatch mode
             with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
                 loss = self.step_loss(self.model, batch, eager=counting is not None)  # saved-tensor hooks: eager
-            if self.step_loss.compiled_now:
-                out.compile_steps.append(out.steps)
+            compiled = self.step_loss.compiled_now  # (a step run again eagerly below still compiled first)
             self.optimizer.zero_grad(set_to_none=True)
             try:
                 self.scaler.scale_loss(loss).backward()
             except Exception as e:  # only a backward that compiled on this very step falls back
-                if not self.step_loss.compiled_now:
+                if not compiled:
                     raise
                 loss = self.eager_again(batch, e)
         self.unread_steps.append(out.steps)
@@ -234,8 +233,8 @@ class TrainingLoop:
             out.step_memory = counting.finish(self.optimizer)
         end_step(self.device)
         self.timer.stop()
-        if fused.compile_seconds() > compiled_s and out.steps not in out.compile_steps[-1:]:
-            out.compile_steps.append(out.steps)  # a fused graph for a new layout: its compile is in this step's time
+        if compiled or fused.compile_seconds() > compiled_s:  # torch.compile, or a fused graph for a new layout
+            out.compile_steps.append(out.steps)
         out.samples += self.task.batch_size
 
     def eager_again(self, batch, error: Exception) -> torch.Tensor:
