@@ -205,19 +205,26 @@ class ConvGemm:
 
 def _op_forward(x, weight, bias, gemm, casts: "OpCasts", dtype) -> tuple:
     """`_EmulatedOp`'s forward on its inputs (a 16-bit one already widened): `_rounded_inputs`, the op on them, its
-    result rounded. Returns that result, handed on in `dtype` where given, and the rounded x and weight that the
-    backward reads."""
+    result rounded. Returns that result, handed on in `dtype` where given (its values in an FP32 tensor where the op
+    `carries_out`), and the rounded x and weight that the backward reads."""
     x_r, w_r, b_r = _rounded_inputs(casts, False, x, weight, bias)
     y = gemm.forward(x_r, w_r, b_r)
     y = y if casts.output is None else casts.output(y)
-    return (y if dtype is None else y.to(dtype)), x_r, w_r
+    if dtype is None:
+        return y, x_r, w_r
+    y = y.to(dtype)
+    return (y.float() if casts.carries_out else y), x_r, w_r
 
 
 def _op_backward(grad, x_r, w_r, gemm, casts: "OpCasts", wanted: tuple[bool, bool, bool],
-                 dtypes: tuple) -> tuple:
+                 dtypes: tuple, carried: torch.dtype | None) -> tuple:
     """`_EmulatedOp`'s backward on its result's gradient (widened back to the op's dtype): rounded, the op's backward
     on it, `_rounded_gradients`, each handed back in its input's dtype (`dtypes`: x's, weight's, bias's), as autograd
-    would hand it back."""
+    would hand it back. `carried`: the 16-bit dtype whose values the op's result stood for in an FP32 tensor where it
+    `carries_out` (None: autocast was off), to which autograd would have rounded that tensor's gradient: here. (The
+    input's gradient, handed back in FP32 to the op before, is rounded there, at its entry.)"""
+    if carried is not None and casts.carries_out:
+        grad = grad.to(carried).float()
     grad = grad if casts.grad_output is None else casts.grad_output(grad)
     grads = _rounded_gradients(casts, wanted, *gemm.backward(grad, x_r, w_r, wanted))
     return tuple([g if g is None else g.to(dtype) for g, dtype in zip(grads, dtypes)])
@@ -240,7 +247,7 @@ class _EmulatedOp(torch.autograd.Function):
         if widen:  # eagerly: inductor's CPU code reading BF16 made BERT-tiny's FP8 step 5% slower
             x, weight, bias = _widened(x, weight, bias)
         y, x_r, w_r = casts.run(_op_forward, ("forward", dtype), x, weight, bias, gemm, casts, dtype)
-        ctx.gemm, ctx.casts = gemm, casts
+        ctx.gemm, ctx.casts, ctx.carried = gemm, casts, dtype
         ctx.save_for_backward(x_r, w_r)
         return y
 
@@ -252,8 +259,8 @@ class _EmulatedOp(torch.autograd.Function):
         device = grad.device.type  # a backward run under autocast would otherwise compute its GEMMs in 16 bits
         with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext(), \
                 torch._C.DisableTorchFunction():
-            grads = casts.run(_op_backward, ("backward", wanted, ctx.input_dtypes), grad, x_r, w_r, ctx.gemm, casts,
-                              wanted, ctx.input_dtypes)
+            grads = casts.run(_op_backward, ("backward", wanted, ctx.input_dtypes, ctx.carried), grad, x_r, w_r,
+                              ctx.gemm, casts, wanted, ctx.input_dtypes, ctx.carried)
         return None, None, None, None, *grads
 
 
@@ -282,6 +289,9 @@ class OpCasts:
             s.rounding == "nearest" and s.scaler is None and s.telemetry is first.telemetry
             and s.listener is first.listener for s in sites) else None
         self.passes = Passes()  # this op's forward and backward passes, compiled
+        # under autocast, whether the op hands its 16-bit result on as its values in an FP32 tensor (`carried_ops`):
+        # set by the precision policy, where what takes that tensor is exact on it and the next such op
+        self.carries_out = False
 
     def run(self, body: Callable, key: tuple, x, *args):
         """body(x, *args), a pass of this op (`_op_forward`, `_op_backward`), as one compiled graph where its sites'
@@ -462,6 +472,58 @@ class EmulatedConv2d(CastOp, nn.Conv2d):
 
 
 EMULATED_MODULES = {nn.Linear: EmulatedLinear, nn.Conv2d: EmulatedConv2d}
+
+# Modules that give the same values, forward and backward, on 16-bit values held in FP32 tensors as on the 16-bit
+# tensors: they select, move or reshape values and round none. A max-pool's backward adds the gradients of windows
+# that overlap, so it is one only where they do not.
+_SELECTING = (nn.ReLU, nn.Flatten, nn.Unflatten, nn.Identity)
+_POOLS = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}
+
+
+def _selects(module: nn.Module) -> bool:
+    if isinstance(module, _SELECTING):
+        return True
+    dims = _POOLS.get(type(module))
+    per_dim = lambda value: tuple(value) if isinstance(value, (tuple, list)) else (value,) * (dims or 0)
+    return dims is not None and per_dim(module.stride) == per_dim(module.kernel_size) \
+        and per_dim(module.dilation) == (1,) * dims
+
+
+def _exact_op(module: nn.Module) -> bool:
+    """An emulated Linear or convolution that runs as one `_EmulatedOp` (rounded, accumulated exactly)."""
+    if type(module) is EmulatedConv2d:
+        return not isinstance(module.padding, str) and module.padding_mode == "zeros" and module.casts is not None \
+            and module.accumulation is None
+    return type(module) is EmulatedLinear and module.casts is not None and module.accumulation is None \
+        and module.operands is None
+
+
+def carried_ops(model: nn.Module) -> list[CastOp]:
+    """The emulated ops of `model` that can hand BF16 autocast's values to one another in FP32 tensors, in the order
+    its forward runs them; [] where the model is not such a chain.
+
+    Under format.elsewhere=bf16 an emulated op hands its result on in BF16, and the ReLU and max-pool after it run in
+    BF16, only for the next emulated op to widen their result to FP32 again (LeNet: about 7% of an FP8 step here,
+    docs/performance.md). Where every module between two emulated ops only selects values (`_SELECTING`, a max-pool
+    whose windows do not overlap), the first can hand on BF16's values in an FP32 tensor instead, and round that
+    tensor's gradient to BF16 as autograd would have: the same values, forward and backward, and two casts and a
+    BF16 kernel fewer at each step between them. Such a chain is a Sequential, its own forward running its
+    modules in order (nested Sequentials too), whose modules are those ops and selecting ones alone: what the
+    forward computes between the ops is then known. What comes before the first op and after the last is untouched
+    (the loss still gets BF16)."""
+    ops = []
+
+    def chain(module: nn.Module) -> bool:
+        if type(module).forward is not nn.Sequential.forward:
+            return False
+        for child in module.children():
+            if _exact_op(child):
+                ops.append(child)
+            elif not (_selects(child) or chain(child)):
+                return False
+        return True
+
+    return ops if chain(model) and len(ops) > 1 else []
 
 
 def _values(telemetry: QuantTelemetry | None, tensor_class: str, spec: ElementFormat, quantiser: Callable,

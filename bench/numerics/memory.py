@@ -18,7 +18,8 @@ would store it in:
   storage (TF32 in FP32), stands for its input: a native kernel reads such an input as it is, so the tensor is
   counted once;
 - with 16-bit kernels and no per-tensor scales, a saved FP32 tensor on the model's differentiable path whose
-  every value is a 16-bit value (ReLU or max-pool of a 16-bit output): 16 bits, as a native run computes it;
+  every value is a 16-bit value (ReLU or max-pool of a 16-bit output): 16 bits, as a native run computes it; so
+  too BF16's values that emulated ops hand one another in FP32 tensors (format.elsewhere=bf16, Precision.carried);
 - anything else (integer indices, FP32 losses, the output of an FP32 elementwise op): its own size.
 tests/test_memory.py checks that this model of an emulated bf16 run equals the measured bytes of the native
 bf16 run, category by category. The categories' sum bounds the step's peak from above: backward frees saved
@@ -95,7 +96,8 @@ class StepMemory:
         # BF16 master weights (bench/numerics/master_weights.py): parameters and gradients held in two bytes
         self.parameter_format = FORMATS["bf16"] if master_weights != "fp32" else self.stored_format
         self.sixteen_bit_values = (FORMATS[precision.recipe.inputs] if emulated and precision.recipe.sixteen_bit_kernel
-                                   and not precision.plan.site_scales else None)
+                                   and not precision.plan.site_scales else FORMATS["bf16"] if precision.carried
+                                   else None)
 
     @contextlib.contextmanager
     def saving(self):

@@ -50,6 +50,7 @@ from bench.numerics.emulation import (
     FP8TileOperands,
     OpCasts,
     TensorSite,
+    carried_ops,
 )
 from bench.numerics.formats import FORMATS, quantise_value, resolve_overflow
 from bench.numerics.native import (
@@ -173,6 +174,7 @@ class Precision:
         self.conversion: dict | None = None  # what `prepare` did to the model (the record's fp8_modules, kept layers)
         # the model's Linear and Conv layers autocast computes (none of the format's GEMMs); None: no model prepared
         self.autocast_layers: list[str] | None = None
+        self.carried: list[str] = []  # the emulated ops handing BF16's values on in FP32 tensors (_carry_between_ops)
         self.fp8_all_gather = False  # FSDP2 gathers torchao's float8 weights in FP8 (gather_in_fp8)
         c = decided.config
         if decided.tiles is not None:
@@ -246,7 +248,18 @@ class Precision:
         count."""
         model = self._prepared(model, blocks)
         self.autocast_layers = _autocast_layers(model)
+        self.carried = self._carry_between_ops(model)
         return model
+
+    def _carry_between_ops(self, model: nn.Module) -> list[str]:
+        """Under format.elsewhere=bf16, the emulated ops that hand BF16's values to one another in FP32 tensors
+        (emulation.carried_ops: the same values, fewer casts), each but the last told to hand such a tensor on (the
+        last hands the loss BF16, as before); the names of those that do, [] where none does."""
+        ops = carried_ops(model)[:-1] if self.elsewhere == "bf16" and not self.native else []
+        for op in ops:
+            op.casts.carries_out = True
+        names = {id(m): n for n, m in model.named_modules()}
+        return [names[id(op)] for op in ops]
 
     def _prepared(self, model: nn.Module, blocks: str | None) -> nn.Module:
         if self.plan.spec.recipe is None:
@@ -425,6 +438,7 @@ class Precision:
             + ("" if p.native else " (emulated)"),  # what dashboards group by
             "elsewhere": p.elsewhere,  # outside the converted GEMMs (format.elsewhere)
             "elsewhere_emulated": self.elsewhere_emulated,  # why bf16 elsewhere's own GEMMs were emulated; null: native
+            "elsewhere_in_fp32_after": self.carried,  # emulated ops handing bf16 elsewhere's values on in FP32 tensors
             "backend_reason": p.why,
             "element_formats": elements,
             "overflow": {e: "saturate" if self.block else resolve_overflow(FORMATS[e], c.overflow) for e in elements},

@@ -1,0 +1,115 @@
+"""format.elsewhere=bf16 with BF16's values handed between emulated ops in FP32 tensors (emulation.carried_ops):
+where only selecting modules (ReLU, a max-pool whose windows do not overlap, Flatten) sit between a Sequential's
+emulated ops, training gives the same bits, and the step's memory count the same bytes, as handing on BF16 tensors."""
+
+import pytest
+import torch
+from torch import nn
+
+from bench.numerics import fused
+from bench.numerics.memory import StepMemory
+from bench.numerics.precision import Precision
+from bench.tasks.lenet import LeNet5
+
+CPU = torch.device("cpu")
+
+
+def _trained(fmt: str, carry: bool, steps: int = 6, **options) -> dict:
+    """LeNet-5 trained `steps` SGD steps on fixed random batches under `fmt` with BF16 elsewhere, BF16 carried in FP32
+    between its ops or (carry=False) handed on as BF16 tensors; its losses, final parameters and gradients, the
+    logits' dtype and the first step's memory count."""
+    torch.manual_seed(0)
+    model = LeNet5()
+    precision = Precision.of(fmt, CPU, mode="mixed", backend="emulated", elsewhere="bf16", **options)
+    model = precision.prepare(model)
+    carried = list(precision.carried)
+    if not carry:
+        for module in model.modules():
+            if getattr(module, "casts", None) is not None:
+                module.casts.carries_out = False
+        precision.carried = []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    losses, memory = [], None
+    for step in range(steps):
+        x = torch.randn(16, 1, 32, 32, generator=generator) * 3
+        y = torch.randint(0, 10, (16,), generator=generator)
+        counting = StepMemory(model, precision) if step == 0 else None
+        optimizer.zero_grad()
+        with precision.autocast(), counting.saving() if counting else torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t, lambda t: t):
+            logits = model(x)
+            loss = nn.functional.cross_entropy(logits, y)
+        loss.backward()
+        if counting:
+            memory = counting.finish(optimizer)
+        optimizer.step()
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses), "params": [p.detach().clone() for p in model.parameters()],
+            "grads": [p.grad.clone() for p in model.parameters()], "logits": logits.dtype, "memory": memory,
+            "carried": carried}
+
+
+@pytest.mark.parametrize("fused_on", [False, True], ids=["eager", "fused"])
+@pytest.mark.parametrize("fmt, options", [("fp8", {}), ("fp8", {"scaling": "per_tensor"})],
+                         ids=["fp8", "fp8 per-tensor scaled"])
+def test_lenet_trains_to_the_same_bits_with_bf16_carried_in_fp32_between_its_ops(monkeypatch, fused_on, fmt, options):
+    monkeypatch.setenv(fused.SWITCH, "1" if fused_on else "0")
+    carried, handed = _trained(fmt, True, **options), _trained(fmt, False, **options)
+    assert carried["carried"] == ["0", "3", "7", "9"]
+    assert torch.equal(carried["losses"], handed["losses"])
+    for a, b in zip(carried["grads"] + carried["params"], handed["grads"] + handed["params"]):
+        assert torch.equal(a, b)
+    # the last op still hands the loss a BF16 tensor, and the memory counted is what BF16 tensors would hold
+    assert carried["logits"] == handed["logits"] == torch.bfloat16
+    assert carried["memory"] == handed["memory"]
+
+
+def test_an_op_whose_output_gradient_arrives_unrounded_rounds_it_to_bf16_as_autograd_would():
+    """Each carried op rounds what it is handed back as a BF16 tensor's gradient would be rounded, so its backward
+    does not depend on its neighbours being exact: an FP32 gradient with bits below BF16's gives the gradients that
+    its BF16 rounding gives."""
+    torch.manual_seed(0)
+    grads = {}
+    for carry in (True, False):
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        precision = Precision.of("fp8", CPU, mode="mixed", backend="emulated", elsewhere="bf16")
+        model = precision.prepare(model)
+        first = model[0]
+        first.casts.carries_out = carry
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+        with precision.autocast():
+            y = first(x)
+        upstream = torch.randn(4, 32, generator=torch.Generator().manual_seed(3)) * 1e-2
+        y.backward(upstream if carry else upstream.to(torch.bfloat16))
+        grads[carry] = (first.weight.grad.clone(), first.bias.grad.clone())
+        assert y.dtype == (torch.float32 if carry else torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+
+
+@pytest.mark.parametrize("between", [
+    nn.GELU(), nn.Dropout(0.1), nn.MaxPool2d(3, stride=2), nn.LayerNorm(6), nn.Sequential(nn.ReLU(), nn.Tanh())],
+    ids=["gelu", "dropout", "overlapping max-pool", "layer norm", "a nested tanh"])
+def test_nothing_is_carried_past_a_module_that_rounds(between):
+    model = nn.Sequential(nn.Conv2d(1, 6, 3), between, nn.Flatten(), nn.Linear(6, 4))  # shapes: never run
+    precision = Precision.of("fp8", CPU, mode="mixed", backend="emulated", elsewhere="bf16")
+    precision.prepare(model)
+    assert precision.carried == [] and precision.describe()["elsewhere_in_fp32_after"] == []
+    precision = Precision.of("fp8", CPU, mode="mixed", backend="emulated", elsewhere="bf16")
+    precision.prepare(nn.Sequential(nn.Conv2d(1, 6, 3), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(6, 4)))
+    assert precision.carried == ["0"]  # the same chain, its module between selecting
+
+
+def test_only_bf16_elsewhere_carries_and_a_model_with_its_own_forward_does_not():
+    class OwnForward(nn.Sequential):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    for model, elsewhere, carried in [(LeNet5(), "bf16", ["0", "3", "7", "9"]), (LeNet5(), "fp32", []),
+                                      (OwnForward(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), "bf16", []),
+                                      (nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Flatten(),
+                                                                                               nn.Linear(4, 4))),
+                                       "bf16", ["0"])]:
+        precision = Precision.of("fp8", CPU, mode="mixed", backend="emulated", elsewhere=elsewhere)
+        precision.prepare(model)
+        assert precision.carried == carried, (model, elsewhere)
