@@ -79,7 +79,10 @@ def test_fail_fast_stops_the_sweep_at_the_first_exception(tmp_path, make_checkpo
 
 
 def test_a_corrupt_record_is_reported_and_its_cell_runs_again(tmp_path):
-    assert bench(tmp_path, "-m", "format=fp32,fp16", "train.max_steps=3").returncode == 0
+    first = bench(tmp_path, "-m", "format=fp32,fp16", "train.max_steps=3")
+    written = sorted(Path(tmp_path).rglob("result.json"))
+    assert first.returncode == 0 and len(written) == 2
+    assert all(f"record: {path}" in first.stdout for path in written), first.stdout  # each cell's line says where
     corrupt = next(Path(tmp_path).rglob("fp16-mixed/none/seed0,train.max_steps=3/result.json"))
     corrupt.write_text('{"status": "ok", "conf')
     out = bench(tmp_path, "-m", "format=fp32,fp16", "train.max_steps=3")

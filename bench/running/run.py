@@ -413,8 +413,11 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
 
 
 def _log_outcome(cfg: DictConfig, record: dict) -> None:
-    log.info("%s: %s %s", cfg.cell, record["status"], record["reason"] or {  # the curve is in the record
-        k: v for k, v in record["metrics"].items() if not isinstance(v, (list, dict))})
+    """A cell's outcome in the log, each of a sweep's cells on its line: status, scalar metrics (the curve is in the
+    record), and where the record is."""
+    log.info("%s: %s %s; record: %s", cfg.cell, record["status"], record["reason"] or {
+        k: v for k, v in record["metrics"].items() if not isinstance(v, (list, dict))},
+        Path(cfg.results_dir) / cfg.cell / "result.json")
 
 
 def _record_cell(record: dict, cell: Cell, precision: Precision) -> None:
