@@ -2,6 +2,8 @@
 where only selecting modules (ReLU, a max-pool whose windows do not overlap, Flatten) sit between a Sequential's
 emulated ops, training gives the same bits, and the step's memory count the same bytes, as handing on BF16 tensors."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -28,6 +30,8 @@ def _trained(fmt: str, carry: bool, steps: int = 6, **options) -> dict:
             if getattr(module, "casts", None) is not None:
                 module.casts.carries_out = False
         precision.carried = []
+    handed_on = []  # the first op's result: FP32 where carried (fused too: its graph keeps the round trip)
+    model[0].register_forward_hook(lambda module, args, y: handed_on.append(y.dtype))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(1)
     losses, memory = [], None
@@ -36,8 +40,7 @@ def _trained(fmt: str, carry: bool, steps: int = 6, **options) -> dict:
         y = torch.randint(0, 10, (16,), generator=generator)
         counting = StepMemory(model, precision) if step == 0 else None
         optimizer.zero_grad()
-        with precision.autocast(), counting.saving() if counting else torch.autograd.graph.saved_tensors_hooks(
-                lambda t: t, lambda t: t):
+        with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
             logits = model(x)
             loss = nn.functional.cross_entropy(logits, y)
         loss.backward()
@@ -47,7 +50,7 @@ def _trained(fmt: str, carry: bool, steps: int = 6, **options) -> dict:
         losses.append(loss.detach())
     return {"losses": torch.stack(losses), "params": [p.detach().clone() for p in model.parameters()],
             "grads": [p.grad.clone() for p in model.parameters()], "logits": logits.dtype, "memory": memory,
-            "carried": carried}
+            "carried": carried, "handed_on": set(handed_on)}
 
 
 @pytest.mark.parametrize("fused_on", [False, True], ids=["eager", "fused"])
@@ -57,6 +60,7 @@ def test_lenet_trains_to_the_same_bits_with_bf16_carried_in_fp32_between_its_ops
     monkeypatch.setenv(fused.SWITCH, "1" if fused_on else "0")
     carried, handed = _trained(fmt, True, **options), _trained(fmt, False, **options)
     assert carried["carried"] == ["0", "3", "7", "9"]
+    assert carried["handed_on"] == {torch.float32} and handed["handed_on"] == {torch.bfloat16}
     assert torch.equal(carried["losses"], handed["losses"])
     for a, b in zip(carried["grads"] + carried["params"], handed["grads"] + handed["params"]):
         assert torch.equal(a, b)
@@ -100,16 +104,23 @@ def test_nothing_is_carried_past_a_module_that_rounds(between):
     assert precision.carried == ["0"]  # the same chain, its module between selecting
 
 
-def test_only_bf16_elsewhere_carries_and_a_model_with_its_own_forward_does_not():
+def test_only_bf16_elsewhere_carries_and_only_through_a_plain_sequential_of_distinct_ops_and_selecting_modules():
     class OwnForward(nn.Sequential):
         def forward(self, x):
             return super().forward(x) * 2
 
+    class Leaky(nn.ReLU):  # a ReLU by class, another function by its forward
+        def forward(self, x):
+            return nn.functional.leaky_relu(x, 0.1)
+
+    shared = nn.Linear(4, 4)
     for model, elsewhere, carried in [(LeNet5(), "bf16", ["0", "3", "7", "9"]), (LeNet5(), "fp32", []),
                                       (OwnForward(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), "bf16", []),
                                       (nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Flatten(),
                                                                                                nn.Linear(4, 4))),
-                                       "bf16", ["0"])]:
+                                       "bf16", ["0"]),
+                                      (nn.Sequential(nn.Linear(4, 4), Leaky(), nn.Linear(4, 4)), "bf16", []),
+                                      (nn.Sequential(shared, nn.ReLU(), shared), "bf16", [])]:
         precision = Precision.of("fp8", CPU, mode="mixed", backend="emulated", elsewhere=elsewhere)
         precision.prepare(model)
         assert precision.carried == carried, (model, elsewhere)

@@ -213,7 +213,9 @@ def _op_forward(x, weight, bias, gemm, casts: "OpCasts", dtype) -> tuple:
     if dtype is None:
         return y, x_r, w_r
     y = y.to(dtype)
-    return (y.float() if casts.carries_out else y), x_r, w_r
+    # not inside a compiled model's step: its inductor deletes a round trip through BF16 (emulate_precision_casts is
+    # on for the fused graphs alone), where a BF16 tensor is kept; the gradient's rounding is then exact
+    return (y.float() if casts.carries_out and not torch.compiler.is_compiling() else y), x_r, w_r
 
 
 def _op_backward(grad, x_r, w_r, gemm, casts: "OpCasts", wanted: tuple[bool, bool, bool],
@@ -481,7 +483,7 @@ _POOLS = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}
 
 
 def _selects(module: nn.Module) -> bool:
-    if isinstance(module, _SELECTING):
+    if type(module) in _SELECTING:  # these classes themselves: a subclass may compute something else
         return True
     dims = _POOLS.get(type(module))
     per_dim = lambda value: tuple(value) if isinstance(value, (tuple, list)) else (value,) * (dims or 0)
@@ -503,14 +505,14 @@ def carried_ops(model: nn.Module) -> list[CastOp]:
     its forward runs them; [] where the model is not such a chain.
 
     Under format.elsewhere=bf16 an emulated op hands its result on in BF16, and the ReLU and max-pool after it run in
-    BF16, only for the next emulated op to widen their result to FP32 again (LeNet: about 7% of an FP8 step here,
+    BF16, only for the next emulated op to widen their result to FP32 again (LeNet: 2.6% of an FP8 step here,
     docs/performance.md). Where every module between two emulated ops only selects values (`_SELECTING`, a max-pool
     whose windows do not overlap), the first can hand on BF16's values in an FP32 tensor instead, and round that
     tensor's gradient to BF16 as autograd would have: the same values, forward and backward, and two casts and a
     BF16 kernel fewer at each step between them. Such a chain is a Sequential, its own forward running its
     modules in order (nested Sequentials too), whose modules are those ops and selecting ones alone: what the
-    forward computes between the ops is then known. What comes before the first op and after the last is untouched
-    (the loss still gets BF16)."""
+    forward computes between the ops is then known, and each op appears once (one used twice would hand on FP32 at
+    the end). What comes before the first op and after the last is untouched (the loss still gets BF16)."""
     ops = []
 
     def chain(module: nn.Module) -> bool:
@@ -523,7 +525,7 @@ def carried_ops(model: nn.Module) -> list[CastOp]:
                 return False
         return True
 
-    return ops if chain(model) and len(ops) > 1 else []
+    return ops if chain(model) and len(ops) > 1 and len(set(map(id, ops))) == len(ops) else []
 
 
 def _values(telemetry: QuantTelemetry | None, tensor_class: str, spec: ElementFormat, quantiser: Callable,
