@@ -58,7 +58,9 @@ def _trained(fmt: str, carry: bool, steps: int = 6, **options) -> dict:
                          ids=["fp8", "fp8 per-tensor scaled"])
 def test_lenet_trains_to_the_same_bits_with_bf16_carried_in_fp32_between_its_ops(monkeypatch, fused_on, fmt, options):
     monkeypatch.setenv(fused.SWITCH, "1" if fused_on else "0")
+    fused.FELL_BACK.clear()
     carried, handed = _trained(fmt, True, **options), _trained(fmt, False, **options)
+    assert not fused.FELL_BACK  # fused, every graph compiled: none ran eagerly in its stead
     assert carried["carried"] == ["0", "3", "7", "9"]
     assert carried["handed_on"] == {torch.float32} and handed["handed_on"] == {torch.bfloat16}
     assert torch.equal(carried["losses"], handed["losses"])
