@@ -122,7 +122,10 @@ def test_only_bf16_elsewhere_carries_and_only_through_a_plain_sequential_of_dist
                                                                                                nn.Linear(4, 4))),
                                        "bf16", ["0"]),
                                       (nn.Sequential(nn.Linear(4, 4), Leaky(), nn.Linear(4, 4)), "bf16", []),
-                                      (nn.Sequential(shared, nn.ReLU(), shared), "bf16", [])]:
+                                      (nn.Sequential(shared, nn.ReLU(), shared), "bf16", []),
+                                      # torch pads a `same` convolution itself: its own autograd node, not one op
+                                      (nn.Sequential(nn.Conv2d(1, 6, 3, padding="same"), nn.ReLU(), nn.Flatten(),
+                                                     nn.Linear(6, 4)), "bf16", [])]:
         precision = Precision.of("fp8", CPU, mode="mixed", backend="emulated", elsewhere=elsewhere)
         precision.prepare(model)
         assert precision.carried == carried, (model, elsewhere)

@@ -447,9 +447,14 @@ class EmulatedConv2d(CastOp, nn.Conv2d):
     def forward(self, x):
         if self.accumulation is not None and self.casts is not None:
             return self.gemm(self._tensor_core_conv, x, self.weight, self.bias)
-        exact = None if isinstance(self.padding, str) or self.padding_mode != "zeros" else \
-            ConvGemm(self.stride, self.padding, self.dilation, self.groups)  # torch pads the others itself
-        return self.gemm(self._conv_forward, x, self.weight, self.bias, exact=exact)
+        return self.gemm(self._conv_forward, x, self.weight, self.bias, exact=self.exact_gemm())
+
+    def exact_gemm(self) -> ConvGemm | None:
+        """This convolution with the backward torch's autograd runs for it: zero padding given in numbers; None where
+        torch pads it itself (a padding mode, or `same`/`valid`)."""
+        if isinstance(self.padding, str) or self.padding_mode != "zeros":
+            return None
+        return ConvGemm(self.stride, self.padding, self.dilation, self.groups)
 
     def _tensor_core_conv(self, x, weight, bias):
         """The convolution as an implicit GEMM through the tensor-core model: each output position's patch (channels x
@@ -486,18 +491,19 @@ def _selects(module: nn.Module) -> bool:
     if type(module) in _SELECTING:  # these classes themselves: a subclass may compute something else
         return True
     dims = _POOLS.get(type(module))
-    per_dim = lambda value: tuple(value) if isinstance(value, (tuple, list)) else (value,) * (dims or 0)
-    return dims is not None and per_dim(module.stride) == per_dim(module.kernel_size) \
-        and per_dim(module.dilation) == (1,) * dims
+    if dims is None:
+        return False
+    per_dim = lambda value: tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
+    return per_dim(module.stride) == per_dim(module.kernel_size) and per_dim(module.dilation) == (1,) * dims
 
 
 def _exact_op(module: nn.Module) -> bool:
-    """An emulated Linear or convolution that runs as one `_EmulatedOp` (rounded, accumulated exactly)."""
-    if type(module) is EmulatedConv2d:
-        return not isinstance(module.padding, str) and module.padding_mode == "zeros" and module.casts is not None \
-            and module.accumulation is None
-    return type(module) is EmulatedLinear and module.casts is not None and module.accumulation is None \
-        and module.operands is None
+    """An emulated Linear or convolution that runs as one `_EmulatedOp` (CastOp.gemm's `exact` path: rounded,
+    accumulated exactly)."""
+    if type(module) not in (EmulatedLinear, EmulatedConv2d) or module.casts is None \
+            or module.accumulation is not None or module.operands is not None:
+        return False
+    return type(module) is EmulatedLinear or module.exact_gemm() is not None
 
 
 def carried_ops(model: nn.Module) -> list[CastOp]:
