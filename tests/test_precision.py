@@ -217,6 +217,7 @@ def test_a_swapped_module_holds_the_same_tensors_and_the_original_is_left_alone(
     """bench/numerics/swap.py: prepare puts an EmulatedLinear in each Linear's place holding the same Parameter
     objects (an optimiser built before, a tie, the state-dict keys all still hold), the model itself included when
     it is one Linear; evaluation in full precision swaps torchao's Linears out and back."""
+    from bench.numerics.chain import EmulatedChain
     from bench.numerics.emulation import EmulatedLinear
     from bench.numerics.swap import restore, swap_modules, with_state_of
 
@@ -225,10 +226,13 @@ def test_a_swapped_module_holds_the_same_tensors_and_the_original_is_left_alone(
     hooked = []
     model[0].register_forward_hook(lambda *_: hooked.append(1))
     prepared = Precision.of("fp16", CPU, mode="mixed", backend="emulated").prepare(model)
-    assert prepared is model and [type(m) for m in model] == [EmulatedLinear, nn.ReLU, EmulatedLinear]
+    assert [type(m) for m in model] == [EmulatedLinear, nn.ReLU, EmulatedLinear]
+    # a chain of emulated ops (bench/numerics/chain.py) comes back as an EmulatedChain holding the model's modules
+    assert isinstance(prepared, EmulatedChain) and list(prepared) == list(model) and set(prepared.state_dict()) == keys
     assert [m.weight for m in model if isinstance(m, nn.Linear)] == weights and set(model.state_dict()) == keys
     model(torch.randn(2, 4))
-    assert hooked == [1]  # the old module's hook came along
+    prepared(torch.randn(2, 4))
+    assert hooked == [1, 1]  # the old module's hook came along, and a hooked chain runs its modules one by one
     bare = nn.Linear(4, 4)
     swapped_in = Precision.of("fp16", CPU, mode="mixed", backend="emulated").prepare(bare)
     assert type(bare) is nn.Linear and type(swapped_in) is EmulatedLinear and swapped_in.weight is bare.weight

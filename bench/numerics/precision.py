@@ -41,6 +41,7 @@ from torch import nn
 
 from bench.numerics.autocast import EmulatedGemms
 from bench.numerics.blocks import RHT_SIZE, rht_matrix, rht_signs
+from bench.numerics.chain import EmulatedChain, chained
 from bench.numerics.emulation import (
     EMULATED_MODULES,
     BlockOperands,
@@ -175,6 +176,7 @@ class Precision:
         # the model's Linear and Conv layers autocast computes (none of the format's GEMMs); None: no model prepared
         self.autocast_layers: list[str] | None = None
         self.carried: list[str] = []  # the emulated ops handing BF16's values on in FP32 tensors (_carry_between_ops)
+        self.chained: list[str] = []  # the emulated ops run with the modules between them as one node (chain.py)
         self.fp8_all_gather = False  # FSDP2 gathers torchao's float8 weights in FP8 (gather_in_fp8)
         c = decided.config
         if decided.tiles is not None:
@@ -249,6 +251,9 @@ class Precision:
         model = self._prepared(model, blocks)
         self.autocast_layers = _autocast_layers(model)
         self.carried = self._carry_between_ops(model)
+        model = chained(model)
+        self.chained = [name for name, module in model.named_modules() if isinstance(model, EmulatedChain)
+                        and isinstance(module, CastOp)]
         return model
 
     def _carry_between_ops(self, model: nn.Module) -> list[str]:
@@ -439,6 +444,7 @@ class Precision:
             "elsewhere": p.elsewhere,  # outside the converted GEMMs (format.elsewhere)
             "elsewhere_emulated": self.elsewhere_emulated,  # why bf16 elsewhere's own GEMMs were emulated; null: native
             "elsewhere_in_fp32_after": self.carried,  # emulated ops handing bf16 elsewhere's values on in FP32 tensors
+            "one_node_ops": self.chained,  # emulated ops run with the modules between them as one autograd node
             "backend_reason": p.why,
             "element_formats": elements,
             "overflow": {e: "saturate" if self.block else resolve_overflow(FORMATS[e], c.overflow) for e in elements},

@@ -1,0 +1,316 @@
+"""An emulated chain as one autograd node: a model that is a Sequential of emulated ops and of the modules that only
+select values between them (LeNet-5: convolutions, Linears, ReLUs, max-pools, a Flatten) runs its forward as one
+pass and its backward as one pass, each one compiled graph where fused code runs (bench/numerics/fused.py), bit for
+bit what its modules compute one by one.
+
+Why: each emulated op costs Python that FP32's op does not: its module call, its autograd Function's apply and
+context, its pass's lookups (bench/numerics/emulation.py's _EmulatedOp). About 20 us hot a pass, and more inside a
+step, where the code has gone cold: LeNet FP8's five ops made its step 1.26 x FP32's here, and the same step as one
+node 1.14 x (docs/performance.md). The modules between the ops (ReLU, max-pool, Flatten) are nodes of their own
+too, which the chain's one node also spares.
+
+What it computes: the modules' own calls, in their order. Each op is `emulation._op_forward` and `_op_backward`,
+as its `_EmulatedOp` runs them. A ReLU is torch.relu forward and aten's threshold_backward backward, a max-pool aten's
+max_pool2d_with_indices and its backward, as autograd runs them for nn.ReLU and nn.MaxPool2d. A reshaping module
+(Flatten, Unflatten, Identity) reshapes forward, and the gradient takes the shape of what it reaches backward.
+The node saves what those nodes saved: each op's rounded operands, each ReLU's result, each max-pool's input and
+indices. Inside a fused graph inductor computes the ReLU and the max-pool itself: exact selections (one gradient
+reaches each element of a pool whose windows do not overlap), tested against the modules, bit for bit, NaN, ties
+and a negative zero included (tests/test_chain.py).
+
+When it runs: `Precision.prepare` puts an `EmulatedChain` in the place of a model that is such a chain
+(`emulation.carried_ops`, its pools 2-D), and a call runs the chain as one node when all of these hold, and the
+modules one by one (the model's own forward) otherwise:
+- no graph is being traced (a compiled model's step: its tracer takes the modules one by one);
+- every op's rounding sites are quiet and round x by x alone (`OpCasts.compiles_with`): no telemetry sampled, no
+  memory count listening, no scale, no draws. A step that something watches runs the modules one by one, as before;
+- no module of the chain has hooks, and none are global;
+- autocast is off, or on with each op but the last handing its values on in FP32 (`OpCasts.carries_out`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_globals
+
+from bench.numerics.emulation import (
+    LINEAR,
+    CastOp,
+    ConvGemm,
+    LinearGemm,
+    OpCasts,
+    _op_backward,
+    _op_forward,
+    carried_ops,
+)
+from bench.numerics.fused import Passes, in_graph
+from bench.numerics.swap import with_state_of
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class _Op:
+    """An emulated Linear or convolution: saves its rounded x and weight."""
+
+    module: CastOp
+    gemm: LinearGemm | ConvGemm
+    casts: OpCasts  # the module's when the plan was made (a graph takes its sites in as constants)
+    saves = 2
+
+    def forward(self, h, params, dtype):
+        h, x_r, w_r = _op_forward(h, params[0], params[1], self.gemm, self.casts, dtype)
+        return h, (x_r, w_r)
+
+    def output_shape(self, x_r: torch.Tensor, w_r: torch.Tensor) -> tuple:
+        """What the op's forward gave, from its rounded operands (a gradient reaching it through a reshape)."""
+        if isinstance(self.gemm, LinearGemm):
+            return (*x_r.shape[:-1], w_r.shape[0])
+        g = self.gemm
+        spatial = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, k, s, p, d in
+                   zip(x_r.shape[2:], w_r.shape[2:], g.stride, g.padding, g.dilation)]
+        return (x_r.shape[0], w_r.shape[0], *spatial)
+
+    def backward(self, grad, saved, wanted, dtypes, dtype):
+        x_r, w_r = saved
+        grad = grad.reshape(self.output_shape(x_r, w_r))
+        return _op_backward(grad, x_r, w_r, self.gemm, self.casts, wanted, dtypes, dtype)
+
+
+@dataclass(frozen=True)
+class _Relu:
+    """nn.ReLU: saves its result, as ReluBackward0 does."""
+
+    saves = 1
+
+    def forward(self, h):
+        h = torch.relu(h)
+        return h, (h,)
+
+    def backward(self, grad, saved):
+        out, = saved
+        return aten.threshold_backward(grad.reshape(out.shape), out, 0)
+
+
+@dataclass(frozen=True)
+class _MaxPool:
+    """nn.MaxPool2d: saves its input and indices, as MaxPool2DWithIndicesBackward0 does."""
+
+    kernel: tuple
+    stride: tuple
+    padding: tuple
+    dilation: tuple
+    ceil_mode: bool
+    saves = 2
+
+    def forward(self, h):
+        out, indices = aten.max_pool2d_with_indices(h, self.kernel, self.stride, self.padding, self.dilation,
+                                                    self.ceil_mode)
+        return out, (h, indices)
+
+    def backward(self, grad, saved):
+        h, indices = saved
+        return aten.max_pool2d_with_indices_backward(grad.reshape(indices.shape), h, self.kernel, self.stride,
+                                                     self.padding, self.dilation, self.ceil_mode, indices)
+
+
+@dataclass(frozen=True)
+class _Reshape:
+    """nn.Flatten, nn.Unflatten, nn.Identity: saves nothing; backward, the step before it reshapes the gradient to
+    its own result's shape."""
+
+    module: nn.Module
+    saves = 0
+
+    def forward(self, h):
+        return self.module(h), ()
+
+    def backward(self, grad, saved):
+        return grad
+
+
+def _pair(value) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+
+
+def _step(module: nn.Module):
+    """The chain's step for one of its modules; None where the chain does not run it (a 1-D or 3-D max-pool)."""
+    if isinstance(module, CastOp):
+        return _Op(module, LINEAR if isinstance(module, nn.Linear) else module.exact_gemm(), module.casts)
+    if type(module) is nn.ReLU:
+        return _Relu()
+    if type(module) is nn.MaxPool2d:
+        return _MaxPool(_pair(module.kernel_size), _pair(module.stride), _pair(module.padding),
+                        _pair(module.dilation), module.ceil_mode)
+    if type(module) in (nn.Flatten, nn.Unflatten, nn.Identity):
+        return _Reshape(module)
+    return None
+
+
+def _state(module: nn.Module) -> tuple:
+    """What a plan takes of a module: the module, and an op's rounding sites, tensor-core model and block operands."""
+    return module, getattr(module, "casts", None), getattr(module, "accumulation", None), \
+        getattr(module, "operands", None)
+
+
+def _leaves(sequential: nn.Module):
+    """The chain's modules in the order its forward calls them (nested Sequentials opened)."""
+    for child in sequential.children():
+        if isinstance(child, nn.Sequential) and type(child).forward is nn.Sequential.forward:
+            yield from _leaves(child)
+        else:
+            yield child
+
+
+class _Plan:
+    """The steps of one chain of modules, and its two passes compiled (one `Passes`)."""
+
+    def __init__(self, state: tuple, steps: tuple):
+        self.state, self.steps = state, steps
+        self.modules = [module for module, *_ in state]
+        self.ops = [step for step in steps if isinstance(step, _Op)]
+        self.sites = [step.casts.compiles_with for step in self.ops]
+        self.passes = Passes()
+
+    def params(self) -> list[torch.Tensor]:
+        """Each op's weight and bias (None where it has none), in the order of its steps: read at each call."""
+        return [t for op in self.ops for t in (op.module.weight, op.module.bias)]
+
+    def quiet(self) -> bool:
+        """Whether every op's sites round x by x alone now (OpCasts.run's condition for a compiled pass)."""
+        return all(site is not None and site.quiet() for site in self.sites)
+
+    def run(self, key: tuple, body: Callable, x: torch.Tensor, *args):
+        """A pass as one compiled graph where every site is quiet, eagerly otherwise (OpCasts.run's rule)."""
+        return self.passes.run(key, body, x, *args) if self.quiet() else body(x, *args)
+
+    def forward_pass(self, x, dtype, *params):
+        """The modules' forward on x: (the result, then everything the steps save, in their order)."""
+        saved, h, at = [], x, 0
+        for step in self.steps:
+            if isinstance(step, _Op):
+                h, kept = step.forward(h, params[at:at + 2], dtype)
+                at += 2
+            else:
+                h, kept = step.forward(h)
+            saved += kept
+        return (h, *saved)
+
+    def backward_pass(self, grad, dtype, wanted: tuple, dtypes: tuple, *saved):
+        """The modules' backward on the result's gradient: (x's gradient, then each op's weight's and bias's, None
+        where nobody wants it). wanted, dtypes: per op, as `_EmulatedOp` has them (x, weight, bias)."""
+        grads, end, at = [], len(saved), len(self.ops)
+        for step in reversed(self.steps):
+            kept = saved[end - step.saves:end]
+            end -= step.saves
+            if isinstance(step, _Op):
+                at -= 1
+                grad, grad_weight, grad_bias = step.backward(grad, kept, wanted[at], dtypes[at], dtype)
+                grads[:0] = [grad_weight, grad_bias]
+                if not wanted[at][0]:  # nothing before this op wants a gradient (autograd would have no node there)
+                    return (None, *[None] * 2 * at, *grads)
+            else:
+                grad = step.backward(grad, kept)
+        return (grad, *grads)
+
+
+class _Chain(torch.autograd.Function):
+    """The chain's modules as one autograd node (autocast off inside: the ops widen and hand on themselves)."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, dtype, x, *params):
+        ctx.plan, ctx.dtype, ctx.x_dtype = plan, dtype, x.dtype
+        ctx.param_dtypes = tuple(None if p is None else p.dtype for p in params)
+        if dtype is not None:  # under autocast a 16-bit x is widened, as _EmulatedOp widens it
+            x = x.float()
+        y, *saved = plan.run(("forward", dtype), plan.forward_pass, x, dtype, *params)
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, need = ctx.plan, ctx.needs_input_grad[3:]
+        wanted, dtypes, upstream = [], [], ctx.needs_input_grad[2]
+        for i, _ in enumerate(plan.ops):
+            weight, bias = need[2 * i], need[2 * i + 1]
+            wanted.append((upstream, weight, bias))
+            # an op's x: the chain's own at the first op, an FP32 tensor after (an op hands on FP32 in a chain)
+            dtypes.append((ctx.x_dtype if i == 0 else torch.float32, *ctx.param_dtypes[2 * i:2 * i + 2]))
+            upstream = upstream or weight or bias
+        wanted, dtypes = tuple(wanted), tuple(dtypes)
+        grad = grad.float()  # the last op's own dtype, as _EmulatedOp widens its result's gradient back
+        with torch._C.DisableTorchFunction():
+            grads = plan.run(("backward", ctx.dtype, wanted, dtypes), plan.backward_pass, grad, ctx.dtype, wanted,
+                             dtypes, *ctx.saved_tensors)
+        return None, None, *grads
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+class EmulatedChain(nn.Sequential):
+    """A Sequential that runs as one autograd node where it can (the module docstring says when), its modules one by
+    one otherwise. `chained` makes one in a model's place."""
+
+    _plan: _Plan | None = None
+
+    def forward(self, x):
+        plan = self._plan_now()
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        if plan is None or in_graph() or not isinstance(x, torch.Tensor) or not self._runs(plan, x, dtype):
+            return super().forward(x)
+        if dtype is None:
+            return _Chain.apply(plan, None, x, *plan.params())
+        device = x.device.type  # autocast off inside, as emulation._outside_autocast turns it off around an op
+        torch.set_autocast_enabled(device, False)
+        try:
+            with torch._C.DisableTorchFunction():
+                return _Chain.apply(plan, dtype, x, *plan.params())
+        finally:
+            torch.set_autocast_enabled(device, True)
+
+    def _plan_now(self) -> _Plan | None:
+        """The plan for the modules the chain holds now, made again where they changed (a module swapped in, an op's
+        rounding taken off for evaluation in full precision and put back); None where they are not a chain."""
+        state = tuple(map(_state, _leaves(self)))
+        if self._plan is None or self._plan.state != state:
+            steps = tuple(_step(module) for module, *_ in state)
+            modules = [module for module, *_ in state]
+            chain = None not in steps and carried_ops(nn.Sequential(*modules))
+            self._plan = _Plan(state, steps if chain else ())
+        return self._plan if self._plan.steps else None
+
+    @staticmethod
+    def _runs(plan: _Plan, x: torch.Tensor, dtype: torch.dtype | None) -> bool:
+        """Whether this call runs as one node: every site quiet, no hooks, and autocast
+        off with an FP32 x or on with every op but the last handing on FP32."""
+        if not plan.quiet():
+            return False
+        if any(getattr(module_globals, name) for name in _GLOBAL_HOOKS) or \
+                any(getattr(module, name) for module in plan.modules for name in _HOOKS):
+            return False
+        if dtype is None:
+            return x.dtype == torch.float32
+        return all(op.casts.carries_out for op in plan.ops[:-1])
+
+
+_CHAINED: dict[type, type] = {}  # per model class, its EmulatedChain
+
+
+def chained(model: nn.Module) -> nn.Module:
+    """`model` as an EmulatedChain where it is a chain (`emulation.carried_ops`: a Sequential of emulated ops and
+    selecting modules), `model` itself otherwise. The EmulatedChain holds the model's own modules and parameters
+    (swap.with_state_of) and is of a subclass of the model's class (LeNet5's methods and name kept)."""
+    if not carried_ops(model) or any(_step(m) is None for m in _leaves(model)):
+        return model
+    cls = type(model)
+    if cls not in _CHAINED:
+        _CHAINED[cls] = cls if issubclass(cls, EmulatedChain) else \
+            type(f"Chained{cls.__name__}", (EmulatedChain, cls), {"__module__": __name__})
+    return with_state_of(_CHAINED[cls], model)
