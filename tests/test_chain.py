@@ -123,15 +123,25 @@ def test_ties_nan_negative_zero_and_reshapes_give_the_bits_of_the_modules_one_by
     _assert_same_bits(results[2], results[3])
 
 
+def test_a_step_with_telemetry_sampled_runs_as_one_node_and_counts_what_the_modules_one_by_one_count(monkeypatch):
+    """Its passes run eagerly, as each op's do on such a step, so telemetry sees every rounding."""
+    monkeypatch.setenv(fused.SWITCH, "1")
+    batches = _lenet_batches(2)
+    counts = []
+    for one_node in (True, False):
+        precision, model = _prepared()
+        model = model if one_node else _one_by_one(model)
+        precision.telemetry.sampling = True
+        assert _trained(model, precision, batches)["one_node"] == [one_node] * 2
+        counts.append(precision.telemetry.end_step())
+    assert counts[0] == counts[1] and set(counts[0]) == {"activations", "weights", "gradients"}
+
+
 def test_a_step_something_watches_runs_the_modules_one_by_one():
-    """Telemetry sampled, a memory count listening, a hook on a module: the modules run one by one, so that what
-    watches them sees each; so do ops handing BF16 tensors on, and a per-tensor scale (state between steps) never
-    runs as one node."""
+    """A memory count listening, a hook on a module: the modules run one by one, so that what watches them sees
+    each; so do ops handing BF16 tensors on, and a per-tensor scale (state between steps) never runs as one node."""
     batches = _lenet_batches(1)
     precision, model = _prepared()
-    precision.telemetry.sampling = True
-    assert _trained(model, precision, batches)["one_node"] == [False]
-    precision.telemetry.sampling = False
     precision.site_listener = lambda *args: None
     assert _trained(model, precision, batches)["one_node"] == [False]
     precision.site_listener = None

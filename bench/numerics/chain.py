@@ -22,14 +22,16 @@ When it runs: `Precision.prepare` puts an `EmulatedChain` in the place of a mode
 (`emulation.carried_ops`, its pools 2-D), and a call runs the chain as one node when all of these hold, and the
 modules one by one (the model's own forward) otherwise:
 - no graph is being traced (a compiled model's step: its tracer takes the modules one by one);
-- every op's rounding sites are quiet and round x by x alone (`OpCasts.compiles_with`): no telemetry sampled, no
-  memory count listening, no scale, no draws. A step that something watches runs the modules one by one, as before;
+- every op's rounding sites round x by x alone (`OpCasts.compiles_with`: no scale, no draws), and no memory count
+  is listening (it counts what each module saves as it saves it). On a step with telemetry sampled the chain runs
+  as one node with its passes eager, as each op runs its passes on such a step: the same counts;
 - no module of the chain has hooks, and none are global;
 - autocast is off, or on with each op but the last handing its values on in FP32 (`OpCasts.carries_out`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -182,7 +184,11 @@ class _Plan:
 
     def quiet(self) -> bool:
         """Whether every op's sites round x by x alone now (OpCasts.run's condition for a compiled pass)."""
-        return all(site is not None and site.quiet() for site in self.sites)
+        return all(site.quiet() for site in self.sites)
+
+    def listened(self) -> bool:
+        """Whether a memory count listens to the sites now (bench/numerics/memory.py)."""
+        return any(site.listener is not None and site.listener() is not None for site in self.sites)
 
     def run(self, key: tuple, body: Callable, x: torch.Tensor, *args):
         """A pass as one compiled graph where every site is quiet, eagerly otherwise (OpCasts.run's rule)."""
@@ -243,7 +249,9 @@ class _Chain(torch.autograd.Function):
             upstream = upstream or weight or bias
         wanted, dtypes = tuple(wanted), tuple(dtypes)
         grad = grad.float()  # the last op's own dtype, as _EmulatedOp widens its result's gradient back
-        with torch._C.DisableTorchFunction():
+        device = grad.device.type  # a backward run under autocast would otherwise compute its GEMMs in 16 bits
+        with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext(), \
+                torch._C.DisableTorchFunction():
             grads = plan.run(("backward", ctx.dtype, wanted, dtypes), plan.backward_pass, grad, ctx.dtype, wanted,
                              dtypes, *ctx.saved_tensors)
         return None, None, *grads
@@ -261,13 +269,15 @@ class EmulatedChain(nn.Sequential):
     _plan: _Plan | None = None
 
     def forward(self, x):
-        plan = self._plan_now()
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
-        if plan is None or in_graph() or not isinstance(x, torch.Tensor) or not self._runs(plan, x, dtype):
+        if in_graph() or not isinstance(x, torch.Tensor) or (plan := self._plan_now()) is None:
+            return super().forward(x)
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        if not self._runs(plan, x, dtype):
             return super().forward(x)
         if dtype is None:
             return _Chain.apply(plan, None, x, *plan.params())
-        device = x.device.type  # autocast off inside, as emulation._outside_autocast turns it off around an op
+        # autocast off inside, as emulation._outside_autocast turns it off around an op
         torch.set_autocast_enabled(device, False)
         try:
             with torch._C.DisableTorchFunction():
@@ -282,15 +292,16 @@ class EmulatedChain(nn.Sequential):
         if self._plan is None or self._plan.state != state:
             steps = tuple(_step(module) for module, *_ in state)
             modules = [module for module, *_ in state]
-            chain = None not in steps and carried_ops(nn.Sequential(*modules))
+            chain = None not in steps and carried_ops(nn.Sequential(*modules)) and \
+                all(step.casts.compiles_with is not None for step in steps if isinstance(step, _Op))
             self._plan = _Plan(state, steps if chain else ())
         return self._plan if self._plan.steps else None
 
     @staticmethod
     def _runs(plan: _Plan, x: torch.Tensor, dtype: torch.dtype | None) -> bool:
-        """Whether this call runs as one node: every site quiet, no hooks, and autocast
-        off with an FP32 x or on with every op but the last handing on FP32."""
-        if not plan.quiet():
+        """Whether this call runs as one node: no memory count listening, no hooks, and autocast off with an FP32 x
+        or on with every op but the last handing on FP32."""
+        if plan.listened():
             return False
         if any(getattr(module_globals, name) for name in _GLOBAL_HOOKS) or \
                 any(getattr(module, name) for module in plan.modules for name in _HOOKS):
@@ -306,7 +317,8 @@ _CHAINED: dict[type, type] = {}  # per model class, its EmulatedChain
 def chained(model: nn.Module) -> nn.Module:
     """`model` as an EmulatedChain where it is a chain (`emulation.carried_ops`: a Sequential of emulated ops and
     selecting modules), `model` itself otherwise. The EmulatedChain holds the model's own modules and parameters
-    (swap.with_state_of) and is of a subclass of the model's class (LeNet5's methods and name kept)."""
+    (swap.with_state_of) and is of a subclass of the model's class (an instance of LeNet5 still, its methods kept),
+    named after it: ChainedLeNet5."""
     if not carried_ops(model) or any(_step(m) is None for m in _leaves(model)):
         return model
     cls = type(model)
