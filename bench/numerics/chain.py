@@ -5,9 +5,9 @@ bit what its modules compute one by one.
 
 Why: each emulated op costs Python that FP32's op does not: its module call, its autograd Function's apply and
 context, its pass's lookups (bench/numerics/emulation.py's _EmulatedOp). About 20 us hot a pass, and more inside a
-step, where the code has gone cold: LeNet FP8's five ops made its step 1.26 x FP32's here, and the same step as one
-node 1.14 x (docs/performance.md). The modules between the ops (ReLU, max-pool, Flatten) are nodes of their own
-too, which the chain's one node also spares.
+step, where the code has gone cold: LeNet FP8's step was 1.31 x FP32's here with its modules one by one, and 1.17 x
+as one node, in the same alternating rounds (docs/performance.md). The modules between the ops (ReLU, max-pool,
+Flatten) are nodes of their own too, which the chain's one node also spares.
 
 What it computes: the modules' own calls, in their order. Each op is `emulation._op_forward` and `_op_backward`,
 as its `_EmulatedOp` runs them. A ReLU is torch.relu forward and aten's threshold_backward backward, a max-pool aten's
@@ -154,18 +154,23 @@ def _step(module: nn.Module):
 
 
 def _state(module: nn.Module) -> tuple:
-    """What a plan takes of a module: the module, and an op's rounding sites, tensor-core model and block operands."""
-    return module, getattr(module, "casts", None), getattr(module, "accumulation", None), \
-        getattr(module, "operands", None)
+    """What a plan takes of a module: the module, its class, and an op's rounding sites, tensor-core model and block
+    operands (read from its __dict__: nn.Module's __getattr__ costs microseconds a miss, and this is asked every
+    call)."""
+    attributes = module.__dict__
+    return module, type(module), attributes.get("casts"), attributes.get("accumulation"), attributes.get("operands")
 
 
-def _leaves(sequential: nn.Module):
-    """The chain's modules in the order its forward calls them (nested Sequentials opened)."""
-    for child in sequential.children():
+def _leaves(sequential: nn.Module) -> list[nn.Module]:
+    """The chain's modules in the order its forward calls them (nested Sequentials opened; `_modules` read directly,
+    as Sequential.forward reads it, without `children()`'s bookkeeping)."""
+    leaves = []
+    for child in sequential._modules.values():
         if isinstance(child, nn.Sequential) and type(child).forward is nn.Sequential.forward:
-            yield from _leaves(child)
-        else:
-            yield child
+            leaves += _leaves(child)
+        elif child is not None:
+            leaves.append(child)
+    return leaves
 
 
 class _Plan:
@@ -175,12 +180,14 @@ class _Plan:
         self.state, self.steps = state, steps
         self.modules = [module for module, *_ in state]
         self.ops = [step for step in steps if isinstance(step, _Op)]
+        self._parameters = [op.module._parameters for op in self.ops]
         self.sites = [step.casts.compiles_with for step in self.ops]
         self.passes = Passes()
 
     def params(self) -> list[torch.Tensor]:
-        """Each op's weight and bias (None where it has none), in the order of its steps: read at each call."""
-        return [t for op in self.ops for t in (op.module.weight, op.module.bias)]
+        """Each op's weight and bias (None where it has none), in the order of its steps: read at each call, from
+        the modules' parameter dicts (where a module keeps them, and where FSDP puts the gathered ones)."""
+        return [t for parameters in self._parameters for t in (parameters["weight"], parameters["bias"])]
 
     def quiet(self) -> bool:
         """Whether every op's sites round x by x alone now (OpCasts.run's condition for a compiled pass)."""
@@ -257,7 +264,6 @@ class _Chain(torch.autograd.Function):
         return None, None, *grads
 
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 
@@ -303,8 +309,9 @@ class EmulatedChain(nn.Sequential):
         or on with every op but the last handing on FP32."""
         if plan.listened():
             return False
-        if any(getattr(module_globals, name) for name in _GLOBAL_HOOKS) or \
-                any(getattr(module, name) for module in plan.modules for name in _HOOKS):
+        if any(getattr(module_globals, name) for name in _GLOBAL_HOOKS) or any(
+                m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                for m in plan.modules):
             return False
         if dtype is None:
             return x.dtype == torch.float32
