@@ -152,6 +152,7 @@ def test_a_step_something_watches_runs_the_modules_one_by_one():
     model[3].casts.carries_out = False  # BF16 handed on between two ops: not what the chain computes
     assert _trained(model, precision, batches)["one_node"] == [False]
     scaled, model = _prepared(scaling="per_tensor")
+    assert not isinstance(model, EmulatedChain) and scaled.describe()["one_node_ops"] == []  # what the record says
     assert _trained(model, scaled, batches)["one_node"] == [False]
 
 
@@ -169,12 +170,18 @@ def test_a_module_swapped_in_or_an_op_evaluated_unrounded_runs_the_modules_one_b
     assert _trained(model, precision, batches)["one_node"] == [False]
 
 
+class _OwnForward(nn.Sequential):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
 @pytest.mark.parametrize("model", [
+    _OwnForward(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)),
     nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4)),
     nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxPool2d(3, stride=2), nn.Flatten(), nn.Linear(2, 4)),
     nn.Sequential(nn.Linear(8, 8), nn.Unflatten(1, (1, 8)), nn.MaxPool1d(2), nn.Flatten(), nn.Linear(4, 4)),
     nn.Sequential(nn.Linear(8, 4)),
-], ids=["GELU", "overlapping max-pool", "1-D max-pool", "one op"])
+], ids=["its own forward", "GELU", "overlapping max-pool", "1-D max-pool", "one op"])
 def test_what_is_not_a_chain_is_left_as_it_is(model):
     precision, prepared = _prepared(model=model)
     assert not isinstance(prepared, EmulatedChain) and precision.chained == []

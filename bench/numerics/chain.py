@@ -47,6 +47,7 @@ from bench.numerics.emulation import (
     OpCasts,
     _op_backward,
     _op_forward,
+    _outside_autocast,
     carried_ops,
 )
 from bench.numerics.fused import Passes, in_graph
@@ -153,6 +154,18 @@ def _step(module: nn.Module):
     return None
 
 
+def _chain_steps(modules: list[nn.Module]) -> tuple | None:
+    """The steps of these modules (a chain's leaves, in order) where they run as one node: a chain that
+    `emulation.carried_ops` accepts, every module a step, every op's sites rounding x by x alone
+    (`OpCasts.compiles_with`: no scale, no draws); None otherwise."""
+    if not carried_ops(nn.Sequential(*modules)):  # first: `_step` takes an emulated module for an exact op
+        return None
+    steps = tuple(map(_step, modules))
+    if None in steps:
+        return None
+    return steps if all(step.casts.compiles_with is not None for step in steps if isinstance(step, _Op)) else None
+
+
 def _state(module: nn.Module) -> tuple:
     """What a plan takes of a module: the module, its class, and an op's rounding sites, tensor-core model and block
     operands (read from its __dict__: nn.Module's __getattr__ costs microseconds a miss, and this is asked every
@@ -248,7 +261,7 @@ class _Chain(torch.autograd.Function):
     def backward(ctx, grad):
         plan, need = ctx.plan, ctx.needs_input_grad[3:]
         wanted, dtypes, upstream = [], [], ctx.needs_input_grad[2]
-        for i, _ in enumerate(plan.ops):
+        for i in range(len(plan.ops)):
             weight, bias = need[2 * i], need[2 * i + 1]
             wanted.append((upstream, weight, bias))
             # an op's x: the chain's own at the first op, an FP32 tensor after (an op hands on FP32 in a chain)
@@ -281,26 +294,15 @@ class EmulatedChain(nn.Sequential):
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         if not self._runs(plan, x, dtype):
             return super().forward(x)
-        if dtype is None:
-            return _Chain.apply(plan, None, x, *plan.params())
-        # autocast off inside, as emulation._outside_autocast turns it off around an op
-        torch.set_autocast_enabled(device, False)
-        try:
-            with torch._C.DisableTorchFunction():
-                return _Chain.apply(plan, dtype, x, *plan.params())
-        finally:
-            torch.set_autocast_enabled(device, True)
+        # autocast off around the node, as around an op (the ops widen and hand on themselves)
+        return _outside_autocast(device, lambda widen, dtype: _Chain.apply(plan, dtype, x, *plan.params()))
 
     def _plan_now(self) -> _Plan | None:
         """The plan for the modules the chain holds now, made again where they changed (a module swapped in, an op's
         rounding taken off for evaluation in full precision and put back); None where they are not a chain."""
         state = tuple(map(_state, _leaves(self)))
         if self._plan is None or self._plan.state != state:
-            steps = tuple(_step(module) for module, *_ in state)
-            modules = [module for module, *_ in state]
-            chain = None not in steps and carried_ops(nn.Sequential(*modules)) and \
-                all(step.casts.compiles_with is not None for step in steps if isinstance(step, _Op))
-            self._plan = _Plan(state, steps if chain else ())
+            self._plan = _Plan(state, _chain_steps([module for module, *_ in state]) or ())
         return self._plan if self._plan.steps else None
 
     @staticmethod
@@ -322,14 +324,13 @@ _CHAINED: dict[type, type] = {}  # per model class, its EmulatedChain
 
 
 def chained(model: nn.Module) -> nn.Module:
-    """`model` as an EmulatedChain where it is a chain (`emulation.carried_ops`: a Sequential of emulated ops and
-    selecting modules), `model` itself otherwise. The EmulatedChain holds the model's own modules and parameters
+    """`model` as an EmulatedChain where it is a Sequential, running its own forward, whose modules run as one node
+    (`_chain_steps`), `model` itself otherwise. The EmulatedChain holds the model's own modules and parameters
     (swap.with_state_of) and is of a subclass of the model's class (an instance of LeNet5 still, its methods kept),
     named after it: ChainedLeNet5."""
-    if not carried_ops(model) or any(_step(m) is None for m in _leaves(model)):
+    if type(model).forward is not nn.Sequential.forward or _chain_steps(_leaves(model)) is None:
         return model
     cls = type(model)
     if cls not in _CHAINED:
-        _CHAINED[cls] = cls if issubclass(cls, EmulatedChain) else \
-            type(f"Chained{cls.__name__}", (EmulatedChain, cls), {"__module__": __name__})
+        _CHAINED[cls] = type(f"Chained{cls.__name__}", (EmulatedChain, cls), {"__module__": __name__})
     return with_state_of(_CHAINED[cls], model)

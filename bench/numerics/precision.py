@@ -252,8 +252,8 @@ class Precision:
         self.autocast_layers = _autocast_layers(model)
         self.carried = self._carry_between_ops(model)
         model = chained(model)
-        self.chained = [name for name, module in model.named_modules() if isinstance(model, EmulatedChain)
-                        and isinstance(module, CastOp)]
+        self.chained = [name for name, module in model.named_modules()
+                        if isinstance(module, CastOp)] if isinstance(model, EmulatedChain) else []
         return model
 
     def _carry_between_ops(self, model: nn.Module) -> list[str]:
