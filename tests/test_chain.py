@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from bench.numerics import fused
+from bench.numerics import emulation, fused
 from bench.numerics.chain import EmulatedChain, chained
 from bench.numerics.precision import Precision
 from bench.tasks.lenet import LeNet5
@@ -123,18 +123,30 @@ def test_ties_nan_negative_zero_and_reshapes_give_the_bits_of_the_modules_one_by
     _assert_same_bits(results[2], results[3])
 
 
-def test_a_step_with_telemetry_sampled_runs_as_one_node_and_counts_what_the_modules_one_by_one_count(monkeypatch):
-    """Its passes run eagerly, as each op's do on such a step, so telemetry sees every rounding."""
-    monkeypatch.setenv(fused.SWITCH, "1")
-    batches = _lenet_batches(2)
+@pytest.mark.parametrize("elsewhere", ["bf16", "fp32"])
+def test_a_step_with_telemetry_sampled_runs_as_one_node_and_counts_what_the_modules_count_eagerly(monkeypatch,
+                                                                                                elsewhere):
+    """Its passes run compiled, their counts among their outputs (emulation.run_pass), and count what the modules one
+    by one count with their passes eager, each site adding its own counts: every class, every category, run totals
+    included."""
+    batches = _lenet_batches(2, scale=3e3)  # values past E4M3's range and under it: every category counted
     counts = []
     for one_node in (True, False):
-        precision, model = _prepared()
+        monkeypatch.setenv(fused.SWITCH, "1" if one_node else "0")
+        if not one_node:  # the reference: each pass run as itself, not counted as a pass
+            monkeypatch.setattr(emulation, "run_pass", lambda passes, sites, key, body, x, *args: body(x, *args))
+        precision, model = _prepared(elsewhere)
         model = model if one_node else _one_by_one(model)
         precision.telemetry.sampling = True
         assert _trained(model, precision, batches)["one_node"] == [one_node] * 2
-        counts.append(precision.telemetry.end_step())
-    assert counts[0] == counts[1] and set(counts[0]) == {"activations", "weights", "gradients"}
+        counts.append((precision.telemetry.end_step(), precision.telemetry.summary()))
+        if one_node:  # both passes ran as their counting graphs
+            kept = model._plan.passes.kept
+            assert [key[:2] for key in kept] == [("counted", "forward"), ("counted", "backward")]
+            assert all(kept.values())
+    assert counts[0] == counts[1] and set(counts[0][0]) == {"activations", "weights", "gradients"}
+    fractions = counts[0][0]
+    assert any(f["overflow"] > 0 for f in fractions.values()) and any(f["underflow"] > 0 for f in fractions.values())
 
 
 def test_a_step_something_watches_runs_the_modules_one_by_one():

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from bench.numerics import blocks, fused
+from bench.numerics import blocks, emulation, fused
 from bench.numerics.formats import FORMATS, OVERFLOW_POLICIES, _round_up_below, quantise_stochastic, quantise_value
 from bench.numerics.precision import Precision
 from bench.numerics.telemetry import category_counts
@@ -435,13 +435,14 @@ def test_an_emulated_ops_compiled_passes_are_its_eager_passes_bit_for_bit(monkey
                                              and _same_bits(e, f)), name
 
 
-@pytest.mark.parametrize("watched, compiled", [
-    ("nothing", True), ("telemetry sampled", False), ("memory counted", False), ("per-tensor scaled", False),
-    ("gradients rounded stochastically", False)])
+@pytest.mark.parametrize("watched, passes", [
+    ("nothing", ["forward", "backward"]), ("telemetry sampled", ["counted", "counted"]), ("memory counted", []),
+    ("per-tensor scaled", []), ("gradients rounded stochastically", [])])
 def test_an_emulated_op_runs_compiled_only_where_its_roundings_are_a_function_of_x_alone(monkeypatch, watched,
-                                                                                            compiled):
-    """A compiled pass would take what its sites do in once: not a telemetry sample, a memory accountant's listening,
-    a per-tensor scale's amax history or a stochastic rounding's draws. Those passes run eagerly."""
+                                                                                            passes):
+    """A compiled pass would take what its sites do in once: not a memory accountant's listening, a per-tensor
+    scale's amax history or a stochastic rounding's draws. Those passes run eagerly. A telemetry sample is counted
+    inside the compiled passes (QuantTelemetry.counted)."""
     ran = []
     monkeypatch.setattr(fused.Passes, "run", lambda passes, key, body, x, *args: ran.append(key[0]) or body(x, *args))
     choices = {"rounding": "stochastic"} if watched == "gradients rounded stochastically" else {}
@@ -452,7 +453,37 @@ def test_an_emulated_op_runs_compiled_only_where_its_roundings_are_a_function_of
     if watched == "memory counted":
         precision.site_listener = lambda *told: None
     layer(torch.randn(3, 8, requires_grad=True)).sum().backward()
-    assert ran == (["forward", "backward"] if compiled else [])
+    assert ran == passes
+
+
+@pytest.mark.parametrize("elsewhere", ["bf16", "fp32"])
+def test_a_sampled_step_counts_in_its_compiled_passes_what_its_eager_passes_count(monkeypatch, elsewhere):
+    """Emulated ops that are no chain (a GELU between them), each pass compiled with its sites' counts among its
+    outputs: the counts of the same step with fused code switched off and each pass run as itself, each site adding
+    its own counts, every class and category, run totals too."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(128, 64, generator=generator) * 2.0 ** torch.randint(-24, 12, (128, 64), generator=generator)
+    results = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv(fused.SWITCH, switch)
+        if switch == "0":
+            monkeypatch.setattr(emulation, "run_pass", lambda passes, sites, key, body, x, *args: body(x, *args))
+        torch.manual_seed(0)
+        precision = Precision.of("fp8", torch.device("cpu"), mode="mixed", backend="emulated", elsewhere=elsewhere)
+        layers = torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 10)
+        model = precision.prepare(torch.nn.Sequential(*layers))
+        precision.telemetry.sampling = True
+        with precision.autocast():
+            loss = model(x).float().square().sum() * 1e3
+        loss.backward()
+        results.append((precision.telemetry.end_step(), precision.telemetry.summary()))
+        if switch == "1":
+            assert all(key[0] == "counted" and graph for op in (model[0], model[2])
+                       for key, graph in op.casts.passes.kept.items())
+    assert results[0] == results[1]
+    step = results[0][0]
+    assert set(step) == {"weights", "activations", "gradients"}
+    assert step["activations"]["overflow"] > 0 and step["activations"]["underflow"] > 0
 
 
 # On a CUDA GPU (`pytest -m cuda` where one is; skipped elsewhere, and CI has none): the quantisers give the bits they

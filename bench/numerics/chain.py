@@ -22,9 +22,10 @@ When it runs: `Precision.prepare` puts an `EmulatedChain` in the place of a mode
 (`emulation.carried_ops`, its pools 2-D), and a call runs the chain as one node when all of these hold, and the
 modules one by one (the model's own forward) otherwise:
 - no graph is being traced (a compiled model's step: its tracer takes the modules one by one);
-- every op's rounding sites round x by x alone (`OpCasts.compiles_with`: no scale, no draws), and no memory count
-  is listening (it counts what each module saves as it saves it). On a step with telemetry sampled the chain runs
-  as one node with its passes eager, as each op runs its passes on such a step: the same counts;
+- every op's rounding sites round x by x alone (`OpCasts.compiles_with`: no scale, no draws) and share one
+  telemetry, and no memory count is listening (it counts what each module saves as it saves it). On a step with
+  telemetry sampled the chain runs as one node, its passes compiled with their counts among their outputs, as each
+  op runs its passes on such a step (`emulation.run_pass`): the counts the passes run eagerly give;
 - no module of the chain has hooks, and none are global;
 - autocast is off, or on with each op but the last handing its values on in FP32 (`OpCasts.carries_out`).
 """
@@ -49,6 +50,7 @@ from bench.numerics.emulation import (
     _op_forward,
     _outside_autocast,
     carried_ops,
+    run_pass,
 )
 from bench.numerics.fused import Passes, in_graph
 from bench.numerics.swap import with_state_of
@@ -159,13 +161,14 @@ def _step(module: nn.Module):
 def _chain_steps(modules: list[nn.Module]) -> tuple | None:
     """The steps of these modules (a chain's leaves, in order) where they run as one node: a chain that
     `emulation.carried_ops` accepts, every module a step, every op's sites rounding x by x alone
-    (`OpCasts.compiles_with`: no scale, no draws); None otherwise."""
+    (`OpCasts.compiles_with`: no scale, no draws) and sharing one telemetry; None otherwise."""
     if not carried_ops(nn.Sequential(*modules)):  # first: `_step` takes an emulated module for an exact op
         return None
     steps = tuple(map(_step, modules))
     if None in steps:
         return None
-    return steps if all(step.casts.compiles_with is not None for step in steps if isinstance(step, _Op)) else None
+    sites = [step.casts.compiles_with for step in steps if isinstance(step, _Op)]
+    return steps if None not in sites and all(site.telemetry is sites[0].telemetry for site in sites) else None
 
 
 def _state(module: nn.Module) -> tuple:
@@ -204,17 +207,13 @@ class _Plan:
         the modules' parameter dicts (where a module keeps them, and where FSDP puts the gathered ones)."""
         return [t for parameters in self._parameters for t in (parameters["weight"], parameters["bias"])]
 
-    def quiet(self) -> bool:
-        """Whether every op's sites round x by x alone now (OpCasts.run's condition for a compiled pass)."""
-        return all(site.quiet() for site in self.sites)
-
     def listened(self) -> bool:
         """Whether a memory count listens to the sites now (bench/numerics/memory.py)."""
         return any(site.listener is not None and site.listener() is not None for site in self.sites)
 
     def run(self, key: tuple, body: Callable, x: torch.Tensor, *args):
-        """A pass as one compiled graph where every site is quiet, eagerly otherwise (OpCasts.run's rule)."""
-        return self.passes.run(key, body, x, *args) if self.quiet() else body(x, *args)
+        """A pass of the chain as `emulation.run_pass` runs an op's (OpCasts.run)."""
+        return run_pass(self.passes, self.sites, key, body, x, *args)
 
     def forward_pass(self, x, dtype, *params):
         """The modules' forward on x: (the result, then everything the steps save, in their order)."""

@@ -68,11 +68,9 @@ class TensorSite:
             listening(x, rounded, self.tensor_class, self.spec.name)
         return rounded
 
-    def quiet(self) -> bool:
-        """Whether nothing watches the site's roundings now: no telemetry sampled, nobody listening. A quiet site that
-        rounds to nearest (no draws), unscaled (a per-tensor scale's amax history is state), rounds x by x alone, which
-        a compiled graph may take in (OpCasts.run)."""
-        return not self.telemetry.sampling and (self.listener is None or self.listener() is None)
+    def listened(self) -> bool:
+        """Whether someone listens to the site's roundings now (a memory count: bench/numerics/memory.py)."""
+        return self.listener is not None and self.listener() is not None
 
     def _round(self, x: torch.Tensor) -> torch.Tensor:
         if self.rounding == "nearest":
@@ -284,8 +282,9 @@ class OpCasts:
         self.output = site("activations", recipe.inputs) if sixteen else None
         sites = [s for s in (self.activation, self.grad_activation, self.weight, self.grad_weight, self.bias,
                              self.grad_bias, self.grad_output, self.output) if s is not None]
-        # whose `quiet` says whether every site's rounding is a function of its x alone now (None: it never is):
-        # sites that round to nearest, unscaled, and share one telemetry and one listener (one Precision's)
+        # the site that speaks for all (`run_pass`: its telemetry, its listener) where each rounds x by x alone (None:
+        # they do not): sites that round to nearest, unscaled, and share one telemetry and one listener (one
+        # Precision's)
         first = sites[0] if sites else None
         self.compiles_with = first if sites and all(
             s.rounding == "nearest" and s.scaler is None and s.telemetry is first.telemetry
@@ -296,17 +295,31 @@ class OpCasts:
         self.carries_out = False
 
     def run(self, body: Callable, key: tuple, x, *args):
-        """body(x, *args), a pass of this op (`_op_forward`, `_op_backward`), as one compiled graph where its sites'
-        roundings are a function of x alone now (`compiles_with`), as itself otherwise."""
-        if self.compiles_with is not None and self.compiles_with.quiet():
-            return self.passes.run(key, body, x, *args)
-        return body(x, *args)
+        """body(x, *args), a pass of this op (`_op_forward`, `_op_backward`), as `run_pass` runs it where its sites
+        round x by x alone (`compiles_with`), as itself otherwise."""
+        if self.compiles_with is None:
+            return body(x, *args)
+        return run_pass(self.passes, (self.compiles_with,), key, body, x, *args)
 
     def inputs(self, x, weight, bias, widen: bool = False):
         return _InputCasts.apply(self, widen, x, weight, bias)
 
     def result(self, y, dtype: torch.dtype | None = None):
         return cast(y, self.output, self.grad_output, dtype)
+
+
+def run_pass(passes: Passes, sites: tuple, key: tuple, body: Callable, x, *args):
+    """body(x, *args), a pass of emulated ops whose rounding sites round x by x alone (each op's
+    `OpCasts.compiles_with`: to nearest, unscaled) and share one telemetry, as one compiled graph (`passes`), what
+    they round being a function of x alone: on a step with telemetry sampled, with their counts among the graph's
+    outputs (`QuantTelemetry.counted`); eagerly where a memory count listens (it is told of each tensor as it is
+    made)."""
+    if any(site.listened() for site in sites):
+        return body(x, *args)
+    telemetry = sites[0].telemetry
+    if telemetry.sampling:
+        return telemetry.counted(passes.run, key, body, x, *args)
+    return passes.run(key, body, x, *args)
 
 
 def _operand(value: torch.Tensor, site: TensorSite) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -9,6 +9,7 @@ Block-scaled operands (block formats, FP8 rowwise/block) add block statistics (B
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -53,6 +54,8 @@ class QuantTelemetry:
     def __init__(self):
         self.sampling = False
         self._step = self._zeros()
+        self._observed: list | None = None  # while a counted pass runs: (class, tensor, format) its sites observe
+        self._observing_of: dict[tuple, tuple] = {}  # per pass run by `counted`: the function it runs, and its list
         self._run = {c: dict.fromkeys(_COUNTS, 0) for c in TENSOR_CLASSES}
         # per class, running bounds of per-tensor scaling's amax and scale: {"amax_min": ..., "amax_max": ..., ...}
         self.bounds: dict[str, dict[str, float]] = {c: {} for c in TENSOR_CLASSES}
@@ -69,7 +72,44 @@ class QuantTelemetry:
         """Count what rounding `x` (already scaled, if scaling applies) to `spec` does."""
         if not self.sampling:
             return
-        self._step[tensor_class].append(category_counts(x, spec))
+        if self._observed is not None:  # a counted pass's: counted after it ran (`counted`)
+            self._observed.append((tensor_class, x, spec))
+        else:
+            self._step[tensor_class].append(category_counts(x, spec))
+
+    def counted(self, run: Callable, key: tuple, body: Callable, x: torch.Tensor, *args) -> tuple:
+        """body(x, *args) on a sampled step, a pass (returning a tuple) whose rounding sites observe what they round,
+        as `run(key, fn, x, *args)` runs a pass (`fused.Passes.run`: one compiled graph where fused code runs), the
+        tensors its sites observe among the graph's outputs: counted after the call, each by `category_counts` as an
+        eager pass's site counts it. Run eagerly instead, LeNet FP8's sampled step took 1.4 ms more than another;
+        counted inside the graph, inductor fused each count with the kernel making its tensor (a max-pool's backward
+        among them) and took 3 ms more (docs/performance.md)."""
+        observing, seen = self._observing(run, key, body)
+        outputs = run(("counted", *key), observing, x, *args)
+        kept = len(outputs) - len(seen)
+        for (tensor_class, spec), observed in zip(seen, outputs[kept:]):
+            self._step[tensor_class].append(category_counts(observed, spec))
+        return tuple(outputs[:kept])
+
+    def _observing(self, run: Callable, key: tuple, body: Callable) -> tuple[Callable, list]:
+        """body returning, after its own results, each tensor its sites observe, and the list of what those are
+        ((class, format), in order: known once the pass has been traced or run): `counted`'s, one per pass."""
+        made = self._observing_of.get((run, key))
+        if made is None:
+            seen = []
+
+            def observing(x, *args):
+                self._observed = []
+                try:
+                    result = body(x, *args)
+                    observed = self._observed
+                finally:
+                    self._observed = None
+                seen[:] = [(tensor_class, spec) for tensor_class, _, spec in observed]
+                return (*result, *[t for _, t, _ in observed])
+            observing.__name__ = f"observing_{body.__name__}"
+            made = self._observing_of[(run, key)] = observing, seen
+        return made
 
     def observe_blocks(self, tensor_class: str, x: torch.Tensor, blocked, spec: ElementFormat) -> None:
         """Block statistics of one block-scaled operand (`blocked`: a bench.numerics.blocks.Blocked of `x`)."""
