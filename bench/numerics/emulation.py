@@ -309,11 +309,11 @@ class OpCasts:
 
 
 def run_pass(passes: Passes, sites: tuple, key: tuple, body: Callable, x, *args):
-    """body(x, *args), a pass of emulated ops whose rounding sites round x by x alone (each op's
-    `OpCasts.compiles_with`: to nearest, unscaled) and share one telemetry, as one compiled graph (`passes`), what
-    they round being a function of x alone: on a step with telemetry sampled, with their counts among the graph's
-    outputs (`QuantTelemetry.counted`); eagerly where a memory count listens (it is told of each tensor as it is
-    made)."""
+    """body(x, *args), a pass of emulated ops whose rounding sites (each op's `OpCasts.compiles_with`: to nearest,
+    unscaled, so that what they make is a function of x alone) share one telemetry: one compiled graph (`passes`),
+    on a step with telemetry sampled too (`QuantTelemetry.counted`: the tensors the sites observe are among the
+    graph's outputs, counted after the call); eagerly where a memory count listens (it is told of each tensor as it
+    is made)."""
     if any(site.listened() for site in sites):
         return body(x, *args)
     telemetry = sites[0].telemetry
