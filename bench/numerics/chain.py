@@ -24,8 +24,8 @@ modules one by one (the model's own forward) otherwise:
 - no graph is being traced (a compiled model's step: its tracer takes the modules one by one);
 - every op's rounding sites round x by x alone (`OpCasts.compiles_with`: no scale, no draws) and share one
   telemetry, and no memory count is listening (it counts what each module saves as it saves it). On a step with
-  telemetry sampled the chain runs as one node, its passes compiled with their counts among their outputs, as each
-  op runs its passes on such a step (`emulation.run_pass`): the counts the passes run eagerly give;
+  telemetry sampled the chain runs as one node, its passes compiled, as each op runs its passes on such a step
+  (`emulation.run_pass`: what the sites observe is counted after each graph), the counts of the passes run eagerly;
 - no module of the chain has hooks, and none are global;
 - autocast is off, or on with each op but the last handing its values on in FP32 (`OpCasts.carries_out`).
 """
@@ -209,7 +209,7 @@ class _Plan:
 
     def listened(self) -> bool:
         """Whether a memory count listens to the sites now (bench/numerics/memory.py)."""
-        return any(site.listener is not None and site.listener() is not None for site in self.sites)
+        return any(site.listened() for site in self.sites)
 
     def run(self, key: tuple, body: Callable, x: torch.Tensor, *args):
         """A pass of the chain as `emulation.run_pass` runs an op's (OpCasts.run)."""

@@ -80,20 +80,23 @@ class QuantTelemetry:
     def counted(self, run: Callable, key: tuple, body: Callable, x: torch.Tensor, *args) -> tuple:
         """body(x, *args) on a sampled step, a pass (returning a tuple) whose rounding sites observe what they round,
         as `run(key, fn, x, *args)` runs a pass (`fused.Passes.run`: one compiled graph where fused code runs), the
-        tensors its sites observe among the graph's outputs: counted after the call, each by `category_counts` as an
-        eager pass's site counts it. Run eagerly instead, LeNet FP8's sampled step took 1.4 ms more than another;
-        counted inside the graph, inductor fused each count with the kernel making its tensor (a max-pool's backward
-        among them) and took 3 ms more (docs/performance.md)."""
+        tensors its sites observe among the graph's outputs (those that are its inputs, as they are): counted after the
+        call, each by `category_counts` as an eager pass's site counts it. Run eagerly instead, LeNet FP8's sampled
+        step took 1.4 ms more than another; counted inside the graph, inductor fused each count with the kernel
+        making its tensor (a max-pool's backward among them) and took 3 ms more (docs/performance.md)."""
         observing, seen = self._observing(run, key, body)
         outputs = run(("counted", *key), observing, x, *args)
-        kept = len(outputs) - len(seen)
-        for (tensor_class, spec), observed in zip(seen, outputs[kept:]):
-            self._step[tensor_class].append(category_counts(observed, spec))
+        inputs, kept = (x, *args), len(outputs) - sum(at is None for *_, at in seen)
+        returned = iter(outputs[kept:])
+        for tensor_class, spec, at in seen:
+            self._step[tensor_class].append(category_counts(next(returned) if at is None else inputs[at], spec))
         return tuple(outputs[:kept])
 
     def _observing(self, run: Callable, key: tuple, body: Callable) -> tuple[Callable, list]:
-        """body returning, after its own results, each tensor its sites observe, and the list of what those are
-        ((class, format), in order: known once the pass has been traced or run): `counted`'s, one per pass."""
+        """body returning, after its own results, each tensor its sites observe but its inputs, and the list of what
+        they observe ((class, format, which input or None), in order: known once the pass has been traced or run):
+        `counted`'s, one per pass. An input returned would be an output aliasing it, which inductor's graph is not
+        called directly with (fused.py)."""
         made = self._observing_of.get((run, key))
         if made is None:
             seen = []
@@ -105,8 +108,10 @@ class QuantTelemetry:
                     observed = self._observed
                 finally:
                     self._observed = None
-                seen[:] = [(tensor_class, spec) for tensor_class, _, spec in observed]
-                return (*result, *[t for _, t, _ in observed])
+                inputs = (x, *args)
+                seen[:] = [(tensor_class, spec, next((i for i, a in enumerate(inputs) if a is t), None))
+                           for tensor_class, t, spec in observed]
+                return (*result, *[t for (_, t, _), (*_, at) in zip(observed, seen) if at is None])
             observing.__name__ = f"observing_{body.__name__}"
             made = self._observing_of[(run, key)] = observing, seen
         return made
