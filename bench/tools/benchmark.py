@@ -9,11 +9,12 @@ and prints the rows as a table. Every timing is the median of repeats after a wa
 things compared, in one process:
 - harness_ratio.<model>.<format>: steps/s of bench's training loop / a bare hand-written loop over the
   same model, batches and format (telemetry and the one-off first-step memory count off in both, each measured on
-  its own below, but for our loop's step 0, a log step as in every run, whose telemetry is in our time: ~1 ms of a
-  30-step LeNet FP8 round), the median over 15 alternating rounds of half as many steps, with .min and
-  .max, .cpu_time (the same ratio in process CPU time, blind to time the machine gave to others), the median's
-  95% bootstrap interval (.median_low, .median_high) and .rounds_needed (rounds whose interval would be 0.02 wide,
-  enough to tell 0.95 from 0.97, at the spread these rounds had). Target >= 0.97.
+  its own below, but for our loop's step 0, a log step as in every run, whose telemetry is in our time: 0.6-0.9 ms
+  of a 30-step LeNet FP8 round hot, 1.4 ms before e96cf77 compiled a sampled step's passes), the median over 15
+  alternating rounds of half as many steps, with .min and .max, .cpu_time (the same ratio in process CPU time,
+  blind to time the machine gave to others), the median's 95% bootstrap interval (.median_low, .median_high) and
+  .rounds_needed (rounds whose interval would be 0.02 wide, enough to tell 0.95 from 0.97, at the spread these
+  rounds had). Target >= 0.97.
 - host_syncs_per_100_steps.<model>.<format>+<scaling>, on CUDA: calls in our loop that wait for the GPU
   (torch.cuda.set_sync_debug_mode), ordinary steps only but for step 0 (a log step) and the end, apart from those
   made inside the transformers model (.in_model), which a bare loop makes too. Target: ~0.
