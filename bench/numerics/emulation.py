@@ -27,7 +27,7 @@ from bench.numerics.blocks import (
     tile_quantise,
 )
 from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value, resolve_overflow
-from bench.numerics.fused import Passes
+from bench.numerics.fused import Passes, in_graph
 from bench.numerics.specs import Recipe
 from bench.numerics.telemetry import QuantTelemetry
 from bench.numerics.tensor_cores import Accumulation, matmul
@@ -313,12 +313,13 @@ def run_pass(passes: Passes, sites: tuple, key: tuple, body: Callable, x, *args)
     unscaled, so that what they make is a function of x alone) share one telemetry: one compiled graph (`passes`),
     on a step with telemetry sampled too (`QuantTelemetry.counted`: the tensors the sites observe are among the
     graph's outputs, counted after the call); eagerly where a memory count listens (it is told of each tensor as it
-    is made)."""
+    is made), and on a sampled step inside a compiled model's step, whose tracer takes the sites' observations as
+    they come (its graph breaks there: docs/performance.md)."""
     if any(site.listened() for site in sites):
         return body(x, *args)
     telemetry = sites[0].telemetry
     if telemetry.sampling:
-        return telemetry.counted(passes.run, key, body, x, *args)
+        return body(x, *args) if in_graph() else telemetry.counted(passes.run, key, body, x, *args)
     return passes.run(key, body, x, *args)
 
 
