@@ -126,9 +126,9 @@ def test_ties_nan_negative_zero_and_reshapes_give_the_bits_of_the_modules_one_by
 @pytest.mark.parametrize("elsewhere", ["bf16", "fp32"])
 def test_a_step_with_telemetry_sampled_runs_as_one_node_and_counts_what_the_modules_count_eagerly(monkeypatch,
                                                                                                 elsewhere):
-    """Its passes run compiled, their counts among their outputs (emulation.run_pass), and count what the modules one
-    by one count with their passes eager, each site adding its own counts: every class, every category, run totals
-    included."""
+    """Its passes run compiled, the tensors its sites observe among their outputs (emulation.run_pass), and count what
+    the modules one by one count with their passes eager, each site adding its own counts: every class, every
+    category, run totals included."""
     batches = _lenet_batches(2, scale=3e3)  # values past E4M3's range and under it: every category counted
     counts = []
     for one_node in (True, False):

@@ -441,8 +441,8 @@ def test_an_emulated_ops_compiled_passes_are_its_eager_passes_bit_for_bit(monkey
 def test_an_emulated_op_runs_compiled_only_where_its_roundings_are_a_function_of_x_alone(monkeypatch, watched,
                                                                                             passes):
     """A compiled pass would take what its sites do in once: not a memory accountant's listening, a per-tensor
-    scale's amax history or a stochastic rounding's draws. Those passes run eagerly. A telemetry sample is counted
-    inside the compiled passes (QuantTelemetry.counted)."""
+    scale's amax history or a stochastic rounding's draws. Those passes run eagerly. On a telemetry sample the
+    compiled passes return what their sites observe, counted after them (QuantTelemetry.counted)."""
     ran = []
     monkeypatch.setattr(fused.Passes, "run", lambda passes, key, body, x, *args: ran.append(key[0]) or body(x, *args))
     choices = {"rounding": "stochastic"} if watched == "gradients rounded stochastically" else {}
@@ -458,7 +458,7 @@ def test_an_emulated_op_runs_compiled_only_where_its_roundings_are_a_function_of
 
 @pytest.mark.parametrize("elsewhere", ["bf16", "fp32"])
 def test_a_sampled_step_counts_in_its_compiled_passes_what_its_eager_passes_count(monkeypatch, elsewhere):
-    """Emulated ops that are no chain (a GELU between them), each pass compiled with its sites' counts among its
+    """Emulated ops that are no chain (a GELU between them), each pass compiled with what its sites observe among its
     outputs: the counts of the same step with fused code switched off and each pass run as itself, each site adding
     its own counts, every class and category, run totals too."""
     generator = torch.Generator().manual_seed(3)
