@@ -3,13 +3,16 @@ run here on the CPU for the formats the CPU has, at a tiny shape. No test assert
 
 import datetime as dt
 import json
+import os
+import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from bench.tools import benchmark
+from bench.numerics import hardware
+from bench.tools import benchmark, cpu_proxy
 
 
 @pytest.mark.slow
@@ -90,6 +93,54 @@ def test_only_measures_the_named_sections_and_names_the_valid_ones(tmp_path, cap
     with pytest.raises(SystemExit) as refused:
         benchmark.main(["--only", "quantise,speed"])
     assert refused.value.code == 2 and "unknown section(s) speed; valid: harness, emulation" in capsys.readouterr().err
+
+
+def test_a_cpu_proxy_takes_the_16_bit_units_from_the_plan_and_inductor(monkeypatch):
+    """A run as a CPU without BF16 units must reach the plan's probe (bf16_support, which decides whether
+    format.elsewhere=bf16 emulates autocast's GEMMs), not only the flags a record lists: an earlier hand-made proxy
+    emptied hardware.CPU_16BIT_UNITS, which only the record reads, and measured a path those CPUs do not take."""
+    machine = {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile"}
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: frozenset(machine))  # restored after, as is torch's probe
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert hardware.bf16_support(torch.device("cpu")).fast
+    recorded = cpu_proxy.apply("avx512-no-bf16")
+    assert hardware._cpu_flags() == {"avx2", "fma", "avx512f", "avx512bw"}
+    assert not hardware.bf16_support(torch.device("cpu")).fast and hardware.cpu_16bit_units() == []
+    assert not torch.cpu._is_avx512_bf16_supported()  # inductor's -mavx512bf16
+    assert recorded["as"] == "avx512-no-bf16" and recorded["on"] == "avx512"
+    assert recorded["flags_taken_away"] == ["amx_bf16", "amx_tile", "avx512_bf16"]
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: frozenset(machine))
+    cpu_proxy.apply("avx2")
+    assert hardware._cpu_flags() == {"avx2", "fma"}
+
+
+def test_a_cpu_proxy_this_machine_cannot_stand_for_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(cpu_proxy, "reexecute_as", lambda *_: pytest.fail("ran as a proxy it cannot stand for"))
+    with pytest.raises(SystemExit) as refused:
+        benchmark.main(["--as-cpu", "avx512-no-bf16", "--only", "aggregate", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "--as-cpu avx512-no-bf16 needs a CPU with avx512f" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(SystemExit) as refused:
+        benchmark.main(["--as-cpu", "sse2", "--only", "aggregate", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "'sse2' (choose from 'avx2', 'avx512-no-bf16')" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("avx2" not in hardware._cpu_flags(), reason="standing for an AVX2 CPU needs AVX2")
+def test_a_run_as_an_avx2_cpu_starts_torch_at_avx2_and_its_json_says_what_it_stood_for(tmp_path):
+    """The proxy's variables are read when torch starts, so the benchmark runs itself again with them set."""
+    set_by_proxy = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", cpu_proxy.ACTIVE)
+    env = {name: value for name, value in os.environ.items() if name not in set_by_proxy}
+    done = subprocess.run([sys.executable, "-m", "bench.tools.benchmark", "--as-cpu", "avx2", "--quick", "--only",
+                           "aggregate", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    assert data["env"]["cpu_capability"] == "AVX2" and data["env"]["cpu_16bit_units"] == []
+    assert data["env"]["cpu_proxy"]["as"] == "avx2" and data["env"]["cpu_proxy"]["aten_cpu_capability"] == "avx2"
+    on = data["env"]["cpu_proxy"]["on"]
+    assert path.name.startswith("cpu-") and path.name.endswith(f"-{on}-as-avx2-{dt.date.today().isoformat()}.json")
 
 
 def test_native_rows_measure_what_the_device_runs_natively():

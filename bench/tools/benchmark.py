@@ -1,9 +1,10 @@
 """`make bench`: is the harness free, is the emulation cheap, are native formats as fast as promised?
 
     python -m bench.tools.benchmark [--out results/bench] [--quick] [--only harness,native,...]
-                                    [--native-formats fp32,bf16-mixed,...]
+                                    [--native-formats fp32,bf16-mixed,...] [--as-cpu avx2|avx512-no-bf16]
 
-Writes results/bench/<device>-<date>.json (<device>: `machine_name`, on a CPU with its vector capability):
+Writes results/bench/<device>-<date>.json (<device>: `machine_name`, on a CPU with its vector capability, and with
+--as-cpu the CPU it stood for: bench/tools/cpu_proxy.py):
 {"device", "env", "rows": [{"metric", "value", "unit", "target"}]}
 and prints the rows as a table. Every timing is the median of repeats after a warm-up, alternating the
 things compared, in one process:
@@ -71,6 +72,7 @@ import copy
 import datetime as dt
 import json
 import math
+import os
 import re
 import shutil
 import statistics
@@ -105,6 +107,7 @@ from bench.speed.profiles import shipped_gpus
 from bench.speed.trace import trace_task
 from bench.tasks.optimizer import build_optimizer
 from bench.tasks.text import full_length_batch
+from bench.tools import cpu_proxy
 
 NO_TELEMETRY = 10**9  # train.log_every that never samples within a measurement
 
@@ -188,6 +191,8 @@ def machine_name(device: torch.device, env: dict) -> str:
     machines of one name differ (2-core AMD EPYCs here have come with AVX2 alone and with AVX-512 and BF16 units, and
     the emulation's rows with them)."""
     words = [device.type, env["device_name"], *([env["cpu_capability"]] if device.type == "cpu" else [])]
+    if proxy := env.get("cpu_proxy"):  # this machine's own capability, then what it stood for
+        words[2:] = [proxy["on"], "as", proxy["as"]]
     return re.sub(r"[^A-Za-z0-9]+", "-", "-".join(words)).strip("-").lower()
 
 
@@ -692,6 +697,9 @@ def main(argv: list[str] | None = None) -> int:
                                                f"every format on every model (models: {', '.join(PAPER_SHAPES)})")
     parser.add_argument("--emulated", help=f"comma-separated settings of the emulation rows (default all: "
                                            f"{','.join(EMULATED)})")
+    parser.add_argument("--as-cpu", choices=list(cpu_proxy.PROXIES),
+                        help="measure this CPU as a proxy for one with less (bench/tools/cpu_proxy.py): "
+                             + "; ".join(f"{name}: {proxy.stands_for}" for name, proxy in cpu_proxy.PROXIES.items()))
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections to measure (default all: {','.join(SECTIONS)}; "
                              f"{' and '.join(CUDA_ONLY)} on CUDA only)")
@@ -706,6 +714,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [":".join(c) for c in cells or () if c[0] not in PAPER_SHAPES or c[1] not in NATIVE_FORMATS]:
         parser.error(f"unknown native cell(s) {', '.join(unknown)}; models: {', '.join(PAPER_SHAPES)}; "
                      f"formats: {', '.join(NATIVE_FORMATS)}")
+    if args.as_cpu and (why := cpu_proxy.check(args.as_cpu)):
+        parser.error(why)
+    if args.as_cpu and os.environ.get(cpu_proxy.ACTIVE) != args.as_cpu:
+        cpu_proxy.reexecute_as(args.as_cpu, sys.argv[1:] if argv is None else argv)
+    proxy = cpu_proxy.apply(args.as_cpu) if args.as_cpu else None
     datasets.disable_progress_bars()
     steps, repeats = (5, 1) if args.quick else (100, 7)
     steps, repeats = args.steps or steps, args.repeats or repeats
@@ -727,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
                "aggregate": lambda: aggregate_rows(200 if args.quick else 10_000),
                "quantise": lambda: quantise_rows(quick=args.quick),
                "optimizer": lambda: optimizer_rows(min(repeats, 5))}
-    env = devices.describe(device)
+    env = devices.describe(device) | ({"cpu_proxy": proxy} if proxy else {})
     name = machine_name(device, env)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{name}-{dt.date.today().isoformat()}.json"
