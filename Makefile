@@ -31,6 +31,7 @@ help: ## list the targets
 	@echo "             ARGS='model.data.source=local model.data.path=/path/to/input.txt')"
 	@echo "             COMMITTED=$(COMMITTED) (make committed-tables: results/tables/h100 for an H100's folder)"
 	@echo "             LAUNCHER=$(LAUNCHER)  ONLY (make bench: some sections, e.g. ONLY=native,host_syncs)"
+	@echo "             AS_CPU (make bench: this CPU as a proxy for one with less: avx2, avx512-no-bf16)"
 	@echo "             ENTITY, PROJECT (make dashboard: the W&B entity and project; WANDB_API_KEY to create)"
 
 setup: $(STAMP) ## create .venv and install the package (torch pinned to TORCH; torchao too where there is a GPU)
@@ -110,7 +111,7 @@ raschka-memory: setup ## Raschka's DistilBERT memory (A100) beside the modelled 
 
 bench: setup ## measure harness overhead, emulation cost, native speed (on CUDA), aggregation; JSON to results/bench/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(PY) -m bench.tools.benchmark --out results/bench $(if $(ONLY),--only $(ONLY))
+	$(PY) -m bench.tools.benchmark --out results/bench $(if $(ONLY),--only $(ONLY)) $(if $(AS_CPU),--as-cpu $(AS_CPU))
 
 predict: setup ## the speed model's step time, speed-ups and memory for cells not trained, on GPU profiles (ARGS='model=bert_base format=fp32,bf16,fp8 gpu=H100,B200')
 	$(PY) -m bench.predict $(ARGS)
