@@ -4,11 +4,13 @@ values, and all of them as bfloat16 inputs); and when a call takes the fused pat
 (seconds), so the default suite checks one of each kind and the slow suite every format, policy and mode."""
 
 import dataclasses
+import math
+from unittest import mock
 
 import pytest
 import torch
 
-from bench.numerics import blocks, emulation, fused
+from bench.numerics import blocks, emulation, formats, fused
 from bench.numerics.formats import FORMATS, OVERFLOW_POLICIES, _round_up_below, quantise_stochastic, quantise_value
 from bench.numerics.precision import Precision
 from bench.numerics.telemetry import category_counts
@@ -337,17 +339,18 @@ def test_passes_run_a_passs_last_graph_again_and_are_the_pass_bit_for_bit(monkey
 
 
 @pytest.mark.parametrize("inside_a_graph, device", [(False, "cpu"), (True, "cpu"), (True, "meta")])
-def test_e5m2_is_torchs_cast_eagerly_and_arithmetic_in_a_cpu_graph(monkeypatch, inside_a_graph, device):
+def test_e5m2_is_torchs_cast_eagerly_and_arithmetic_in_a_graph(monkeypatch, inside_a_graph, device):
     """Inductor's CPU code casts to FP8 E5M2 one value at a time without AVX-512 (0.53 of clone's throughput against
-    0.94 in arithmetic, docs/performance.md): a traced E5M2 rounding on the CPU holds no FP8 tensor; an eager one,
-    or one traced for another device (a GPU's, here the meta device), is the cast. (The bits are the same:
-    test_element_rounding_fused_is_the_eager_rounding_bit_for_bit.)"""
+    0.94 in arithmetic, docs/performance.md), and Triton's code for a cast there and back was not the eager bits: a
+    traced E5M2 rounding holds no FP8 tensor, on the CPU or traced for another device (a GPU's, here the meta
+    device); an eager one is the cast. (The bits are the same: test_element_rounding_fused_is_the_eager_rounding_bit_
+    for_bit, test_in_a_cuda_graph_torchs_cast_formats_are_rounded_in_arithmetic_to_the_casts_bits.)"""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     monkeypatch.setattr(fused, "_tracing", inside_a_graph)
     graph = make_fx(lambda x: quantise_value.eager(x, "fp8_e5m2", "inf"))(torch.randn(8, device=device))
     dtypes = {node.meta["val"].dtype for node in graph.graph.nodes if isinstance(node.meta.get("val"), torch.Tensor)}
-    assert (torch.float8_e5m2 in dtypes) is not (inside_a_graph and device == "cpu"), dtypes
+    assert (torch.float8_e5m2 in dtypes) is not inside_a_graph, dtypes
 
 
 def test_a_16_bit_input_is_compiled_as_fp32_and_returned_in_its_own_dtype():
@@ -486,9 +489,45 @@ def test_a_sampled_step_counts_in_its_compiled_passes_what_its_eager_passes_coun
     assert step["activations"]["overflow"] > 0 and step["activations"]["underflow"] > 0
 
 
-# On a CUDA GPU (`pytest -m cuda` where one is; skipped elsewhere, and CI has none): the quantisers give the bits they
-# give on the CPU, the reference of every committed table, and a call with the switch on stays eager there (on an H100
-# inductor's Triton code for MX's rceil scale was not the eager one: fused.FUSED_DEVICES says why).
+@pytest.mark.parametrize("element", sorted(formats._NATIVE_CAST))
+def test_in_a_cuda_graph_torchs_cast_formats_are_rounded_in_arithmetic_to_the_casts_bits(element):
+    """Compiled for CUDA, FP16, BF16 and E5M2 are not cast there and back (Triton's code for it left values unrounded:
+    formats._rounds_by_cast); their arithmetic rounding is torch's eager cast, bit for bit, on the conformance
+    families, FP32's extremes, subnormals and random magnitudes across FP32's range, every overflow policy, flushed or
+    not. On the CPU: the arithmetic is the same code a CUDA graph runs."""
+    with mock.patch.object(formats, "in_graph", lambda: True):
+        assert not formats._rounds_by_cast(FORMATS[element], torch.device("cuda"))
+    extremes = torch.tensor([3.3895e38, 3.3961e38, 3.4028e38, -3.4e38, 65504.0, 65519.0, 65520.0, 57344.0, 61440.0,
+                             1e-40, -1e-45, 2.0**-133, 3 * 2.0**-134, 2.0**-24, 2.0**-25, 3 * 2.0**-26, math.inf,
+                             -math.inf, math.nan, 0.0, -0.0])
+    spread = torch.randn(2**16, generator=torch.Generator().manual_seed(0)) * torch.logspace(-45, 38, 2**16)
+    for x in [*(t.float() for t in _element_inputs(element)), extremes, spread]:
+        for policy in OVERFLOW_POLICIES:
+            for ftz in (False, True):
+                cast = quantise_value.eager(x, element, policy, ftz)
+                with mock.patch.object(formats, "_rounds_by_cast", lambda spec, device: False):
+                    assert _same_bits(cast, quantise_value.eager(x, element, policy, ftz)), (element, policy, ftz)
+
+
+def test_every_graph_is_compiled_to_divide_correctly_rounded_as_eager_cuda_does(monkeypatch):
+    """Triton divides FP32 approximately unless told (fused._correctly_rounded_division): MX's rceil scale came out an
+    ulp off on an H100 without it, and the eager bits on an H200 with it. Read inside inductor's compile."""
+    from torch._inductor import compile_fx, config
+
+    seen, inner = [], compile_fx.compile_fx_inner
+
+    def reading_the_option(*args, **kwargs):
+        seen.append(config.eager_numerics.division_rounding)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", reading_the_option)
+    blocks.mx_quantise.values.fused(torch.randn(3, 13 * 32), "fp8_e4m3", "rceil")  # a layout no other test compiles
+    assert seen == [True]
+
+
+# On a CUDA GPU (`pytest -m cuda` where one is; skipped elsewhere, and CI has none): the quantisers, eager and compiled
+# by inductor into Triton, give the bits they give on the CPU, the reference of every committed table. Runs call them
+# eagerly there (fused.FUSED_DEVICES), so the compiled path is asked for (`quantiser.fused`).
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
@@ -501,14 +540,12 @@ def _on_cpu(found):
 
 
 def _same_on_cuda(call, x: torch.Tensor, args: tuple, fields=None) -> None:
-    """call's eager result on the CPU == its eager result on CUDA and its result there as a run calls it (switched
-    on, large enough to be fused on the CPU), which compiles nothing."""
+    """call's eager result on the CPU == its eager result on CUDA, its compiled (Triton) result there, and its result
+    there as a run calls it."""
     on_cpu = call.eager(x, *args)
     on_cuda = [x.cuda(), *(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)]
-    compiled = len(call.compiled)
-    for path in (call.eager, call):
-        assert _same_bits(on_cpu, _on_cpu(path(*on_cuda)), fields), (path.__name__, x.dtype, args[:1])
-    assert len(call.compiled) == compiled
+    for path, name in ((call.eager, "eager"), (call.fused, "compiled"), (call, "as a run calls it")):
+        assert _same_bits(on_cpu, _on_cpu(path(*on_cuda)), fields), (name, x.dtype, args[:1])
 
 
 @pytest.mark.cuda
@@ -527,9 +564,15 @@ def test_on_cuda_mx_blocks_eager_and_fused_give_the_cpu_bits(element, mode):
         _same_on_cuda(blocks.mx_quantise, x, (element, mode), BLOCKED_FIELDS)
 
 
+# as measured on an H200 (2026-11-29; docs/performance.md): strict, so that a fix shows as a failure to remove these
+_NOT_THE_CPU_BITS_ON_CUDA = {"1x128 tiles": "compiled", "nvfp4 te 16x16 tiles": "compiled", "nvfp4 one level": "eager"}
+
+
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("quantiser", BLOCK_QUANTISERS)
+@pytest.mark.parametrize("quantiser", [
+    pytest.param(q, marks=pytest.mark.xfail(strict=True, reason=f"{_NOT_THE_CPU_BITS_ON_CUDA[q]} on an H200"))
+    if q in _NOT_THE_CPU_BITS_ON_CUDA else q for q in BLOCK_QUANTISERS])
 def test_on_cuda_every_other_block_quantiser_eager_and_fused_give_the_cpu_bits(quantiser):
     for call, x, args in _block_calls(quantiser):
         _same_on_cuda(call, x, args, BLOCKED_FIELDS)
@@ -581,6 +624,27 @@ def test_an_emulated_run_fused_logs_the_eager_runs_losses_exactly(make_cfg, tmp_
     if "stochastic" in fmt:  # its gradients' graphs compiled, not run eagerly
         assert any(("rounding", "stochastic") in key and made.graphs
                    for key, made in blocks.mx_quantise.values.compiled.items() if made is not None)
+
+
+# What keeps CUDA out of fused.FUSED_DEVICES: on an H200 (2026-11-29) LeNet FP8's second logged loss was 2.29895
+# fused, 2.29868 eager; the cause was not found (docs/performance.md). BERT-tiny's run did not finish there.
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("fmt", [
+    pytest.param("model=lenet format=fp8", marks=pytest.mark.xfail(reason="departed on an H200, cause not found")),
+    "model=bert_tiny format=nvfp4_recipe"])
+def test_on_cuda_an_emulated_run_fused_logs_the_eager_runs_losses_exactly(make_cfg, tmp_path, monkeypatch, fmt):
+    """Emulated on a GPU (format.backend=emulated: an H100 has FP8 natively), with CUDA among the devices whose runs
+    call compiled code: each emulated op's passes compiled into Triton around cuBLAS's and cuDNN's own kernels, and
+    the eager cell, loss for loss, bit for bit. cuDNN is held to its deterministic algorithms in both runs."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(fused, "FUSED_DEVICES", ("cpu", "cuda"))
+    overrides = ["device=cuda", "format.backend=emulated", *fmt.split()]
+    eager, eager_said = _losses(make_cfg, tmp_path, monkeypatch, "0", *overrides)
+    compiling = fused.compile_seconds()
+    fast, fast_said = _losses(make_cfg, tmp_path, monkeypatch, "1", *overrides)
+    assert (eager_said, fast_said) == (False, True) and fused.compile_seconds() > compiling  # graphs made for CUDA
+    assert len(eager) >= 3 and fast == eager
 
 
 def test_the_training_loop_times_apart_the_steps_that_made_fused_graphs_and_the_validations_making_them(

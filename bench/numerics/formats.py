@@ -34,7 +34,8 @@ from bench.numerics.fused import ARITHMETIC_FROM, CAST_FROM, fused, in_graph
 OVERFLOW_POLICIES = ("saturate", "inf", "nan")
 SR_BITS = (8,)  # stochastic rounding from n random bits per element (Transformer Engine's NVFP4 cvt.rs: 8)
 _NATIVE_CAST = {"fp16", "bf16", "fp8_e5m2"}  # torch's cast is RNE with IEEE overflow: the rounding itself
-_ARITHMETIC_IN_GRAPHS = {"fp8_e5m2"}  # cast eagerly, rounded in arithmetic in a CPU graph (docstring: why)
+FP32_EMIN = -126  # FP32's smallest normal exponent
+_ARITHMETIC_IN_GRAPHS = {"fp8_e5m2"}  # cast eagerly, rounded in arithmetic in a CPU graph (_rounds_by_cast: why)
 
 
 NAN_ENCODINGS = ("ieee", "all_ones", "negative_zero", "none")
@@ -185,10 +186,13 @@ def round_unbounded(x: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
 
 
 def _rounds_by_cast(spec: ElementFormat, device: torch.device) -> bool:
-    """Whether a rounding to spec on device is torch's cast: not for _ARITHMETIC_IN_GRAPHS in a CPU graph (a CUDA
-    graph keeps Triton's cast, which was not measured slow)."""
-    return spec.name in _NATIVE_CAST and not (
-        spec.name in _ARITHMETIC_IN_GRAPHS and device.type == "cpu" and in_graph())
+    """Whether a rounding to spec on device is torch's cast: eagerly, yes; in a graph, not in a CUDA graph, where
+    Triton's code for the cast there and back left FP16's and BF16's values unrounded and E5M2's not the eager bits
+    (an H200, 2026-11-29: tests/test_fused.py, `pytest -m cuda`), nor for _ARITHMETIC_IN_GRAPHS in a CPU graph
+    (inductor's CPU code for E5M2's cast is scalar, slower than the arithmetic: docs/performance.md)."""
+    if spec.name not in _NATIVE_CAST or not in_graph():
+        return spec.name in _NATIVE_CAST
+    return device.type == "cpu" and spec.name not in _ARITHMETIC_IN_GRAPHS
 
 
 def _overflows_to_inf(spec: ElementFormat, device: torch.device) -> bool:
@@ -198,7 +202,11 @@ def _overflows_to_inf(spec: ElementFormat, device: torch.device) -> bool:
 
 def _round_on_grid(magnitude: torch.Tensor, spec: ElementFormat, top_exponent: int | None) -> torch.Tensor:
     """RNE of a float32 magnitude (overwritten) by adding and subtracting 2^(e+23-m), e its exponent clamped
-    to [emin, top_exponent] (no upper clamp when top_exponent is None: the caller bounded it)."""
+    to [emin, top_exponent] (no upper clamp when top_exponent is None: the caller bounded it). A format with FP32's
+    exponent range (BF16) has FP32's grid with fewer mantissa bits, and its top binades' 2^(e+23-m) is past FP32's:
+    its mantissa is rounded in FP32's bits instead (overflow carries to inf, which is past max as the grid's is)."""
+    if spec.emin == FP32_EMIN:
+        return _round_mantissa_bits(magnitude, spec.man_bits)
     shift = (23 - spec.man_bits) << 23
     magic_bits = (magnitude.view(torch.int32) & 0x7F800000).add_(shift)
     magic_bits.clamp_(min=((spec.emin + 127) << 23) + shift,
@@ -317,7 +325,7 @@ def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, po
     magnitude = x32.abs() if bound > torch.finfo(torch.float32).max else x32.abs().clamp(max=bound)
     # floor(log2 |x|) in range, from float32's exponent field (an FP32 subnormal reads -127: below every emin)
     exponent = ((magnitude.view(torch.int32) >> 23) - 127).clamp(min=spec.emin, max=spec.emax)
-    if spec.emin - spec.man_bits >= -126:  # every spacing a normal float32: written as its exponent field
+    if spec.emin - spec.man_bits >= FP32_EMIN:  # every spacing a normal float32: written as its exponent field
         spacing = ((exponent - spec.man_bits + 127) << 23).view(torch.float32)
     else:
         spacing = torch.ldexp(torch.ones_like(magnitude), exponent - spec.man_bits)

@@ -11,9 +11,10 @@ holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
   E5M2: two eager passes) saves 2-3 us a call below 4,096 elements, too little to repay a compile, so only from
   there (compiled, E5M2 is rounded in arithmetic, not cast: bench/numerics/formats.py says why);
 - x is on the CPU (FUSED_DEVICES), and no graph is being traced or compiled already (a compiled model, or a fused
-  quantiser calling another, takes the eager body into its own graph). On CUDA the quantisers run eagerly:
-  inductor's Triton code for MX's rceil scale was not bit for bit the eager one on an H100 (2026-11-27, `pytest -m
-  cuda`), where the eager quantisers on CUDA gave the CPU's bits;
+  quantiser calling another, takes the eager body into its own graph). On CUDA the quantisers run eagerly: two of
+  them compiled into Triton, and an emulated run's compiled passes, were not the eager bits on an H200 (2026-11-29,
+  `pytest -m cuda`; `quantiser.fused` still compiles for CUDA, with correctly rounded division:
+  `_correctly_rounded_division`);
 - the call draws no random numbers, or its quantiser makes its draws itself (`fused(draws=...)`: every block
   quantiser that rounds stochastically, MX, NVFP4 by either scale rule, its 16 x 16 tiles, FP8 rowwise and 1 x 128
   tiles). A compiled graph would draw from inductor's own generator, not the eager one's stream, so such a
@@ -72,8 +73,9 @@ SWITCH = "PRECISION_BENCH_FUSED"  # =0: every quantiser eager; otherwise (the de
 ARITHMETIC_FROM = 1  # block and tile quantisers, and element roundings done in arithmetic: every size
 CAST_FROM = 1 << 12  # element roundings that are torch's own cast (two eager passes): from 4,096
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # compiled on their FP32 widening (the module docstring says why)
-# where a compiled quantiser is its eager self bit for bit, as tested: not CUDA, whose Triton code divides amax / 448
-# approximately (div.full) for MX's rceil scale unless inductor's eager_numerics options say otherwise (untried there)
+# where runs call the compiled quantisers: not CUDA, where on an H200 (2026-11-29, `pytest -m cuda`) Triton's code
+# for 1 x 128 tiles and Transformer Engine's NVFP4 16 x 16 tiles was not the eager bits, and a LeNet FP8 run with its
+# passes compiled for CUDA departed from the eager run's losses (docs/performance.md)
 FUSED_DEVICES = ("cpu",)
 LAYOUTS_PER_SPECIALISATION = 32  # graphs per quantiser and arguments; past it, a new shape runs eagerly
 
@@ -218,7 +220,8 @@ class Specialisation:
                 inner.append(compile_fx_inner(*args, **kwargs))
                 return inner[-1]
 
-            wrapped = compile_fx(graph, list(tensors), inner_compile=keep, config_patches=INDUCTOR_OPTIONS)
+            wrapped = compile_fx(graph, list(tensors), inner_compile=keep,
+                                 config_patches={**INDUCTOR_OPTIONS, **_correctly_rounded_division()})
             direct, rebuild = inner[0], made["rebuild"]
             if not _called_directly(direct, tensors, made["outputs"]):
                 return _returning(rebuild, lambda inputs: wrapped(*inputs))
@@ -226,6 +229,21 @@ class Specialisation:
         # and autotune-cache state no CPU graph of ours has, about 1 us a call (more inside a step, code gone cold).
         # It is boxed: it empties the list it is given, which each caller makes for the call.
         return _returning(rebuild, getattr(direct, "current_callable", None) or direct)
+
+
+def _correctly_rounded_division() -> dict:
+    """The inductor option that makes Triton divide FP32 values correctly rounded (div_rn), as eager CUDA and the CPU
+    do, where by default it divides approximately (div.full): MX's rceil scale, amax / 448, came out an ulp off and
+    moved ceil(log2) at powers of two (an H100, 2026-11-27); with it, all 16 MX cases were the eager bits (an H200,
+    2026-11-29). Named `eager_numerics.division_rounding` in torch 2.11 and 2.13, `emulate_divison_rounding` in
+    some earlier releases, and absent before them (nothing to set). No effect on the CPU's code, which divides
+    correctly rounded anyway."""
+    from torch._inductor import config
+
+    for name in ("eager_numerics.division_rounding", "emulate_divison_rounding"):
+        if hasattr(config, name.split(".")[0]):
+            return {name: True}
+    return {}
 
 
 _ONE_TENSOR = "one tensor"  # the `rebuild` of an fn that returns one tensor: its graph's only output
