@@ -545,7 +545,24 @@ def _same_on_cuda(call, x: torch.Tensor, args: tuple, fields=None) -> None:
     on_cpu = call.eager(x, *args)
     on_cuda = [x.cuda(), *(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)]
     for path, name in ((call.eager, "eager"), (call.fused, "compiled"), (call, "as a run calls it")):
-        assert _same_bits(on_cpu, _on_cpu(path(*on_cuda)), fields), (name, x.dtype, args[:1])
+        found = _on_cpu(path(*on_cuda))
+        assert _same_bits(on_cpu, found, fields), (name, x.dtype, args[:1], _differences(on_cpu, found, fields))
+
+
+def _differences(expected, found, fields=None) -> list[str]:
+    """Per field that differs: how many elements, and the first three as (flat index, expected, found), so that a
+    failure on a lent GPU says where without another run."""
+    said = []
+    for field in fields or [None]:
+        e, f = (expected, found) if field is None else (getattr(expected, field), getattr(found, field))
+        if e is None or _same_bit_for_bit(e, f):
+            continue
+        e, f = e.flatten(), f.flatten()
+        differ = (_bits(e) != _bits(f)) & ~(e.isnan() & f.isnan()) if e.is_floating_point() else e != f
+        first = differ.nonzero().flatten()[:3].tolist()
+        said.append(f"{field or 'result'}: {int(differ.sum())} of {e.numel()} differ, first "
+                    f"{[(i, e[i].item(), f[i].item()) for i in first]}")
+    return said
 
 
 @pytest.mark.cuda
