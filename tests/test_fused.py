@@ -510,8 +510,8 @@ def test_in_a_cuda_graph_torchs_cast_formats_are_rounded_in_arithmetic_to_the_ca
 
 
 def test_every_graph_is_compiled_to_divide_correctly_rounded_as_eager_cuda_does(monkeypatch):
-    """Triton divides FP32 approximately unless told (fused._correctly_rounded_division): MX's rceil scale came out an
-    ulp off on an H100 without it, and the eager bits on an H200 with it. Read inside inductor's compile."""
+    """Triton divides FP32 approximately unless told (fused._correctly_rounded_division), where eager CUDA and the
+    CPU divide correctly rounded. Read inside inductor's compile."""
     from torch._inductor import compile_fx, config
 
     seen, inner = [], compile_fx.compile_fx_inner

@@ -232,12 +232,13 @@ class Specialisation:
 
 
 def _correctly_rounded_division() -> dict:
-    """The inductor option that makes Triton divide FP32 values correctly rounded (div_rn), as eager CUDA and the CPU
-    do, where by default it divides approximately (div.full): MX's rceil scale, amax / 448, came out an ulp off and
-    moved ceil(log2) at powers of two (an H100, 2026-11-27); with it, all 16 MX cases were the eager bits (an H200,
-    2026-11-29). Named `eager_numerics.division_rounding` in torch 2.11 and 2.13, `emulate_divison_rounding` in
-    some earlier releases, and absent before them (nothing to set). No effect on the CPU's code, which divides
-    correctly rounded anyway."""
+    """The inductor option that makes Triton divide FP32 tensors correctly rounded (div_rn), as eager CUDA and the CPU
+    do, where by default it divides approximately (div.full): the quantisers divide by tensors (NVFP4's block scale by
+    its tensor scale) and take reciprocals (`448 / amax`, Transformer Engine's decode scale), which torch 2.13's
+    inductor writes as divisions. (A division by a constant is a multiplication by its reciprocal on CUDA whatever
+    this says, eagerly and compiled: docs/performance.md.) Named `eager_numerics.division_rounding` in torch 2.11
+    and 2.13, `emulate_divison_rounding` in some earlier releases, and absent before them (nothing to set). No effect
+    on the CPU's code, which divides correctly rounded anyway."""
     from torch._inductor import config
 
     for name in ("eager_numerics.division_rounding", "emulate_divison_rounding"):
