@@ -34,7 +34,6 @@ from bench.numerics.fused import ARITHMETIC_FROM, CAST_FROM, fused, in_graph
 OVERFLOW_POLICIES = ("saturate", "inf", "nan")
 SR_BITS = (8,)  # stochastic rounding from n random bits per element (Transformer Engine's NVFP4 cvt.rs: 8)
 _NATIVE_CAST = {"fp16", "bf16", "fp8_e5m2"}  # torch's cast is RNE with IEEE overflow: the rounding itself
-FP32_EMIN = -126  # FP32's smallest normal exponent
 _ARITHMETIC_IN_GRAPHS = {"fp8_e5m2"}  # cast eagerly, rounded in arithmetic in a CPU graph (_rounds_by_cast: why)
 
 
@@ -143,6 +142,7 @@ FORMATS: dict[str, ElementFormat] = {
     "fp6_e3m2": _bits("fp6_e3m2", 3, 2, nan="none"),
     "fp4_e2m1": _bits("fp4_e2m1", 2, 1, nan="none"),
 }
+FP32_EMIN = FORMATS["fp32"].emin  # FP32's smallest normal exponent, -126
 
 
 def register_element(element: ElementFormat) -> ElementFormat:
@@ -190,9 +190,8 @@ def _rounds_by_cast(spec: ElementFormat, device: torch.device) -> bool:
     Triton's code for the cast there and back left FP16's and BF16's values unrounded and E5M2's not the eager bits
     (an H200, 2026-11-29: tests/test_fused.py, `pytest -m cuda`), nor for _ARITHMETIC_IN_GRAPHS in a CPU graph
     (inductor's CPU code for E5M2's cast is scalar, slower than the arithmetic: docs/performance.md)."""
-    if spec.name not in _NATIVE_CAST or not in_graph():
-        return spec.name in _NATIVE_CAST
-    return device.type == "cpu" and spec.name not in _ARITHMETIC_IN_GRAPHS
+    return spec.name in _NATIVE_CAST and (
+        not in_graph() or (device.type == "cpu" and spec.name not in _ARITHMETIC_IN_GRAPHS))
 
 
 def _overflows_to_inf(spec: ElementFormat, device: torch.device) -> bool:
