@@ -42,13 +42,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(views[t.dtype]) if t.dtype in views else t
 
 
-def _same_bit_for_bit(eager: torch.Tensor, fast: torch.Tensor) -> bool:
-    """Every bit the same, but a NaN's payload: NaN where the other has NaN (the one departure measured: FP32's
-    quiet NaN 0x7fc00000 in, eager keeps it, fused gives 0x7fffffff; no value or format here reads a payload)."""
+def _differing(eager: torch.Tensor, fast: torch.Tensor) -> torch.Tensor:
+    """Where fast is not eager bit for bit, but a NaN's payload: NaN where the other has NaN is the same (the one
+    departure measured: FP32's quiet NaN 0x7fc00000 in, eager keeps it, fused gives 0x7fffffff; no value or format
+    here reads a payload)."""
     if not eager.is_floating_point():
-        return torch.equal(eager, fast)
-    nan = eager.isnan()
-    return torch.equal(nan, fast.isnan()) and torch.equal(_bits(eager)[~nan], _bits(fast)[~nan])
+        return eager != fast
+    return (_bits(eager) != _bits(fast)) & ~(eager.isnan() & fast.isnan())
+
+
+def _same_bit_for_bit(eager: torch.Tensor, fast: torch.Tensor) -> bool:
+    """Every bit the same, but a NaN's payload (`_differing`), in the same dtype and shape."""
+    return eager.dtype == fast.dtype and eager.shape == fast.shape and not _differing(eager, fast).any()
 
 
 def _same_bits(eager, fast, fields=None):
@@ -558,7 +563,7 @@ def _differences(expected, found, fields=None) -> list[str]:
         if e is None or _same_bit_for_bit(e, f):
             continue
         e, f = e.flatten(), f.flatten()
-        differ = (_bits(e) != _bits(f)) & ~(e.isnan() & f.isnan()) if e.is_floating_point() else e != f
+        differ = _differing(e, f)
         first = differ.nonzero().flatten()[:3].tolist()
         said.append(f"{field or 'result'}: {int(differ.sum())} of {e.numel()} differ, first "
                     f"{[(i, e[i].item(), f[i].item()) for i in first]}")
