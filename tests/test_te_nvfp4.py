@@ -4,6 +4,7 @@ conformance rows against a reference written from TE's source in numpy and ml_dt
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,6 +56,16 @@ def test_zero_blocks_and_a_zero_tensor_get_scale_zero_and_stay_zero():
     assert te_nvfp4_encode_scale(torch.tensor(0.0)).item() == 1.0
     assert te_nvfp4_encode_scale(torch.tensor(math.inf)).item() == 1.0
     assert te_nvfp4_encode_scale(torch.tensor(1e-40)).item() == torch.finfo(torch.float32).max
+
+
+def test_the_encode_scale_is_2688_over_the_amax_rounded_once_as_tes_cuda_divides():
+    """S_enc = 448 * 6 / amax, one FP32 division in TE's compute_global_encode_scaling_factor_FP4, against numpy's
+    FP32 division, over amaxes of every magnitude: Python's `2688 / amax` on a tensor is its reciprocal times 2688,
+    and missed by one unit in the last place for about a quarter of amaxes."""
+    generator = torch.Generator().manual_seed(0)
+    amax = torch.rand(2**17, generator=generator) * 2.0 ** torch.randint(-120, 120, (2**17,), generator=generator)
+    expected = np.minimum(np.float32(2688.0) / amax.numpy(), np.finfo(np.float32).max)
+    assert np.array_equal(te_nvfp4_encode_scale(amax).numpy().view(np.int32), expected.view(np.int32))
 
 
 @pytest.mark.parametrize("rule_quantiser", ["vector", "tiles"])

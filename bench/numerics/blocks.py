@@ -39,7 +39,9 @@ Neither saturates by construction (amax * s <= 448); the cast saturates anyway, 
 Blocks run along `dim`, which is split where it lies into (blocks, k) (no transposing copy); a dimension that is not
 a multiple of k ends in a shorter block (its amax over the elements it has), as the spec's edge blocks. Everything is
 returned in FP32: `values` (dequantised: what the GEMM sees), `elements` (x / X on the element grid) and the per-block
-scales.
+scales. Every division is rounded once, as the CPU divides, on CUDA too, eagerly and compiled (`_divided_by`,
+`_quotient`), so that a quantiser's bits need not depend on the device (tests/test_fused.py simulates CUDA's
+division on the CPU).
 """
 
 from __future__ import annotations
@@ -96,6 +98,22 @@ class Blocked:
     amax: torch.Tensor  # per block: the largest magnitude it held
     factor: torch.Tensor  # per block: what dequantises an element (MX 2^e, NVFP4 E4M3 scale x tensor scale, 1 / s)
     scale_bits: torch.Tensor | None = None  # MX: the biased E8M0 byte (uint8), as hardware stores it
+
+
+def _divided_by(x: torch.Tensor, constant: float) -> torch.Tensor:
+    """x / constant (FP32) rounded once, as the CPU divides, on any device. On CUDA torch multiplies by the
+    reciprocal instead (eagerly, for a number divisor: BinaryDivTrueKernel.cu; inductor, for a constant one:
+    `div_prim`), which in FP32 rounds twice and misses the quotient for about a third of x where the constant is 6;
+    in float64 that product rounds to FP32 as the quotient does, for every FP32 x and each constant divided by here
+    (tests/test_blocks.py checks them exhaustively)."""
+    return (x.double() / constant).float()
+
+
+def _quotient(numerator: float, x: torch.Tensor) -> torch.Tensor:
+    """numerator / x (FP32) rounded once, as C++ divides (Transformer Engine's `448 / amax`): Python's
+    `number / tensor` is torch's reciprocal times the number, two roundings; and a true division, where inductor's
+    Triton code for CUDA takes a reciprocal approximately before pytorch/pytorch#174751 (February 2026)."""
+    return torch.tensor(numerator, dtype=torch.float32, device=x.device) / x
 
 
 def _blocks(x: torch.Tensor, dim: int, k: int) -> tuple[torch.Tensor, int, int]:
@@ -161,7 +179,7 @@ def mx_scale_exponent(amax: torch.Tensor, spec: ElementFormat, mode: str) -> tor
     if mode not in SCALE_MODES:
         raise ValueError(f"unknown MX scale mode {mode!r}; valid: {', '.join(SCALE_MODES)}")
     if mode == "rceil":
-        descale = amax / spec.max
+        descale = _divided_by(amax, spec.max)
         # ceil(log2 descale), exact, from its bits: its binade's exponent, one more where a mantissa bit is set; a
         # subnormal descale (under 2^-126) gives -126 above 2^-127 and -127 at or below it, once clamped
         bits = descale.view(torch.int32)
@@ -217,7 +235,7 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     element saturates to 6). With the floor a zero tensor quantises to exact zeros and a tiny one to finite values
     on its grid; the result equals torchao's wherever the amax is 2688 * 2^-121 (about 1.05e-33) or more. An
     infinite or NaN amax still gives a non-finite t, so an overflow stays visible."""
-    return (tensor_amax_of(x).float() / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
+    return _divided_by(tensor_amax_of(x).float(), NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX).clamp(min=NVFP4_TENSOR_SCALE_MIN)
 
 
 @fused(ARITHMETIC_FROM, values_alone=True, draws=_nvfp4_draws)
@@ -239,15 +257,15 @@ def _nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_scale: torch.
     """NVFP4's step for blocks (1 x 16, or 16 x 16 tiles) with their `amax`: the stored E4M3 scale
     E4M3(clamp(amax / 6 [/ t], 2^-6, 448)), the elements x * ((1 / t) / s) rounded to E2M1, and the factor s [* t]
     that dequantises them."""
-    block_scale = amax / NVFP4_ELEMENT_MAX
+    block_scale = _divided_by(amax, NVFP4_ELEMENT_MAX)
     if tensor_scale is None:
         stored = quantise_value(block_scale.clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX), "fp8_e4m3")
-        scaled = blocks * (1.0 / stored)
+        scaled = blocks * _quotient(1.0, stored)
         scale = stored
     else:
         tensor_scale = tensor_scale.float()
         stored = quantise_value((block_scale / tensor_scale).clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX), "fp8_e4m3")
-        scaled = blocks * ((1.0 / tensor_scale) / stored)
+        scaled = blocks * (_quotient(1.0, tensor_scale) / stored)
         scale = stored * tensor_scale
     elements = _round_elements(scaled, "fp4_e2m1", rounding, generator, sr_bits, draw)
     return elements, stored, scale
@@ -257,7 +275,7 @@ def te_nvfp4_encode_scale(tensor_amax: torch.Tensor) -> torch.Tensor:
     """Transformer Engine's FP32 tensor encode scale S_enc = min(2688 / amax, FLT_MAX): 1 where amax is 0 or
     infinite (the quotient 0), FLT_MAX where it is NaN (CUDA's fminf drops a NaN)."""
     amax = tensor_amax.detach().float()
-    encode = (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX / amax).clamp(max=FLOAT32_MAX)
+    encode = _quotient(NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX, amax).clamp(max=FLOAT32_MAX)
     return torch.where((amax == 0) | (encode == 0), 1.0, torch.where(amax.isnan(), FLOAT32_MAX, encode))
 
 
@@ -268,10 +286,10 @@ def _te_nvfp4_scaled(blocks: torch.Tensor, amax: torch.Tensor, tensor_amax: torc
     stored E4M3 scale, the elements on the E2M1 grid, and the factor (s x amax_t) x fl(1 / 2688) that dequantises
     them as TE's dequantiser does."""
     encode = te_nvfp4_encode_scale(tensor_amax)
-    decode = 1.0 / encode
+    decode = _quotient(1.0, encode)
     per_amax = encode * torch.tensor(1 / NVFP4_ELEMENT_MAX, dtype=torch.float32)  # fl(S_enc x fl(1/6)) first
     stored = quantise_value((amax * per_amax).clamp(max=FLOAT32_MAX), "fp8_e4m3", overflow="saturate")
-    inverse = (1.0 / (stored * decode)).clamp(max=FLOAT32_MAX)  # a zero block's 1/0 = inf held at FLT_MAX
+    inverse = _quotient(1.0, stored * decode).clamp(max=FLOAT32_MAX)  # a zero block's 1/0 = inf held at FLT_MAX
     elements = _round_elements(blocks * inverse, "fp4_e2m1", rounding, generator, sr_bits, draw)
     per_2688 = torch.tensor(1 / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX), dtype=torch.float32)
     return elements, stored, stored * tensor_amax.detach().float() * per_2688  # TE's order: (s x amax) x fl(1/2688)
@@ -302,7 +320,7 @@ def te_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     """Transformer Engine's power-of-two FP8 scale (compute_scale_from_amax, epsilon 0): 448 / amax in float32
     with the mantissa bits cleared; 1 where amax is 0 or infinite, the largest float where the quotient is."""
     amax = amax.float()
-    scale = E4M3_MAX / amax
+    scale = _quotient(E4M3_MAX, amax)
     scale = torch.where(scale.isinf(), torch.finfo(torch.float32).max, scale)
     scale = torch.where((amax == 0) | amax.isinf() | scale.isnan(), 1.0, scale)
     return (scale.view(torch.int32) & -0x800000).view(torch.float32)  # 0xFF800000: sign and exponent kept
@@ -320,7 +338,7 @@ def _fp8_runs(x: torch.Tensor, dim: int, run: int, scale_rule, rounding: str, ge
     amax = blocks.abs().amax(within, keepdim=True)
     scale = scale_rule(amax)
     elements, values = _fp8_scaled(blocks, scale, rounding, generator, draw)
-    return _blocked(values, elements, length, within, scale, amax, 1 / scale)
+    return _blocked(values, elements, length, within, scale, amax, _quotient(1.0, scale))
 
 
 @fused(ARITHMETIC_FROM, values_alone=True, draws=_row_draws)
@@ -365,7 +383,7 @@ def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:
     amax = squares.abs().amax((1, 3), keepdim=True)
     scale = te_pow2_scale(amax)
     elements, values = _fp8_scaled(squares, scale)
-    return _tiled(w, values, elements, scale, amax, 1 / scale)
+    return _tiled(w, values, elements, scale, amax, _quotient(1.0, scale))
 
 
 # NVIDIA's NVFP4 training recipe (arXiv 2509.25149; Transformer Engine's NVFP4BlockScaling): its weights in 16 x 16
