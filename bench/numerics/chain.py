@@ -52,6 +52,7 @@ from bench.numerics.emulation import (
     carried_ops,
     run_pass,
 )
+from bench.numerics.formats import rounded_through
 from bench.numerics.fused import Passes, in_graph
 from bench.numerics.swap import with_state_of
 
@@ -249,7 +250,7 @@ class _Plan:
                 if not wanted[at][0]:  # nothing before this op wants a gradient (autograd would have no node there)
                     return (None, *[None] * 2 * at, *grads)
                 if dtype is not None and at > 0:  # an FP32 tensor that carried the op before's 16-bit values
-                    grad = grad.to(dtype).float()
+                    grad = rounded_through(grad, dtype)
             else:
                 grad = step.backward(grad, kept)
         return (grad, *grads)

@@ -26,7 +26,14 @@ from bench.numerics.blocks import (
     tile2d_quantise,
     tile_quantise,
 )
-from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value, resolve_overflow
+from bench.numerics.formats import (
+    FORMATS,
+    ElementFormat,
+    quantise_stochastic,
+    quantise_value,
+    resolve_overflow,
+    rounded_through,
+)
 from bench.numerics.fused import Passes, in_graph
 from bench.numerics.specs import Recipe
 from bench.numerics.telemetry import QuantTelemetry
@@ -210,10 +217,11 @@ def _op_forward(x, weight, bias, gemm, casts: "OpCasts", dtype) -> tuple:
     y = y if casts.output is None else casts.output(y)
     if dtype is None:
         return y, x_r, w_r
-    y = y.to(dtype)
     # not inside a compiled model's step: its inductor deletes a round trip through BF16 (emulate_precision_casts is
     # on for the fused graphs alone), where a BF16 tensor is kept; the gradient's rounding is then exact
-    return (y.float() if casts.carries_out and not torch.compiler.is_compiling() else y), x_r, w_r
+    if casts.carries_out and not torch.compiler.is_compiling():
+        return rounded_through(y, dtype), x_r, w_r
+    return y.to(dtype), x_r, w_r
 
 
 def _op_backward(grad, x_r, w_r, gemm, casts: "OpCasts", wanted: tuple[bool, bool, bool],
@@ -224,7 +232,7 @@ def _op_backward(grad, x_r, w_r, gemm, casts: "OpCasts", wanted: tuple[bool, boo
     `carries_out` (None: autocast was off), to which autograd would have rounded that tensor's gradient: here. (The
     input's gradient, handed back in FP32 to the op before, is rounded there, at its entry.)"""
     if carried is not None and casts.carries_out:
-        grad = grad.to(carried).float()
+        grad = rounded_through(grad, carried)
     grad = grad if casts.grad_output is None else casts.grad_output(grad)
     grads = _rounded_gradients(casts, wanted, *gemm.backward(grad, x_r, w_r, wanted))
     return tuple([g if g is None else g.to(dtype) for g, dtype in zip(grads, dtypes)])

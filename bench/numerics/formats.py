@@ -143,6 +143,7 @@ FORMATS: dict[str, ElementFormat] = {
     "fp4_e2m1": _bits("fp4_e2m1", 2, 1, nan="none"),
 }
 FP32_EMIN = FORMATS["fp32"].emin  # FP32's smallest normal exponent, -126
+_SIXTEEN_BIT_FORMATS = {FORMATS[name].torch_dtype: FORMATS[name] for name in ("bf16", "fp16")}  # autocast's
 
 
 def register_element(element: ElementFormat) -> ElementFormat:
@@ -192,6 +193,16 @@ def _rounds_by_cast(spec: ElementFormat, device: torch.device) -> bool:
     (inductor's CPU code for E5M2's cast is scalar, slower than the arithmetic: docs/performance.md)."""
     return spec.name in _NATIVE_CAST and (
         not in_graph() or (device.type == "cpu" and spec.name not in _ARITHMETIC_IN_GRAPHS))
+
+
+def rounded_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to the 16-bit `dtype` and handed back in FP32, as a cast there and back does; in a CUDA graph, whose
+    Triton code leaves such a round trip out (`_rounds_by_cast`), by the arithmetic that gives the cast's bits. An
+    emulated op hands autocast's values on in an FP32 tensor this way (bench/numerics/emulation.py, chain.py)."""
+    spec = _SIXTEEN_BIT_FORMATS[dtype]
+    if _rounds_by_cast(spec, x.device):
+        return x.to(dtype).float()
+    return quantise_value(x.float(), spec, "inf")
 
 
 def _overflows_to_inf(spec: ElementFormat, device: torch.device) -> bool:

@@ -13,8 +13,9 @@ holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
 - x is on the CPU (FUSED_DEVICES), and no graph is being traced or compiled already (a compiled model, or a fused
   quantiser calling another, takes the eager body into its own graph). On CUDA the quantisers run eagerly: two of
   them compiled into Triton, and an emulated run's compiled passes, were not the eager bits on an H200 (2026-11-29,
-  `pytest -m cuda`; the two quantisers mended since, not yet run on a GPU: docs/performance.md; `quantiser.fused`
-  still compiles for CUDA, with correctly rounded division: `_correctly_rounded_division`);
+  `pytest -m cuda`; mended since, on a CPU simulation of CUDA's arithmetic, not yet run on a GPU:
+  docs/performance.md; `quantiser.fused` still compiles for CUDA, with correctly rounded division:
+  `_correctly_rounded_division`);
 - the call draws no random numbers, or its quantiser makes its draws itself (`fused(draws=...)`: every block
   quantiser that rounds stochastically, MX, NVFP4 by either scale rule, its 16 x 16 tiles, FP8 rowwise and 1 x 128
   tiles). A compiled graph would draw from inductor's own generator, not the eager one's stream, so such a
@@ -74,9 +75,9 @@ ARITHMETIC_FROM = 1  # block and tile quantisers, and element roundings done in 
 CAST_FROM = 1 << 12  # element roundings that are torch's own cast (two eager passes): from 4,096
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # compiled on their FP32 widening (the module docstring says why)
 # where runs call the compiled quantisers: not CUDA, where on an H200 (2026-11-29, `pytest -m cuda`) Triton's code
-# for 1 x 128 tiles and Transformer Engine's NVFP4 16 x 16 tiles was not the eager bits (mended since, not yet run on
-# a GPU), and a LeNet FP8 run with its passes compiled for CUDA departed from the eager run's losses
-# (docs/performance.md)
+# for 1 x 128 tiles and Transformer Engine's NVFP4 16 x 16 tiles was not the eager bits, and a LeNet FP8 run with its
+# passes compiled for CUDA departed from the eager run's losses (all three mended since, on a CPU simulation of
+# CUDA's arithmetic; not yet run on a GPU: docs/performance.md)
 FUSED_DEVICES = ("cpu",)
 LAYOUTS_PER_SPECIALISATION = 32  # graphs per quantiser and arguments; past it, a new shape runs eagerly
 
