@@ -39,7 +39,7 @@ Neither saturates by construction (amax * s <= 448); the cast saturates anyway, 
 Blocks run along `dim`, which is split where it lies into (blocks, k) (no transposing copy); a dimension that is not
 a multiple of k ends in a shorter block (its amax over the elements it has), as the spec's edge blocks. Everything is
 returned in FP32: `values` (dequantised: what the GEMM sees), `elements` (x / X on the element grid) and the per-block
-scales. Every division is rounded once, as the CPU divides, on CUDA too, eagerly and compiled (`_divided_by`,
+scales. Each division is written to give the CPU's bits on CUDA too, eagerly and compiled (`_divided_by`,
 `_quotient`), so that a quantiser's bits need not depend on the device (tests/test_fused.py simulates CUDA's
 division on the CPU).
 """
@@ -101,11 +101,11 @@ class Blocked:
 
 
 def _divided_by(x: torch.Tensor, constant: float) -> torch.Tensor:
-    """x / constant (FP32) rounded once, as the CPU divides, on any device. On CUDA torch multiplies by the
-    reciprocal instead (eagerly, for a number divisor: BinaryDivTrueKernel.cu; inductor, for a constant one:
-    `div_prim`), which in FP32 rounds twice and misses the quotient for about a third of x where the constant is 6;
-    in float64 that product rounds to FP32 as the quotient does, for every FP32 x and each constant divided by here
-    (tests/test_blocks.py checks them exhaustively)."""
+    """x / constant (FP32) rounded once, as the CPU divides, on CUDA too. There torch multiplies by the reciprocal
+    instead (eagerly, for a number divisor: BinaryDivTrueKernel.cu; inductor, for a constant one: `div_prim`), which
+    in FP32 rounds twice and misses the quotient for about a third of x where the constant is 6; in float64 that
+    product rounds to FP32 as the quotient does, for every FP32 x and each constant divided by here (checked
+    exhaustively: tests/test_fused.py). Not claimed for a TPU, where torch_xla may keep float64 in FP32."""
     return (x.double() / constant).float()
 
 
