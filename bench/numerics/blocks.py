@@ -112,8 +112,10 @@ def _divided_by(x: torch.Tensor, constant: float) -> torch.Tensor:
 def _quotient(numerator: float, x: torch.Tensor) -> torch.Tensor:
     """numerator / x (FP32) rounded once, as C++ divides (Transformer Engine's `448 / amax`): Python's
     `number / tensor` is torch's reciprocal times the number, two roundings; and a true division, where inductor's
-    Triton code for CUDA takes a reciprocal approximately before pytorch/pytorch#174751 (February 2026)."""
-    return torch.tensor(numerator, dtype=torch.float32, device=x.device) / x
+    Triton code for CUDA takes a reciprocal approximately before pytorch/pytorch#174751 (February 2026). The
+    numerator is filled on x's device (torch.tensor(number, device=...) would copy it there, which on CUDA waits for
+    the device)."""
+    return torch.full((), numerator, dtype=torch.float32, device=x.device) / x
 
 
 def _blocks(x: torch.Tensor, dim: int, k: int) -> tuple[torch.Tensor, int, int]:
