@@ -517,20 +517,20 @@ def test_in_a_cuda_graph_torchs_cast_formats_are_rounded_in_arithmetic_to_the_ca
                     assert _same_bits(cast, quantise_value.eager(x, element, policy, ftz)), (element, policy, ftz)
 
 
-def test_every_graph_is_compiled_to_divide_correctly_rounded_as_eager_cuda_does(monkeypatch):
-    """Triton divides FP32 approximately unless told (fused._correctly_rounded_division), where eager CUDA and the
-    CPU divide correctly rounded. Read inside inductor's compile."""
+def test_every_graph_is_compiled_to_divide_and_keep_subnormals_as_eager_cuda_does(monkeypatch):
+    """Triton divides FP32 approximately and libdevice flushes subnormals unless told (fused._eager_numerics), where
+    eager CUDA and the CPU divide correctly rounded and keep them. Read inside inductor's compile."""
     from torch._inductor import compile_fx, config
 
     seen, inner = [], compile_fx.compile_fx_inner
 
-    def reading_the_option(*args, **kwargs):
-        seen.append(config.eager_numerics.division_rounding)
+    def reading_the_options(*args, **kwargs):
+        seen.append((config.eager_numerics.division_rounding, config.eager_numerics.disable_ftz))
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(compile_fx, "compile_fx_inner", reading_the_option)
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", reading_the_options)
     blocks.mx_quantise.values.fused(torch.randn(3, 13 * 32), "fp8_e4m3", "rceil")  # a layout no other test compiles
-    assert seen == [True]
+    assert seen == [(True, True)]
 
 
 class _CudasDivisionByANumber(TorchDispatchMode):

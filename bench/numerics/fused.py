@@ -14,8 +14,8 @@ holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
   quantiser calling another, takes the eager body into its own graph). On CUDA the quantisers run eagerly: two of
   them compiled into Triton, and an emulated run's compiled passes, were not the eager bits on an H200 (2026-11-29,
   `pytest -m cuda`; mended since, on a CPU simulation of CUDA's arithmetic, not yet run on a GPU:
-  docs/performance.md; `quantiser.fused` still compiles for CUDA, with correctly rounded division:
-  `_correctly_rounded_division`);
+  docs/performance.md; `quantiser.fused` still compiles for CUDA, with eager CUDA's division and subnormals:
+  `_eager_numerics`);
 - the call draws no random numbers, or its quantiser makes its draws itself (`fused(draws=...)`: every block
   quantiser that rounds stochastically, MX, NVFP4 by either scale rule, its 16 x 16 tiles, FP8 rowwise and 1 x 128
   tiles). A compiled graph would draw from inductor's own generator, not the eager one's stream, so such a
@@ -223,7 +223,7 @@ class Specialisation:
                 return inner[-1]
 
             wrapped = compile_fx(graph, list(tensors), inner_compile=keep,
-                                 config_patches={**INDUCTOR_OPTIONS, **_correctly_rounded_division()})
+                                 config_patches={**INDUCTOR_OPTIONS, **_eager_numerics()})
             direct, rebuild = inner[0], made["rebuild"]
             if not _called_directly(direct, tensors, made["outputs"]):
                 return _returning(rebuild, lambda inputs: wrapped(*inputs))
@@ -233,20 +233,22 @@ class Specialisation:
         return _returning(rebuild, getattr(direct, "current_callable", None) or direct)
 
 
-def _correctly_rounded_division() -> dict:
-    """The inductor option that makes Triton divide FP32 tensors correctly rounded (div_rn), as eager CUDA and the CPU
-    do, where by default it divides approximately (div.full): the quantisers divide by tensors (NVFP4's block scale by
-    its tensor scale, `448 / amax` as one division: blocks._quotient). (A division by a constant is a multiplication
-    by its reciprocal on CUDA whatever this says, eagerly and compiled, so the quantisers divide by one in float64:
-    blocks._divided_by.) Named `eager_numerics.division_rounding` in torch 2.11 and 2.13, `emulate_divison_rounding`
-    in some earlier releases, and absent before them (nothing to set). No effect on the CPU's code, which divides
-    correctly rounded anyway."""
+def _eager_numerics() -> dict:
+    """Inductor's options that make Triton compute as eager CUDA and the CPU do, where its defaults do not:
+    - `division_rounding`: FP32 division correctly rounded (div_rn), where Triton divides approximately (div.full):
+      the quantisers divide by tensors (NVFP4's block scale by its tensor scale, `448 / amax` as one division:
+      blocks._quotient). (A division by a constant is a multiplication by its reciprocal on CUDA whatever this says,
+      eagerly and compiled, so the quantisers divide by one in float64: blocks._divided_by.) Named
+      `emulate_divison_rounding` in some earlier releases;
+    - `disable_ftz`: libdevice's functions (the log2 and exp2 of torchao's power-of-two scale) keep subnormals, which
+      Triton's defaults flush and eager CUDA does not.
+    Each set where this torch has it (torch 2.13 has both; absent, nothing to set). No effect on the CPU's code."""
     from torch._inductor import config
 
-    for name in ("eager_numerics.division_rounding", "emulate_divison_rounding"):
-        if hasattr(config, name.split(".")[0]):
-            return {name: True}
-    return {}
+    numerics = getattr(config, "eager_numerics", None)
+    if numerics is None:
+        return {"emulate_divison_rounding": True} if hasattr(config, "emulate_divison_rounding") else {}
+    return {f"eager_numerics.{name}": True for name in ("division_rounding", "disable_ftz") if hasattr(numerics, name)}
 
 
 _ONE_TENSOR = "one tensor"  # the `rebuild` of an fn that returns one tensor: its graph's only output
