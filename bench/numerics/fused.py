@@ -37,15 +37,19 @@ pass of an emulated GEMM (its roundings, torch's op, the casts: bench/numerics/e
 same way, as one Specialisation per pass (`run_specialised`), its last layout's graph kept at hand (`Passes`).
 
 Exactness. Inductor may fuse a cast to a 16-bit type and back into nothing: `x.to(bf16).to(fp32)`, the rounding
-itself, comes back unrounded unless `emulate_precision_casts` is set, which it is here. Everything else the
-quantisers compute is exact in FP32 (adds of a power-of-two magic number, integer bit operations, multiplies by
-powers of two, compares), so neither reordering nor contraction into FMAs can change a bit; tests/test_fused.py
-holds every quantiser to its eager self on every conformance family, format and overflow policy, and an emulated
-training run fused to the eager run's losses. An emulated op's pass also computes what is not exact: its GEMMs and
-convolutions, which its graph calls as torch's own kernels on the eager layouts, and a Linear's bias gradient, a sum
-over rows, which inductor would generate adding them in another order (different bits in about half its elements
-over 32 rows of FP32 values: a fresh clone's default sweep drifted from the eager records after 580 steps), so it
-too is torch's (`emulation.summed_rows`, an extern call in the graph).
+itself, comes back unrounded unless `emulate_precision_casts` is set, which it is here. A multiply and an add
+contracted into an FMA would round once where the eager ops round twice: inductor's C++ code is compiled without
+contraction (`-ffp-contract=off`, its default unless TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG says
+otherwise), and torch 2.13's Triton code too while `emulate_precision_casts` is set. The quantisers' roundings are
+chains of exact steps (adds of a power-of-two magic number, integer bit operations, multiplies by powers of two,
+compares) that no reordering can change; their inexact steps (a product such as NVFP4's x * (1 / s), the divisions)
+inductor computes as written. tests/test_fused.py holds every quantiser to its eager self on every conformance
+family, format and overflow policy, and an emulated training run fused to the eager run's losses. An emulated op's
+pass also computes what is not exact: its GEMMs and convolutions, which its graph calls as torch's own kernels on the
+eager layouts, and a Linear's bias gradient, a sum over rows, which inductor would generate adding them in another
+order (different bits in about half its elements over 32 rows of FP32 values: a fresh clone's default sweep drifted
+from the eager records after 580 steps), so it too is torch's (`emulation.summed_rows`, an extern call in the
+graph).
 The one departure it finds is a NaN's payload (FP32's quiet NaN in, 0x7fffffff out where eager returns 0x7fc00000):
 still NaN.
 """
