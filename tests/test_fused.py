@@ -533,6 +533,26 @@ def test_every_graph_is_compiled_to_divide_and_keep_subnormals_as_eager_cuda_doe
     assert seen == [(True, True)]
 
 
+def test_every_quantiser_compiled_where_inductor_is_told_to_use_unsafe_math_gives_its_eager_bits():
+    """A user's environment (TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1) or a caller's config.patch may compile
+    inductor's C++ with -funsafe-math-optimizations, which reorders and folds the roundings' arithmetic: the element
+    roundings done in arithmetic, Transformer Engine's NVFP4 and the 1 x 128 tiles then gave other bits (every other
+    block quantiser and MX's rceil kept theirs). Each fused graph is compiled with it off (and without FMA
+    contraction) whatever inductor's config says around it. One of each kind, FP32 families; fresh graphs, no
+    cache."""
+    from torch._inductor import config
+
+    seen = set()
+    with config.patch({"cpp.enable_unsafe_math_opt_flag": True, "force_disable_caches": True}):
+        for name, call, x, args, fields in _cases_on_the_families():
+            if x.dtype != torch.float32 or name in seen or name not in ("fp8_e4m3", "nvfp4 te", "1x128 tiles"):
+                continue
+            seen.add(name)
+            found = fused.Specialisation(call.eager, args, {})(x, *args)
+            expected = call.eager(x, *args)
+            assert _same_bits(expected, found, fields), (name, x.dtype, _differences(expected, found, fields))
+
+
 class _CudasDivisionByANumber(TorchDispatchMode):
     """torch's CUDA division by a number, simulated on the CPU: x times the number's reciprocal, taken in x's
     arithmetic type (FP32 for FP32, BF16 and FP16 tensors; BinaryDivTrueKernel.cu), where the CPU divides."""

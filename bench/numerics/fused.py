@@ -38,18 +38,18 @@ same way, as one Specialisation per pass (`run_specialised`), its last layout's 
 
 Exactness. Inductor may fuse a cast to a 16-bit type and back into nothing: `x.to(bf16).to(fp32)`, the rounding
 itself, comes back unrounded unless `emulate_precision_casts` is set, which it is here. A multiply and an add
-contracted into an FMA would round once where the eager ops round twice: inductor's C++ code is compiled without
-contraction (`-ffp-contract=off`, its default unless TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG says
-otherwise), and torch 2.13's Triton code too while `emulate_precision_casts` is set. The quantisers' roundings are
-chains of exact steps (adds of a power-of-two magic number, integer bit operations, multiplies by powers of two,
-compares) that no reordering can change; their inexact steps (a product such as NVFP4's x * (1 / s), the divisions)
-inductor computes as written. tests/test_fused.py holds every quantiser to its eager self on every conformance
-family, format and overflow policy, and an emulated training run fused to the eager run's losses. An emulated op's
-pass also computes what is not exact: its GEMMs and convolutions, which its graph calls as torch's own kernels on the
-eager layouts, and a Linear's bias gradient, a sum over rows, which inductor would generate adding them in another
-order (different bits in about half its elements over 32 rows of FP32 values: a fresh clone's default sweep drifted
-from the eager records after 580 steps), so it too is torch's (`emulation.summed_rows`, an extern call in the
-graph).
+contracted into an FMA would round once where the eager ops round twice, and unsafe math reorders and folds the
+roundings' arithmetic: inductor's C++ code is compiled without either (`INDUCTOR_OPTIONS` holds its defaults against
+an environment that changes them), and torch 2.13's Triton code without contraction while `emulate_precision_casts`
+is set. The quantisers' roundings are chains of steps exact as written (adds of a power-of-two magic number, integer
+bit operations, multiplies by powers of two, compares: unsafe math would fold `x + m - m` into `x`); their inexact
+steps (a product such as NVFP4's x * (1 / s), the divisions) inductor computes as written. tests/test_fused.py holds
+every quantiser to its eager self on every conformance family, format and overflow policy, and an emulated training
+run fused to the eager run's losses. An emulated op's pass also computes what is not exact: its GEMMs and
+convolutions, which its graph calls as torch's own kernels on the eager layouts, and a Linear's bias gradient, a sum
+over rows, which inductor would generate adding them in another order (different bits in about half its elements
+over 32 rows of FP32 values: a fresh clone's default sweep drifted from the eager records after 580 steps), so it
+too is torch's (`emulation.summed_rows`, an extern call in the graph).
 The one departure it finds is a NaN's payload (FP32's quiet NaN in, 0x7fffffff out where eager returns 0x7fc00000):
 still NaN.
 """
@@ -73,7 +73,12 @@ import torch
 # block's elements is outside the loop over columns)
 # layout_optimization off: an emulated op's graph (bench/numerics/emulation.py) calls torch's convolution on the
 # layouts its eager pass gives it, not channels-last ones, whose kernels may sum in another order
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold": 8, "layout_optimization": False}
+# the C++ compiler's unsafe math and FMA contraction off, whatever the environment says (inductor's defaults, which
+# TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG and ..._FLOATING_POINT_CONTRACT_FLAG change): unsafe math changed
+# the bits of the element roundings in arithmetic, TE's NVFP4 and the 1 x 128 tiles (tests/test_fused.py);
+# contraction ("fast") changed none today, and is held off for the next graph that multiplies and adds
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold": 8, "layout_optimization": False,
+                    "cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False}
 SWITCH = "PRECISION_BENCH_FUSED"  # =0: every quantiser eager; otherwise (the default) fused where it pays
 ARITHMETIC_FROM = 1  # block and tile quantisers, and element roundings done in arithmetic: every size
 CAST_FROM = 1 << 12  # element roundings that are torch's own cast (two eager passes): from 4,096
