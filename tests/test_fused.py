@@ -517,6 +517,27 @@ def test_in_a_cuda_graph_torchs_cast_formats_are_rounded_in_arithmetic_to_the_ca
                     assert _same_bits(cast, quantise_value.eager(x, element, policy, ftz)), (element, policy, ftz)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_round_trip_through_a_16_bit_type_in_a_compiled_models_step_keeps_its_rounding(dtype):
+    """A compiled model's step (train.compile) is compiled by inductor on its defaults, which fuse a cast to BF16 or
+    FP16 and back into nothing on the CPU: every value came back unrounded, an emulated 16-bit run trained in FP32.
+    There the roundings are done in arithmetic (formats._rounds_by_cast): an element rounding, an op's hand-on
+    (`rounded_through`) and autocast's emulated GEMM operands (bench/numerics/autocast.py)."""
+    from bench.numerics.autocast import EmulatedGemms
+
+    x = torch.randn(1 << 14, generator=torch.Generator().manual_seed(0)) * 3
+    name, widening = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], EmulatedGemms("cpu")
+
+    def step(t):  # an op before and after each rounding, for inductor to fuse it into
+        t = t * 1.0001
+        return (quantise_value(t, name, "inf", False) + 1, formats.rounded_through(t, dtype) + 1,
+                widening._widened(t, dtype) + 1)
+
+    torch._dynamo.reset()
+    for expected, found in zip(step(x), torch.compile(step, fullgraph=True)(x)):
+        assert _same_bits(expected, found) and not torch.equal(expected, x * 1.0001 + 1), dtype
+
+
 def test_every_graph_is_compiled_to_divide_and_keep_subnormals_as_eager_cuda_does(monkeypatch):
     """Triton divides FP32 approximately and libdevice flushes subnormals unless told (fused._eager_numerics), where
     eager CUDA and the CPU divide correctly rounded and keep them. Read inside inductor's compile."""

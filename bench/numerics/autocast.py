@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from bench.numerics.formats import rounded_through
+
 # The Python functions that reach the ops CPU autocast computes in its lower-precision dtype (torch.amp's list for
 # CPU: convolutions, linear, matmul, mm, bmm, baddbmm, addmm, addbmm), however a model spells them
 LOWER_PRECISION_GEMMS = frozenset({
@@ -62,7 +64,7 @@ class EmulatedGemms(TorchFunctionMode):
         """An operand as autocast casts it (a floating tensor other than float64, to `dtype`), widened to FP32."""
         if not isinstance(a, torch.Tensor) or not a.is_floating_point() or a.dtype == torch.float64:
             return a
-        widened = a.to(dtype).float()
+        widened = rounded_through(a, dtype)  # in a compiled step too, whose inductor would drop a cast and back
         if self.on_operand is not None:
             self.on_operand(a, widened)
         return widened

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.numerics.fused import ARITHMETIC_FROM, CAST_FROM, fused, in_graph
+from bench.numerics.fused import ARITHMETIC_FROM, CAST_FROM, fused, in_fused_graph, in_graph
 
 OVERFLOW_POLICIES = ("saturate", "inf", "nan")
 SR_BITS = (8,)  # stochastic rounding from n random bits per element (Transformer Engine's NVFP4 cvt.rs: 8)
@@ -187,12 +187,14 @@ def round_unbounded(x: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
 
 
 def _rounds_by_cast(spec: ElementFormat, device: torch.device) -> bool:
-    """Whether a rounding to spec on device is torch's cast: eagerly, yes; in a graph, not in a CUDA graph, where
-    Triton's code for the cast there and back left FP16's and BF16's values unrounded and E5M2's not the eager bits
-    (an H200, 2026-11-29: tests/test_fused.py, `pytest -m cuda`), nor for _ARITHMETIC_IN_GRAPHS in a CPU graph
-    (inductor's CPU code for E5M2's cast is scalar, slower than the arithmetic: docs/performance.md)."""
-    return spec.name in _NATIVE_CAST and (
-        not in_graph() or (device.type == "cpu" and spec.name not in _ARITHMETIC_IN_GRAPHS))
+    """Whether a rounding to spec on device is torch's cast: eagerly, yes; in a graph, only in a fused graph of ours
+    on the CPU (compiled with emulate_precision_casts) and not for _ARITHMETIC_IN_GRAPHS there (inductor's CPU code
+    for E5M2's cast is scalar, slower than the arithmetic: docs/performance.md). Not in a CUDA graph, where Triton's
+    code for the cast there and back left FP16's and BF16's values unrounded and E5M2's not the eager bits (an H200,
+    2026-11-29: tests/test_fused.py, `pytest -m cuda`), nor in a compiled model's step (train.compile), whose
+    inductor, on its defaults, fuses FP16's and BF16's round trips into nothing on the CPU too."""
+    return spec.name in _NATIVE_CAST and (not in_graph() or (
+        in_fused_graph() and device.type == "cpu" and spec.name not in _ARITHMETIC_IN_GRAPHS))
 
 
 def rounded_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -102,6 +102,12 @@ def in_graph() -> bool:
     return _tracing or torch.compiler.is_compiling()
 
 
+def in_fused_graph() -> bool:
+    """Whether the code running now is being traced into a fused graph of ours, compiled with INDUCTOR_OPTIONS (a
+    cast there and back kept a rounding), not into a compiled model's, whose inductor runs on its defaults."""
+    return _tracing and not torch.compiler.is_compiling()
+
+
 def compile_seconds() -> float:
     """Seconds this process has spent making fused graphs so far. A new layout's graph is made on its first call,
     inside a training step or an evaluation (0.1-0.9 s each, a minute for a cell's first steps on an empty inductor
