@@ -217,9 +217,7 @@ def _op_forward(x, weight, bias, gemm, casts: "OpCasts", dtype) -> tuple:
     y = y if casts.output is None else casts.output(y)
     if dtype is None:
         return y, x_r, w_r
-    # not inside a compiled model's step: its inductor deletes a round trip through BF16 (emulate_precision_casts is
-    # on for the fused graphs alone), where a BF16 tensor is kept; the gradient's rounding is then exact
-    if casts.carries_out and not torch.compiler.is_compiling():
+    if casts.carries_out:
         return rounded_through(y, dtype), x_r, w_r
     return y.to(dtype), x_r, w_r
 
