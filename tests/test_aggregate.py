@@ -568,3 +568,18 @@ def test_an_emulated_cells_time_leaves_out_making_its_fused_graphs_and_says_so(t
     assert "| 8.0 (n=1), +12.0 s making fused graphs" in _row(precision, "fp8-mixed")
     assert "| 10.0 (n=1) " in _row(precision, "| 32-true") and "+" not in _row(precision, "| 32-true").split("|")[4]
     assert "making fused graphs: the emulated cell's" in precision and "compiled: the cell" not in precision
+
+
+def test_a_model_whose_module_is_not_importable_here_is_described_generically_without_an_error(caplog):
+    """A user's model aggregated where its module is not on PYTHONPATH: `<name> (<data source>)`, and nothing said
+    at error level (Hydra's lookup logged "Error getting callable" though the tables were fine)."""
+    import logging
+
+    from bench.reporting.aggregate import describe
+
+    caplog.set_level(logging.DEBUG)
+    model = {"name": "mlp", "data": {"source": "digits"}, "task": {"describe": "no_such_module_here.describe"}}
+    assert describe(model) == ("digits", "mlp (digits)")
+    model["task"]["describe"] = "bench.tasks.base.no_such_function"
+    assert describe(model) == ("digits", "mlp (digits)")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records

@@ -1,6 +1,7 @@
 """`python -m bench.compare`: cells pair with a committed folder's by configuration and training length, and each
 is within or outside the committed cell's 95% interval (computed here by hand)."""
 
+import pandas as pd
 import pytest
 from scipy import stats
 
@@ -115,3 +116,51 @@ def test_the_committed_default_records_pair_cell_by_cell_and_a_shifted_cell_is_o
     assert all("| within" in line for key, line in rows.items() if key != ("32-true", "none")) and len(rows) == 25
     assert "25 cells paired: 24 within the committed cell's 95% interval of its mean, 1 outside" in out
     assert "[0.00, 100.00]§" in rows[("bf16-mixed", "unit")]
+
+
+def _committed_records(name: str) -> list[dict]:
+    import gzip
+    import json
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "results" / "tables" / name
+    return [json.loads(line) for line in gzip.open(folder / "records.jsonl.gz", "rt")]
+
+
+def test_a_full_run_pairs_with_its_committed_cell_whatever_shorter_runs_sit_beside_it(tmp_path, capsys):
+    """A newcomer's results (2026-11-30): one full default cell beside two 50-step runs of another. Read among your
+    runs alone, the usual train.max_steps was 50 and the full run the variant (`train.max_steps=null`), which no
+    committed cell is; read against the committed runs' usual settings it is the usual cell, and pairs."""
+    import copy
+    from pathlib import Path
+
+    from bench.running.record import write_json_atomic
+
+    folder = Path(__file__).resolve().parents[1] / "results" / "tables" / "default"
+    records = _committed_records("default")
+    pick = {(r["config"]["format"]["name"], r["config"]["scaling"]["name"], r["config"]["seed"]): r for r in records}
+    mine = tmp_path / "mine"
+    write_json_atomic(mine / "full" / "result.json", pick[("bf16", "dynamic", 1)])
+    for seed in (0, 1):
+        short = copy.deepcopy(pick[("fp16", "none", seed)])
+        short["config"]["train"]["max_steps"], short["timing"]["steps"] = 50, 50
+        short["run_id"] += "-50"
+        write_json_atomic(mine / f"short{seed}" / "result.json", short)
+    assert compare([str(mine), "--against", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "1 cells paired: 1 within" in out, out
+    assert "| lenet (digits) | bf16-mixed | dynamic" in out
+
+
+@pytest.mark.parametrize("name", ["distributed_precision", "block_formats"])
+def test_a_folders_own_records_pair_with_its_tables_cell_for_cell_whatever_order_their_variants_name_keys(
+        name, capsys):
+    """Variants of two or more keys (`parallel.name=ddp, parallel.gradient_compression=bf16`): read against the
+    committed runs, the keys come in the order of those runs as the comparison holds them, which need not be that of
+    the folder's cells.csv; every cell still pairs."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "results" / "tables" / name
+    cells = len(pd.read_csv(folder / "cells.csv"))
+    assert compare([str(folder / "records.jsonl.gz"), "--against", str(folder)]) == 0
+    assert f"{cells} cells paired: {cells} within" in capsys.readouterr().out

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import json
+import pydoc
+import re
 from pathlib import Path
 
 import numpy as np
@@ -103,11 +105,11 @@ def describe(model_cfg: dict) -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def _describer(path: str):
-    from hydra.utils import get_method
-
+    """The function at `path`, or the generic one where it cannot be imported (pydoc's lookup: Hydra's logs an
+    error first, which read as a failure where the tables are fine)."""
     try:
-        return get_method(path)
-    except Exception:  # Hydra wraps the ImportError or AttributeError
+        return pydoc.locate(path) or generic_describe
+    except pydoc.ErrorDuringImport:
         return generic_describe
 
 
@@ -123,34 +125,63 @@ def _unset_text(column: str) -> str:
     return _option_text(named[key]) if key in named else "null"
 
 
-def variants(frame: pd.DataFrame) -> pd.Series:
+def variants(frame: pd.DataFrame, usual_from: pd.DataFrame | None = None) -> pd.Series:
     """For each run, the settings in which it differs from its experiment's usual runs, as `key=value, ...`.
 
     Keys under format and scaling are compared among runs of the same setting and scaling method; all
     others among every run of the same experiment and model. The usual value of a key is the one most
     runs have; where values tie there is none, and every run shows its own.
+
+    usual_from: other runs (a committed folder's, for bench.compare) whose usual values a group of frame's runs is
+    read against where they have that group, so that a run is labelled as those runs' tables label theirs whatever
+    else sits beside it; keys those runs lack (added since) and the device are not compared then.
     """
     labels = pd.Series("", index=frame.index)
-    flat = frame["settings"]
-    for _, part in frame.groupby(["experiment", "model_label"], sort=False):
-        within = part.groupby(["setting", "scaling"], observed=True, sort=False)
-        for group in [part] + [g for _, g in within]:
-            per_run = pd.DataFrame(list(flat[group.index]), index=group.index)
-            compares_format_and_scaling = group is not part  # those keys only among runs of one setting/scaling
+    for keys, part in frame.groupby(["experiment", "model_label"], sort=False):
+        for within, group in [((), part), *(((s, c), g) for (s, c), g in
+                                            part.groupby(["setting", "scaling"], observed=True, sort=False))]:
+            reference = _same_group(usual_from, (*keys, *within)) if usual_from is not None else None
+            per_run = pd.DataFrame(list(frame["settings"][group.index]), index=group.index)
+            if reference is None:
+                usual_of = per_run
+            else:
+                usual_of = pd.DataFrame(list(reference["settings"]), index=reference.index)
+                per_run = per_run.reindex(columns=[c for c in usual_of.columns if c != "device_name"])
+            compares_format_and_scaling = bool(within)  # those keys only among runs of one setting/scaling
             own = [c for c in per_run.columns if c not in LABELLED
                    and (c.split(".")[0] in ("format", "scaling")) == compares_format_and_scaling]
             for column in own:
-                values = per_run[column].map(lambda v: json.dumps(v, default=str))
-                counts = values.value_counts()
-                if len(counts) < 2:
+                values, counts = _spelt(per_run[column]), _spelt(usual_of[column]).value_counts()
+                if reference is None and len(counts) < 2:
                     continue
-                usual = counts.index[0] if counts.iloc[0] > counts.iloc[1] else None
+                usual = counts.index[0] if len(counts) == 1 or counts.iloc[0] > counts.iloc[1] else None
                 for index in values.index[values != usual]:
                     value = per_run.at[index, column]
                     # a key a run leaves unset (null, so out of its identity: e.g. grad_clip under scaling=umup)
                     item = f"{column}={_unset_text(column) if _unset(value) else value}"
                     labels[index] = f"{labels[index]}, {item}" if labels[index] else item
     return labels
+
+
+def canonical_variant(label: str | float) -> str:
+    """A variant label with its items in key order ("" for none: a csv's empty cell reads as NaN). `variants` writes
+    them in the order its runs' settings first name the keys, which is that of the records it was given, so two
+    folders label one configuration alike only up to order (bench.compare pairs cells by this)."""
+    if not isinstance(label, str) or not label:
+        return ""
+    return ", ".join(sorted(re.split(r", (?=[A-Za-z_][\w.]*=)", label)))
+
+
+def _spelt(values: pd.Series) -> pd.Series:
+    """Settings' values as comparable text (a key a run leaves unset, missing or null, spelt as null)."""
+    return values.map(lambda v: "null" if _unset(v) else json.dumps(v, default=str))
+
+
+def _same_group(runs: pd.DataFrame, keys: tuple) -> pd.DataFrame | None:
+    """runs of the group `keys` names (experiment, model_label[, setting, scaling]), or None where it has none."""
+    columns = ["experiment", "model_label", "setting", "scaling"][:len(keys)]
+    chosen = runs[np.logical_and.reduce([runs[c].astype(str) == str(k) for c, k in zip(columns, keys)])]
+    return chosen if len(chosen) else None
 
 
 def load_wandb(source: str, api=None) -> tuple[list[dict], list[str]]:

@@ -5,11 +5,11 @@ records, bench/reporting/archive.py) or wandb://entity/project[/group]. FOLDER i
 committed table folder (default results/tables/default), or tables of your own, which the output calls the
 reference rather than committed ones; its `cells.csv` holds each cell's mean over seeds and the
 95% t interval of that mean, and its `vs_published.csv` the published figure where one exists. Cells pair by
-experiment, model as configured, setting, scaling method, variant and number of training steps (a committed
-folder keeps no configuration hash that is free of its device; committed records would let cells pair by their
-whole configuration); where your device or backend differs from
-the committed cell's (an AMD CPU emulates the bf16 an Intel CPU with AMX runs natively) the row says so, since
-its numerics need not agree.
+experiment, model as configured, setting, scaling method, variant and number of training steps (a configuration
+hash holds the device). Your runs' variants are read against the folder's records where it keeps them
+(`aggregate.variants`' usual_from), so what else MINE holds does not change them. Where your device or backend
+differs from the committed cell's (an AMD CPU emulates the bf16 an Intel CPU with AMX runs natively) the row says
+so, since its numerics need not agree.
 
 Each of your cells is *within* when its mean lies in the committed cell's interval, *outside* when it does not
 (better or worse, by the direction the model declares, `model.task.higher_is_better`), and has *no interval* when
@@ -36,12 +36,13 @@ KEYS = ["experiment", "model_label", "setting", "scaling", "variant"]
 
 
 def _with_steps(cells: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
-    """Cells with the median number of training steps of their runs (a smoke run never pairs with a full one)."""
+    """Cells with the median number of training steps of their runs (a smoke run never pairs with a full one), their
+    variant labels in key order (`aggregate.canonical_variant`)."""
     runs = runs.assign(setting=runs["setting"].astype(str), scaling=runs["scaling"].astype(str),
-                       variant=runs["variant"].fillna(""))
+                       variant=runs["variant"].map(aggregate.canonical_variant))
     steps = runs.groupby(KEYS)["steps"].median().rename("steps").reset_index()
     cells = cells.assign(setting=cells["setting"].astype(str), scaling=cells["scaling"].astype(str),
-                         variant=cells["variant"].fillna(""))
+                         variant=cells["variant"].map(aggregate.canonical_variant))
     return cells.merge(steps, on=KEYS, how="left")
 COMMITTED_TABLES = DATA_DIR.parents[1] / "results" / "tables"  # this checkout's committed table folders
 DEFAULT_AGAINST = Path("results/tables/default")
@@ -63,6 +64,17 @@ def committed_cells(folder: Path) -> pd.DataFrame:
     else:
         cells["published_value"] = float("nan")
     return cells
+
+
+def _committed_runs(folder: Path) -> pd.DataFrame | None:
+    """The folder's runs from its records (None where it keeps none): your runs' variants are read against their
+    usual settings, as the folder's own were, so a cell pairs whatever else your results hold (a smoke run beside
+    a full one made the full one the variant)."""
+    path = folder / archive.ARCHIVE
+    if not path.is_file():
+        return None
+    records, _ = archive.read(path)
+    return aggregate.to_frame(records)
 
 
 def reference_name(folder: Path) -> str:
@@ -131,6 +143,7 @@ def main(argv: list[str] | None = None, api=None) -> int:
     if frame.empty:
         print(f"config error: no valid records in {args.mine}", file=sys.stderr)
         return 2
+    frame["variant"] = aggregate.variants(frame, usual_from=_committed_runs(args.against))
     directions = {r["config"]["model"]["name"]: task_spec(r["config"]["model"]).get("higher_is_better", True)
                   for r in records}
     reference = reference_name(args.against)
