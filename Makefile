@@ -113,7 +113,7 @@ bench: setup ## measure harness overhead, emulation cost, native speed (on CUDA)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m bench.tools.benchmark --out results/bench $(if $(ONLY),--only $(ONLY)) $(if $(AS_CPU),--as-cpu $(AS_CPU))
 
-predict: setup ## the speed model's step time, speed-ups and memory for cells not trained, on GPU profiles (ARGS='model=bert_base format=fp32,bf16,fp8 gpu=H100,B200')
+predict: setup ## the speed model's step time, speed-ups and memory for cells not trained, on GPU profiles (ARGS='model=bert_base format=fp8 scaling=per_tensor gpu=H100,B200': its speed-ups over FP32 and BF16 beside it)
 	$(PY) -m bench.predict $(ARGS)
 
 speed-validation: setup ## fit the speed model's constants on its fit rows, validate on every other GPU figure we have (results/bench/speed_model_validation.md)

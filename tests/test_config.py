@@ -84,9 +84,10 @@ def test_existing_records_survive_a_rejected_run(tmp_path):
     ok = _bench(tmp_path, "train.max_steps=2")
     assert ok.returncode == 0, ok.stderr[-2000:]
     record = next(Path(tmp_path).rglob("result.json"))
-    # a single run says where its record went and its verdict, on one line
+    # a single run says where its record went and its verdict, on one line, once (its log said it again)
     said = ok.stdout.strip().splitlines()[-1]
     assert said.endswith(f"record: {record}") and ": ok: " in said and "test_accuracy " in said, ok.stdout
+    assert (ok.stdout + ok.stderr).count(f"record: {record}") == 1, ok.stdout
     before = record.read_bytes()
     assert _bench(tmp_path, "train.max_steps=2", "format.overflow=wrap").returncode == 2
     assert record.read_bytes() == before

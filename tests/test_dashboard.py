@@ -152,3 +152,12 @@ def test_on_a_fresh_clone_without_records_it_builds_panels_for_every_shipped_mod
     for metric in ("test_accuracy", "val_loss", "f1"):
         assert any(metric in m for m in metrics), (metric, metrics)
     assert (tmp_path / "default" / "workspace.json").is_file() and "nothing created in W&B" in capsys.readouterr().out
+
+
+def test_the_committed_example_reports_the_committed_tables():
+    """results/dashboards/default/ is the example docs/cluster.md points to; its report carried the default tables
+    of before their 2026-11-25 remake until a newcomer compared them (2026-11-30)."""
+    root = Path(__file__).resolve().parents[1]
+    report = json.loads((root / "results" / "dashboards" / "default" / "report.json").read_text())
+    assert report["tables"] == {name: (root / "results" / "tables" / "default" / f"{name}.md").read_text()
+                                for name in dashboard.TABLES}

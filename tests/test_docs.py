@@ -115,3 +115,16 @@ def test_the_default_tables_the_docs_quote_are_the_committed_ones(doc, table, co
     assert len(quoted) == count
     for row in quoted:
         assert row == {k: committed[(row["setting"], row[key])][k] for k in row}, row["setting"]
+
+
+def test_the_readme_names_every_option_of_every_config_group():
+    """The README's "Config groups:" paragraph lists each group's options (a newcomer found three models, umup and
+    the parallel group missing, 2026-11-30)."""
+    readme = (ROOT / "README.md").read_text()
+    paragraph = readme[readme.index("Config groups:"):].split("\n\n")[0]
+    listed = {group: set(re.findall(r"[\w-]+", options))
+              for group, options in re.findall(r"`(\w+)`\s+\(([^`]*?)\)(?:,|\.)", paragraph)}
+    groups = ("model", "format", "scaling", "parallel", "logger")
+    missing = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml") if p.stem not in listed.get(g, set()))
+               for g in groups}
+    assert set(groups) <= set(listed) and not any(missing.values()), (listed.keys(), missing)

@@ -22,6 +22,12 @@ def _run(module: str, *args, cwd: Path, env: dict | None = None) -> subprocess.C
 @pytest.mark.parametrize("args, says", [
     (["format=fp9"], "format=fp9 is not an option; valid: bf16, bf16-true, fp16, fp16-true, fp32, fp8"),
     (["-m", "format=fp32,fp9"], "(did you mean fp8?)"),
+    # two mistakes, both named at once (a newcomer met the second only after mending the first, 2026-11-30)
+    (["-m", "format=fp32,fp9", "scaling=none,bogus"], "(did you mean fp8?); scaling=bogus is not an option"),
+    (["train.max_stps=5", "model.optimizr.lr=1"],
+     "(did you mean train.max_steps?); unknown config key model.optimizr.lr (did you mean model.optimizer?)"),
+    (["-m", "format=tf32,fp8,fp32", "format.backend=native", "device=cpu", "seed=0,1"],
+     "seed=0 results_dir={runs}] (and 1 more cells): format.backend=native but fp8 has no native path on cpu"),
     (["scaling=unti"], "(did you mean unit?)"),
     (["train.max_stesp=5"], "unknown config key train.max_stesp (did you mean train.max_steps?)"),
     (["model.optimizer.lrr=1"], "(did you mean model.optimizer.lr?)"),
@@ -38,7 +44,7 @@ def _run(module: str, *args, cwd: Path, env: dict | None = None) -> subprocess.C
 def test_a_mistake_exits_2_naming_the_choices_and_writes_nothing(tmp_path, args, says):
     out = _run("bench.run", *args, f"results_dir={tmp_path / 'runs'}", cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-1500:]
-    assert says in out.stderr and "Traceback" not in out.stderr
+    assert says.format(runs=tmp_path / "runs") in out.stderr and "Traceback" not in out.stderr, out.stderr[-1500:]
     assert not list(tmp_path.rglob("result.json")) and not (tmp_path / "default").exists()
 
 

@@ -393,6 +393,19 @@ def test_a_record_says_whether_its_quantisers_ran_fused(monkeypatch):
     assert describe(torch.device("cpu"))["fused_quantisers"] is False
 
 
+def test_the_first_graph_a_process_compiles_says_so_in_the_log_and_the_next_says_nothing(monkeypatch, caplog):
+    """A newcomer's first emulated cell ran a silent minute, compiling (2026-11-30): the first compile says why."""
+    import logging
+
+    monkeypatch.setattr(fused, "_compile_s", 0.0)
+    caplog.set_level(logging.INFO, logger=fused.__name__)
+    quantise_value.fused(torch.randn(3, 77), "fp6_e3m2")
+    assert "compiling the fused quantisers" in caplog.text and "PRECISION_BENCH_FUSED=0" in caplog.text
+    caplog.clear()
+    quantise_value.fused(torch.randn(3, 79), "fp6_e3m2")  # another layout: a second graph
+    assert "compiling" not in caplog.text
+
+
 def _layer_pass(monkeypatch, switch: str, fmt: str, make_layer, x_shape: tuple, x_wants_grad: bool, **choices):
     """One forward and backward of a fresh emulated layer (the same weights and inputs each call) with the fused
     quantisers switched on ("1") or off ("0"): its output, the gradients of x, weight and bias, and the passes its

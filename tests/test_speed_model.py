@@ -419,3 +419,21 @@ def test_per_op_recomputation_runs_each_blocks_forward_again_but_its_saved_produ
     alone = dataclasses.replace(traced, ops=added)
     assert extra == pytest.approx(predict(alone, recipe, h100, False).step_s - predict(
         dataclasses.replace(traced, ops=[]), recipe, h100, False).step_s, rel=1e-9)
+
+
+def test_importing_torchao_on_a_cpu_says_nothing_that_reads_as_a_failure_and_other_lines_still_pass():
+    """A newcomer's `bench.predict model=bert_base` began with "Failed to load .../torchao/_C_mxfp8....so" and
+    torch's deprecation notice about torchao's enums (2026-11-30): bench's filter drops those two, nothing else."""
+    import logging
+    import subprocess
+    import sys
+
+    said = subprocess.run([sys.executable, "-c", "import bench, torchao.float8, torchao.prototype.mx_formats"],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert said.returncode == 0 and "Failed to load" not in said.stderr and "register_constant" not in said.stderr, \
+        said.stderr
+    noise, = logging.getLogger("torchao").filters
+    line = logging.LogRecord("torchao", logging.WARNING, "x", 1, "Failed to load %s", ("/a/torchao/_C_x.so",), None)
+    assert noise.filter(line) == torch.cuda.is_available()
+    other = logging.LogRecord("torchao", logging.WARNING, "x", 1, "Failed to load /a/elsewhere.so", None, None)
+    assert noise.filter(other)

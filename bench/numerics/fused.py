@@ -190,6 +190,10 @@ class Specialisation:
     def _compile(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Callable:
         """`_compiled_graph`, its seconds counted (`compile_seconds`)."""
         global _compile_s
+        if not _compile_s:  # the first graph: a run that seems to hang for a minute says why
+            logger.info("compiling the fused quantisers for this run's shapes (inductor: a minute or more on 2 cores "
+                        "the first time on a machine, seconds once its cache holds them; PRECISION_BENCH_FUSED=0 "
+                        "runs them eagerly)")
         start = time.perf_counter()
         try:
             return self._compiled_graph(tensors, args, kwargs)

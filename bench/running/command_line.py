@@ -64,7 +64,8 @@ def _near_key(cfg: DictConfig, key: str) -> str:
 
 
 def check_command_line(args: list[str]) -> None:
-    """Raise ConfigError for an option no config group has, or a key (without `+`) the config does not have."""
+    """Raise ConfigError for an option no config group has, or a key (without `+`) the config does not have: every
+    such value of the command line in one message (a sweep's two typos, named at once)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -73,7 +74,7 @@ def check_command_line(args: list[str]) -> None:
     except Exception:  # a syntax error: Hydra says where
         return
     paths = _search_path(overrides)
-    keys, groups = [], []
+    keys, groups, refused = [], [], []
     for o in overrides:
         key = o.key_or_group
         if key.startswith("hydra") or o.is_delete():
@@ -83,14 +84,14 @@ def check_command_line(args: list[str]) -> None:
             for value in values or []:
                 check_results_dir("" if value == "None" else value)
         if options is not None:
-            for value in values or []:
-                if value not in options:
-                    raise ConfigError(f"{key}={value} is not an option; valid: {', '.join(options)}"
-                                      f"{suggestion(value, options)}")
+            refused += [f"{key}={value} is not an option; valid: {', '.join(options)}{suggestion(value, options)}"
+                        for value in values or [] if value not in options]
             if values:
                 groups.append(f"{key}={values[0]}")
         elif not (o.is_add() or o.is_force_add()):
             keys.append(key)  # `+key=value` adds past the schema: config.check names it (unknown_keys)
+    if refused:
+        raise ConfigError("; ".join(refused))
     if not keys:
         return
     searchpath = [a for a in args if a.startswith("hydra.searchpath=")]
@@ -101,10 +102,8 @@ def check_command_line(args: list[str]) -> None:
             if (translated := composition_error(e)) is None:
                 raise
             raise translated from None
-    for key in keys:
-        if not _has_key(cfg, key):
-            raise ConfigError(f"unknown config key {key}{_near_key(cfg, key)}; every key is documented in "
-                              "conf/README.md")
+    if unknown := [f"unknown config key {key}{_near_key(cfg, key)}" for key in keys if not _has_key(cfg, key)]:
+        raise ConfigError(f"{'; '.join(unknown)}; every key is documented in conf/README.md")
 
 
 def composition_error(error: Exception) -> ConfigError | None:

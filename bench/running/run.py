@@ -413,8 +413,10 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
 
 
 def _log_outcome(cfg: DictConfig, record: dict) -> None:
-    """A cell's outcome in the log, each of a sweep's cells on its line: status, scalar metrics (the curve is in the
-    record), and where the record is."""
+    """A sweep's cell's outcome in the log, each on its line: status, scalar metrics (the curve is in the record), and
+    where the record is. A single run prints its one line instead (`main`), which the log would say again."""
+    if not _in_multirun():
+        return
     log.info("%s: %s %s; record: %s", cfg.cell, record["status"], record["reason"] or {
         k: v for k, v in record["metrics"].items() if not isinstance(v, (list, dict))},
         Path(cfg.results_dir) / cfg.cell / "result.json")

@@ -150,10 +150,12 @@ class CheckingSweeper(BasicSweeper):
             del cfg["hydra"]
         return cfg
 
-    def _check_batch(self, cells: Sequence[Sequence[str]], places: dict) -> list[Sequence[str]]:
+    def _check_batch(self, cells: Sequence[Sequence[str]], places: dict, refused: dict) -> list[Sequence[str]]:
         """Compose each cell once: run the runner's own checks (`preflight`: every check that can refuse a cell, the
-        scaling method's rules for the model's layers included), and drop cells already recorded. A bad cell exits 2.
-        `places`: each cell's place so far, shared by every batch (two configurations at one place are refused)."""
+        scaling method's rules for the model's layers included), and drop cells already recorded. `places`: each
+        cell's place so far, shared by every batch (two configurations at one place are refused); `refused`: each
+        refusal's message, with the cells it refused (every cell is checked, so that a command with two bad values
+        names both before it exits 2)."""
         from bench.running.run import finished_record, preflight  # the runner's own checks, nothing re-implemented
 
         batch = []
@@ -167,8 +169,8 @@ class CheckingSweeper(BasicSweeper):
                                       f"({cfg.cell}) with another configuration")
                 done = finished_record(cfg)
             except ConfigError as e:
-                print(f"config error in cell [{' '.join(overrides)}]: {e}", file=sys.stderr)
-                sys.exit(2)
+                refused.setdefault(str(e), []).append(overrides)
+                continue
             self.run_dirs.setdefault(cfg.cell, Path(cfg.results_dir) / cfg.cell)
             if places[cfg.cell][1] is not overrides:
                 log.info("skipped [%s]: the same configuration as [%s]", " ".join(overrides),
@@ -191,8 +193,14 @@ class CheckingSweeper(BasicSweeper):
 
         params = [*self._parse_config(), *arguments]
         overrides = OverridesParser.create(config_loader=self.hydra_context.config_loader).parse_overrides(params)
-        places: dict = {}
-        batches = [self._check_batch(cells, places) for cells in self.split_arguments(overrides, self.max_batch_size)]
+        places, refused = {}, {}
+        batches = [self._check_batch(cells, places, refused)
+                   for cells in self.split_arguments(overrides, self.max_batch_size)]
+        for message, cells in refused.items():
+            more = f" (and {len(cells) - 1} more cells)" if len(cells) > 1 else ""
+            print(f"config error in cell [{' '.join(cells[0])}]{more}: {message}", file=sys.stderr)
+        if refused:
+            sys.exit(2)
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
