@@ -635,3 +635,21 @@ def test_bench_predict_gathers_a_cells_converted_weights_in_fp8_where_it_asks():
 
     plain, gathered = received(), received("parallel.fp8_all_gather=true")
     assert gathered["all_gather"] < 0.5 * plain["all_gather"] and gathered["reduce_scatter"] == plain["reduce_scatter"]
+
+
+def test_a_rank_that_refuses_the_cell_while_building_it_exits_2_as_a_one_device_cell_does(tmp_path):
+    """A ConfigError a rank raises building the cell (here the text's sha256; a newcomer met a failed download,
+    2026-11-30) was a failed job: rc 1 and a record. Now it is the ConfigError it was: exit 2, nothing written."""
+    import subprocess
+    import sys
+
+    text = tmp_path / "other.txt"
+    text.write_text("not the expected text\n" * 200)
+    results = tmp_path / "results"
+    said = subprocess.run([sys.executable, "-m", "bench.run", "model=charlm", "parallel=ddp", "parallel.world_size=2",
+                           "model.data.source=local", f"model.data.path={text}", "train.max_steps=2",
+                           f"results_dir={results}"], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert said.returncode == 2, said.stderr[-2000:]
+    assert f"config error: {text}: sha256" in said.stderr and "set model.data.sha256=null" in said.stderr
+    assert not [p for p in results.rglob("*") if p.is_file()]

@@ -169,6 +169,8 @@ def launch(cfg: DictConfig, config: dict, train_rank) -> dict:
     try:
         results = elastic_launch(job, rank)(OmegaConf.to_yaml(cfg, resolve=True), config, train_rank, launched_from)
     except ChildFailedError as e:
+        if (refusal := _refusal(e)) is not None:
+            raise ConfigError(refusal) from None
         raise JobFailed(failure_summary(e, cfg.parallel.world_size), e.get_first_failure()[0]) from None
     except SignalException as e:  # the launcher passed it to the ranks, which saved a checkpoint at a step boundary
         if e.sigval == signal.SIGINT:
@@ -189,6 +191,15 @@ def oversubscribed(cfg: DictConfig, cores: int | None = None) -> str | None:
         return None
     return (f"parallel.world_size={cfg.parallel.world_size} ranks of threads={cfg.threads or 1} want {wanted} cores; "
             f"this machine gives {cores}: the ranks share cores (slower; step times of shared cores)")
+
+
+def _refusal(error) -> str | None:
+    """The ConfigError a rank refused the cell with (RankRefused, the last line of its error file), or None."""
+    _, failure = error.get_first_failure()
+    message = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")
+    said = f"{RankRefused.__name__}: "  # as the error file names it (with its module or without)
+    return next((line.split(said, 1)[1].strip() for line in reversed(str(message).splitlines()) if said in line),
+                None)
 
 
 def failure_summary(error, world_size: int) -> str:
@@ -249,7 +260,10 @@ def rank(cfg_yaml: str, config: dict, train_rank, launched_from: Launcher) -> di
     """One rank of a cell's job started by the elastic launcher (`_train_rank`); a failed record makes the rank exit
     non-zero, so that the launcher stops a rank that may wait on this one."""
     launched_from.apply()
-    outcome = _train_rank(cfg_yaml, config, train_rank)
+    try:
+        outcome = _train_rank(cfg_yaml, config, train_rank)
+    except ConfigError as e:  # found while building the cell (its data, say): the launcher's error file carries it
+        raise RankRefused(str(e)) from None
     if outcome["status"] == "failed":
         if any(words in outcome["reason"] for words in LOST_PEER):
             time.sleep(LOST_PEER_GRACE_S)
@@ -265,6 +279,11 @@ LOST_PEER_GRACE_S = 1.0  # ten of the launcher's checks (monitor_interval 0.1 s)
 
 class RankFailed(Exception):
     """A rank's training failed (its record says why; rank 0 has written it)."""
+
+
+class RankRefused(Exception):
+    """A rank refused the cell while building it (a ConfigError: no record); `launch` says it as the ConfigError it
+    was, so a distributed cell's setup problem exits 2 as a one-device cell's does."""
 
 
 def slurm_tasks() -> int:
