@@ -1,6 +1,7 @@
 """Docs are code: every path, make target and `python -m` module the README, docs/ and the config and results
 references name exists, every relative link resolves, and the README stays short enough to stay true."""
 
+import functools
 import importlib.util
 import re
 from pathlib import Path
@@ -128,3 +129,22 @@ def test_the_readme_names_every_option_of_every_config_group():
     missing = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml") if p.stem not in listed.get(g, set()))
                for g in groups}
     assert set(groups) <= set(listed) and not any(missing.values()), (listed.keys(), missing)
+
+
+def test_every_key_of_a_fresh_record_is_named_in_the_record_schema(tmp_path):
+    """results/README.md names each key a run writes, down to env's, env.precision's, env.compile's, timing's and
+    numerics' own (a newcomer found `predicted_by`, `env.precision.accumulation` and
+    `env.compile.recompile_limit_hit_by` in a record and nowhere in the schema, 2026-11-30)."""
+    from hydra import compose, initialize_config_dir
+
+    from bench.running.run import run_cell
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"results_dir={tmp_path}", "train.max_steps=2", "format=fp8"])
+    record = run_cell(cfg)
+    text = (ROOT / "results" / "README.md").read_text()
+    named = {word for quoted in re.findall(r"`([^`]*)`", text) for word in re.findall(r"\w+", quoted)}
+    nested = ("env", "env.precision", "env.compile", "timing", "numerics", "memory")
+    keys = [*record, *(f"{where}.{key}" for where in nested
+                       for key in functools.reduce(lambda d, k: d[k], where.split("."), record))]
+    assert [key for key in keys if key.rsplit(".", 1)[-1] not in named] == []
