@@ -361,6 +361,19 @@ def test_e5m2_is_torchs_cast_eagerly_and_arithmetic_in_a_graph(monkeypatch, insi
     assert (torch.float8_e5m2 in dtypes) is not inside_a_graph, dtypes
 
 
+def test_copysign_in_a_graph_is_torchs_copysign_bit_for_bit_nans_signs_included():
+    """In a graph the roundings take a magnitude's sign from x by bit operations (`formats._with_sign_of`: inductor's
+    CPU code calls copysign out of line); every pair of special values, NaNs of either sign and payload included,
+    gets torch's copysign's bits (the fused tests' comparisons let a NaN's payload and sign go)."""
+    specials = torch.tensor([0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x3F800000, 0xBF800000, 0x7F7FFFFF,
+                             0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7FC12345, 0xFFFFFFFF],
+                            dtype=torch.int64).to(torch.int32).view(torch.float32)
+    magnitude, x = (t.reshape(-1).contiguous() for t in torch.meshgrid(specials, specials, indexing="ij"))
+    compiled = torch.compile(lambda m, s: formats._with_sign_of(m.clone(), s), fullgraph=True, dynamic=False)
+    assert torch.equal(_bits(compiled(magnitude, x)), _bits(torch.copysign(magnitude, x)))
+    assert torch.equal(_bits(formats._with_sign_of(magnitude.clone(), x)), _bits(torch.copysign(magnitude, x)))
+
+
 def test_a_16_bit_input_is_compiled_as_fp32_and_returned_in_its_own_dtype():
     """Inductor's code for a BF16 tensor cast to FP8 and back ran 2x slower than the eager casts (LeNet's autocast
     activations): the compiled graph sees FP32, the caller gets its dtype back, bit for bit the eager result."""

@@ -183,7 +183,17 @@ def round_unbounded(x: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
         return _round_mantissa_bits(x, spec.man_bits)
     if _rounds_by_cast(spec, x.device):
         return x.to(spec.torch_dtype).to(torch.float32)
-    return _round_on_grid(x.abs(), spec, top_exponent=spec.emax + 1).copysign_(x)
+    return _with_sign_of(_round_on_grid(x.abs(), spec, top_exponent=spec.emax + 1), x)
+
+
+def _with_sign_of(magnitude: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """copysign(magnitude, x) of FP32 tensors, magnitude a temporary of the caller's (eagerly changed in place). In a
+    graph, as the bit operation copysign is (magnitude's bits but the sign, x's sign bit): inductor's CPU code calls
+    Sleef's copysign out of line for every 16 values, spilling registers around the call, and the bit operation cut
+    11-16% of a fused block quantiser's time in the caches (docs/performance.md). The same bits, NaNs' included."""
+    if not in_graph():
+        return magnitude.copysign_(x)
+    return ((magnitude.view(torch.int32) & 0x7FFFFFFF) | (x.view(torch.int32) & -0x80000000)).view(torch.float32)
 
 
 def _rounds_by_cast(spec: ElementFormat, device: torch.device) -> bool:
@@ -252,7 +262,7 @@ def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | No
     x32 = x.to(torch.float32)
     if policy == "saturate" and not _overflows_to_inf(spec, x.device):  # the arithmetic path, saturating
         # clamping |x| to max (on the grid) first is the same as rounding, then clamping; it saves passes
-        r = _round_on_grid(x32.abs().clamp_(max=spec.max), spec, top_exponent=None).copysign_(x32)
+        r = _with_sign_of(_round_on_grid(x32.abs().clamp_(max=spec.max), spec, top_exponent=None), x32)
     else:
         r = round_unbounded(x32, spec)
         if policy == "saturate":
@@ -356,7 +366,7 @@ def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, po
         rounded = torch.where(overflowed, math.inf, rounded)
     else:  # nan: finite overflow becomes NaN; an infinite input of a format with inf stays infinite
         rounded = torch.where(x32.isinf() & spec.has_inf, math.inf, torch.where(overflowed, math.nan, rounded))
-    rounded = rounded.copysign(x32)
+    rounded = _with_sign_of(rounded, x32)
     return _finish(rounded, spec, ftz).to(x.dtype)
 
 
