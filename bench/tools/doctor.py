@@ -123,7 +123,8 @@ def preset_rows() -> list[list[str]]:
             if model.data.source == "download":  # a text file fetched from model.data.url (bench/tasks/charlm.py)
                 state = (f"cached: {text_cache(model.data)}" if text_cache(model.data).is_file() else
                          f"not cached: downloads {model.data.url} on its first run (without internet: "
-                         "model.data.source=local model.data.path=...)")
+                         "model.data.source=local model.data.path=... a copy of it; other text also "
+                         "model.data.sha256=null)")
             rows.append([preset or "default (make sweep)", state])
     return rows
 
