@@ -299,10 +299,12 @@ def unique(records: list[dict]) -> list[dict]:
     return [r for r, _ in _first_of_each_run(records)]
 
 
-def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None) -> pd.DataFrame:
+def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None,
+             usual_from: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per record (the first of several with the same run_id on the same device), with the speed model's
     prediction on each of `gpus` (default: DEFAULT_GPUS; bench/reporting/recorded_predictions.py), its quality curve
-    and the steps it took to reach its target (bench/reporting/quality.py).
+    and the steps it took to reach its target (bench/reporting/quality.py); its variant read against `usual_from`'s
+    runs where given (`variants`).
 
     The device is part of what a run is here: the same config run on a CPU and on an H100 (or on two GPU types
     of one cluster) makes two cells, labelled `device_name=...`, each paired with its own device's FP32, since their
@@ -371,7 +373,7 @@ def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None) -> pd.Dat
         return frame
     frame["setting"] = pd.Categorical(frame["setting"], settings_in_order(), ordered=True)  # the registry's order
     frame["scaling"] = pd.Categorical(frame["scaling"], scaling_order(frame["scaling"]), ordered=True)
-    frame["variant"] = variants(frame)
+    frame["variant"] = variants(frame, usual_from)
     frame["stalled"] = _stalled(frame)
     frame = frame.join(targets(frame))
     frame.attrs["gpus"] = [g.name for g in gpus]

@@ -139,11 +139,10 @@ def main(argv: list[str] | None = None, api=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    frame = aggregate.to_frame(records)
+    frame = aggregate.to_frame(records, usual_from=_committed_runs(args.against))
     if frame.empty:
         print(f"config error: no valid records in {args.mine}", file=sys.stderr)
         return 2
-    frame["variant"] = aggregate.variants(frame, usual_from=_committed_runs(args.against))
     directions = {r["config"]["model"]["name"]: task_spec(r["config"]["model"]).get("higher_is_better", True)
                   for r in records}
     reference = reference_name(args.against)
