@@ -193,13 +193,17 @@ def oversubscribed(cfg: DictConfig, cores: int | None = None) -> str | None:
             f"this machine gives {cores}: the ranks share cores (slower; step times of shared cores)")
 
 
+def _error_lines(failure) -> list[str]:
+    """The lines of the error file a failed rank's `record` wrote (none after a signal)."""
+    message = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")
+    return str(message).splitlines()
+
+
 def _refusal(error) -> str | None:
     """The ConfigError a rank refused the cell with (RankRefused, the last line of its error file), or None."""
-    _, failure = error.get_first_failure()
-    message = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")
     said = f"{RankRefused.__name__}: "  # as the error file names it (with its module or without)
-    return next((line.split(said, 1)[1].strip() for line in reversed(str(message).splitlines()) if said in line),
-                None)
+    return next((line.split(said, 1)[1].strip() for line in reversed(_error_lines(error.get_first_failure()[1]))
+                 if said in line), None)
 
 
 def failure_summary(error, world_size: int) -> str:
@@ -208,9 +212,8 @@ def failure_summary(error, world_size: int) -> str:
     first, failure = error.get_first_failure()
     how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
     said = ""
-    if failure.exitcode > 0:  # its error's last line, from the error file `record` writes (none after a signal)
-        message = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")
-        last = next((line.strip() for line in reversed(str(message).splitlines()) if line.strip()), "")
+    if failure.exitcode > 0:  # its error's last line
+        last = next((line.strip() for line in reversed(_error_lines(failure)) if line.strip()), "")
         if "timed out" in last.lower() or "timeout" in last.lower():
             last = f"a collective timed out (after {collective_timeout().total_seconds():g} s): {last}"
         said = f": {last}" if last and not last.startswith("To enable traceback") else ""
