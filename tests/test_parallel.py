@@ -652,4 +652,5 @@ def test_a_rank_that_refuses_the_cell_while_building_it_exits_2_as_a_one_device_
                           capture_output=True, text=True, timeout=300)
     assert said.returncode == 2, said.stderr[-2000:]
     assert f"config error: {text}: sha256" in said.stderr and "set model.data.sha256=null" in said.stderr
+    assert "Traceback" not in said.stderr and said.stderr.count("sha256") <= 2, said.stderr  # said once, in its words
     assert not [p for p in results.rglob("*") if p.is_file()]

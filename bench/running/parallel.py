@@ -289,6 +289,17 @@ class RankRefused(Exception):
     was, so a distributed cell's setup problem exits 2 as a one-device cell's does."""
 
 
+class _RefusalSaidOnce(logging.Filter):
+    """Drops the traceback torch's elastic launcher logs for a rank that refused the cell (RankRefused, some forty
+    lines): `launch` says the refusal, in one line. A rank that failed otherwise keeps its traceback there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and f"{RankRefused.__name__}: " in str(record.exc_info[1]))
+
+
+logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_RefusalSaidOnce())
+
+
 def slurm_tasks() -> int:
     """The tasks of this SLURM job (submitit's tasks_per_node x nodes): each one rank of a distributed cell, where
     there are more than one; 1 outside SLURM (the cell then launches its ranks itself)."""
