@@ -15,6 +15,10 @@ EXPERIMENT ?=
 ARGS    ?=
 LAUNCHER ?= parallel
 PY      := $(VENV)/bin/python
+# PY given on the command line would have every target install into it (setup's pip, as root, into a system Python)
+ifeq ($(origin PY),command line)
+$(error PY is the environment's own interpreter ($$(VENV)/bin/python), not a setting: choose VENV=<dir> (the virtual environment) or PYTHON=<interpreter> (the one that creates it))
+endif
 STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
 .PHONY: help setup test test-slow test-xla test-cluster sweep tables compare committed-tables default-tables raschka-memory bench predict speed-validation gpu-report dashboard prepare sync chaos doctor clean
@@ -22,7 +26,8 @@ STAMP   := $(VENV)/.installed-torch-$(TORCH)
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
-	@echo "  variables: TORCH=$(TORCH) RESULTS=$(RESULTS) TABLES=$(TABLES) SEEDS=$(SEEDS) FORMATS=$(FORMATS)"
+	@echo "  variables: PYTHON=$(PYTHON) VENV=$(VENV) (the interpreter that makes the environment, and its directory)"
+	@echo "             TORCH=$(TORCH) RESULTS=$(RESULTS) TABLES=$(TABLES) SEEDS=$(SEEDS) FORMATS=$(FORMATS)"
 	@echo "             SCALINGS=$(SCALINGS) EXPERIMENT=$(EXPERIMENT) (a conf/experiment/ preset: smoke,"
 	@echo "             raschka_distilbert_imdb, unit_scaling_squad, mindspore_lenet, nanogpt_shakespeare_char_cpu,"
 	@echo "             unit_scaling_charlm, unit_scaling_charlm_lr, umup_lr_transfer, umup_fp8, block_formats,"

@@ -109,3 +109,11 @@ def test_a_native_path_refused_while_converting_is_a_setup_error(tmp_path):
     assert not list(tmp_path.rglob("*.json*")) and not list((tmp_path / "runs").rglob("*"))
 
 
+
+
+def test_make_refuses_a_python_given_as_py_naming_venv_and_python():
+    """`make test PY=python3` had every target install into that interpreter (setup's pip into a system Python, a
+    newcomer's trial, 2026-11-30): PY is the environment's own, and make now says which settings choose it."""
+    said = subprocess.run(["make", "help", "PY=python3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert said.returncode == 2 and not said.stdout, said.stdout + said.stderr
+    assert "choose VENV=<dir>" in said.stderr and "PYTHON=<interpreter>" in said.stderr, said.stderr
