@@ -349,6 +349,7 @@ def test_a_killed_rank_fails_its_cell_with_a_summary_stops_the_other_ranks_and_t
     found = [json.loads(p.read_text()) for p in pids.parent.rglob("result.json")]
     by_steps = {r["config"]["train"]["max_steps"]: r for r in found}
     assert sorted(by_steps) == [6, 400], sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    assert "USDT" not in sweep.stdout + sweep.stderr  # kineto's trace points, from the ranks' profiled step
     assert by_steps[400]["status"] == "failed" and by_steps[6]["status"] == "ok"
     assert by_steps[400]["reason"].startswith(f"JobFailed: rank 1 of 2 (pid {pids.read_text()}) was killed by SIGKILL; "
                                               "the launcher stopped the other ranks")

@@ -433,6 +433,9 @@ class CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+KINETO_QUIET = 6  # past its highest severity (libkineto's Logger: VERBOSE 0 ... ERROR 4, USDT 5)
+
+
 class CollectiveTime:
     """The time one step's collectives took, as torch's profiler sees them: gloo's work on its own threads (on CPU), or
     NCCL's kernels on the GPU, by the backend's event name, beside the step's wall time. Where the wrapper overlaps
@@ -444,6 +447,9 @@ class CollectiveTime:
     def __init__(self, device: torch.device):
         from torch.profiler import ProfilerActivity, profile
 
+        # kineto, the profiler's library, prints its profiler_start and profiler_stop trace points ("USDT:" lines)
+        # on every rank unless told its own log level (it reads it when first started); set one, to see them
+        os.environ.setdefault("KINETO_LOG_LEVEL", str(KINETO_QUIET))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self._profile, self.device = profile(activities=activities), device
         self.measured: dict | None = None
