@@ -189,3 +189,19 @@ def test_the_speed_model_prices_the_optimiser_step_by_the_bytes_its_moments_and_
     assert _optimizer_bytes_per_element(kahan, 4.0) * traffic == pytest.approx(3 * params * 2 + moments * 4
                                                                                + 2 * params * 2)
     assert int8_s < kahan_s < fp32_s
+
+
+def test_under_fsdp2_a_record_counts_the_shards_as_the_run_stores_them(make_cfg, text_file):
+    """FSDP2's parameters, gradients and optimiser states are DTensors: each rank's shard, counted as the run holds it
+    (int8 states' codes and scales, BF16 master weights' two bytes), not at the DTensor's FP32 (a newcomer's trial,
+    2026-11-30: FSDP2 with int8 states and BF16 master weights was recorded as FP32's bytes). One rank's shard is
+    the whole tensor, so its counts are the one-device cell's."""
+    settings = ("model.optimizer.state_format=int8", "train.master_weights=bf16")
+    one, sharded = (run_cell(_charlm(make_cfg, text_file, *settings, *wrapper, f"experiment_name={name}"))
+                    for name, wrapper in (("one", ()), ("fsdp2", ("parallel=fsdp2", "parallel.world_size=1"))))
+    assert one["status"] == sharded["status"] == "ok", (one["reason"], sharded["reason"])
+    assert sharded["config"]["parallel"]["name"] == "fsdp2"
+    counted = ("parameters", "gradients", "optimizer_state")
+    assert {k: sharded["memory"]["step"][k] for k in counted} == {k: one["memory"]["step"][k] for k in counted}
+    step = one["memory"]["step"]  # two int8 moments a BF16 parameter, not FP32's eight bytes (scales aside)
+    assert step["optimizer_state"] < 1.5 * step["parameters"]

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from bench.numerics.formats import FORMATS, quantise_value
 
@@ -63,6 +64,18 @@ def _state_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
         return None
     names, _ = t.__tensor_flatten__()
     return [part for part in (getattr(t, name) for name in names) if torch.is_tensor(part)]  # a DTensor's: its shard
+
+
+def _held_bytes(t: torch.Tensor, stored_format=None) -> float:
+    """The bytes a parameter, gradient or optimiser state holds: FSDP2's DTensor, this rank's shard as the run holds
+    it; a low-bit state, its parts; a floating tensor in `stored_format` where given (its values stand for that)."""
+    if isinstance(t, DTensor):
+        return _held_bytes(t.to_local(), stored_format)
+    if (parts := _state_parts(t)) is not None:
+        return sum(p.numel() * p.element_size() for p in parts)
+    if stored_format is not None and t.is_floating_point() and t.dim() > 0:
+        return t.numel() * stored_format.storage_bytes
+    return t.numel() * t.element_size()
 
 
 def _own_bytes(t: torch.Tensor) -> int:
@@ -155,15 +168,7 @@ class StepMemory:
     def _stored(self, tensors, stored_format=None) -> float:
         """Bytes of parameters, gradients or optimiser state as the run stores them (`stored_format`: the type
         floating-point tensors are held in, where not their own)."""
-        total = 0.0
-        for t in tensors:
-            if (parts := _state_parts(t)) is not None:
-                total += sum(p.numel() * p.element_size() for p in parts)
-            elif stored_format is not None and t.is_floating_point() and t.dim() > 0:
-                total += t.numel() * stored_format.storage_bytes
-            else:
-                total += t.numel() * t.element_size()
-        return total
+        return sum(_held_bytes(t, stored_format) for t in tensors)
 
     def finish(self, optimizer: torch.optim.Optimizer) -> dict:
         params = list(self.model.parameters())
