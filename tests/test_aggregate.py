@@ -583,3 +583,19 @@ def test_a_model_whose_module_is_not_importable_here_is_described_generically_wi
     model["task"]["describe"] = "bench.tasks.base.no_such_function"
     assert describe(model) == ("digits", "mlp (digits)")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+def test_a_variants_integer_stays_an_integer_where_another_run_leaves_the_key_unset():
+    """A key one run leaves unset made its column a float's: `parallel.world_size=2.0`, `train.max_steps=50.0` in
+    a newcomer's tables and plot names (2026-11-30)."""
+    import copy
+    import gzip
+
+    folder = Path(__file__).resolve().parents[1] / "results" / "tables" / "default"
+    record = json.loads(next(iter(gzip.open(folder / "records.jsonl.gz", "rt"))))
+    runs = []
+    for steps in (None, 50):
+        run = copy.deepcopy(record)
+        run["config"]["train"]["max_steps"], run["run_id"] = steps, f"{record['run_id']}-{steps}"
+        runs.append(run)
+    assert sorted(to_frame(runs)["variant"]) == ["train.max_steps=50", "train.max_steps=null"]

@@ -152,6 +152,33 @@ def test_a_full_run_pairs_with_its_committed_cell_whatever_shorter_runs_sit_besi
     assert "| lenet (digits) | bf16-mixed | dynamic" in out
 
 
+def test_a_full_run_pairs_beside_shorter_runs_of_the_same_cell_which_are_labelled_by_their_length(tmp_path, capsys):
+    """A second newcomer (2026-11-30): a 50-step run of the very cell a full run was, in the same folder. The
+    committed runs leave train.max_steps out (null), so it was not compared: all three runs were the usual cell,
+    their steps' median 425, and the full run paired with nothing. A key the committed runs lack is compared where a
+    run's command line set it (its cell's place names it)."""
+    import copy
+    from pathlib import Path
+
+    from bench.running.record import write_json_atomic
+
+    folder = Path(__file__).resolve().parents[1] / "results" / "tables" / "default"
+    full = next(r for r in _committed_records("default") if (r["config"]["format"]["name"], r["config"]["scaling"][
+        "name"], r["config"]["seed"]) == ("bf16", "dynamic", 1))
+    mine = tmp_path / "mine"
+    write_json_atomic(mine / "full" / "result.json", full)
+    for steps in (50, 1):
+        short = copy.deepcopy(full)
+        short["config"]["train"]["max_steps"], short["timing"]["steps"] = steps, steps
+        short["config"]["cell"] += f",train.max_steps={steps}"
+        short["run_id"] += f"-{steps}"
+        write_json_atomic(mine / f"short{steps}" / "result.json", short)
+    assert compare([str(mine), "--against", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "1 cells paired: 1 within" in out, out
+    assert "| lenet (digits) | bf16-mixed | dynamic" in out
+
+
 def test_a_folders_own_records_pair_with_its_tables_cell_for_cell_whatever_order_their_variants_name_keys(capsys):
     """Variants of two or more keys (`parallel.name=ddp, parallel.gradient_compression=bf16`): read against the
     committed runs, the keys come in the order of those runs as the comparison holds them, which need not be that of

@@ -42,6 +42,7 @@ from bench.running.identity import (
     SPELLINGS_OF_NULL,
     comparison_ids,
     config_hash,
+    overridden_keys,
     semantic_config,
     spells_null,
 )
@@ -134,18 +135,24 @@ def variants(frame: pd.DataFrame, usual_from: pd.DataFrame | None = None) -> pd.
 
     usual_from: other runs (a committed folder's, for bench.compare) whose usual values a group of frame's runs is
     read against where they have that group, so that a run is labelled as those runs' tables label theirs whatever
-    else sits beside it; keys those runs lack (added since) and the device are not compared then.
+    else sits beside it; the device is not compared then, nor a key those runs lack (null in them, or added since)
+    unless a run's command line set it (its cell names it: `identity.overridden_keys`).
     """
     labels = pd.Series("", index=frame.index)
     for keys, part in frame.groupby(["experiment", "model_label"], sort=False):
         for within, group in [((), part), *(((s, c), g) for (s, c), g in
                                             part.groupby(["setting", "scaling"], observed=True, sort=False))]:
             reference = _same_group(usual_from, (*keys, *within)) if usual_from is not None else None
-            per_run = pd.DataFrame(list(frame["settings"][group.index]), index=group.index)
+            per_run = pd.DataFrame(list(frame["settings"][group.index]), index=group.index, dtype=object)
             if reference is None:
                 usual_of = per_run
             else:
-                usual_of = pd.DataFrame(list(reference["settings"]), index=reference.index)
+                usual_of = pd.DataFrame(list(reference["settings"]), index=reference.index, dtype=object)
+                # a key the reference runs lack is null in all of them (a run's identity leaves null out), or newer
+                # than they are: compared where a run's command line set it (train.max_steps=50 beside full runs)
+                named = [c for c in per_run.columns if c not in usual_of.columns and c != "device_name"
+                         and frame.loc[group.index, "cell"].map(lambda cell: c in overridden_keys(cell)).any()]
+                usual_of = usual_of.reindex(columns=[*usual_of.columns, *named])
                 per_run = per_run.reindex(columns=[c for c in usual_of.columns if c != "device_name"])
             compares_format_and_scaling = bool(within)  # those keys only among runs of one setting/scaling
             own = [c for c in per_run.columns if c not in LABELLED
@@ -357,7 +364,8 @@ def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None,
             "final_loss_scale": _number(numerics.get("final_loss_scale")),
             "loss_scale_history": (numerics.get("loss_scale") or {}).get("history"),
             "loss_scaling": numerics.get("loss_scaling"),
-            "dir": r.get("_dir"), "losses": r.get("_losses") or [], "learning": learning_of(r),
+            "dir": r.get("_dir"), "cell": cfg.get("cell") or "",  # its place: the keys its command line set
+            "losses": r.get("_losses") or [], "learning": learning_of(r),
             # a record made before records held their quality curve has none: no steps to target are read off it
             "curve": (metrics.get("curve") or {}).get("points") or [],
             "predicted": predicted(r, gpus),

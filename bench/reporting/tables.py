@@ -279,7 +279,7 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
     """Every generic table and the one the preset declares (if its cells are there), each as Markdown, LaTeX and CSV,
     with runs.csv and cells.csv; returns each table's Markdown."""
     directory.mkdir(parents=True, exist_ok=True)
-    runs.drop(columns=["loss_scale_history", "losses", "settings", "learning"]).to_csv(
+    runs.drop(columns=["loss_scale_history", "losses", "settings", "learning", "cell"]).to_csv(
         directory / "runs.csv", index=False)
     cells.drop(columns="settings").to_csv(directory / "cells.csv", index=False)
     declared = declared_table_of(cells)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -156,6 +157,13 @@ def cell_path(cfg: DictConfig, choices: dict | None = None, overrides: Sequence[
     if len(text) > OVERRIDES_MAX:
         text = ",".join(sorted(overridden)) + ",hash=" + hashlib.sha256(text.encode()).hexdigest()[:8]
     return f"{path},{text}"
+
+
+def overridden_keys(cell: str) -> set[str]:
+    """The keys a cell's place names after its seed (`cell_path`: each `key=value`, or past OVERRIDES_MAX the keys
+    alone): what its command line set, and the ALWAYS_IN_PATH keys it sets."""
+    _, _, named = cell.rpartition("/")[2].partition(",")
+    return set(re.findall(r"(?:^|,)([A-Za-z_][\w.]*)(?=[=,]|$)", named)) - {"hash"}
 
 
 # Numeric choices outside the format: like the format and the scaling method, columns of a design, not designs
