@@ -94,7 +94,9 @@ def check(cfg: DictConfig) -> None:
         return
     if p.name not in WRAPPERS:
         raise ConfigError(f"parallel={p.name!r} is not valid; valid: {', '.join(WRAPPERS)}")
-    if p.world_size < 1 or (p.name == "none" and p.world_size != 1):
+    if p.world_size < 1:
+        raise ConfigError(f"parallel.world_size={p.world_size}: a job has one rank or more (valid: 1, 2, ...)")
+    if p.name == "none" and p.world_size != 1:
         raise ConfigError(f"parallel.world_size={p.world_size}: parallel=none trains on one device (world_size 1); "
                           "parallel=ddp or parallel=fsdp2 for more")
     for key in ("param_dtype", "reduce_dtype"):
@@ -121,6 +123,11 @@ def check(cfg: DictConfig) -> None:
                               f"scaling={cfg.scaling.name})")
     if p.name == "none":
         return
+    batch = cfg.model.get("batch_size")
+    if isinstance(batch, int) and batch % p.world_size:  # a rank's share short or empty: its mean weighs as much
+        raise ConfigError(f"parallel.world_size={p.world_size} does not split model.batch_size={batch} into equal "
+                          "shares, so the ranks' averaged losses and gradients would not be the whole batch's; valid "
+                          f"world sizes for it: {', '.join(str(n) for n in range(1, batch + 1) if batch % n == 0)}")
     if cfg.device == "xla":
         raise ConfigError(f"parallel={p.name} does not run with device=xla yet (#54); a distributed cell runs on CPU "
                           "or CUDA")
