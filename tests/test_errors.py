@@ -29,6 +29,7 @@ def _run(module: str, *args, cwd: Path, env: dict | None = None) -> subprocess.C
     (["-m", "format=tf32,fp8,fp32", "format.backend=native", "device=cpu", "seed=0,1"],
      "seed=0 results_dir={runs}] (and 1 more cells): format.backend=native but fp8 has no native path on cpu"),
     (["scaling=unti"], "(did you mean unit?)"),
+    (["seed=-1"], "seed=-1: a seed is a whole number from 0 to 2**32 - 1"),  # trained, failed and was recorded
     (["train.max_stesp=5"], "unknown config key train.max_stesp (did you mean train.max_steps?)"),
     (["model.optimizer.lrr=1"], "(did you mean model.optimizer.lr?)"),
     (["+train.max_stesp=5"], "unknown config key: train.max_stesp (did you mean train.max_steps?)"),

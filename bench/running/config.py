@@ -342,6 +342,8 @@ def check(cfg: DictConfig) -> None:
                           "already stores the parameters in its own type; master weights apply where they are FP32 "
                           "(the mixed formats, fp32; valid here: fp32)")
     check_choice(cfg.logger.name, LOGGERS, "logger")
+    if not (isinstance(cfg.seed, int) and 0 <= cfg.seed < 2**32):  # torch.manual_seed's range
+        raise ConfigError(f"seed={cfg.seed}: a seed is a whole number from 0 to 2**32 - 1 (e.g. seed=0,1,2)")
     if not (cfg.train.loss_multiplier > 0 and math.isfinite(cfg.train.loss_multiplier)):
         raise ConfigError(f"train.loss_multiplier={cfg.train.loss_multiplier} must be finite and > 0")
     check_results_dir(cfg.results_dir)

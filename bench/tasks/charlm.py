@@ -174,8 +174,8 @@ def load_text(data: DictConfig) -> str:
             with urllib.request.urlopen(data.url, timeout=60) as response:
                 body = response.read()
         except OSError as e:
-            raise ConfigError(f"could not download {data.url} ({e}); without internet, pass model.data.path= a "
-                              "local copy") from e
+            raise ConfigError(f"could not download {data.url} ({e}); without internet, pass model.data.source=local "
+                              "model.data.path=<a local copy> (other text: model.data.sha256=null too)") from e
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(body)
         tmp.replace(path)
