@@ -45,7 +45,9 @@ NOTES = {
                       "bounds the resolution; predicted time to target: those steps at the predicted compiled step "
                       "(bench/reporting/quality.py).",
     "emulated": f"{EMULATED} emulated in FP32: time, speed-up and measured peak measure the emulation on this device, "
-                "not the format (modelled memory counts the format's storage either way).",
+                "not the format (modelled memory counts the format's storage either way, but for the inputs a block "
+                "format's emulated GEMM saves for its backward, counted in FP32 as the emulation holds them: "
+                "docs/memory.md).",
     "disturbed": f"{DISTURBED} timing disturbed: other processes kept more cores busy than this run's threads left "
                  "free (timing.conditions in the record).",
     "stalled": f"{STALLED} stalled: a run that trained without a NaN but did not learn as its siblings (the cell's "
@@ -86,8 +88,9 @@ NOTES = {
                   "slower than FP32 (docs/performance.md, 'On an H100'); it is not what FP8 hardware gains.",
     "memory": "modelled memory: the bytes one training step holds (parameters, gradients, optimiser state, low-"
               "precision weight copies, activations saved for backward) as the format stores them, counted on the "
-              "run's first step (bench/numerics/memory.py), the same for native and emulated runs; measured peak: the "
-              "process's peak resident set on CPU (mostly the Python/torch runtime), max_memory_allocated on CUDA; "
+              "run's first step (bench/numerics/memory.py), the same for native and emulated runs (but a block "
+              "format's emulated GEMM inputs, saved in FP32); measured peak: the process's peak resident set on "
+              "CPU (mostly the Python/torch runtime), max_memory_allocated on CUDA; "
               "TFLOP/s: FLOPs of a step over its median time, native runs only.",
 }
 def cell_unit(cell) -> Unit:
