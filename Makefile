@@ -39,10 +39,10 @@ help: ## list the targets
 	@echo "             AS_CPU (make bench: this CPU as a proxy for one with less: avx2, avx512-no-bf16)"
 	@echo "             ENTITY, PROJECT (make dashboard: the W&B entity and project; WANDB_API_KEY to create)"
 
-setup: $(STAMP) ## create .venv and install the package (torch pinned to TORCH; torchao too where there is a GPU)
+setup: $(STAMP) ## create .venv and install the package and its test tools (torch pinned to TORCH; torchao)
 
-# A machine with an NVIDIA GPU also gets the FP8 extra (torchao), so that native FP8 runs where it can.
-EXTRAS  ?= dev$(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ,fp8-gpu)
+# dev holds torchao (native FP8 on a GPU, and its emulate=True path the tests run on any machine)
+EXTRAS  ?= dev
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
