@@ -215,3 +215,19 @@ def test_the_nvfp4_ablation_pairs_each_cell_with_bf16_seed_by_seed_as_its_record
 def test_a_folder_a_tool_made_names_that_tool_not_a_preset_that_does_not_exist():
     assert committed.make_command("gpu_report", "nvidia-h100-80gb-hbm3").startswith("make gpu-report")
     assert committed.make_command("umup_fp8") == "make committed-tables EXPERIMENT=umup_fp8"
+
+
+def test_a_tables_notes_explain_only_the_marks_its_rows_carry():
+    """A folder's cells decide which notes its tables may need, but each table keeps only those whose mark (†, ‡,
+    ¶, §, °) one of its rows shows: a newcomer's precision.md explained a § none of its rows had (2026-11-30)."""
+    from bench.reporting.table_cells import ROW_MARKS
+
+    root = Path(__file__).resolve().parents[1] / "results" / "tables"
+    explained = 0
+    for table in root.glob("*/*.md"):
+        lines = table.read_text().splitlines()
+        rows = "".join(line for line in lines if line.startswith("|"))
+        for mark in (line[:1] for line in lines if line[:1] in ROW_MARKS):
+            assert mark in rows, f"{table}: explains {mark}, which none of its rows shows"
+            explained += 1
+    assert explained > 20

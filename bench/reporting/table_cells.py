@@ -30,6 +30,7 @@ FP32 = "32-true"  # the setting every difference is taken against
 DISTURBED = "‡"
 STALLED = "¶"
 EVALUATED_OUTSIDE = "°"
+ROW_MARKS = (EMULATED, DISTURBED, STALLED, CLIPPED, EVALUATED_OUTSIDE)  # a note opening with one explains it
 NOTES = {
     "predicted": "predicted step, speed-up and time to target: predicted, not measured: the speed model's step time on "
                  "that GPU (bench/speed/model.py), from this cell's own traced step, on the path the runner would take "

@@ -36,6 +36,7 @@ from bench.reporting.statistics import (
 from bench.reporting.table_cells import (
     EMULATED,
     NOTES,
+    ROW_MARKS,
     Table,
     cell_identity,
     cell_unit,
@@ -275,6 +276,13 @@ def _timing_notes(cells: pd.DataFrame) -> list[str]:
                                      & ~cells["compiled"].astype(bool)).any() else [])
 
 
+def _marked_in(table: pd.DataFrame, notes: list[str]) -> list[str]:
+    """`notes` less those explaining a mark (ROW_MARKS: †, §, ...) that none of the table's cells carries: the folder's
+    cells decide which notes its tables may need, and one table shows a mark another does not."""
+    text = "".join(table.astype(str).to_numpy().ravel())
+    return [n for n in notes if n[:1] not in ROW_MARKS or n[:1] in text]
+
+
 def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[str, str]:
     """Every generic table and the one the preset declares (if its cells are there), each as Markdown, LaTeX and CSV,
     with runs.csv and cells.csv; returns each table's Markdown."""
@@ -293,7 +301,7 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
         if table is None:
             continue
         notes = [n for key in entry.notes for n in (_timing_notes(cells) if key == "timing" else [NOTES[key]])]
-        markdown[name] = to_markdown(table, common + notes)
+        markdown[name] = to_markdown(table, _marked_in(table, common + notes))
         (directory / f"{name}.md").write_text(f"# {entry.caption}\n\n{markdown[name]}\n")
         (directory / f"{name}.tex").write_text(to_latex(table, entry.caption))
         table.to_csv(directory / f"{name}.csv", index=False)
