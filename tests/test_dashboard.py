@@ -161,3 +161,13 @@ def test_the_committed_example_reports_the_committed_tables():
     report = json.loads((root / "results" / "dashboards" / "default" / "report.json").read_text())
     assert report["tables"] == {name: (root / "results" / "tables" / "default" / f"{name}.md").read_text()
                                 for name in dashboard.TABLES}
+
+
+def test_an_experiment_that_is_nowhere_exits_2_with_the_nearest_and_writes_nothing(tmp_path, capsys):
+    """`make dashboard EXPERIMENT=blok_formats` wrote specs of 31 panels and an empty report (a newcomer's typo,
+    2026-11-30): a name that is no preset and has no records or tables here is refused, as `make sweep` refuses it."""
+    tables = Path(__file__).resolve().parents[1] / "results" / "tables"
+    assert dashboard.main(["blok_formats", "--results", str(tmp_path / "runs"), "--tables", str(tables),
+                           "--out", str(tmp_path / "out")]) == 2
+    assert "(did you mean block_formats?)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from bench.errors import ConfigError
+from bench.errors import ConfigError, suggestion
 from bench.numerics.telemetry import TENSOR_CLASSES
 from bench.running.config import CONF_DIR, check_declared, task_spec
 
@@ -133,7 +133,14 @@ def shipped_metrics() -> list[str]:
 
 
 def build(experiment: str, entity: str | None, project: str, results: Path, tables: list[Path]) -> Dashboard:
-    """`tables`: the aggregator's output directories, in order of preference (the first holding the experiment)."""
+    """`tables`: the aggregator's output directories, in order of preference (the first holding the experiment).
+    An experiment that is no preset and has no records or tables here is refused (a typo made empty specs)."""
+    known = {"default", *(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")),
+             *(p.name for folder in (results, *tables) if folder.is_dir() for p in folder.iterdir() if p.is_dir())}
+    if experiment not in known:
+        raise ConfigError(f"experiment {experiment!r} is no preset and has no records under {results} or tables "
+                          f"under {', '.join(map(str, tables))}{suggestion(experiment, known)}; valid: "
+                          f"{', '.join(sorted(known))}")
     metrics = experiment_metrics(results, experiment) or shipped_metrics()
     directory = next((t / experiment for t in tables if (t / experiment).is_dir()), None)
     found = {name: (directory / f"{name}.md").read_text() for name in TABLES
