@@ -33,6 +33,37 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
+def _where(error: BaseException) -> str:
+    """` at <file>:<line>` where the error arose in the user's code: a syntax error's own place, else its traceback's
+    last frame outside the import machinery and Hydra's lookup (or nothing)."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return f" at {error.filename}:{error.lineno}"
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<frozen")
+              and "/importlib/" not in f.filename and "/hydra/" not in f.filename]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def located(path: str, key: str, what: str):
+    """The object at dotted `path` (a model's builder, a scaling method's class), or a ConfigError naming `key`, the
+    error its import raised and where (Hydra's lookup wraps it as "Error loading ..., are you sure that module is
+    installed?", and logs that first), and what must be importable (`what`)."""
+    import logging
+
+    from hydra.utils import get_object
+
+    hydra_log = logging.getLogger("hydra.utils")
+    level = hydra_log.level
+    hydra_log.setLevel(logging.CRITICAL)
+    try:
+        return get_object(path)
+    except Exception as e:
+        cause = e.__cause__ or e
+        raise ConfigError(f"{key}={path} cannot be imported{_where(cause)}: {_first_line(cause)}; {what} must be "
+                          "importable (on PYTHONPATH): docs/extending.md") from None
+    finally:
+        hydra_log.setLevel(level)
+
+
 def load(modules=(), named_by: str = "plugins") -> list[str]:
     """Import the installed plug-ins and `modules` (idempotent); every plug-in module imported so far, in order.
     ConfigError naming the module, who named it and why it failed, where one cannot be imported."""
@@ -50,10 +81,8 @@ def load(modules=(), named_by: str = "plugins") -> list[str]:
             raise ConfigError(f"plug-in module {module!r} (named by {source}) cannot be imported: {_first_line(e)}; "
                               "a plug-in must be importable (on PYTHONPATH, or installed): docs/extending.md") from None
         except Exception as e:  # the module's own error while it runs and registers
-            frames = reversed(traceback.extract_tb(e.__traceback__))
-            where = next((f"{f.filename}:{f.lineno}" for f in frames if not f.filename.startswith("<frozen")), None)
             raise ConfigError(f"plug-in module {module!r} (named by {source}) was found, but its own import failed"
-                              f"{f' at {where}' if where else ''}: {_first_line(e)}") from None
+                              f"{_where(e)}: {_first_line(e)}") from None
         _imported[module] = source
     return list(_imported)
 

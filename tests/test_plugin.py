@@ -289,3 +289,26 @@ def test_a_plugin_whose_own_import_fails_is_named_with_its_inner_error_only(tmp_
     assert "PYTHONPATH" not in str(needy.value)
     with pytest.raises(ConfigError, match="cannot be imported: ModuleNotFoundError.*must be importable"):
         plugins.load(["absent_plugin_xyz"])
+
+
+@pytest.mark.parametrize("key, kind", [("model.task._target_", "a model's module"),
+                                       ("scaling._target_", "a scaling method's module")])
+def test_a_models_or_methods_module_that_fails_to_import_is_named_with_its_error_and_place(make_cfg, tmp_path,
+                                                                                          monkeypatch, caplog, key,
+                                                                                          kind):
+    """Hydra's lookup said only "Error loading '<path>':" and logged a guess that the module was not installed (a
+    newcomer's trial, 2026-11-30: it was on PYTHONPATH; its import of a misspelt name failed). The error and its
+    place are said, a syntax error's at its own line, and nothing is logged."""
+    from bench.errors import ConfigError
+    from bench.running.config import check
+
+    (tmp_path / "misspelt_import.py").write_text("x = 1\nfrom bench.tasks.lenet import load_digitz\n")
+    (tmp_path / "bad_syntax.py").write_text("def builder(cfg)\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for module, said in (("misspelt_import", "misspelt_import.py:2: ImportError: cannot import name 'load_digitz'"),
+                         ("bad_syntax", "bad_syntax.py:1: SyntaxError: expected ':'")):
+        with pytest.raises(ConfigError) as refused:
+            check(make_cfg(f"{key}={module}.builder", *(["scaling=per_tensor"] if key.startswith("scaling") else [])))
+        assert f"{key}={module}.builder cannot be imported at " in str(refused.value), str(refused.value)
+        assert said in str(refused.value) and f"{kind} must be importable" in str(refused.value)
+    assert not [r for r in caplog.records if "Error loading" in r.getMessage() or "installed" in r.getMessage()]

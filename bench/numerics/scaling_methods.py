@@ -21,7 +21,6 @@ default.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Callable, ClassVar, Optional
@@ -34,6 +33,7 @@ from bench.numerics.formats import ElementFormat
 from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING, LossScaler, PerTensorScale
 from bench.numerics.umup import UmupHyper, umup_parameter_groups, umup_task
 from bench.numerics.unit import ADAM_FAMILY, LR_RULES, POST_NORM_TAU, unit_scale_task
+from bench.plugins import located
 
 SCALING_METHODS: dict[str, type["ScalingMethod"]] = {}  # name -> class, in declaration (the tables') order
 NO_SCALING = "none"  # the baseline: nothing scaled (the tables' reference column)
@@ -360,22 +360,13 @@ def build(node) -> ScalingMethod:
     options. A user's class is imported by its `_target_`; one its module did not register is registered under the
     yaml's name, and a registered one refuses a yaml whose name is not one of its registered names."""
     from hydra.errors import InstantiationException
-    from hydra.utils import get_class, instantiate
+    from hydra.utils import instantiate
 
     values = {key: value for key, value in dict(node.items()).items() if not (key == "options" and value is None)}
     target, name = values.pop("_target_", None), values["name"]
     if not target:
         return scaling_class(name)(**values)
-    hydra_log = logging.getLogger("hydra.utils")  # get_class logs its failure before raising: our message says it
-    level = hydra_log.level
-    hydra_log.setLevel(logging.CRITICAL)
-    try:
-        cls = get_class(target)
-    except Exception as e:  # hydra wraps the import's own error; the message says which
-        raise ConfigError(f"scaling._target_={target} cannot be imported ({e}); a scaling method's module must be "
-                          "importable (on PYTHONPATH): docs/extending.md") from None
-    finally:
-        hydra_log.setLevel(level)
+    cls = located(target, "scaling._target_", "a scaling method's module")
     if not (isinstance(cls, type) and issubclass(cls, ScalingMethod)):
         raise ConfigError(f"scaling._target_={target} is not a bench.numerics.scaling_methods.ScalingMethod")
     if SCALING_METHODS.get(name, cls) is not cls:

@@ -379,7 +379,6 @@ def check_results_dir(path: Path | str) -> None:
 
 def _check_model(model: DictConfig) -> None:
     """What every model is asked (its declaration, data source, optimiser), then its own check (`task.check`)."""
-    from hydra.utils import get_method
 
     if "task" not in model or model._get_node("task")._is_missing():
         raise ConfigError(f"model {model.get('name')!r} declares no `task` (its builder, metric and data sources): "
@@ -396,11 +395,7 @@ def _check_model(model: DictConfig) -> None:
     if model.optimizer.grad_clip is not None and not model.optimizer.grad_clip > 0:
         raise ConfigError(f"model.optimizer.grad_clip={model.optimizer.grad_clip} must be > 0 (or null: no clipping)")
     for key in ("_target_", "describe", *(["check"] if model.task.check else [])):
-        try:
-            function = get_method(model.task[key])
-        except Exception as e:  # Hydra wraps the ImportError or AttributeError
-            raise ConfigError(f"model.task.{key}={model.task[key]} cannot be imported ({str(e).splitlines()[0]}); "
-                              "a model's module must be importable (on PYTHONPATH)") from None
+        function = plugins.located(model.task[key], f"model.task.{key}", "a model's module")
         if key == "check":
             function(model)
 
