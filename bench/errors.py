@@ -22,6 +22,8 @@ def check_choice(value, valid, key: str, error: type[ConfigError] = ConfigError)
 
 
 def suggestion(value, valid, prefix: str = "") -> str:
-    """` (did you mean <prefix><nearest>?)` for the valid choice nearest to `value`, or nothing."""
-    close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
-    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+    """` (did you mean <prefix><nearest>?)` for the valid choice nearest to `value`, or nothing (case aside: FP8 is
+    fp8's nearest, which difflib alone does not find)."""
+    by_lower = {str(v).lower(): str(v) for v in valid}
+    close = difflib.get_close_matches(str(value).lower(), list(by_lower), n=1)
+    return f" (did you mean {prefix}{by_lower[close[0]]}?)" if close else ""

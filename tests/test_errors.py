@@ -22,6 +22,7 @@ def _run(module: str, *args, cwd: Path, env: dict | None = None) -> subprocess.C
 @pytest.mark.parametrize("args, says", [
     (["format=fp9"], "format=fp9 is not an option; valid: bf16, bf16-true, fp16, fp16-true, fp32, fp8"),
     (["-m", "format=fp32,fp9"], "(did you mean fp8?)"),
+    (["format=FP8"], "(did you mean fp8?)"),  # case aside (a newcomer's capitals had no suggestion)
     # two mistakes, both named at once (a newcomer met the second only after mending the first, 2026-11-30)
     (["-m", "format=fp32,fp9", "scaling=none,bogus"], "(did you mean fp8?); scaling=bogus is not an option"),
     (["train.max_stps=5", "model.optimizr.lr=1"],
