@@ -7,6 +7,7 @@ a missing file, a download that cannot happen. `bench.running.config.ConfigError
 
 
 import difflib
+import traceback
 
 
 class ConfigError(ValueError):
@@ -27,3 +28,39 @@ def suggestion(value, valid, prefix: str = "") -> str:
     by_lower = {str(v).lower(): str(v) for v in valid}
     close = difflib.get_close_matches(str(value).lower(), list(by_lower), n=1)
     return f" (did you mean {prefix}{by_lower[close[0]]}?)" if close else ""
+
+
+def first_line(error: BaseException) -> str:
+    """An error as `<type>: <its first line>`."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def where_raised(error: BaseException) -> str:
+    """` at <file>:<line>` where the error arose in the user's code: a syntax error's own place, else its traceback's
+    last frame outside the import machinery and Hydra's lookup (or nothing)."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return f" at {error.filename}:{error.lineno}"
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<frozen")
+              and "/importlib/" not in f.filename and "/hydra/" not in f.filename]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def located(path: str, key: str, what: str):
+    """The object at dotted `path` (a model's builder, a scaling method's class), or a ConfigError naming `key`, the
+    error its import raised and where (Hydra's lookup wraps it as "Error loading ..., are you sure that module is
+    installed?", and logs that first), and what must be importable (`what`)."""
+    import logging
+
+    from hydra.utils import get_object
+
+    hydra_log = logging.getLogger("hydra.utils")
+    level = hydra_log.level
+    hydra_log.setLevel(logging.CRITICAL)
+    try:
+        return get_object(path)
+    except Exception as e:
+        cause = e.__cause__ or e
+        raise ConfigError(f"{key}={path} cannot be imported{where_raised(cause)}: {first_line(cause)}; {what} must be "
+                          "importable (on PYTHONPATH): docs/extending.md") from None
+    finally:
+        hydra_log.setLevel(level)

@@ -15,10 +15,9 @@ modules its cell imported (`env.plugins`), so the reporting commands import thos
 from __future__ import annotations
 
 import importlib
-import traceback
 from importlib.metadata import entry_points
 
-from bench.errors import ConfigError
+from bench.errors import ConfigError, first_line, where_raised
 
 ENTRY_POINT_GROUP = "precision_bench.plugins"
 _imported: dict[str, str] = {}  # module -> how it was named (config, entry point, record), in import order
@@ -27,41 +26,6 @@ _imported: dict[str, str] = {}  # module -> how it was named (config, entry poin
 def installed() -> dict[str, str]:
     """The modules installed packages declare in the entry-point group, each with its entry point's name."""
     return {ep.value.split(":", 1)[0]: ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def _first_line(error: Exception) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-
-
-def _where(error: BaseException) -> str:
-    """` at <file>:<line>` where the error arose in the user's code: a syntax error's own place, else its traceback's
-    last frame outside the import machinery and Hydra's lookup (or nothing)."""
-    if isinstance(error, SyntaxError) and error.filename:
-        return f" at {error.filename}:{error.lineno}"
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<frozen")
-              and "/importlib/" not in f.filename and "/hydra/" not in f.filename]
-    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-
-
-def located(path: str, key: str, what: str):
-    """The object at dotted `path` (a model's builder, a scaling method's class), or a ConfigError naming `key`, the
-    error its import raised and where (Hydra's lookup wraps it as "Error loading ..., are you sure that module is
-    installed?", and logs that first), and what must be importable (`what`)."""
-    import logging
-
-    from hydra.utils import get_object
-
-    hydra_log = logging.getLogger("hydra.utils")
-    level = hydra_log.level
-    hydra_log.setLevel(logging.CRITICAL)
-    try:
-        return get_object(path)
-    except Exception as e:
-        cause = e.__cause__ or e
-        raise ConfigError(f"{key}={path} cannot be imported{_where(cause)}: {_first_line(cause)}; {what} must be "
-                          "importable (on PYTHONPATH): docs/extending.md") from None
-    finally:
-        hydra_log.setLevel(level)
 
 
 def load(modules=(), named_by: str = "plugins") -> list[str]:
@@ -77,12 +41,12 @@ def load(modules=(), named_by: str = "plugins") -> list[str]:
         except ModuleNotFoundError as e:
             if e.name != module and not module.startswith(f"{e.name}."):  # found, but what it imports is missing
                 raise ConfigError(f"plug-in module {module!r} (named by {source}) was found, but its own import "
-                                  f"failed: {_first_line(e)}") from None
-            raise ConfigError(f"plug-in module {module!r} (named by {source}) cannot be imported: {_first_line(e)}; "
+                                  f"failed: {first_line(e)}") from None
+            raise ConfigError(f"plug-in module {module!r} (named by {source}) cannot be imported: {first_line(e)}; "
                               "a plug-in must be importable (on PYTHONPATH, or installed): docs/extending.md") from None
         except Exception as e:  # the module's own error while it runs and registers
             raise ConfigError(f"plug-in module {module!r} (named by {source}) was found, but its own import failed"
-                              f"{_where(e)}: {_first_line(e)}") from None
+                              f"{where_raised(e)}: {first_line(e)}") from None
         _imported[module] = source
     return list(_imported)
 

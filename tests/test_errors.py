@@ -116,6 +116,8 @@ def test_a_native_path_refused_while_converting_is_a_setup_error(tmp_path):
 def test_make_refuses_a_python_given_as_py_naming_venv_and_python():
     """`make test PY=python3` had every target install into that interpreter (setup's pip into a system Python, a
     newcomer's trial, 2026-11-30): PY is the environment's own, and make now says which settings choose it."""
-    said = subprocess.run(["make", "help", "PY=python3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    outside_make = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # make test
+    said = subprocess.run(["make", "help", "PY=python3"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=outside_make)
     assert said.returncode == 2 and not said.stdout, said.stdout + said.stderr
     assert "choose VENV=<dir>" in said.stderr and "PYTHON=<interpreter>" in said.stderr, said.stderr

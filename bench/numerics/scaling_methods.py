@@ -27,13 +27,12 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from bench.errors import ConfigError, check_choice, suggestion
+from bench.errors import ConfigError, check_choice, located, suggestion
 from bench.numerics.blocks import TileScaling
 from bench.numerics.formats import ElementFormat
 from bench.numerics.scaling import AMAX_MODES, LOSS_SCALING, LossScaler, PerTensorScale
 from bench.numerics.umup import UmupHyper, umup_parameter_groups, umup_task
 from bench.numerics.unit import ADAM_FAMILY, LR_RULES, POST_NORM_TAU, unit_scale_task
-from bench.plugins import located
 
 SCALING_METHODS: dict[str, type["ScalingMethod"]] = {}  # name -> class, in declaration (the tables') order
 NO_SCALING = "none"  # the baseline: nothing scaled (the tables' reference column)

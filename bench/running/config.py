@@ -20,7 +20,12 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from bench import plugins
 from bench.data import DATA_DIR
-from bench.errors import ConfigError, check_choice, suggestion  # bench.running.config.ConfigError: the same class
+from bench.errors import (  # bench.running.config.ConfigError: the same class
+    ConfigError,
+    check_choice,
+    located,
+    suggestion,
+)
 from bench.numerics.master_weights import MASTER_WEIGHTS
 from bench.numerics.plan import FORMAT_DEFAULTS, FormatChoices, PrecisionConfig
 from bench.numerics.precision import EVAL_PRECISIONS
@@ -395,7 +400,7 @@ def _check_model(model: DictConfig) -> None:
     if model.optimizer.grad_clip is not None and not model.optimizer.grad_clip > 0:
         raise ConfigError(f"model.optimizer.grad_clip={model.optimizer.grad_clip} must be > 0 (or null: no clipping)")
     for key in ("_target_", "describe", *(["check"] if model.task.check else [])):
-        function = plugins.located(model.task[key], f"model.task.{key}", "a model's module")
+        function = located(model.task[key], f"model.task.{key}", "a model's module")
         if key == "check":
             function(model)
 
