@@ -131,3 +131,10 @@ def test_the_matrix_says_where_autocasts_own_gemms_are_emulated():
     emulated = [profile for profile in PROFILES if elsewhere_emulated(profile) is not None]
     assert emulated == ["CPU without 16-bit units"]
     assert "emulated on the others" in markdown().splitlines()[-1]
+
+
+def test_a_cell_emulated_on_a_device_that_has_its_format_says_the_device_has_it():
+    """`auto` emulates FP8 without per-tensor scales on an H100; the reason ended "(compute capability 9.0 >= 8.9)",
+    which read as a contradiction (a newcomer's trial, 2026-11-30): it is the device's support, and says so."""
+    backend, why = decide("H100 (9.0) with torchao", "fp8", "mixed", "none")
+    assert backend == "emulated" and why.endswith("(this device has fp8: compute capability 9.0 >= 8.9)"), why

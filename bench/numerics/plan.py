@@ -428,8 +428,8 @@ def _plan(config: PrecisionConfig, method: ScalingMethod, device: torch.device) 
         return replace(made, torchao_recipe=None)
     for rule in EMULATION_RULES:
         if rule.applies(made, method):
-            words = {"fmt": config.format, "method": method.name, "support": support.why,
-                     "accumulation": config.accumulation,
+            words = {"fmt": config.format, "method": method.name, "accumulation": config.accumulation,
+                     "support": f"this device has {config.format}: {support.why}",  # not what the cell gets
                      "title": method.title or f"scaling={method.name}", "differs": ", ".join(_torchao_mx_differs(made))}
             return _emulated(made, rule.refusal.format(**words), rule.reason.format(**words))
     return replace(made, native_recipe=_native_recipe(made, method))
