@@ -212,6 +212,15 @@ def test_a_typo_in_a_user_methods_options_exits_2_naming_its_options(tmp_path):
             "options: margin") in said
 
 
+def test_a_sweep_giving_one_methods_option_to_all_of_its_methods_is_told_whose_it_is(tmp_path):
+    """`scaling=none,channel_scale scaling.options.margin=2` was refused as an unknown key, naming neither method (the
+    check reads the sweep's first; a newcomer's trial, 2026-11-30)."""
+    said = _refused(tmp_path, "-m", "plugins=[channel_scaling]", "model=mlp", "scaling=none,channel_scale",
+                    "scaling.options.margin=2")
+    assert ("scaling.options.margin is an option of scaling=channel_scale alone, and this sweep also has scaling=none: "
+            "sweep them apart") in said, said
+
+
 TYPOS = {  # a yaml of each kind with a misspelt key: (folder, file, text, the message's key and suggestion)
     "model": ("model", "mlp_typo.yaml", "defaults: [/model_schema@_here_, _self_]\nname: mlp\n"
               "task: {_target_: mlp_digits.mlp_task, metric: test_accuracy, data_sources: [digits]}\nbatchsize: 16\n",

@@ -74,7 +74,7 @@ def check_command_line(args: list[str]) -> None:
     except Exception:  # a syntax error: Hydra says where
         return
     paths = _search_path(overrides)
-    keys, groups, refused = [], [], []
+    keys, groups, refused, swept = [], [], [], {}
     for o in overrides:
         key = o.key_or_group
         if key.startswith("hydra") or o.is_delete():
@@ -88,6 +88,7 @@ def check_command_line(args: list[str]) -> None:
                         for value in values or [] if value not in options]
             if values:
                 groups.append(f"{key}={values[0]}")
+                swept[key] = values
         elif not (o.is_add() or o.is_force_add()):
             keys.append(key)  # `+key=value` adds past the schema: config.check names it (unknown_keys)
     if refused:
@@ -102,8 +103,22 @@ def check_command_line(args: list[str]) -> None:
             if (translated := composition_error(e)) is None:
                 raise
             raise translated from None
-    if unknown := [f"unknown config key {key}{_near_key(cfg, key)}" for key in keys if not _has_key(cfg, key)]:
-        raise ConfigError(f"{'; '.join(unknown)}; every key is documented in conf/README.md")
+        if unknown := [key for key in keys if not _has_key(cfg, key)]:
+            said = [_method_option(key, swept.get("scaling", []), groups + searchpath, compose)
+                    or f"unknown config key {key}{_near_key(cfg, key)}" for key in unknown]
+            raise ConfigError(f"{'; '.join(said)}; every key is documented in conf/README.md")
+
+
+def _method_option(key: str, methods: list[str], overrides: list[str], compose) -> str | None:
+    """Where `key` is an option (scaling.options.*) of some of a sweep's scaling methods but not of its first (which
+    the check composes): which have it, and that a method's options go with it alone (None otherwise)."""
+    if not key.startswith("scaling.options.") or len(methods) < 2:
+        return None
+    others = [o for o in overrides if not o.startswith("scaling=")]
+    having = [m for m in methods[1:] if _has_key(compose("config", overrides=[*others, f"scaling={m}"]), key)]
+    return (f"{key} is an option of scaling={', '.join(having)} alone, and this sweep also has scaling="
+            f"{', '.join(m for m in methods if m not in having)}: sweep them apart (a method's options go with it)"
+            if having else None)
 
 
 def composition_error(error: Exception) -> ConfigError | None:
