@@ -150,9 +150,9 @@ def variants(frame: pd.DataFrame, usual_from: pd.DataFrame | None = None) -> pd.
                 usual_of = pd.DataFrame(list(reference["settings"]), index=reference.index, dtype=object)
                 # a key the reference runs lack is null in all of them (a run's identity leaves null out), or newer
                 # than they are: compared where a run's command line set it (train.max_steps=50 beside full runs)
-                named = [c for c in per_run.columns if c not in usual_of.columns and c != "device_name"
-                         and frame.loc[group.index, "cell"].map(lambda cell: c in overridden_keys(cell)).any()]
-                usual_of = usual_of.reindex(columns=[*usual_of.columns, *named])
+                named = set().union(*map(overridden_keys, frame.loc[group.index, "cell"]))
+                usual_of = usual_of.reindex(columns=[*usual_of.columns, *(c for c in per_run.columns
+                                                                          if c in named and c not in usual_of.columns)])
                 per_run = per_run.reindex(columns=[c for c in usual_of.columns if c != "device_name"])
             compares_format_and_scaling = bool(within)  # those keys only among runs of one setting/scaling
             own = [c for c in per_run.columns if c not in LABELLED
