@@ -3,6 +3,7 @@ included (bench/numerics/unit.py's registry route): the masking rule, unit scale
 model, one converted forward and backward against the same model written from unit_scaling's functional ops."""
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,20 @@ VOCABULARY, MASK_ID, CANDIDATES = len(TOKENIZER), TOKENIZER.mask_token_id, non_s
 FIRST = int(CANDIDATES.min())  # the shipped vocabulary's special tokens come first
 
 
-def _encoder(family: str, layers: int = 2):
+def _encoder(family: str, layers: int = 2, dropout: float | None = None):
     cfg = OmegaConf.create({"arch": {"family": family, "layers": layers, "hidden": 64, "heads": 2,
-                                     "intermediate": 128, "block_size": 64}, "tie_embeddings": True})
+                                     "intermediate": 128, "block_size": 64, "dropout": dropout},
+                            "tie_embeddings": True})
     return build_encoder(cfg, TOKENIZER)
+
+
+@pytest.mark.parametrize("family", ["distilbert", "bert"])
+def test_the_encoders_dropout_is_transformers_unless_set_and_set_it_reaches_every_dropout(family):
+    def rates(model):  # the hidden states' and the attention probabilities'
+        return {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+
+    assert rates(_encoder(family)) == {0.1}
+    assert rates(_encoder(family, dropout=0.0)) == {0.0}
 
 
 def _mask(ids, seed):
@@ -200,11 +211,12 @@ def test_the_attention_route_is_what_computes_attention():
     ("model.mask_rate=0", "model.mask_rate=0.0 must be in (0, 1)"),
     ("model.mask_rate=1.5", "model.mask_rate=1.5 must be in (0, 1)"),
     ("model.arch.family=gpt2", "model.arch.family='gpt2' is not valid; valid: bert, distilbert"),
+    ("model.arch.dropout=1", "model.arch.dropout=1.0 must be in [0, 1)"),
 ])
 def test_bad_mlm_settings_are_refused_before_training(make_cfg, override, message):
     from bench.running.config import check
 
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         check(make_cfg("model=bert_mlm_tiny", override))
 
 

@@ -660,3 +660,42 @@ def test_a_rank_that_refuses_the_cell_while_building_it_exits_2_as_a_one_device_
     assert f"config error: {text}: sha256" in said.stderr and "set model.data.sha256=null" in said.stderr
     assert "Traceback" not in said.stderr and said.stderr.count("sha256") <= 2, said.stderr  # said once, in its words
     assert not [p for p in results.rglob("*") if p.is_file()]
+
+
+def test_a_masked_lms_ranks_weigh_their_unequal_shares_of_masked_positions_as_one_device_does(make_cfg, text_file):
+    """Each rank's share of a masked-LM batch holds its own number of masked positions, so the mean of the ranks'
+    means is not the batch's: each rank's loss is weighted by its share of them (`parallel.batch_weighted`), and two
+    ranks train the one-device cell to the order of their sums (dropout off: every rank draws the same masks, one
+    device one mask for the whole batch). Unit scaling's cross-entropy sums its gradient, which the ranks average
+    alike: its logged loss alone is weighted (weighting its gradient too moves it)."""
+    from bench.running.record import logged_losses
+    from bench.running.run import run_cell
+
+    data = ["model=bert_mlm_tiny", "model.data.source=local", f"model.data.path={text_file}", "model.data.sha256=null",
+            "model.arch.dropout=0", "model.batch_size=8", "train.max_steps=3", "train.log_every=1"]
+    for scaling in ("none", "unit"):
+        curves = []
+        for wrapper in ([], ["parallel=ddp"]):
+            cfg = make_cfg(*data, f"scaling={scaling}", *wrapper)
+            assert run_cell(cfg)["status"] == "ok"
+            curves.append([loss for _, loss in logged_losses(Path(cfg.results_dir) / cfg.cell)])
+        one, ddp = curves
+        assert math.isclose(one[0], ddp[0], rel_tol=1e-6), scaling  # the first logged loss: the batch's mean
+        assert math.isclose(one[-1], ddp[-1], rel_tol=1e-6), scaling
+
+
+def test_a_share_without_loss_terms_weighs_nothing_and_sends_no_nan_backward(tmp_path):
+    """A rank whose share of the batch holds no masked position has a NaN mean: it weighs zero, its gradient too."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for gradient_too in (True, False):
+            empty = torch.tensor(float("nan"), requires_grad=True)
+            weighted = parallel.batch_weighted(empty, torch.tensor(0), gradient_too)
+            weighted.backward()
+            assert weighted.item() == 0 and empty.grad.item() == 0
+            whole = torch.tensor(2.5, requires_grad=True)
+            assert parallel.batch_weighted(whole, torch.tensor(7), gradient_too).item() == 2.5  # one rank: as it is
+    finally:
+        dist.destroy_process_group()

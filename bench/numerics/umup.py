@@ -201,6 +201,7 @@ def umup_task(task, hyper: UmupHyper) -> dict:
     umup_scale(task.model, hyper)
     refuse_unscaled_ops("umup", task)
     task.cross_entropy = functools.partial(U.cross_entropy, mult=hyper.output_mult)
+    task.gradient_averages_terms = False
     scales = sorted(lr_scale_func_adam(p) for p in task.model.parameters())
     return {"parametrisation": "u-μP", "hyper": asdict(hyper),
             "lr_scale": {"min": scales[0], "median": scales[len(scales) // 2], "max": scales[-1]},

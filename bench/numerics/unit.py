@@ -606,7 +606,7 @@ def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: 
         before = {name: _rms(p) for name, p in regular.named_parameters()} if relative_lr else None
         unit_scale(task.model, post_norm_tau=post_norm_tau)
         refuse_unscaled_ops("unit", task)
-        task.cross_entropy = unit_cross_entropy
+        task.cross_entropy, task.gradient_averages_terms = unit_cross_entropy, False
         result = {"preserve_function": False,
                   "why": "pretrained unit-scaled: its weights in the unit-scaled model, the task head freshly "
                          "unit-initialised" if keep_weights else
@@ -629,7 +629,7 @@ def unit_scale_task(task, preserve: bool, tolerance: float = 1e-4, relative_lr: 
     reference = copy.deepcopy(task.model)
     batch = next(iter(task.train_batches(0)))
     unit_scale(task.model, preserve=True)
-    task.cross_entropy = unit_cross_entropy
+    task.cross_entropy, task.gradient_averages_terms = unit_cross_entropy, False
     measured = conversion_difference(reference, task.model,
                                      lambda model: task.forward(model, batch, lambda x: x)[0])
     layer_diffs = measured.pop("layer_diffs")

@@ -211,6 +211,7 @@ class MLMArchConfig:
     heads: int = 2
     intermediate: int = 128
     block_size: int = 64  # characters per window (and the position embeddings' length)
+    dropout: Optional[float] = None  # the hidden and attention dropout, in [0, 1); null: transformers' (0.1, BERT's)
 
 
 @dataclass

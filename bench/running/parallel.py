@@ -490,9 +490,22 @@ def _tensor_bytes(value) -> int:
     return 0
 
 
+def batch_weighted(loss: torch.Tensor, terms: torch.Tensor, gradient_too: bool = True) -> torch.Tensor:
+    """A rank's `loss`, the mean over its `terms` of a batch's loss terms, weighted by world_size * terms / all the
+    ranks' terms, so that the ranks' average (DDP's and FSDP2's of the gradients, `averaged`'s of the logged losses)
+    is the whole batch's mean, as one device takes it, where shares hold unequal numbers of terms (a masked LM's
+    chosen positions). `gradient_too=False` weights the value alone: a loss whose backward sums its terms (unit
+    scaling's cross-entropy) already weighs every term alike. A share without terms (its mean NaN) gives zero."""
+    total = terms.detach().to(torch.float32).clone()
+    dist.all_reduce(total)
+    weight = dist.get_world_size() * terms.to(torch.float32) / total.clamp(min=1)
+    weighted = loss * weight if gradient_too else loss + (loss * (weight - 1)).detach()
+    return torch.where(terms > 0, weighted, torch.zeros_like(weighted))
+
+
 def averaged(losses: torch.Tensor) -> torch.Tensor:
-    """A rank's losses (each the mean over its share of a batch) averaged over the ranks: the whole batch's, as a
-    one-device cell logs them (shares of equal size)."""
+    """A rank's losses (each the mean over its share of a batch, weighted by its share's terms where they differ:
+    `batch_weighted`) averaged over the ranks: the whole batch's, as a one-device cell logs them."""
     total = losses.detach().clone()
     dist.all_reduce(total)
     return total / dist.get_world_size()

@@ -212,6 +212,7 @@ class TrainingLoop:
         with watched:  # forward and backward, not the optimiser's step: dynamo compiles nothing under a dispatch mode
             with precision.autocast(), counting.saving() if counting else contextlib.nullcontext():
                 loss = self.step_loss(self.model, batch, eager=counting is not None)  # saved-tensor hooks: eager
+            loss = self.share_of_batch(loss, batch)
             compiled = self.step_loss.compiled_now  # (a step run again eagerly below still compiled first)
             self.optimizer.zero_grad(set_to_none=True)
             try:
@@ -242,9 +243,16 @@ class TrainingLoop:
         self.step_loss.fall_back(error)  # raises under train.compile=true
         self.optimizer.zero_grad(set_to_none=True)
         with self.precision.autocast():
-            loss = self.step_loss(self.model, batch)
+            loss = self.share_of_batch(self.step_loss(self.model, batch), batch)
         self.scaler.scale_loss(loss).backward()
         return loss
+
+    def share_of_batch(self, loss: torch.Tensor, batch) -> torch.Tensor:
+        """A rank's loss weighted by its share of the batch's loss terms, where the task's shares can differ (its
+        `loss_terms`); any other loss as it is."""
+        if not (self.distributed and self.task.loss_terms):
+            return loss
+        return parallel.batch_weighted(loss, self.task.loss_terms(batch), self.task.gradient_averages_terms)
 
     def has_diverged(self) -> bool:
         """Whether a loss was non-finite, reading what the device holds since the last read (a host sync: called

@@ -50,6 +50,12 @@ class Task:
     # or every `TaskSpec.eval_every` steps; None: the curve has only the final evaluation
     validate: Callable[[nn.Module, Callable], dict] | None = None
     cross_entropy: Callable[..., torch.Tensor] = F.cross_entropy  # unit scaling swaps in unit_scaling's
+    # whether cross_entropy's backward averages its terms (torch's) or sums them (unit scaling's and u-μP's, whose
+    # gradients do not shrink with the batch): what a distributed step weights by a rank's share (loss_terms)
+    gradient_averages_terms: bool = True
+    # batch -> how many terms its loss averages (a tensor), for a task whose shares of a batch can hold unequal numbers
+    # of them (a masked LM's chosen positions): each rank's mean is weighted so the ranks' average is the batch's
+    loss_terms: Callable[[object], torch.Tensor] | None = None
     source: dict | None = None  # what the model was built from (checkpoint, commit, initialised head), for the record
     lr_multipliers: dict | None = None  # parameter -> factor on the optimiser's lr (unit scaling's relative rule)
 

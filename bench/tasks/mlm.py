@@ -30,13 +30,14 @@ from bench.tasks.base import Task, built_on
 from bench.tasks.charlm import SHAKESPEARE_SHA256, check_text_source, load_text
 
 IGNORED = -100  # a label the loss skips (transformers' and torch's ignore_index)
-# (masked-LM class, its config class, how the config names depth, width, heads, FFN width, and tying)
+# (masked-LM class, its config class, how the config names depth, width, heads, FFN width; its two dropouts)
 ENCODERS = {
     "bert": ("BertForMaskedLM", "BertConfig",
              dict(layers="num_hidden_layers", hidden="hidden_size", heads="num_attention_heads",
-                  intermediate="intermediate_size")),
+                  intermediate="intermediate_size"), ("hidden_dropout_prob", "attention_probs_dropout_prob")),
     "distilbert": ("DistilBertForMaskedLM", "DistilBertConfig",
-                   dict(layers="n_layers", hidden="dim", heads="n_heads", intermediate="hidden_dim")),
+                   dict(layers="n_layers", hidden="dim", heads="n_heads", intermediate="hidden_dim"),
+                   ("dropout", "attention_dropout")),
 }
 
 
@@ -65,6 +66,8 @@ def check_config(model: DictConfig) -> None:
     arch = model.arch
     if min(arch.layers, arch.hidden, arch.heads, arch.intermediate, arch.block_size) < 1 or arch.hidden % arch.heads:
         raise ConfigError("model.arch sizes must be >= 1, with hidden divisible by heads")
+    if arch.get("dropout") is not None and not 0 <= arch.dropout < 1:
+        raise ConfigError(f"model.arch.dropout={arch.dropout} must be in [0, 1) (null: transformers' 0.1, BERT's)")
 
 
 def describe(model_cfg: dict) -> tuple[str, str]:
@@ -80,8 +83,10 @@ def build_encoder(cfg: DictConfig, tokenizer) -> torch.nn.Module:
     transformers' own: N(0, 0.02) matrices and embeddings), for `tokenizer`'s vocabulary."""
     import transformers
 
-    model_class, config_class, names = ENCODERS[cfg.arch.family]
+    model_class, config_class, names, dropouts = ENCODERS[cfg.arch.family]
     sizes = {names[key]: cfg.arch[key] for key in names}
+    if cfg.arch.get("dropout") is not None:
+        sizes |= dict.fromkeys(dropouts, cfg.arch.dropout)
     config = getattr(transformers, config_class)(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                                  max_position_embeddings=cfg.arch.block_size,
                                                  tie_word_embeddings=cfg.tie_embeddings, **sizes)
@@ -152,6 +157,7 @@ def mlm_task(cfg: DictConfig, device: torch.device, seed: int) -> Task:
 
     task = Task(model=model, train_batches=train_batches, forward=forward, loss=loss, evaluate=evaluate,
                 batch_size=batch_size, steps_per_epoch=cfg.iterations, validate=evaluate,
+                loss_terms=lambda batch: (batch[1] != IGNORED).sum(),
                 source={"pretrained": False, "architecture": type(model).__name__,
                         "size": dict(arch), "tied_embeddings": cfg.tie_embeddings})
     return task
