@@ -183,8 +183,9 @@ def _memory(cfg, trace, recipe) -> tuple[str, str | None]:
     """The step's memory in MiB, and for a distributed cell (one rank's: `rank_memory`) a note saying so."""
     from bench.speed.model import rank_memory, step_memory
 
-    memory = step_memory(trace, recipe)
-    if (p := _distributed(cfg)) is None:
+    p = _distributed(cfg)
+    memory = step_memory(trace, recipe, shards=p.world_size if p is not None and p.name == "fsdp2" else 1)
+    if p is None:
         return f"{memory['total'] / 2**20:.4g}", None
     rank = rank_memory(memory, trace, p, cfg.model.task.get("blocks"))
     return (f"{rank['total'] / 2**20:.4g}", f"one rank of {p.name} over {p.world_size}, its share of the batch (its "

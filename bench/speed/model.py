@@ -537,14 +537,17 @@ def _optimizer_bytes_per_element(trace: StepTrace, stored: float) -> float:
 FILLS = ("zeros", "ones", "empty", "full")  # aten ops that make a tensor without reading one: an optimiser's new state
 
 
-def step_memory(trace: StepTrace, recipe: Recipe) -> dict:
+def step_memory(trace: StepTrace, recipe: Recipe, shards: int = 1) -> dict:
     """The bytes one training step holds, as the trace accounts for them under `recipe` (bench.predict's memory,
     where no step is run: bench/numerics/memory.py counts a real first step for a record): parameters, their
     gradients and the optimiser's state at the stored type (the state: what the optimiser step reads besides the
     parameters and gradients, each tensor once however often it is read), and the activations saved for the
     backward pass (every tensor the forward pass makes and the backward pass reads) at the type outside the GEMMs, a
     converted GEMM's own operands in its format; the optimiser's moments and the parameters as the cell stores them
-    (`StepTrace.state_format`, `master_weights`)."""
+    (`StepTrace.state_format`, `master_weights`): a moment in the state format where torchao keeps it so, judged on
+    its shard of 1/`shards` (FSDP2's; `held_in_state_format`), else as the parameters are stored."""
+    from bench.tasks.optimizer import STATE_CODE_BOOK_BYTES, held_in_state_format
+
     parameters = trace.parameters
     stored, elsewhere = _element_bytes(recipe.stored), _element_bytes(recipe.elsewhere)
     made_in_backward = {t for op in trace.ops if op.phase == "backward" and op.kind != "view" for t in op.outputs}
@@ -568,8 +571,11 @@ def step_memory(trace: StepTrace, recipe: Recipe) -> dict:
     copies = sum(n * (_element_bytes(recipe.linear) if recipe.casts and _converted(recipe, trace, name) else elsewhere)
                  for name, n in trace.gemm_weights.items()) if recipe.autocast or recipe.casts else 0
     weight, moment, compensation = _stored_bytes(trace, stored)
+    code_book = STATE_CODE_BOOK_BYTES.get(trace.state_format, 0)
+    moments = sum(n * moment + code_book if held_in_state_format(n // shards, trace.state_format) else n * stored
+                  for n in state.values()) if trace.state_format != "fp32" else sum(state.values()) * moment
     breakdown = {"parameters": parameters * weight, "gradients": parameters * weight,
-                 "optimizer_state": sum(state.values()) * moment + parameters * compensation,
+                 "optimizer_state": moments + parameters * compensation,
                  "weight_copies": copies, "activations": sum(saved.values())}
     return {k: int(v) for k, v in breakdown.items()} | {"total": int(sum(breakdown.values()))}
 

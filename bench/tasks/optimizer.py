@@ -16,8 +16,16 @@ from bench.errors import ConfigError
 # model.optimizer.state_format: Adam's moments as stored (`low_bit_adam`), a storage type, not a GEMM format
 STATE_FORMATS = ("fp32", "bf16", "int8", "int4", "fp8")
 # bytes a moment's element takes in each (the block formats: their codes and an FP32 scale per block of 256, int4's
-# of 128), as the memory model counts them: torchao's FP32 moments for tensors under 4,096 elements are left out
+# of 128), where torchao stores it so (`held_in_state_format`)
 STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / 256, "int4": 0.5 + 4 / 128, "fp8": 1 + 4 / 256}
+STATE_BLOCK = {"fp32": 1, "bf16": 1, "int8": 256, "int4": 128, "fp8": 256}  # elements per scale (torchao's)
+STATE_CODE_BOOK_BYTES = {"int8": 256 * 4, "int4": 16 * 4}  # each quantised moment's own FP32 code book (its qmap)
+
+
+def held_in_state_format(elements: int, state_format: str) -> bool:
+    """Whether torchao stores a moment of `elements` (a rank's shard under FSDP2) in `state_format`: 4,096 elements
+    or more, in whole blocks (bitsandbytes' rule, torchao.optim's `_new_buffer`); else in the parameter's type."""
+    return elements >= 4096 and elements % STATE_BLOCK[state_format] == 0
 
 
 def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None,
@@ -87,8 +95,75 @@ def low_bit_adam(cfg: DictConfig, groups: list) -> torch.optim.Optimizer:
                ("adamw", "fp8"): low_bit.AdamWFp8, ("adam", "int8"): low_bit.Adam8bit,
                ("adam", "int4"): low_bit.Adam4bit, ("adam", "fp8"): low_bit.AdamFp8}
     if cfg.state_format == "bf16":
-        return _bf16_state_adam()(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), is_adamw=cfg.name == "adamw")
-    return classes[cfg.name, cfg.state_format](groups, lr=cfg.lr, betas=(0.9, cfg.beta2))
+        return _sharded_alike(_bf16_state_adam(), "bf16")(groups, lr=cfg.lr, betas=(0.9, cfg.beta2),
+                                                          is_adamw=cfg.name == "adamw")
+    return _sharded_alike(classes[cfg.name, cfg.state_format], cfg.state_format)(groups, lr=cfg.lr,
+                                                                                 betas=(0.9, cfg.beta2))
+
+
+def _shard_elements(p: DTensor) -> list[int]:
+    """Every rank's elements of `p`, which FSDP2 shards along one dimension as torch.chunk splits it (shards of
+    ceil(rows / ranks), the last short or empty)."""
+    ranks, (placement,) = p.device_mesh.size(), p.placements
+    if not placement.is_shard():
+        return [p.numel()] * ranks
+    rows = [len(chunk) for chunk in torch.arange(p.shape[placement.dim]).chunk(ranks)]
+    per_row = p.numel() // max(1, p.shape[placement.dim])
+    return [n * per_row for n in rows + [0] * (ranks - len(rows))]
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@functools.cache
+def _sharded_alike(cls: type, state_format: str) -> type:
+    """torchao's `cls` storing a sharded parameter's moments alike on every rank. torchao judges its rule (4,096
+    elements or more, in whole blocks) on each rank's own shard, and FSDP2's shards of a tensor whose rows do not
+    split evenly differ: BERT-MLM tiny's 303-row embedding is 152 x 64 elements on rank 0 (whole blocks of 256) and
+    151 x 64 on rank 1 (not), so the ranks held int8 and FP32 moments of one tensor and the step failed. Here a
+    moment is low-bit where every rank's shard passes the rule, FP32 on every rank otherwise."""
+
+    class ShardedAlike(cls):
+        @torch.no_grad()
+        def step(self, closure=None):
+            """torchao's step (its `_AdamBase.step`: the same state, the same compiled `single_param_adam`), each
+            update computed on this rank's shards: torch.compile of the update of an unevenly sharded DTensor
+            fails in its shape checks (torchtune#1978: 'expected size 152==151'), and the update is elementwise, so
+            a shard's is its part of the whole parameter's."""
+            from torchao.optim.adam import single_param_adam
+
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            with torch._dynamo.utils.disable_cache_limit():  # one compile per shape and state type, as torchao's
+                for group in self.param_groups:
+                    for p in (p for p in group["params"] if p.grad is not None):
+                        state = self.state[p]
+                        if not state:
+                            state["step"] = torch.tensor(0.0)
+                            state["exp_avg"] = self._new_buffer(p, True)
+                            state["exp_avg_sq"] = self._new_buffer(p, False)
+                            if group["amsgrad"]:
+                                state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                        state["step"] += 1
+                        torch.compile(single_param_adam, fullgraph=True, dynamic=False)(
+                            _local(p.detach()), _local(p.grad), state["step"], _local(state["exp_avg"]),
+                            _local(state["exp_avg_sq"]), _local(state.get("max_exp_avg_sq")), group["lr"],
+                            *group["betas"], group["weight_decay"], group["eps"], self.is_adamw,
+                            self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+            return loss
+
+        def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+            if isinstance(p, DTensor) and not all(held_in_state_format(n, state_format) for n in _shard_elements(p)):
+                local = torch.zeros_like(p.to_local())
+                return DTensor.from_local(local, device_mesh=p.device_mesh, placements=p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride()).to(p.device)
+            return super()._new_buffer(p, signed)
+
+    ShardedAlike.__name__ = ShardedAlike.__qualname__ = cls.__name__  # what a record names
+    return ShardedAlike
 
 
 @functools.cache
