@@ -439,3 +439,13 @@ def test_importing_torchao_on_a_cpu_says_nothing_that_reads_as_a_failure_and_oth
     assert noise.filter(line) == torch.cuda.is_available()
     other = logging.LogRecord("torchao", logging.WARNING, "x", 1, "Failed to load /a/elsewhere.so", None, None)
     assert noise.filter(other)
+
+
+def test_a_trace_moved_to_the_cpu_says_why_in_the_errors_first_sentence_whole():
+    from bench.speed.trace import _cpu_note
+
+    torchs = NotImplementedError("The register_meta function for torch.nonzero() raises unimplemented by default, as a "
+                                 "correct data-independent implementation does not exist. This implementation "
+                                 "returns a fake value, assuming all elements of the tensor are non-zero.")
+    assert _cpu_note(torchs).endswith("as a correct data-independent implementation does not exist)")
+    assert len(_cpu_note(RuntimeError("x" * 500))) < 300

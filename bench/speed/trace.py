@@ -334,8 +334,10 @@ def stores(trace: StepTrace, cfg) -> None:
 
 
 def _cpu_note(error: Exception) -> str:
+    """Why the step was traced on the CPU: the error's first sentence (torch's run on; a cut one read as broken)."""
+    said = str(error).splitlines()[0].split(". ")[0].rstrip(".")
     return (f"traced on the CPU: the meta device could not run the step ({type(error).__name__}: "
-            f"{str(error).splitlines()[0][:160]})")
+            f"{said if len(said) <= 200 else said[:199] + '…'})")
 
 
 HUB_ARCHITECTURES = DATA_DIR / "hub_architectures.yaml"
