@@ -231,3 +231,15 @@ def test_a_tables_notes_explain_only_the_marks_its_rows_carry():
             assert mark in rows, f"{table}: explains {mark}, which none of its rows shows"
             explained += 1
     assert explained > 20
+
+
+def test_a_record_made_in_another_checkout_is_traced_with_this_checkouts_shipped_data():
+    """The committed block_formats records name /work/snap/bench/data/...: traced as they are, their step could not
+    be (no such file here) and a new speed model left their predicted columns empty."""
+    from bench.data import DATA_DIR
+    from bench.running.identity import with_shipped_data_here
+
+    elsewhere = {"model": {"vocab": "/work/snap/bench/data/vocab.txt", "files": ["/x/bench/data/no_such_file"]},
+                 "seed": 0}
+    assert with_shipped_data_here(elsewhere) == {"model": {"vocab": str(DATA_DIR / "vocab.txt"),
+                                                           "files": ["/x/bench/data/no_such_file"]}, "seed": 0}

@@ -560,14 +560,50 @@ def test_the_collectives_a_rank_receives_are_the_ring_algorithms_bytes_at_the_pr
     assert ddp.seconds == pytest.approx(2 * 7 / 8 * p * 4 / 450e9) and ddp.exposed == 0
     fsdp = make_cfg("parallel=fsdp2", "parallel.world_size=16", "parallel.param_dtype=bf16").parallel
     sent = collectives(trace, fsdp, h100, 0.0, "h")
-    assert sent.received == {"all_gather": 2 * 15 / 16 * p * 2, "reduce_scatter": 15 / 16 * p * 4}
-    assert sent.over == "network" and sent.exposed == sent.seconds == pytest.approx(15 / 16 * p * 8 / 50e9)
+    blocks = sum(n for name, n in trace.gemm_weights.items() if name.startswith("h."))  # gathered twice, the rest once
+    assert sent.received == pytest.approx({"all_gather": 15 / 16 * (p + blocks) * 2,
+                                           "reduce_scatter": 15 / 16 * p * 4})
+    assert sent.over == "network"
+    assert sent.exposed == sent.seconds == pytest.approx(15 / 16 * (3 * p + blocks) * 2 / 50e9)
     hidden = collectives(trace, fsdp, h100, 1.0, "h")  # compute covers all but the first block's gather
     block = sum(n for name, n in trace.gemm_weights.items() if name.startswith("h.0."))  # the blocks are alike
     assert hidden.exposed == pytest.approx(15 / 16 * block * 2 / 50e9) and hidden.exposed < sent.seconds / 4
     fp8 = collectives(trace, fsdp, h100, 1.0, "h", frozenset(trace.gemm_weights))
-    assert fp8.received["all_gather"] == pytest.approx(2 * 15 / 16 * (gemm * 1 + (p - gemm) * 2))
+    assert fp8.received["all_gather"] == pytest.approx(15 / 16 * ((gemm + blocks) * 1 + (p - gemm) * 2))
     assert collectives(trace, make_cfg("parallel=ddp", "parallel.world_size=1").parallel, h100, 1.0, "h") is None
+
+
+def test_the_predicted_collectives_are_the_bytes_the_fsdp2_ranks_handed_them(lenet_cells):
+    """bench.predict's FSDP2 collectives against records at two ranks (each rank's bytes handed to each collective
+    in its first step), as a ring moves them: an all-gather brings (n-1) shards like the one a rank hands, a
+    reduce-scatter (n-1)/n of the whole gradient it is handed. The root module's parameters are gathered once, a
+    block's twice: LeNet (all root; gathered twice, the model was 2x over) to the padding of its shards, the
+    committed char-LM cells within 1.5% (a block's biases and norms counted with the root's)."""
+    import gzip
+
+    from bench.reporting.predict_cells import _rank_share, _traced
+    from bench.speed.model import collectives
+    from bench.speed.profiles import gpu
+
+    folder = Path(__file__).resolve().parents[1] / "results/tables/distributed_precision"
+    lenet = lenet_cells[1]["fsdp2"]
+    trace, lenet_cfg = _traced(OmegaConf.create(lenet["config"])), OmegaConf.create(lenet["config"])
+    received = collectives(trace, lenet_cfg.parallel, gpu("H100"), 1.0, None).received
+    assert received["all_gather"] == pytest.approx(lenet["parallel"]["collective_bytes_first_step"]["all_gather"],
+                                                   rel=0.01)
+    checked = set()
+    for line in gzip.open(folder / "records.jsonl.gz", "rt"):
+        record = json.loads(line)
+        cfg = OmegaConf.create(record["config"])
+        if cfg.parallel.name != "fsdp2" or (key := json.dumps(record["config"]["parallel"])) in checked:
+            continue
+        checked.add(key)
+        n, handed = cfg.parallel.world_size, record["parallel"]["collective_bytes_first_step"]
+        trace = _traced(_rank_share(cfg))
+        received = collectives(trace, cfg.parallel, gpu("H100"), 1.0, cfg.model.task.blocks).received
+        assert received["all_gather"] == pytest.approx((n - 1) * handed["all_gather"], rel=0.015), key
+        assert received["reduce_scatter"] == pytest.approx((n - 1) / n * handed["reduce_scatter"], rel=1e-3), key
+    assert len(checked) == 4
 
 
 def test_llama3_8b_on_eight_h100s_hides_its_collectives_and_an_fp8_all_gather_only_shrinks_them():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from bench.running.identity import semantic_config
+from bench.running.identity import semantic_config, with_shipped_data_here
 from bench.speed.profiles import GPU, shipped_gpus
 
 DEFAULT_GPUS = ("H100",)  # the tables' predicted columns, unless `--predict-for` names others
@@ -46,7 +46,7 @@ def _trace(config: dict):
 
     key = json.dumps(trace_key(config), sort_keys=True, default=str)
     if key not in _TRACES:
-        _TRACES[key] = trace_cell(OmegaConf.create(config))
+        _TRACES[key] = trace_cell(OmegaConf.create(with_shipped_data_here(config)))  # a record made elsewhere
     return _TRACES[key]
 
 

@@ -58,11 +58,29 @@ def _identity_form(value):
         return {k: _identity_form(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
         return [_identity_form(v) for v in value]
+    if (relative := _shipped(value)) is not None:
+        return f"bench_data:{relative}"
+    return value
+
+
+def _shipped(value) -> str | None:
+    """A file shipped in bench/data that `value` names, in this checkout or any other: its path there."""
     if isinstance(value, str) and f"{os.sep}bench{os.sep}data{os.sep}" in value:
         relative = value.rsplit(f"{os.sep}bench{os.sep}data{os.sep}", 1)[1]
         if (DATA_DIR / relative).is_file():
-            return f"bench_data:{relative}"
-    return value
+            return relative
+    return None
+
+
+def with_shipped_data_here(value):
+    """`value` (a config, or any part of one) with each path to a file shipped in bench/data, of whichever checkout
+    made it, pointing into this checkout's: a record made elsewhere, traced here, reads the same files."""
+    if isinstance(value, dict):
+        return {k: with_shipped_data_here(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [with_shipped_data_here(v) for v in value]
+    relative = _shipped(value)
+    return str(DATA_DIR / relative) if relative is not None else value
 
 
 def semantic_config(config: dict) -> dict:

@@ -646,8 +646,10 @@ def collectives(trace: StepTrace, parallel, target: GPU, compute_s: float, block
     of an all-reduce's), over NVLink within a node of NODE_GPUS and the network beyond:
     - ddp: every gradient all-reduced in fp32 (or `gradient_compression`'s type), overlapped with the backward pass
       bucket by bucket: what the step's compute cannot cover is exposed;
-    - fsdp2: the parameters all-gathered in param_dtype twice (forward, and backward after resharding), the Linear
-      weights in `fp8_gather` (torchao's FP8 all-gather) at one byte; the gradients reduce-scattered in reduce_dtype.
+    - fsdp2: the parameters all-gathered in param_dtype, a block's twice (forward, and backward after resharding),
+      the root's once (FSDP2 keeps the root module's gathered from its forward through its backward; a block's
+      biases and norms are counted with the root's), the Linear weights in `fp8_gather` (torchao's FP8 all-gather)
+      at one byte; the gradients reduce-scattered in reduce_dtype.
       FSDP2 prefetches the next block's gather under the current block's compute, so the first block's gather is
       exposed, and whatever the compute cannot cover.
     None on one rank, or on a profile without the interconnect's figures."""
@@ -660,10 +662,11 @@ def collectives(trace: StepTrace, parallel, target: GPU, compute_s: float, block
         reduced = "fp32" if parallel.gradient_compression == "none" else parallel.gradient_compression
         received, first = {"all_reduce": 2 * share * trace.parameters * _element_bytes(reduced)}, 0.0
     else:
+        in_blocks = {name for name in trace.gemm_weights if block_of(name, blocks) is not None}
         gathered = sum(e * (1 if name in fp8_gather else _element_bytes(parallel.param_dtype))
-                       for name, e in trace.gemm_weights.items())
+                       * (2 if name in in_blocks else 1) for name, e in trace.gemm_weights.items())
         gathered += (trace.parameters - sum(trace.gemm_weights.values())) * _element_bytes(parallel.param_dtype)
-        received = {"all_gather": 2 * share * gathered,
+        received = {"all_gather": share * gathered,
                     "reduce_scatter": share * trace.parameters * _element_bytes(parallel.reduce_dtype)}
         first = share * max(_block_weights(trace, blocks).values(), default=0) * _element_bytes(parallel.param_dtype)
     seconds = sum(received.values()) / (bandwidth * 1e9)
