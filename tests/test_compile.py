@@ -176,7 +176,7 @@ def test_under_auto_a_backward_that_fails_to_compile_reruns_the_step_eagerly(mak
     monkeypatch.setattr(compile_module, "compile_wanted", lambda setting, device: True)  # auto as on a GPU
     monkeypatch.setattr(compile_module.torch, "compile", fake_compile)
     graphs = iter(range(100))
-    monkeypatch.setattr(compile_module, "_dynamo_graphs", lambda: next(graphs))  # every call "compiled"
+    monkeypatch.setattr(compile_module, "dynamo_graphs", lambda: next(graphs))  # every call "compiled"
     record, _ = _trained(make_cfg, "train.compile=auto", "experiment_name=auto")
     assert record["env"]["compile"]["eager_because"] == "RuntimeError: backward compile failed (stand-in)"
     assert not record["env"]["compile"]["compiled"]

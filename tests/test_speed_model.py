@@ -449,3 +449,22 @@ def test_a_trace_moved_to_the_cpu_says_why_in_the_errors_first_sentence_whole():
                                  "returns a fake value, assuming all elements of the tensor are non-zero.")
     assert _cpu_note(torchs).endswith("as a correct data-independent implementation does not exist)")
     assert len(_cpu_note(RuntimeError("x" * 500))) < 300
+
+
+def test_an_uncached_checkpoint_is_traced_at_its_published_size_its_vocabulary_included(make_cfg):
+    """bert_base's checkpoint is not cached here: its step is traced at bert-base-uncased's published architecture,
+    randomly initialised, with the embedding of its 30,522 pieces (the shipped tokenizer has 303). The QA model's
+    parameters are then transformers' BertForQuestionAnswering's at that size: 108,893,186 (without the vocabulary,
+    85,684,994, and every all-reduce and memory figure 21% short)."""
+    from bench.reporting.predict_cells import _traced
+
+    trace = _traced(make_cfg("model=bert_base"))
+    assert "published architecture" in trace.note and trace.parameters == 108_893_186
+
+
+def test_an_embedding_smaller_than_the_tokenizer_is_refused(make_cfg):
+    from bench.tasks import build_task
+
+    cfg = make_cfg("model=bert_tiny", "model.arch.vocab_size=100")
+    with pytest.raises(ConfigError, match=r"model.arch.vocab_size=100 is under the tokenizer's 303 pieces"):
+        build_task(cfg.model, torch.device("cpu"), 0)

@@ -64,8 +64,9 @@ class _RecompileLimitHits(logging.Handler):
             self.functions.append(str(record.args[2]) if len(record.args or ()) > 2 else "?")
 
 
-def _dynamo_graphs() -> int:
-    """Graphs dynamo has compiled in this cell so far."""
+def dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far: the step's, and any other code's (torchao's low-bit
+    optimisers compile their update on its first call with each shape)."""
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
@@ -95,7 +96,7 @@ class CompiledStep:
             counters.clear()  # graph breaks counted per cell
             if self.enabled:
                 self._compiled = torch.compile(forward_and_loss, backend=BACKEND, mode=MODE)
-            self._graphs = _dynamo_graphs()
+            self._graphs = dynamo_graphs()
             self._limit_hits = _RecompileLimitHits()
             logging.getLogger("torch._dynamo.convert_frame").addHandler(self._limit_hits)
 
@@ -120,7 +121,7 @@ class CompiledStep:
                 self.fall_back(e)
                 return self._eager(model, batch)
         if self.watching:
-            graphs = _dynamo_graphs()
+            graphs = dynamo_graphs()
             self.compiled_now, self._graphs = graphs != self._graphs, graphs  # the first step, or a recompile
         return loss
 
@@ -145,7 +146,7 @@ class CompiledStep:
             logging.getLogger("torch._dynamo.convert_frame").removeHandler(self._limit_hits)
             limit_hits = sorted(set(self._limit_hits.functions))
         return {"requested": self.requested, "compiled": self._compiled is not None or self.per_block,
-                "per_block": self.per_block, "graphs": _dynamo_graphs() if self.watching else 0,
+                "per_block": self.per_block, "graphs": dynamo_graphs() if self.watching else 0,
                 "eager_because": self.eager_because,
                 "backend": BACKEND if self.watching else None,
                 "mode": MODE if self.watching else None, "graph_breaks": sum(reasons.values()),

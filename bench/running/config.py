@@ -128,6 +128,9 @@ class ArchConfig:
     hidden: int = 64
     heads: int = 2
     intermediate: int = 128
+    # the embedding's rows; null: the tokenizer's (model.vocab). A published checkpoint's architecture names its own
+    # (bench/data/hub_architectures.yaml), at which the speed model traces a checkpoint not cached here
+    vocab_size: Optional[int] = None
 
 
 @dataclass

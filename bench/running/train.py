@@ -21,7 +21,7 @@ from bench.numerics.readings import Readings
 from bench.numerics.scaling import LossScaler
 from bench.running import parallel
 from bench.running.checkpoint import Checkpointer
-from bench.running.compile import CompiledStep
+from bench.running.compile import CompiledStep, dynamo_graphs
 from bench.running.device import StepTimer, end_step, synchronize
 from bench.tasks.base import Task
 
@@ -60,7 +60,7 @@ class TrainOutcome:
     validations: list[dict] = field(default_factory=list)
     step_memory: dict | None = None  # bytes the first step held, by category (bench/numerics/memory.py)
     step_time_method: str = "wall_clock"  # how step_s was measured (bench.running.device.StepTimer)
-    compile_steps: list[int] = field(default_factory=list)  # steps during which torch.compile or fused graphs compiled
+    compile_steps: list[int] = field(default_factory=list)  # steps during which a graph compiled (torch.compile, ours)
     compile_in_validation_s: float = 0.0  # seconds the validations inside the loop spent making fused graphs
     compile: dict | None = None  # what compiling did (bench.running.compile.CompiledStep.describe)
     collective_time: dict | None = None  # a distributed cell's profiled step (bench.running.parallel.CollectiveTime)
@@ -203,7 +203,7 @@ class TrainingLoop:
     def step(self, batch, sampled: bool) -> None:
         """One training step, left on the device: forward, scaled backward, step or skip, the schedule."""
         out, precision = self.out, self.precision
-        compiled_s = fused.compile_seconds()
+        compiled_s, graphs = fused.compile_seconds(), dynamo_graphs()
         self.timer.start()
         precision.telemetry.sampling = sampled
         counting = StepMemory(self.model, precision, self.master.mode) \
@@ -234,7 +234,8 @@ class TrainingLoop:
             out.step_memory = counting.finish(self.optimizer)
         end_step(self.device)
         self.timer.stop()
-        if compiled or fused.compile_seconds() > compiled_s:  # torch.compile, or a fused graph for a new layout
+        # torch.compile, a fused graph for a new layout, or any other graph (torchao's optimiser compiles its update)
+        if compiled or fused.compile_seconds() > compiled_s or dynamo_graphs() > graphs:
             out.compile_steps.append(out.steps)
         out.samples += self.task.batch_size
 

@@ -90,7 +90,9 @@ def build_model(cfg: DictConfig, device: torch.device, auto_class: str, model_cl
         return on_device(model, device), {
             "pretrained": True, **checkpoint_source(cfg.hub_name), "architecture": type(model).__name__,
             **check_loading(model, loading, cfg.hub_name), **checkpoint_marks(model.config.to_dict())}
-    config = getattr(transformers, config_class)(vocab_size=vocab_size, **config_kwargs, **model_kwargs)
+    if (rows := cfg.arch.get("vocab_size")) is not None and rows < vocab_size:
+        raise ConfigError(f"model.arch.vocab_size={rows} is under the tokenizer's {vocab_size} pieces (null: its)")
+    config = getattr(transformers, config_class)(vocab_size=rows or vocab_size, **config_kwargs, **model_kwargs)
     return built_on(device, lambda: getattr(transformers, model_class)(config)), {
         "pretrained": False, "architecture": model_class, "size": dict(config_kwargs)}
 
