@@ -243,3 +243,12 @@ def test_a_record_made_in_another_checkout_is_traced_with_this_checkouts_shipped
                  "seed": 0}
     assert with_shipped_data_here(elsewhere) == {"model": {"vocab": str(DATA_DIR / "vocab.txt"),
                                                            "files": ["/x/bench/data/no_such_file"]}, "seed": 0}
+
+
+def test_a_table_of_distributed_cells_says_what_their_predicted_step_prices():
+    """A DDP or FSDP2 row's predicted step is one device's step of the whole batch (its record's): the table says so,
+    and a table without such rows does not (a newcomer read LeNet's 198 µs for none, ddp and fsdp2 as a rank's)."""
+    tables = Path(__file__).resolve().parents[1] / "results/tables"
+    said = "a distributed cell's (parallel=ddp or fsdp2) predicted step is one device's step of the whole batch"
+    assert said in (tables / "distributed_precision/precision.md").read_text()
+    assert said not in (tables / "default/precision.md").read_text()

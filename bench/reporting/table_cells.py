@@ -37,6 +37,9 @@ NOTES = {
                  "there (no native path: it would emulate the format); compiled, as published FP8 figures are; "
                  "speed-up against the 32-true cell's prediction. How far off it has been: "
                  "results/bench/speed_model_validation.md.",
+    "predicted_distributed": "a distributed cell's (parallel=ddp or fsdp2) predicted step is one device's step of "
+                             "the whole batch, as its record holds it: `bench.predict` on the cell gives a rank's step "
+                             "of its share with the collectives it leaves exposed, and a rank's memory.",
     "time_to_target": "steps to target: the first evaluation at which a seed's quality curve (its validation metric) "
                       "reached the target: the final value of the 32-true run of the same seed and configuration (of "
                       "the unscaled one where no 32-true run has the cell's scaling method; the target column: their "

@@ -276,6 +276,12 @@ def _timing_notes(cells: pd.DataFrame) -> list[str]:
                                      & ~cells["compiled"].astype(bool)).any() else [])
 
 
+def _predicted_notes(cells: pd.DataFrame) -> list[str]:
+    """The notes of a table with predicted columns (the `predicted` key), and what a distributed cell's mean."""
+    distributed = cells["format_options"].fillna("").str.contains(r"\bparallel=(?:ddp|fsdp2)").any()
+    return [NOTES["predicted"]] + ([NOTES["predicted_distributed"]] if distributed else [])
+
+
 def _marked_in(table: pd.DataFrame, notes: list[str]) -> list[str]:
     """`notes` less those explaining a mark (ROW_MARKS: †, §, ...) that none of the table's cells carries: the folder's
     cells decide which notes its tables may need, and one table shows a mark another does not."""
@@ -300,7 +306,8 @@ def write_all(runs: pd.DataFrame, cells: pd.DataFrame, directory: Path) -> dict[
         table = entry.build(runs, cells, rows)
         if table is None:
             continue
-        notes = [n for key in entry.notes for n in (_timing_notes(cells) if key == "timing" else [NOTES[key]])]
+        notes = [n for key in entry.notes for n in (_timing_notes(cells) if key == "timing" else
+                                                    _predicted_notes(cells) if key == "predicted" else [NOTES[key]])]
         markdown[name] = to_markdown(table, _marked_in(table, common + notes))
         (directory / f"{name}.md").write_text(f"# {entry.caption}\n\n{markdown[name]}\n")
         (directory / f"{name}.tex").write_text(to_latex(table, entry.caption))
