@@ -557,7 +557,9 @@ def test_the_collectives_a_rank_receives_are_the_ring_algorithms_bytes_at_the_pr
     p, gemm = trace.parameters, sum(trace.gemm_weights.values())
     ddp = collectives(trace, make_cfg("parallel=ddp", "parallel.world_size=8").parallel, h100, 1.0, "h")
     assert ddp.received == {"all_reduce": 2 * 7 / 8 * p * 4} and ddp.over == "nvlink"
-    assert ddp.seconds == pytest.approx(2 * 7 / 8 * p * 4 / 450e9) and ddp.exposed == 0
+    last = p * 4 - 2**20  # the char-LM's gradients fill DDP's first bucket (1 MiB) and part of a second, the last
+    assert 0 < last < 25 * 2**20 and ddp.seconds == pytest.approx(2 * 7 / 8 * p * 4 / 450e9)
+    assert ddp.exposed == pytest.approx(2 * 7 / 8 * last / 450e9)  # ready only as the backward pass ends
     fsdp = make_cfg("parallel=fsdp2", "parallel.world_size=16", "parallel.param_dtype=bf16").parallel
     sent = collectives(trace, fsdp, h100, 0.0, "h")
     blocks = sum(n for name, n in trace.gemm_weights.items() if name.startswith("h."))  # gathered twice, the rest once
@@ -571,6 +573,13 @@ def test_the_collectives_a_rank_receives_are_the_ring_algorithms_bytes_at_the_pr
     fp8 = collectives(trace, fsdp, h100, 1.0, "h", frozenset(trace.gemm_weights))
     assert fp8.received["all_gather"] == pytest.approx(15 / 16 * ((gemm + blocks) * 1 + (p - gemm) * 2))
     assert collectives(trace, make_cfg("parallel=ddp", "parallel.world_size=1").parallel, h100, 1.0, "h") is None
+
+
+def test_ddps_last_bucket_is_what_its_first_and_full_buckets_leave():
+    from bench.speed.model import ddp_last_bucket
+
+    mib = 2**20
+    assert [ddp_last_bucket(n * mib) / mib for n in (0.5, 1, 3, 26, 31, 51)] == [0.5, 1, 2, 25, 5, 25]
 
 
 def test_the_predicted_collectives_are_the_bytes_the_fsdp2_ranks_handed_them(lenet_cells):

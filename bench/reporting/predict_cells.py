@@ -176,7 +176,8 @@ def _step(cfg, trace, recipe, target, compiled: bool) -> tuple[float, str | None
         return ranked.seconds, f"collectives not priced ({target.name}'s profile has no interconnect figures)"
     received = ", ".join(f"{kind} {n / 2**20:.3g} MiB" for kind, n in sent.received.items())
     return ranked.seconds, (f"a rank's collectives {sent.seconds * 1e3:.3g} ms over {sent.over} ({received} "
-                            f"received), {sent.exposed * 1e3:.3g} ms of it exposed")
+                            f"received), {sent.exposed * 1e3:.3g} ms of it exposed (priced by bandwidth alone, no "
+                            "per-call latency; unvalidated: docs/distributed.md)")
 
 
 def _memory(cfg, trace, recipe) -> tuple[str, str | None]:

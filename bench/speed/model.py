@@ -583,6 +583,17 @@ def step_memory(trace: StepTrace, recipe: Recipe, shards: int = 1) -> dict:
 # DDP's default gradient bucket cap (torch.nn.parallel.DistributedDataParallel's bucket_cap_mb): a compression hook
 # holds one bucket's 16-bit copy at a time
 DDP_BUCKET_BYTES = 25 * 2**20
+DDP_FIRST_BUCKET_BYTES = 2**20  # its first bucket's (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def ddp_last_bucket(gradient_bytes: float) -> float:
+    """The bytes of DDP's last gradient bucket: buckets fill in reverse order of the parameters, the first of
+    DDP_FIRST_BUCKET_BYTES, the rest of DDP_BUCKET_BYTES, and the last (the first layers', ready when the backward
+    pass ends) holds what is left."""
+    rest = gradient_bytes - DDP_FIRST_BUCKET_BYTES
+    if rest <= 0:
+        return gradient_bytes
+    return rest % DDP_BUCKET_BYTES or DDP_BUCKET_BYTES
 
 
 def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None) -> dict:
@@ -645,13 +656,16 @@ def collectives(trace: StepTrace, parallel, target: GPU, compute_s: float, block
     them (nccl-tests' bus bandwidth: a rank receives (n-1)/n of an all-gather's or reduce-scatter's whole, twice that
     of an all-reduce's), over NVLink within a node of NODE_GPUS and the network beyond:
     - ddp: every gradient all-reduced in fp32 (or `gradient_compression`'s type), overlapped with the backward pass
-      bucket by bucket: what the step's compute cannot cover is exposed;
+      bucket by bucket: the last bucket (`ddp_last_bucket`), ready only when the backward pass ends, is exposed,
+      and whatever else the step's compute cannot cover;
     - fsdp2: the parameters all-gathered in param_dtype, a block's twice (forward, and backward after resharding),
       the root's once (FSDP2 keeps the root module's gathered from its forward through its backward; a block's
       biases and norms are counted with the root's), the Linear weights in `fp8_gather` (torchao's FP8 all-gather)
       at one byte; the gradients reduce-scattered in reduce_dtype.
       FSDP2 prefetches the next block's gather under the current block's compute, so the first block's gather is
       exposed, and whatever the compute cannot cover.
+    Each collective is priced by its bytes at the bandwidth alone, no per-call latency (a small model's many small
+    collectives are priced low), and no measured step has validated these figures (docs/distributed.md).
     None on one rank, or on a profile without the interconnect's figures."""
     n = parallel.world_size
     bandwidth = target.nvlink_gb_s if n <= NODE_GPUS else target.network_gb_s
@@ -660,7 +674,8 @@ def collectives(trace: StepTrace, parallel, target: GPU, compute_s: float, block
     share = (n - 1) / n
     if parallel.name == "ddp":
         reduced = "fp32" if parallel.gradient_compression == "none" else parallel.gradient_compression
-        received, first = {"all_reduce": 2 * share * trace.parameters * _element_bytes(reduced)}, 0.0
+        gradient_bytes = trace.parameters * _element_bytes(reduced)
+        received, first = {"all_reduce": 2 * share * gradient_bytes}, 2 * share * ddp_last_bucket(gradient_bytes)
     else:
         in_blocks = {name for name in trace.gemm_weights if block_of(name, blocks) is not None}
         gathered = sum(e * (1 if name in fp8_gather else _element_bytes(parallel.param_dtype))
