@@ -718,15 +718,16 @@ def test_a_masked_lms_ranks_weigh_their_unequal_shares_of_masked_positions_as_on
 
     data = ["model=bert_mlm_tiny", "model.data.source=local", f"model.data.path={text_file}", "model.data.sha256=null",
             "model.arch.dropout=0", "model.batch_size=8", "train.max_steps=3", "train.log_every=1"]
-    for scaling in ("none", "unit"):
-        curves = []
-        for wrapper in ([], ["parallel=ddp"]):
-            cfg = make_cfg(*data, f"scaling={scaling}", *wrapper)
+    for scaling, wrappers in (("none", ("ddp", "fsdp2")), ("unit", ("ddp",))):
+        curves = {}
+        for wrapper in ("none", *wrappers):
+            cfg = make_cfg(*data, f"scaling={scaling}", f"parallel={wrapper}")
             assert run_cell(cfg)["status"] == "ok"
-            curves.append([loss for _, loss in logged_losses(Path(cfg.results_dir) / cfg.cell)])
-        one, ddp = curves
-        assert math.isclose(one[0], ddp[0], rel_tol=1e-6), scaling  # the first logged loss: the batch's mean
-        assert math.isclose(one[-1], ddp[-1], rel_tol=1e-6), scaling
+            curves[wrapper] = [loss for _, loss in logged_losses(Path(cfg.results_dir) / cfg.cell)]
+        for wrapper in wrappers:  # FSDP2 warns that the model returned a view: the task changes none in place
+            one, ranks = curves["none"], curves[wrapper]
+            assert math.isclose(one[0], ranks[0], rel_tol=1e-6), (scaling, wrapper)  # the first: the batch's mean
+            assert math.isclose(one[-1], ranks[-1], rel_tol=1e-6), (scaling, wrapper)
 
 
 def test_a_share_without_loss_terms_weighs_nothing_and_sends_no_nan_backward(tmp_path):
@@ -744,3 +745,14 @@ def test_a_share_without_loss_terms_weighs_nothing_and_sends_no_nan_backward(tmp
             assert parallel.batch_weighted(whole, torch.tensor(7), gradient_too).item() == 2.5  # one rank: as it is
     finally:
         dist.destroy_process_group()
+
+
+def test_a_wrapper_named_alone_runs_one_rank_and_says_so(make_cfg, caplog):
+    """`parallel.name=ddp` keeps parallel=none's world size (1): a real job of one rank, wrapped (the CUDA tests run
+    one), which a newcomer took for the two ranks `parallel=ddp` brings; the log says which it is."""
+    from bench.running.run import run_cell
+
+    with caplog.at_level("WARNING"):
+        record = run_cell(make_cfg("model=lenet", "parallel.name=ddp", "train.max_steps=1"))
+    assert record["status"] == "ok" and record["parallel"]["world_size"] == 1
+    assert "parallel.name=ddp with parallel.world_size=1 is a job of one rank" in caplog.text

@@ -168,6 +168,10 @@ def launch(cfg: DictConfig, config: dict, train_rank) -> dict:
 
     if (crowded := oversubscribed(cfg)) is not None:
         log.warning("%s: %s", cfg.cell, crowded)
+    if cfg.parallel.world_size == 1:  # `parallel.name=ddp` keeps the none group's world size: said, not refused
+        log.warning("%s: parallel.name=%s with parallel.world_size=1 is a job of one rank, wrapped (the config group "
+                    "parallel=%s brings its own world size, conf/parallel/%s.yaml; parallel.world_size=N sets any)",
+                    cfg.cell, cfg.parallel.name, cfg.parallel.name, cfg.parallel.name)
     multiprocessing.set_forkserver_preload(PRELOADED)
     job = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size, run_id=f"bench-{os.getpid()}",
                        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
