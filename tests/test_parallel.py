@@ -688,6 +688,18 @@ def test_bench_predict_gathers_a_cells_converted_weights_in_fp8_where_it_asks():
     assert gathered["all_gather"] < 0.5 * plain["all_gather"] and gathered["reduce_scatter"] == plain["reduce_scatter"]
 
 
+def test_bench_predicts_rows_name_what_tells_them_apart_beyond_model_format_and_scaling():
+    """Rows of a sweep over parallel or optimiser keys read alike but for their memory and note: the `also set`
+    column names the cell's other overrides (a newcomer could not tell bf16 gradient compression's row from
+    FP32's)."""
+    from bench.reporting.predict_cells import rows
+    from bench.speed.profiles import gpu
+
+    found = rows(["model=lenet", "parallel=ddp", "parallel.gradient_compression=none,bf16"], [gpu("H100")])
+    assert [row["also set"] for row in found] == ["parallel=ddp, parallel.gradient_compression=none",
+                                                  "parallel=ddp, parallel.gradient_compression=bf16"]
+
+
 def test_a_rank_that_refuses_the_cell_while_building_it_exits_2_as_a_one_device_cell_does(tmp_path):
     """A ConfigError a rank raises building the cell (here the text's sha256; a newcomer met a failed download,
     2026-11-30) was a failed job: rc 1 and a record. Now it is the ConfigError it was: exit 2, nothing written."""

@@ -125,7 +125,7 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
         label = describe(OmegaConf.to_container(cfg.model, resolve=True))[1]
         for target in gpus:
             recipe = recipe_on(cfg, trace, target)
-            row = {"model": label, "scaling": cfg.scaling.name, "GPU": target.name}
+            row = {"model": label, "scaling": cfg.scaling.name, "also set": _also_set(cell), "GPU": target.name}
             if isinstance(recipe, NoNativePath):
                 setting = format_spec(cfg.format.name).setting(cfg.format.mode)
                 stored, where = _stored_natively(cfg, trace, gpus)
@@ -144,6 +144,13 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
                               "eager step": f"{eager * 1e3:.3g} ms", **speedups, "memory (MiB)": memory,
                               "note": "; ".join(n for n in (trace.note, recipe.note, per_rank, sent) if n)})
     return out
+
+
+def _also_set(cell: list[str]) -> str:
+    """What the cell sets besides its model, format and scaling method (its setting and scaling columns): the
+    parallel, optimiser, master-weight and format options that tell two rows apart ("" for none)."""
+    shown = [o.lstrip("+~") for o in cell if "=" in o]
+    return ", ".join(o for o in shown if o.split("=")[0] not in ("model", "format", "scaling", "gpu"))
 
 
 def _distributed(cfg):
@@ -225,7 +232,7 @@ def _ratio(reference_s: float, format_s: float) -> str:
 
 
 COLUMNS = ["model", "setting", "scaling", "GPU", "compiled step", "eager step", "vs 32-true", "vs bf16-mixed",
-           "memory (MiB)", "note"]
+           "memory (MiB)", "also set", "note"]
 
 
 def main(argv: list[str] | None = None) -> int:
