@@ -672,7 +672,8 @@ def test_a_compiled_distributed_cell_compiles_each_block_before_wrapping_and_tra
 
 def test_bench_predict_gathers_a_cells_converted_weights_in_fp8_where_it_asks():
     """bench.predict of a cell with parallel.fp8_all_gather=true prices its all-gathers at a byte a converted weight
-    element: less received than the same cell gathering in FP32, the reduce-scatters the same."""
+    element: less received than the same cell gathering in FP32, the reduce-scatters the same; its communication
+    buffers hold those weights at a byte."""
     import re
 
     from bench.reporting.predict_cells import rows
@@ -681,11 +682,13 @@ def test_bench_predict_gathers_a_cells_converted_weights_in_fp8_where_it_asks():
     def received(*extra):
         (row,) = rows(["model=charlm", "parallel=fsdp2", "parallel.world_size=4", "format=fp8", "scaling=per_tensor",
                        *extra], [gpu("H100")])
-        found = re.findall(r"(all_gather|reduce_scatter) ([\d.e+-]+) MiB", row["note"])
+        found = re.findall(r"(all_gather|reduce_scatter|communication buffers) ([\d.e+-]+) MiB", row["note"])
         return {kind: float(mib) for kind, mib in found}
 
     plain, gathered = received(), received("parallel.fp8_all_gather=true")
     assert gathered["all_gather"] < 0.5 * plain["all_gather"] and gathered["reduce_scatter"] == plain["reduce_scatter"]
+    # and the rank holds the gathered weights at a byte each (it held them in FP32: a newcomer's trial)
+    assert gathered["communication buffers"] < 0.6 * plain["communication buffers"]
 
 
 def test_bench_predicts_rows_name_what_tells_them_apart_beyond_model_format_and_scaling():

@@ -189,13 +189,14 @@ def _step(cfg, trace, recipe, target, compiled: bool) -> tuple[float, str | None
 
 def _memory(cfg, trace, recipe) -> tuple[str, str | None]:
     """The step's memory in MiB, and for a distributed cell (one rank's: `rank_memory`) a note saying so."""
-    from bench.speed.model import rank_memory, step_memory
+    from bench.speed.model import Recipe, fp8_gathered, rank_memory, step_memory
 
     p = _distributed(cfg)
     memory = step_memory(trace, recipe, shards=p.world_size if p is not None and p.name == "fsdp2" else 1)
     if p is None:
         return f"{memory['total'] / 2**20:.4g}", None
-    rank = rank_memory(memory, trace, p, cfg.model.task.get("blocks"))
+    rank = rank_memory(memory, trace, p, cfg.model.task.get("blocks"),
+                       fp8_gathered(trace, recipe, p.fp8_all_gather) if isinstance(recipe, Recipe) else frozenset())
     return (f"{rank['total'] / 2**20:.4g}", f"one rank of {p.name} over {p.world_size}, its share of the batch (its "
             f"memory's communication buffers {rank['communication_buffers'] / 2**20:.3g} MiB)")
 

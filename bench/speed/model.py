@@ -596,7 +596,16 @@ def ddp_last_bucket(gradient_bytes: float) -> float:
     return rest % DDP_BUCKET_BYTES or DDP_BUCKET_BYTES
 
 
-def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None) -> dict:
+def fp8_gathered(trace: StepTrace, recipe: Recipe, wanted: bool) -> frozenset:
+    """The Linear weights a cell all-gathers in FP8 where it `wanted` to (`parallel.fp8_all_gather`: torchao's FP8
+    all-gather of the weights its recipe converts); none otherwise."""
+    if not wanted:
+        return frozenset()
+    return frozenset(n for n in trace.linears if recipe.casts and _converted(recipe, trace, n))
+
+
+def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None,
+                fp8_gather: frozenset = frozenset()) -> dict:
     """One rank's step under the cell's data-parallel wrapper (`parallel`: the config section; bench/running/
     parallel.py), from the breakdown (`step_memory`) of a step of the rank's share of the batch (`trace`):
     - its activations and weight copies are the share's, under FSDP2 with a 16-bit param_dtype (FSDP2 casts the
@@ -604,14 +613,20 @@ def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None) ->
     - ddp: every rank holds the whole model, its gradients and the optimiser's state, and DDP's gradient buckets (a
       copy of every gradient; with a compression hook, one bucket's 16-bit copy besides);
     - fsdp2: every rank holds 1/world_size of the parameters, gradients and optimiser state (its shards), and in
-      `communication_buffers` the parameters it all-gathers in param_dtype (the largest block's twice, the one
-      computing and the one prefetched, and those outside the blocks, which the root gathers for the whole step)
-      and one block's unsharded gradients in reduce_dtype before they are reduce-scattered.
+      `communication_buffers` the parameters it all-gathers in param_dtype, those in `fp8_gather` at a byte (the
+      largest block's twice, the one computing and the one prefetched, and those outside the blocks, which the root
+      gathers for the whole step) and one block's unsharded gradients in reduce_dtype before they are
+      reduce-scattered.
     A block is a module under `blocks` (the model's TaskSpec.blocks); its parameters are counted from its GEMM
     weights (a block's biases and norms are left with the root's)."""
     world = parallel.world_size  # the parameters' holders: FSDP2 shards them
     per_block = _block_weights(trace, blocks)
     largest, root = max(per_block.values(), default=0), trace.parameters - sum(per_block.values())
+    gathered = _element_bytes(parallel.param_dtype)
+    block_bytes = {block: sum(e * (1 if name in fp8_gather else gathered) for name, e in trace.gemm_weights.items()
+                              if block_of(name, blocks) == block) for block in per_block}
+    root_bytes = root * gathered - sum(e * (gathered - 1) for name, e in trace.gemm_weights.items()
+                                       if name in fp8_gather and block_of(name, blocks) is None)
     width = _element_bytes(parallel.param_dtype) / ELEMENT_BYTES["fp32"] if parallel.name == "fsdp2" else 1.0
     out = {"activations": memory["activations"] * width, "weight_copies": memory["weight_copies"]}
     if parallel.name == "ddp":
@@ -621,7 +636,7 @@ def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None) ->
         out["communication_buffers"] = gradients + hook
     else:  # fsdp2
         out |= {k: memory[k] / world for k in ("parameters", "gradients", "optimizer_state")}
-        out["communication_buffers"] = ((2 * largest + root) * _element_bytes(parallel.param_dtype)
+        out["communication_buffers"] = (2 * max(block_bytes.values(), default=0) + root_bytes
                                         + largest * _element_bytes(parallel.reduce_dtype))
     return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
 
@@ -709,7 +724,6 @@ def rank_step(trace: StepTrace, recipe: Recipe, target: GPU, compiled: bool, par
     (torchao's FP8 all-gather)."""
     step = predict(trace, recipe, target, compiled, constants,
                    shards=parallel.world_size if parallel.name == "fsdp2" else 1)
-    gathered = frozenset(n for n in trace.linears if recipe.casts and _converted(recipe, trace, n)) \
-        if fp8_gather else frozenset()
+    gathered = fp8_gathered(trace, recipe, fp8_gather)
     return RankStep(step, collectives(trace, parallel, target, step.gemm + step.attention + step.memory, blocks,
                                       gathered))
