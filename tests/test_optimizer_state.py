@@ -209,14 +209,12 @@ def test_under_fsdp2_a_record_counts_the_shards_as_the_run_stores_them(make_cfg,
 
 def _predicted_memory(cfg) -> dict:
     """bench.predict's memory of the cell's step (one rank's, for a distributed cell), as its table gives it."""
-    from bench.reporting.predict_cells import _distributed, _rank_share, _traced
-    from bench.speed.model import rank_memory, recipe_on, step_memory
+    from bench.reporting.predict_cells import _rank_share, _traced, memory_of
+    from bench.speed.model import recipe_on
     from bench.speed.profiles import shipped_gpus
 
-    trace, p = _traced(_rank_share(cfg)), _distributed(cfg)
-    memory = step_memory(trace, recipe_on(cfg, trace, shipped_gpus()["H100"]),
-                         shards=p.world_size if p is not None and p.name == "fsdp2" else 1)
-    return memory if p is None else rank_memory(memory, trace, p, cfg.model.task.blocks)
+    trace = _traced(_rank_share(cfg))
+    return memory_of(cfg, trace, recipe_on(cfg, trace, shipped_gpus()["H100"]))
 
 
 def test_bench_predict_keeps_the_moments_torchao_keeps_in_fp32_and_counts_each_code_book(make_cfg, text_file):

@@ -187,18 +187,24 @@ def _step(cfg, trace, recipe, target, compiled: bool) -> tuple[float, str | None
                             "per-call latency; unvalidated: docs/distributed.md)")
 
 
-def _memory(cfg, trace, recipe) -> tuple[str, str | None]:
-    """The step's memory in MiB, and for a distributed cell (one rank's: `rank_memory`) a note saying so."""
-    from bench.speed.model import Recipe, fp8_gathered, rank_memory, step_memory
+def memory_of(cfg, trace, recipe) -> dict:
+    """The bytes of the cell's step by category (`step_memory`); a distributed cell's, one rank's (`rank_memory`)."""
+    from bench.speed.model import fp8_gathered, rank_memory, state_shards, step_memory
 
     p = _distributed(cfg)
-    memory = step_memory(trace, recipe, shards=p.world_size if p is not None and p.name == "fsdp2" else 1)
+    memory = step_memory(trace, recipe, shards=state_shards(p))
+    if p is None:
+        return memory
+    return rank_memory(memory, trace, p, cfg.model.task.get("blocks"), fp8_gathered(trace, recipe, p.fp8_all_gather))
+
+
+def _memory(cfg, trace, recipe) -> tuple[str, str | None]:
+    """The step's memory in MiB, and for a distributed cell (one rank's) a note saying so."""
+    memory, p = memory_of(cfg, trace, recipe), _distributed(cfg)
     if p is None:
         return f"{memory['total'] / 2**20:.4g}", None
-    rank = rank_memory(memory, trace, p, cfg.model.task.get("blocks"),
-                       fp8_gathered(trace, recipe, p.fp8_all_gather) if isinstance(recipe, Recipe) else frozenset())
-    return (f"{rank['total'] / 2**20:.4g}", f"one rank of {p.name} over {p.world_size}, its share of the batch (its "
-            f"memory's communication buffers {rank['communication_buffers'] / 2**20:.3g} MiB)")
+    return (f"{memory['total'] / 2**20:.4g}", f"one rank of {p.name} over {p.world_size}, its share of the batch "
+            f"(its memory's communication buffers {memory['communication_buffers'] / 2**20:.3g} MiB)")
 
 
 def gemm_tables(overrides: list[str], gpus: list) -> list[str]:

@@ -596,6 +596,11 @@ def ddp_last_bucket(gradient_bytes: float) -> float:
     return rest % DDP_BUCKET_BYTES or DDP_BUCKET_BYTES
 
 
+def state_shards(parallel) -> int:
+    """The ranks a cell's parameters, gradients and optimiser state are split over: FSDP2's world size, else 1."""
+    return parallel.world_size if parallel is not None and parallel.name == "fsdp2" else 1
+
+
 def fp8_gathered(trace: StepTrace, recipe: Recipe, wanted: bool) -> frozenset:
     """The Linear weights a cell all-gathers in FP8 where it `wanted` to (`parallel.fp8_all_gather`: torchao's FP8
     all-gather of the weights its recipe converts); none otherwise."""
@@ -620,13 +625,8 @@ def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None,
     A block is a module under `blocks` (the model's TaskSpec.blocks); its parameters are counted from its GEMM
     weights (a block's biases and norms are left with the root's)."""
     world = parallel.world_size  # the parameters' holders: FSDP2 shards them
-    per_block = _block_weights(trace, blocks)
-    largest, root = max(per_block.values(), default=0), trace.parameters - sum(per_block.values())
-    gathered = _element_bytes(parallel.param_dtype)
-    block_bytes = {block: sum(e * (1 if name in fp8_gather else gathered) for name, e in trace.gemm_weights.items()
-                              if block_of(name, blocks) == block) for block in per_block}
-    root_bytes = root * gathered - sum(e * (gathered - 1) for name, e in trace.gemm_weights.items()
-                                       if name in fp8_gather and block_of(name, blocks) is None)
+    largest = max(_block_weights(trace, blocks).values(), default=0)
+    block_bytes, root_bytes = _gathered_bytes(trace, blocks, parallel.param_dtype, fp8_gather)
     width = _element_bytes(parallel.param_dtype) / ELEMENT_BYTES["fp32"] if parallel.name == "fsdp2" else 1.0
     out = {"activations": memory["activations"] * width, "weight_copies": memory["weight_copies"]}
     if parallel.name == "ddp":
@@ -639,6 +639,23 @@ def rank_memory(memory: dict, trace: StepTrace, parallel, blocks: str | None,
         out["communication_buffers"] = (2 * max(block_bytes.values(), default=0) + root_bytes
                                         + largest * _element_bytes(parallel.reduce_dtype))
     return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
+
+
+def _gathered_bytes(trace: StepTrace, blocks: str | None, param_dtype: str,
+                    fp8_gather: frozenset) -> tuple[dict[str, float], float]:
+    """What one FSDP2 all-gather of each block brings, by block name, and of the root (the parameters outside the
+    blocks, a block's biases and norms among them: `_block_weights`), in bytes: every parameter in `param_dtype`, the
+    GEMM weights in `fp8_gather` at a byte."""
+    width = _element_bytes(param_dtype)
+    per_block: dict[str, float] = {}
+    root = (trace.parameters - sum(trace.gemm_weights.values())) * width  # biases, norms, embeddings
+    for name, elements in trace.gemm_weights.items():
+        gathered = elements * (1 if name in fp8_gather else width)
+        if (block := block_of(name, blocks)) is None:
+            root += gathered
+        else:
+            per_block[block] = per_block.get(block, 0) + gathered
+    return per_block, root
 
 
 def _block_weights(trace: StepTrace, blocks: str | None) -> dict[str, int]:
@@ -692,11 +709,8 @@ def collectives(trace: StepTrace, parallel, target: GPU, compute_s: float, block
         gradient_bytes = trace.parameters * _element_bytes(reduced)
         received, first = {"all_reduce": 2 * share * gradient_bytes}, 2 * share * ddp_last_bucket(gradient_bytes)
     else:
-        in_blocks = {name for name in trace.gemm_weights if block_of(name, blocks) is not None}
-        gathered = sum(e * (1 if name in fp8_gather else _element_bytes(parallel.param_dtype))
-                       * (2 if name in in_blocks else 1) for name, e in trace.gemm_weights.items())
-        gathered += (trace.parameters - sum(trace.gemm_weights.values())) * _element_bytes(parallel.param_dtype)
-        received = {"all_gather": share * gathered,
+        per_block, root = _gathered_bytes(trace, blocks, parallel.param_dtype, fp8_gather)
+        received = {"all_gather": share * (2 * sum(per_block.values()) + root),  # a block's twice, the root's once
                     "reduce_scatter": share * trace.parameters * _element_bytes(parallel.reduce_dtype)}
         first = share * max(_block_weights(trace, blocks).values(), default=0) * _element_bytes(parallel.param_dtype)
     seconds = sum(received.values()) / (bandwidth * 1e9)
@@ -722,8 +736,7 @@ def rank_step(trace: StepTrace, recipe: Recipe, target: GPU, compiled: bool, par
     """One rank's step of a distributed cell (`trace`: its share of the batch), FSDP2's optimiser sharded over the
     ranks, and its collectives (`collectives`). `fp8_gather`: the converted Linear weights all-gathered in FP8
     (torchao's FP8 all-gather)."""
-    step = predict(trace, recipe, target, compiled, constants,
-                   shards=parallel.world_size if parallel.name == "fsdp2" else 1)
+    step = predict(trace, recipe, target, compiled, constants, shards=state_shards(parallel))
     gathered = fp8_gathered(trace, recipe, fp8_gather)
     return RankStep(step, collectives(trace, parallel, target, step.gemm + step.attention + step.memory, blocks,
                                       gathered))
