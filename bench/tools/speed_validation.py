@@ -36,7 +36,7 @@ from bench.speed import model as speed
 from bench.speed.gemm import GemmKernel
 from bench.speed.model import CONSTANTS, NoNativePath, predict, recipe_on
 from bench.speed.profiles import GPU, gpu
-from bench.speed.trace import StepTrace, trace_cell, trace_step, with_op_recomputation
+from bench.speed.trace import HUB_ARCHITECTURES, StepTrace, trace_cell, trace_step, with_op_recomputation
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = sorted((ROOT / "results" / "bench").glob("cuda-*.json"))
@@ -60,14 +60,17 @@ SETTINGS = {"fp32": ["format=fp32"], "tf32": ["format=tf32"], "16-mixed": ["form
             "fp8-rowwise-bf16-elsewhere": ["format=fp8", "scaling=rowwise"]}
 
 
-PUBLISHED_VOCABULARY = 30_522  # bert-base/large-uncased's and distilbert-base-uncased's WordPiece pieces
+def published_vocabulary(checkpoint: str) -> int:
+    """The embedding rows of a published checkpoint (its architecture, as bench/data/hub_architectures.yaml holds
+    it)."""
+    return yaml.safe_load(HUB_ARCHITECTURES.read_text())[checkpoint]["vocab_size"]
 
 
 def encoder(model: str, layers: int, hidden: int, heads: int, intermediate: int, batch: int, seq: int,
             vocabulary: int | None = None) -> list[str]:
     """A random-init BERT-family model of this shape on full-length batches (as make bench measures them), its
     embedding of `vocabulary` rows (None: the shipped tokenizer's 303, as our own runs trained it; a published
-    figure's model has its checkpoint's, PUBLISHED_VOCABULARY)."""
+    figure's model has its checkpoint's, `published_vocabulary`)."""
     return [f"model={model}", f"model.arch.layers={layers}", f"model.arch.hidden={hidden}",
             f"model.arch.heads={heads}", f"model.arch.intermediate={intermediate}", f"model.batch_size={batch}",
             f"model.max_length={seq}", *([f"model.arch.vocab_size={vocabulary}"] if vocabulary else [])]
@@ -316,7 +319,7 @@ def llama_rows(key: str, source: dict) -> list[Row]:
 
 def raschka_rows(key: str, source: dict) -> list[Row]:
     """R1: DistilBERT's FP32 training time over each setting's, on an A100, eager."""
-    distil = encoder("distilbert_tiny", 6, 768, 12, 3072, 12, 512, PUBLISHED_VOCABULARY)
+    distil = encoder("distilbert_tiny", 6, 768, 12, 3072, 12, 512, published_vocabulary("distilbert-base-uncased"))
     name, minutes = source["baseline"]
     fp32 = step([*distil, *SETTINGS[name]], source["gpu"], compiled=False)
     return [Row(key, "DistilBERT 6L×768, 12×512", source["gpu"], f"{setting} / {name}", "eager", minutes / theirs,
@@ -327,10 +330,10 @@ def raschka_rows(key: str, source: dict) -> list[Row]:
 def bert_large_rows(key: str, source: dict) -> list[Row]:
     """R3 and NVIDIA's pre-training tables: BERT-large on one GPU, eager, each step (batch / throughput), and each
     GPU and sequence length's ratio of its two settings' throughput as one row."""
-    rows, pairs = [], {}
+    rows, pairs, vocabulary = [], {}, published_vocabulary("bert-large-uncased")
     for target, setting, batch, seq, per_s in source["rows"]:
-        predicted = step([*encoder("bert_tiny", 24, 1024, 16, 4096, batch, seq, PUBLISHED_VOCABULARY),
-                          *SETTINGS[setting]], target, compiled=False)
+        predicted = step([*encoder("bert_tiny", 24, 1024, 16, 4096, batch, seq, vocabulary), *SETTINGS[setting]],
+                         target, compiled=False)
         rows.append(Row(key, f"BERT-large 24L×1024, {batch}×{seq}", target, setting, "eager", batch / per_s,
                         predicted))
         pairs.setdefault((target, seq), []).append((setting, batch, per_s, predicted))
