@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from bench.numerics import hardware
 from bench.numerics.blocks import MX_BLOCK
 from bench.speed.gemm import PEAK, RATE, GemmKernel, gemm_time, rate
 from bench.speed.profiles import GPU, shipped_gpus
-from bench.speed.trace import StepTrace
+from bench.speed.trace import StepTrace, TracedOp
 from bench.tasks.base import block_of
 
 
@@ -537,6 +538,61 @@ def _optimizer_bytes_per_element(trace: StepTrace, stored: float) -> float:
 FILLS = ("zeros", "ones", "empty", "full")  # aten ops that make a tensor without reading one: an optimiser's new state
 
 
+# aten ops (as the trace records them, after decomposition) that CUDA autocast runs in FP32 whatever their inputs'
+# type (torch.amp's "CUDA ops that can autocast to float32": layer_norm, softmax, log_softmax, cross_entropy's
+# parts, the losses, reductions and transcendental functions); a GEMM or attention gives the lower-precision type,
+# and any other op the wider of its floating-point inputs' (type promotion; BatchNorm its input's)
+AUTOCAST_FP32_OPS = frozenset({
+    "native_layer_norm", "native_group_norm", "_softmax", "_log_softmax", "nll_loss_forward", "nll_loss2d_forward",
+    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy_with_logits", "kl_div", "exp",
+    "expm1", "log", "log1p", "log2", "log10", "pow", "rsqrt", "reciprocal", "sum", "prod", "cumsum", "cumprod",
+    "norm", "linalg_vector_norm", "logsumexp", "softplus", "acos", "asin", "cosh", "sinh", "tan", "erfinv", "cdist",
+    "dist", "renorm"})
+KEEPS_INPUT_TYPE = ("native_batch_norm", "_native_batch_norm_legit", "empty_like", "zeros_like", "ones_like",
+                    "full_like", "rand_like", "randn_like", "new_")  # BatchNorm takes mixed types; a *_like copies
+
+
+def _autocast_saves(trace: StepTrace, lower: float) -> Callable[[TracedOp, int, int], tuple[float, tuple]]:
+    """What a backward op's read of a tensor holds under CUDA autocast: its bytes per element, and which copy it is
+    (one saved tensor per copy). The trace is of FP32 values; under autocast a GEMM's or attention's output is
+    `lower` (2 bytes) where LayerNorm's, softmax's or a sum with an FP32 tensor (the residual stream beside FP32
+    embeddings) stays FP32: followed through the forward pass op by op. A GEMM or attention saves its operands as it
+    took them, in `lower`: an FP32 one as autocast's cast, made anew for each GEMM (autocast caches the weights'
+    casts alone); an FP32 op (LayerNorm) a lower-precision input as its FP32 cast; any other op the tensor in its own
+    type. Attention's log-sum-exp is FP32."""
+    fp32 = set(trace.held)  # a mixed recipe's parameters (and float buffers) are FP32
+    cast_up: set[int] = set()  # lower-precision tensors an FP32 op took (and saved) as an FP32 copy
+    attention_extras: set[int] = set()
+    for op in trace.ops:
+        if op.phase != "forward" or op.kind == "view":
+            continue
+        name = op.op.split(".")[1]
+        floats = [t for t, size in zip(op.inputs, op.sizes) if size == 4]
+        if op.kind in ("gemm", "attention"):
+            wide = False
+            attention_extras.update(op.outputs[1:] if op.kind == "attention" else ())
+        elif name in AUTOCAST_FP32_OPS:
+            wide = True
+            cast_up.update(t for t in floats if t not in fp32)
+        elif name.startswith(KEEPS_INPUT_TYPE) or name.endswith("_"):  # an in-place op keeps its tensor's type
+            wide = bool(floats) and floats[0] in fp32
+        else:
+            wide = not floats or any(t in fp32 for t in floats)  # a fill (no input) makes FP32
+        fp32.update(t for t, size in zip(op.outputs, op.sizes[len(op.inputs):]) if wide and size == 4)
+    fp32.update(attention_extras)
+
+    def held_as(op: TracedOp, t: int, size: int) -> tuple[float, tuple]:
+        if size != 4:  # integers and masks, as they are
+            return size, (t,)
+        if op.kind == "gemm" or op.kind == "attention" and t not in attention_extras:
+            return lower, (t, "cast", op.module) if t in fp32 else (t,)
+        if t in fp32:
+            return 4.0, (t,)
+        return (4.0, (t, "cast")) if t in cast_up else (lower, (t,))
+
+    return held_as
+
+
 def step_memory(trace: StepTrace, recipe: Recipe, shards: int = 1) -> dict:
     """The bytes one training step holds, as the trace accounts for them under `recipe` (bench.predict's memory,
     where no step is run: bench/numerics/memory.py counts a real first step for a record): parameters, their
@@ -560,13 +616,18 @@ def step_memory(trace: StepTrace, recipe: Recipe, shards: int = 1) -> dict:
         for t, n in zip(op.inputs, op.reads):
             if t not in trace.held and t not in made_in_backward and t not in computed:
                 state[t] = max(state.get(t, 0), n)
-    saved: dict[int, float] = {}
+    held_as = _autocast_saves(trace, elsewhere) if recipe.autocast else \
+        lambda op, t, size: (elsewhere if size == 4 else size, (t,))
+    masks = {t for op in trace.ops if op.phase == "forward" and op.op.startswith("aten.bernoulli") for t in op.outputs}
+    saved: dict[tuple, float] = {}
     for op in trace.ops:
         if op.phase != "backward":
             continue
         for t, n, size in zip(op.inputs, op.reads, op.sizes):
             if t not in trace.held and t not in made_in_backward:  # made before the backward pass: saved for it
-                saved[t] = max(saved.get(t, 0.0), n * (elsewhere if size == 4 else size))
+                # a dropout mask, drawn here in the model's type, a GPU's dropout kernel keeps as booleans
+                width, copy = (1.0, (t,)) if t in masks else held_as(op, t, size)
+                saved[copy] = max(saved.get(copy, 0.0), n * width)
     # autocast's 16-bit copy of each GEMM's weight (an FP8 recipe's FP8 one) is saved for the backward pass too
     copies = sum(n * (_element_bytes(recipe.linear) if recipe.casts and _converted(recipe, trace, name) else elsewhere)
                  for name, n in trace.gemm_weights.items()) if recipe.autocast or recipe.casts else 0

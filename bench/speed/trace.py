@@ -204,14 +204,19 @@ def _gemm_shape(packet, args) -> tuple[int, int, int, int] | None:
 @contextlib.contextmanager
 def _without_value_reads():
     """transformers reads the attention mask's values to decide whether to pass it to SDPA at all (a batch without
-    padding needs none); the meta device has no values: traced as a padded batch is, with the mask. (Only where a
-    model has loaded transformers: importing it costs a LeNet cell a second.)"""
+    padding needs none); the meta device has no values: a batch with an attention mask is traced as a padded batch
+    is, with the mask, and one without (a masked LM's windows) without. (Only where a model has loaded transformers:
+    importing it costs a LeNet cell a second.)"""
     if "transformers" not in sys.modules:
         yield
         return
     from transformers import masking_utils
 
-    with mock.patch.object(masking_utils, "_ignore_bidirectional_mask_sdpa", lambda *a, **k: False):
+    def ignored(padding_mask, *args, **kwargs) -> bool:
+        return padding_mask is None and unpatched(padding_mask, *args, **kwargs)
+
+    unpatched = masking_utils._ignore_bidirectional_mask_sdpa
+    with mock.patch.object(masking_utils, "_ignore_bidirectional_mask_sdpa", ignored):
         yield
 
 
