@@ -23,6 +23,7 @@ stored.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -33,11 +34,13 @@ import yaml
 from bench.errors import ConfigError
 from bench.numerics.formats import FORMATS, ElementFormat
 
+logger = logging.getLogger(__name__)
 TENSOR_CORES = Path(__file__).with_suffix(".yaml")  # the parameters, as data beside this module
 PROMOTION_INTERVAL = 128  # elements: CUTLASS's default (4 MMAs of K = 32) and DeepSeek-V3's (§3.3.2); an assumption
 ZERO_EXPONENT = -(1 << 20)  # a zero operand's or accumulator's exponent: below every alignment, it never sets one
 STEP_ELEMENTS = 1 << 24  # products per step at most (rows of the output are taken in chunks below it)
 GROUP_BLOCKS = 8  # blocks one compiled call chains: fewer calls from Python, graphs still quick to compile
+FP32_FRACTION_BITS, FP32_EMIN, FP32_EMAX = 23, -126, 127
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class TensorCore:
     extra_bits: int
     min_exponent: int
     fp16_out_min_exponent: int
+    c_after: bool = False  # C added to the products' sum once it is rounded (c_added: after), not aligned with them
 
 
 @lru_cache(maxsize=None)
@@ -72,7 +76,7 @@ def tensor_core(gpu: str, inputs: str) -> TensorCore:
         raise ConfigError(f"no tensor-core model for {gpu} with {inputs} inputs; covered: {names}")
     step = generation["inputs"][inputs]
     return TensorCore(gpu, inputs, step["block"], step["extra_bits"], generation["min_exponent"],
-                      generation["fp16_out_min_exponent"])
+                      generation["fp16_out_min_exponent"], step.get("c_added", "aligned") == "after")
 
 
 def element(name: str) -> ElementFormat:
@@ -118,6 +122,8 @@ class _Step:
     output_emax: int
     nearest: bool  # round the output to nearest even (FP16) or toward zero (FP32)
     narrow: bool  # a block's aligned terms sum within int32 (Hopper's FP8: 32 terms under 2^15), which vectorises wider
+    c_after: bool = False  # the products' sum rounded toward zero to FP32, then C added, rounded to nearest even
+    output_dtype: torch.dtype = torch.float32
 
     def __call__(self, sa, ea, sb, eb, c):
         """D (float32) from block operands (block, ...) as significands and exponents, and C (float32, exact in the
@@ -129,18 +135,27 @@ class _Step:
         c_exponent = torch.where(c == 0, ZERO_EXPONENT, torch.where(biased == 0, -126, biased - 127))
         c_magnitude = ((bits & 0x7FFFFF) | torch.where(biased == 0, 0, 0x800000)).to(torch.int64)
         exponents = ea + eb
-        largest = torch.clamp(torch.maximum(exponents.amax(0), c_exponent), min=self.lowest)
+        largest = exponents.amax(0) if self.c_after else torch.maximum(exponents.amax(0), c_exponent)
+        largest = torch.clamp(largest, min=self.lowest)
         products = sa * sb
         negative = products >> 31  # all ones where the product is negative, else zero
         magnitude = (products ^ negative) - negative
         # int32 shifts stop at 31 (past it C++ leaves them undefined); the shifted magnitude is under 2^28, so 31 is 0
         aligned = (magnitude << self.left) >> torch.clamp(largest - exponents + self.right, 0, 31)
         total = ((aligned ^ negative) - negative).sum(0, dtype=torch.int32 if self.narrow else torch.int64).long()
+        if self.c_after:
+            # one FP32 (or FP16) addition rounded to nearest even: in float64 the sum of an FP32 and an FP16 or FP32
+            # value is exact, or its smaller term lies below a quarter of the output's unit, where no rounding of
+            # it reaches a tie (no double rounding)
+            products = self._round(total, largest - 23 - self.extra_bits, FP32_FRACTION_BITS, FP32_EMIN, FP32_EMAX,
+                                   nearest=False)
+            return (products.double() + c.double()).to(self.output_dtype).to(torch.float32)
         c_shift = largest - c_exponent - self.extra_bits  # C's significand onto the grid 2^(E - 23 - extra_bits)
         c_aligned = torch.where(c_shift >= 0, c_magnitude >> torch.clamp(c_shift, 0, 62),
                                 c_magnitude << torch.clamp(-c_shift, 0, 62))
         total = total + torch.where(c < 0, -c_aligned, c_aligned)
-        return self._round(total, largest - 23 - self.extra_bits)
+        return self._round(total, largest - 23 - self.extra_bits, self.fraction_bits, self.output_emin,
+                           self.output_emax, self.nearest)
 
     def chain(self, sa, ea, sb, eb, c):
         """D after the blocks of (k, ...) operands (k a multiple of the block), each step's D the next one's C."""
@@ -149,20 +164,21 @@ class _Step:
             c = self(sa[start:end], ea[start:end], sb[start:end], eb[start:end], c)
         return c
 
-    def _round(self, total, grid):
-        """total * 2^grid (exact integers) rounded to the output, subnormals kept; toward zero saturates, to nearest
-        overflows to infinity."""
+    @staticmethod
+    def _round(total, grid, fraction_bits: int, emin: int, emax: int, nearest: bool):
+        """total * 2^grid (exact integers) rounded to a format of `fraction_bits`, `emin` and `emax`, subnormals
+        kept; toward zero saturates, to nearest (even) overflows to infinity."""
         magnitude = total.abs()
         top = (magnitude.to(torch.float64).view(torch.int64) >> 52) - 1023  # floor(log2): |total| < 2^53
-        last_bit = torch.clamp(top + grid, min=self.output_emin) - self.fraction_bits
+        last_bit = torch.clamp(top + grid, min=emin) - fraction_bits
         drop = torch.clamp(last_bit - grid, 0, 62)
         kept = magnitude >> drop
-        if self.nearest:
+        if nearest:
             rest, half = magnitude - (kept << drop), (1 << drop) >> 1
             kept = kept + ((drop > 0) & ((rest > half) | ((rest == half) & ((kept & 1) == 1)))).to(torch.int64)
         value = kept.to(torch.float64) * _power_of_two(grid + drop)
-        largest = (2 - 2.0 ** -self.fraction_bits) * 2.0 ** self.output_emax
-        value = torch.where(value > largest, float("inf") if self.nearest else largest, value)
+        largest = (2 - 2.0 ** -fraction_bits) * 2.0 ** emax
+        value = torch.where(value > largest, float("inf") if nearest else largest, value)
         return torch.where(total < 0, -value, value).to(torch.float32)
 
 
@@ -175,7 +191,8 @@ def _step(core: TensorCore, a_format: str, b_format: str, output: str) -> _Step:
                  lowest=core.fp16_out_min_exponent if output == "fp16" and core.inputs == "fp16" else core.min_exponent,
                  fraction_bits=out.man_bits + (min(core.extra_bits, 0) if output == "fp32" else 0),
                  output_emin=out.emin, output_emax=out.emax, nearest=output == "fp16",
-                 narrow=core.block * (most << max(shift, 0)) < 2 ** 31)
+                 narrow=core.block * (most << max(shift, 0)) < 2 ** 31, c_after=core.c_after,
+                 output_dtype=out.torch_dtype)
 
 
 @lru_cache(maxsize=None)
@@ -202,8 +219,16 @@ RECOMPILE_LIMIT = 256  # shapes one compiled function may take (a model has a fe
 def _kernels(step: _Step, device: torch.device):
     """(split, step.chain) as compiled kernels where inductor builds them (CPU, CUDA), else as eager torch."""
     if device.type in ("cpu", "cuda"):
+        _say_compiling()
         return _compiled(split), _compiled(step.chain)
     return split, step.chain
+
+
+@lru_cache(maxsize=None)
+def _say_compiling() -> None:
+    """Once a process: a run whose first steps seem to hang says why."""
+    logger.info("compiling the tensor-core accumulation kernels, one per GEMM shape (inductor: minutes on 2 cores "
+                "the first time on a machine, LeNet's about 3; seconds once its cache holds them)")
 
 
 def _core(gpu: str, a_format: str, b_format: str) -> TensorCore:
@@ -211,7 +236,7 @@ def _core(gpu: str, a_format: str, b_format: str) -> TensorCore:
     share (a ConfigError where they differ)."""
     core = tensor_core(gpu, input_type(a_format))
     other = tensor_core(gpu, input_type(b_format))
-    if (core.block, core.extra_bits) != (other.block, other.extra_bits):
+    if (core.block, core.extra_bits, core.c_after) != (other.block, other.extra_bits, other.c_after):
         raise ConfigError(f"no tensor-core model for {gpu} with {a_format} x {b_format} operands")
     return core
 
@@ -327,5 +352,6 @@ class Accumulation:
         gemms = {gemm: f"{chained} (fast)" if fast else f"promoted to FP32 every {self.promote_every}"
                  for gemm, fast in zip(GEMMS, self.fast)} if self.fp8 else dict.fromkeys(GEMMS, chained)
         return {"tensor_cores": self.gpu, "gemms": gemms,
-                "model": "bench.numerics.tensor_cores (Khattak & Mikaitis's parameters, replayed against their GPU "
-                         "outputs); how cuBLAS tiles K and when it promotes are assumptions (docs/formats.md)"}
+                "model": "bench.numerics.tensor_cores: each instruction bit for bit (Khattak & Mikaitis's parameters, "
+                         "replayed against their GPU outputs); K chained in order, as cuBLAS did on an H100 at M = N = "
+                         "4096: how cuBLAS tiles K elsewhere and when it promotes are assumptions (docs/formats.md)"}
