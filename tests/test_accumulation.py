@@ -150,6 +150,25 @@ def test_a_convolution_is_an_implicit_gemm_on_its_patches():
     g_rows = gq.reshape(2, 8, 64).transpose(1, 2).reshape(-1, 8)
     grad_w = matmul(g_rows.t(), patches.t(), gpu="H100", a_format="fp8_e5m2", b_format="fp8_e4m3", promote_every=128)
     assert torch.equal(layer.weight.grad, (grad_w * (gs.reciprocal() * xs.reciprocal())).reshape(8, 3, 5, 5))
+    grad_patches = matmul(g_rows, wq.reshape(8, -1).t(), gpu="H100", a_format="fp8_e5m2", b_format="fp8_e4m3",
+                          promote_every=128) * (gs.reciprocal() * ws.reciprocal())
+    grad_x = F.fold(grad_patches.reshape(2, 64, 75).transpose(1, 2), (15, 15), 5, padding=2, stride=2)
+    assert torch.equal(x.grad, grad_x)
+
+
+def test_an_accumulating_step_holds_what_the_format_stores(make_cfg):
+    """The memory a record counts is the format's, however its GEMMs accumulate: LeNet in FP8 with per-tensor scales,
+    one step, with format.accumulation=H100 against exact accumulation: every category equal but the activations,
+    which hold the ten FP32 scales the scaled GEMMs save besides (a convolution saves its input's codes, not its
+    patches, and each GEMM's codes count at a byte: the H100 step counted 3.7 times exact's)."""
+    from bench.running.run import run_cell
+
+    args = ("format=fp8", "scaling=per_tensor", "train.max_steps=1")
+    exact, tensor_cores = (run_cell(make_cfg(*args, f"format.accumulation={a}"))["memory"]["step"]
+                           for a in ("exact", "H100"))
+    scales = 5 * 2 * 4  # LeNet's five GEMMs, an input's and a weight's scale each
+    assert tensor_cores == exact | {"activations": exact["activations"] + scales,
+                                    "total": exact["total"] + scales}
 
 
 def test_a_convolution_without_one_implicit_gemm_is_refused_before_it_trains():

@@ -332,11 +332,16 @@ def run_pass(passes: Passes, sites: tuple, key: tuple, body: Callable, x, *args)
 def _operand(value: torch.Tensor, site: TensorSite) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What a site made (value = its codes / its scale), as the codes a tensor core reads and the scale its GEMM
     divides out after: value * scale is the codes within two FP32 (or, under BF16 autocast, BF16) roundings, far
-    inside half a step of the element format, so rounding it again gives them back exactly."""
+    inside half a step of the element format, so rounding it again gives them back exactly. The codes, which the
+    GEMM saves, are told to the memory accounting as the site's output (held in its format)."""
     scale = site.last_scale
     if scale is None:
         return value, None
-    return quantise_value(value.float() * scale, site.spec, site.overflow, site.ftz), scale
+    codes = quantise_value(value.float() * scale, site.spec, site.overflow, site.ftz)
+    listening = None if site.listener is None else site.listener()
+    if listening is not None:
+        listening(value, codes, site.tensor_class, site.spec.name)
+    return codes, scale
 
 
 def _descaled(y: torch.Tensor, *scales: torch.Tensor | None) -> torch.Tensor:
@@ -379,6 +384,50 @@ class _TensorCoreLinear(torch.autograd.Function):
                         b_format=casts.activation.spec.name, promote_every=accumulation.promotion(2))
         return (_descaled(grad_x, g_scale, w_scale).reshape(x_codes.shape), _descaled(grad_w, g_scale, x_scale),
                 grad_2d.sum(0) if ctx.has_bias else None, None, None)
+
+
+class _TensorCoreConv(torch.autograd.Function):
+    """A convolution as an implicit GEMM through the tensor-core model (_TensorCoreLinear's three GEMMs): each output
+    position's patch (channels x kernel, im2col's order: K as cuDNN orders it is not known) against the flattened
+    weight. It saves the input's codes, as an implicit GEMM does, not its patches (kernel-area times larger), and
+    unfolds them again in the backward pass; the input gradient sums the overlapping patches' gradients in FP32
+    (F.fold, as autograd folds F.unfold's), where cuDNN runs a GEMM over out channels x kernel."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, casts: OpCasts, accumulation: Accumulation, geometry: dict):
+        (x_codes, x_scale), (w_codes, w_scale) = _operand(x, casts.activation), _operand(weight, casts.weight)
+        ctx.save_for_backward(x_codes, w_codes, x_scale, w_scale)
+        ctx.casts, ctx.accumulation, ctx.has_bias, ctx.geometry = casts, accumulation, bias is not None, geometry
+        n, _, height, width = x.shape
+        patches = F.unfold(x_codes, **geometry).transpose(1, 2)  # (n, positions, channels x kernel)
+        y = matmul(patches.reshape(-1, patches.shape[-1]), w_codes.reshape(w_codes.shape[0], -1),
+                   gpu=accumulation.gpu, a_format=casts.activation.spec.name, b_format=casts.weight.spec.name,
+                   promote_every=accumulation.promotion(0))
+        y = _descaled(y, x_scale, w_scale).reshape(n, patches.shape[1], -1)
+        y = y if bias is None else y + bias
+        rows, cols = ((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
+                      zip((height, width), geometry["padding"], geometry["dilation"], geometry["kernel_size"],
+                          geometry["stride"]))
+        return y.transpose(1, 2).reshape(n, -1, rows, cols)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_codes, w_codes, x_scale, w_scale = ctx.saved_tensors
+        casts, accumulation, geometry = ctx.casts, ctx.accumulation, ctx.geometry
+        n, out_channels = grad.shape[:2]
+        grad_2d = grad.reshape(n, out_channels, -1).transpose(1, 2).reshape(-1, out_channels)
+        g_codes, g_scale = _operand(grad_2d, casts.grad_output)
+        g_format = casts.grad_output.spec.name
+        patches = F.unfold(x_codes, **geometry).transpose(1, 2)
+        positions, patch = patches.shape[1:]
+        grad_patches = matmul(g_codes, w_codes.reshape(out_channels, -1).t(), gpu=accumulation.gpu, a_format=g_format,
+                              b_format=casts.weight.spec.name, promote_every=accumulation.promotion(1))
+        grad_w = matmul(g_codes.t(), patches.reshape(-1, patch).t(), gpu=accumulation.gpu, a_format=g_format,
+                        b_format=casts.activation.spec.name, promote_every=accumulation.promotion(2))
+        grad_patches = _descaled(grad_patches, g_scale, w_scale).reshape(n, positions, patch).transpose(1, 2)
+        grad_x = F.fold(grad_patches, x_codes.shape[-2:], **geometry)
+        return (grad_x, _descaled(grad_w, g_scale, x_scale).reshape(w_codes.shape),
+                grad_2d.sum(0) if ctx.has_bias else None, None, None, None)
 
 
 def _outside_autocast(device: str, call: Callable):
@@ -477,16 +526,10 @@ class EmulatedConv2d(CastOp, nn.Conv2d):
         return ConvGemm(self.stride, self.padding, self.dilation, self.groups)
 
     def _tensor_core_conv(self, x, weight, bias):
-        """The convolution as an implicit GEMM through the tensor-core model: each output position's patch (channels x
-        kernel, im2col's order: K as cuDNN orders it is not known) against the flattened weight. The input gradient
-        sums the overlapping patches' gradients in FP32 (F.fold), where cuDNN runs a GEMM over out channels x kernel."""
-        n, _, height, width = x.shape
-        patches = F.unfold(x, self.kernel_size, dilation=self.dilation, padding=self.padding, stride=self.stride)
-        y = _TensorCoreLinear.apply(patches.transpose(1, 2), weight.reshape(weight.shape[0], -1), bias, self.casts,
-                                    self.accumulation)
-        rows, cols = ((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
-                      zip((height, width), self.padding, self.dilation, self.kernel_size, self.stride))
-        return y.transpose(1, 2).reshape(n, -1, rows, cols)
+        """The convolution through the tensor-core model, as an implicit GEMM (_TensorCoreConv)."""
+        geometry = {"kernel_size": self.kernel_size, "dilation": self.dilation, "padding": self.padding,
+                    "stride": self.stride}
+        return _TensorCoreConv.apply(x, weight, bias, self.casts, self.accumulation, geometry)
 
     @property
     def implicit_gemm(self) -> str | None:
