@@ -357,7 +357,8 @@ def tile_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def te_nvfp4_reference(blocks: np.ndarray, tensor_amax: float) -> tuple[np.ndarray, np.ndarray]:
     """NVFP4 by Transformer Engine's rules, written from its CUDA source (transformer_engine/common/cast/nvfp4/
-    core_nvfp4.cuh, quantize_transpose_nvfp4.cuh, dequantize_nvfp4.cuh) in numpy float32 (each operation rounds
+    core_nvfp4.cuh, quantize_transpose_nvfp4.cuh, dequantize_nvfp4.cuh; the block scale as TE computes it from
+    523801d, 2026-03-16: docs/formats.md) in numpy float32 (each operation rounds
     once, as TE's IEEE float ops) with ml_dtypes' casts: an independent reference for te_nvfp4_quantise and
     te_nvfp4_tile_quantise. `blocks` (n, 16 or 256), finite; returns each block's stored E4M3 scale and the
     dequantised values, as TE's dequantiser computes them."""
