@@ -90,17 +90,19 @@ def test_aggregate_writes_under_results_local_unless_told(tmp_path):
     assert not (tmp_path / "results" / "tables").exists()
 
 
-def test_a_native_path_refused_while_converting_is_a_setup_error(tmp_path):
+@pytest.mark.parametrize("sweep", [[], ["-m"]])
+def test_a_native_path_refused_while_converting_is_a_setup_error(tmp_path, sweep):
     """Native FP8 on a model torchao converts nothing of (LeNet: no Linear has both sizes multiples of 16) is refused
     only as the model is converted, after the cell has started (bench/numerics/precision.py): still a set-up problem
-    like any other, so `python -m bench.run` exits 2 naming the valid choices and leaves nothing behind. A CPU has no
-    native FP8, so the process declares one (the way bench.tools.matrix simulates devices) before the command runs."""
+    like any other, so `python -m bench.run` exits 2 naming the valid choices and leaves nothing behind, as a run
+    and as a sweep (whose multirun.yaml it left). A CPU has no native FP8, so the process declares one (the way
+    bench.tools.matrix simulates devices) before the command runs."""
     simulated = ("import dataclasses, sys; import bench.numerics.specs as specs; "
                  "from bench.numerics.hardware import NativeSupport; "
                  "specs.FORMAT_SPECS['fp8'] = dataclasses.replace(specs.FORMAT_SPECS['fp8'], "
                  "native=lambda device: NativeSupport(True, True, 'a simulated FP8 device')); "
                  "sys.argv = ['bench.run', *sys.argv[1:]]; from bench.run import main; main()")
-    out = subprocess.run([sys.executable, "-c", simulated, "model=lenet", "format=fp8", "format.backend=native",
+    out = subprocess.run([sys.executable, "-c", simulated, *sweep, "model=lenet", "format=fp8", "format.backend=native",
                           "scaling=per_tensor", "train.max_steps=2", f"results_dir={tmp_path / 'runs'}"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

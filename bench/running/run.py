@@ -565,12 +565,14 @@ def _verdict(record: dict) -> str:
     return said + (" (recorded before)" if record.get("skipped") else "") + (f": {metrics}" if metrics else "")
 
 
+SWEEP_NOTE = "multirun.yaml"  # what Hydra writes into a sweep's results_dir before its first cell
 SETUP_FILES = {".hydra", "run.log", LOCK_NAME}  # what Hydra and the lock leave in a cell directory before training
 
 
 def _remove_setup_leftovers(results_dir: Path, cell: str) -> None:
     """After a config error, remove the cell's directory if it holds nothing but set-up files, and its parents up
-    to results_dir while they are empty: bad input leaves no empty run directories (and never touches a record)."""
+    to results_dir while they are empty: bad input leaves no empty run directories (and never touches a record).
+    A sweep stopped so leaves no `multirun.yaml` (Hydra's note of the sweep) where it wrote nothing else."""
     run_dir = results_dir / cell
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= SETUP_FILES:
         shutil.rmtree(run_dir)
@@ -578,6 +580,8 @@ def _remove_setup_leftovers(results_dir: Path, cell: str) -> None:
             if parent == results_dir or not parent.is_relative_to(results_dir) or any(parent.iterdir()):
                 break
             parent.rmdir()
+    if _in_multirun() and results_dir.is_dir() and [p.name for p in results_dir.iterdir()] == [SWEEP_NOTE]:
+        (results_dir / SWEEP_NOTE).unlink()
 
 
 def _in_multirun() -> bool:
