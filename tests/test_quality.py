@@ -163,7 +163,13 @@ def test_the_memory_model_of_a_format_no_gpu_runs_is_the_memory_its_emulated_run
 @pytest.mark.parametrize("args, says", [(["gpu=H900"], "unknown GPU 'H900'; known: V100, A100, H100, H200, B200"),
                                         (["format=fp9"], "format=fp9 is not an option"),
                                         (["model.optimizer.lrr=1"], "did you mean model.optimizer.lr?"),
-                                        (["--gpus", "H100"], "not key=value overrides")])
+                                        (["gpus", "H100"], "not key=value overrides"),
+                                        (["--gemm"], "--gemm: not an option of python -m bench.predict; valid: "
+                                                     "--gemms"),
+                                        (["gpu="], "gpu= names no GPU; valid: V100, A100, H100, H200, B200"),
+                                        (["train.max_steps=abc"], "train.max_steps: Value 'abc' of type 'str' could "
+                                                                  "not be converted to Integer"),
+                                        (["model.batch_size=-3"], "model.batch_size=-3 must be >= 1")])
 def test_bench_predict_refuses_bad_input_with_exit_2(args, says, capsys):
     from bench.reporting.predict_cells import main as predict
 

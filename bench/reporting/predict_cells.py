@@ -31,9 +31,15 @@ def _split_gpus(argv: list[str]) -> tuple[list[str], list]:
     """The overrides, and the GPU profiles `gpu=` names (default: every shipped one)."""
     names = [a.split("=", 1)[1] for a in argv if a.startswith("gpu=")]
     overrides = [a for a in argv if not a.startswith("gpu=")]
+    if flags := [a for a in overrides if a.startswith("-")]:
+        raise ConfigError(f"{', '.join(flags)}: not an option of python -m bench.predict; valid: --gemms, --help "
+                          "(and bench.run's overrides, gpu=<names>)")
     if not names:
         return overrides, list(shipped_gpus().values())
-    return overrides, [gpu(name) for value in names for name in value.split(",") if name]
+    gpus = [gpu(name) for value in names for name in value.split(",") if name]
+    if not gpus:
+        raise ConfigError(f"gpu= names no GPU; valid: {', '.join(shipped_gpus())} or a profile's yaml path")
+    return overrides, gpus
 
 
 def _configs(overrides: list[str]):
@@ -43,7 +49,7 @@ def _configs(overrides: list[str]):
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    from bench.running.command_line import check_command_line
+    from bench.running.command_line import check_command_line, composition_error
     from bench.running.config import CONF_DIR, check
 
     check_command_line(overrides)
@@ -56,7 +62,10 @@ def _configs(overrides: list[str]):
     composed = []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for cell in cells:
-            cfg = compose("config", overrides=list(cell))
+            try:
+                cfg = compose("config", overrides=list(cell))
+            except Exception as e:  # a value of the wrong type (train.max_steps=abc): said as bench.run says it
+                raise composition_error(e) or ConfigError(f"{' '.join(cell)}: {str(e).splitlines()[0]}") from None
             check(cfg)
             composed.append((list(cell), cfg))
     return composed

@@ -360,6 +360,9 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"threads={cfg.threads} must be >= 1 (or null for torch's default, one per core)")
     if cfg.train.epochs < 1:
         raise ConfigError(f"train.epochs={cfg.train.epochs} must be >= 1")
+    for key in ("batch_size", "eval_batch_size"):
+        if (size := cfg.model.get(key)) is not None and size < 1:
+            raise ConfigError(f"model.{key}={size} must be >= 1")
     if not (cfg.train.compile in (None, "auto") or isinstance(cfg.train.compile, bool)):
         raise ConfigError(f"train.compile={cfg.train.compile!r} is not a choice; valid: null, auto, true, false")
     if cfg.train.compile is True and cfg.format.accumulation != FORMAT_DEFAULTS["accumulation"]:
