@@ -701,6 +701,10 @@ def test_bench_predicts_rows_name_what_tells_them_apart_beyond_model_format_and_
     found = rows(["model=lenet", "parallel=ddp", "parallel.gradient_compression=none,bf16"], [gpu("H100")])
     assert [row["also set"] for row in found] == ["parallel=ddp, parallel.gradient_compression=none",
                                                   "parallel=ddp, parallel.gradient_compression=bf16"]
+    # and the note says the types the collectives carry (FSDP2's gather in FP32 unless told: a newcomer's trial)
+    assert "gradients all-reduced in fp32" in found[0]["note"] and "all-reduced in bf16" in found[1]["note"]
+    (fsdp2,) = rows(["model=lenet", "parallel=fsdp2", "parallel.param_dtype=bf16"], [gpu("H100")])
+    assert "parameters gathered in bf16, gradients reduced in fp32" in fsdp2["note"]
 
 
 def test_a_rank_that_refuses_the_cell_while_building_it_exits_2_as_a_one_device_cell_does(tmp_path):

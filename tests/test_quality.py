@@ -175,3 +175,25 @@ def test_bench_predict_refuses_bad_input_with_exit_2(args, says, capsys):
 
     assert predict(args) == 2
     assert says in capsys.readouterr().err
+
+
+def test_bench_predict_says_how_far_off_it_has_been_on_each_gpu_out_of_sample(tmp_path, capsys):
+    """A prediction says how far off the model has been out of sample, per GPU of its table: the median |error| of
+    the scorecard's validate rows, steps and speed-ups apart, fit rows and kernels timed alone left out; a GPU
+    without a validate row says it was never scored (a newcomer read B200 steps without their 50% miss)."""
+    from bench.reporting.predict_cells import main as predict
+    from bench.reporting.predict_cells import out_of_sample
+
+    card = tmp_path / "card.csv"
+    card.write_text("use,source,model,GPU,setting,mode,measured or published,predicted,error\n"
+                    "validate,a,m,H100,s,compiled,10 ms,7 ms,-30%\n"
+                    "validate,a,m,H100,s,compiled,10 ms,9 ms,-10%\n"
+                    "validate,b,m,H100,s,kernels,1.25×,1.2×,-4%\n"
+                    "fit,c,m,H100,s,eager,10 ms,10 ms,+90%\n"
+                    "validate,d,m,H100,s,one GEMM,1 ms,2 ms,+100%\n"
+                    "validate,e,m,B200,s,compiled,10 ms,5 ms,-50%\n")
+    assert out_of_sample(["H100", "B200", "H200"], card) == (
+        "median |error| out of sample, by GPU: H100 steps 20% (2), speed-ups 4% (1); B200 steps 50% (1); "
+        "H200 never scored")
+    assert predict(["model=lenet", "gpu=H100,H200"]) == 0
+    assert "median |error| out of sample, by GPU: H100 steps" in capsys.readouterr().out

@@ -19,12 +19,17 @@ cell's format, with the ratio, and their sums.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from tabulate import tabulate
 
 from bench.errors import ConfigError
 from bench.numerics.specs import format_spec
 from bench.speed.profiles import gpu, shipped_gpus
+
+# the speed model against every GPU figure we have (`make speed-validation` writes it, .md beside it)
+SCORECARD = Path(__file__).resolve().parents[2] / "results" / "bench" / "speed_model_validation.csv"
+TIMED_ALONE = ("one GEMM", "one compiled Linear")  # the scorecard's modes of a kernel timed by itself, not a step
 
 
 def _split_gpus(argv: list[str]) -> tuple[list[str], list]:
@@ -192,8 +197,37 @@ def _step(cfg, trace, recipe, target, compiled: bool) -> tuple[float, str | None
         return ranked.seconds, f"collectives not priced ({target.name}'s profile has no interconnect figures)"
     received = ", ".join(f"{kind} {n / 2**20:.3g} MiB" for kind, n in sent.received.items())
     return ranked.seconds, (f"a rank's collectives {sent.seconds * 1e3:.3g} ms over {sent.over} ({received} "
-                            f"received), {sent.exposed * 1e3:.3g} ms of it exposed (priced by bandwidth alone, no "
-                            "per-call latency; unvalidated: docs/distributed.md)")
+                            f"received; {_sent_as(p)}), {sent.exposed * 1e3:.3g} ms of it exposed (priced by "
+                            "bandwidth alone, no per-call latency; unvalidated: docs/distributed.md)")
+
+
+def out_of_sample(names: list[str], scorecard: Path = SCORECARD) -> str:
+    """How far off the model has been on each GPU named, out of sample: the median |error| of the scorecard's
+    validate rows, steps and speed-ups apart (kernels timed alone left out), and how many; or that it has none."""
+    import pandas as pd
+
+    if not scorecard.is_file():
+        return f"no scorecard at {scorecard} (make speed-validation writes it)"
+    rows = pd.read_csv(scorecard)
+    rows = rows[(rows["use"] == "validate") & ~rows["mode"].isin(TIMED_ALONE)]
+    rows = rows.assign(error=rows["error"].str.rstrip("%").astype(float).abs(),
+                       ratio=rows["measured or published"].str.endswith("×"))
+    said = []
+    for name in names:
+        mine = rows[rows["GPU"] == name]
+        parts = [f"{what} {part['error'].median():.0f}% ({len(part)})"
+                 for what, part in (("steps", mine[~mine["ratio"]]), ("speed-ups", mine[mine["ratio"]])) if len(part)]
+        said.append(f"{name} {', '.join(parts)}" if parts else f"{name} never scored")
+    return "median |error| out of sample, by GPU: " + "; ".join(said)
+
+
+def _sent_as(p) -> str:
+    """The types a distributed cell's collectives carry, as its parallel section sets them."""
+    if p.name == "fsdp2":
+        return (f"parameters gathered in {p.param_dtype}" + (", FP8 Linear weights in FP8" if p.fp8_all_gather else "")
+                + f", gradients reduced in {p.reduce_dtype}")
+    compressed = p.gradient_compression
+    return f"gradients all-reduced in {'fp32' if compressed == 'none' else compressed}"
 
 
 def memory_of(cfg, trace, recipe) -> dict:
@@ -278,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     print(tabulate([[r[c] for c in COLUMNS] for r in table], headers=COLUMNS, tablefmt="github"))
     print("\npredicted, not measured: the speed model (bench/speed/model.py) on each cell's traced step; speed-ups "
           "compiled against compiled; memory as the trace accounts for a step (parameters, gradients, optimiser "
-          "state, saved activations and weight copies). How far off it has been: "
-          "results/bench/speed_model_validation.md")
+          "state, saved activations and weight copies): a sum of its tensors, not a peak, without the CUDA context, "
+          "workspaces or the allocator's slack (docs/memory.md). How far off it has been: "
+          "results/bench/speed_model_validation.md; " + out_of_sample(list(dict.fromkeys(r["GPU"] for r in table))))
     return 0

@@ -33,6 +33,7 @@ import torch
 import yaml
 
 from bench.data import DATA_DIR
+from bench.reporting.predict_cells import SCORECARD
 from bench.speed import model as speed
 from bench.speed.gemm import GemmKernel
 from bench.speed.model import CONSTANTS, NoNativePath, predict, recipe_on
@@ -42,7 +43,7 @@ from bench.speed.trace import HUB_ARCHITECTURES, StepTrace, trace_cell, trace_st
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = sorted((ROOT / "results" / "bench").glob("cuda-*.json"))
 H100_CHARLM = ROOT / "results" / "tables" / "h100" / "unit_scaling_charlm" / "runs.csv"
-OUT = ROOT / "results" / "bench" / "speed_model_validation"
+OUT = SCORECARD.with_suffix("")
 FIGURES = DATA_DIR / "speed_figures.yaml"
 GOALS = {"ratio": 0.20, "step": 0.25}  # |error| goals, reported on validate rows: ratios, steps of known overhead
 
