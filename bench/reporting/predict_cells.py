@@ -1,6 +1,7 @@
 """`python -m bench.predict [overrides] [gpu=H100,B200]`: the speed model's answer for cells that are not trained.
 
-    python -m bench.predict model=bert_base format=fp32,bf16,fp8 scaling=per_tensor gpu=H100,B200
+    python -m bench.predict model=bert_base format=fp32,bf16 gpu=H100,B200
+    python -m bench.predict model=bert_base format=fp8 scaling=per_tensor,rowwise gpu=H100,B200
     python -m bench.predict model=bert_base format=fp8 scaling=per_tensor gpu=H100 --gemms
     make predict ARGS="model=charlm format=bf16,fp8"
 
