@@ -233,6 +233,9 @@ def test_lr_transfer_finds_each_widths_best_learning_rate_and_the_claims_beside_
     assert claims["umup"][0] == "0 (stays put as width grows)"
     assert claims["umup"][1].startswith("+0 (lr 1 at charlm (4L×64")
     assert claims["none"][0] == "≠ 0 (SP's optimum moves)" and claims["none"][1].startswith("-1 (lr 0.004 at")
+    # and what the narrowest's best learning rate costs the widest (a shift of one step may be within the noise)
+    assert claims["none"][1].endswith("; the widest at the narrowest's best lr: +0.0500 val_loss)")
+    assert claims["umup"][1].endswith("; the widest at the narrowest's best lr: +0.0000 val_loss)")
     assert sorted(p.name for p in folder.glob("*.png")) == ["charlm_lr_transfer.png"]
 
 

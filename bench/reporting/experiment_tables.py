@@ -25,6 +25,7 @@ from bench.reporting.table_cells import (
     FP32,
     Table,
     cell_unit,
+    evaluated_mark,
     fmt_stat,
     is_cell,
     layout,
@@ -73,7 +74,7 @@ def unit_scaling_charlm_table(runs: pd.DataFrame, cells: pd.DataFrame) -> pd.Dat
                 c = match.iloc[0]
                 note = status_note(c)
                 text = fmt_stat(c["value"] * BPC_PER_NAT, c["value_std"] * BPC_PER_NAT, c["value_n"], 3)
-                ours[heading] = (text + (f" {EMULATED}" if c["backend"] == "emulated" else "")
+                ours[heading] = (text + evaluated_mark(c) + (f" {EMULATED}" if c["backend"] == "emulated" else "")
                                  + (f" [{note}]" if note else ""))
                 runs_here = here[is_cell(here, setting, scaling)]
                 differences = [v - reference[s] for v, s in zip(runs_here["value"], runs_here["seed"])
@@ -220,12 +221,18 @@ def best_learning_rates(cells: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+WIDTH = r"×\d+"  # a model label's width (4L×128)
+
+
 def lr_shift(best: pd.DataFrame, scaling: str) -> float | None:
-    """How far the best learning rate moved from the narrowest model of the sweep to the widest, in factors of 2."""
+    """How far the best learning rate moved from the narrowest model of the sweep to the widest, in factors of 2;
+    None where the models do not differ in width alone (a post-norm and a pre-norm model of one width)."""
     rows = best[best["scaling"].astype(str) == scaling] if not best.empty else best
-    if len(rows) < 2:
+    if len(rows) < 2 or rows["model_label"].str.replace(WIDTH, "", regex=True).nunique() > 1 \
+            or rows["model_label"].nunique() < 2:
         return None
     return math.log2(rows["best"].iloc[-1]["lr"] / rows["best"].iloc[0]["lr"])
+
 
 
 def lr_transfer_table(cells: pd.DataFrame) -> pd.DataFrame:

@@ -169,14 +169,19 @@ def status_note(cell) -> str:
     return ", ".join(parts)
 
 
+def evaluated_mark(cell) -> str:
+    """° where the cell's metric was evaluated without the autocast it trained under, else nothing."""
+    return EVALUATED_OUTSIDE if cell["value_n"] and EVALUATED_WITHOUT_AUTOCAST in str(cell.get("evaluated_in") or "") \
+        else ""
+
+
 def metric_text(cell) -> str:
     """mean ± std (n) in the metric's shown units; the runs that did not finish, and the stalled ones with the cell's
     statistics without them; ° where the metric was evaluated without the autocast the cell trained under."""
     metric_unit = cell_unit(cell)
     text = fmt_stat(metric_unit.shown(cell["value"]), metric_unit.shown(cell["value_std"]), cell["value_n"],
                     metric_unit.digits)
-    if cell["value_n"] and EVALUATED_WITHOUT_AUTOCAST in str(cell.get("evaluated_in") or ""):
-        text += EVALUATED_OUTSIDE
+    text += evaluated_mark(cell)
     notes = [status_note(cell)] if status_note(cell) else []
     if cell.get("stalled"):
         without = fmt_stat(metric_unit.shown(cell["value_without_stalled"]),

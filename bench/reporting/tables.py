@@ -184,9 +184,16 @@ def _claim_rows(pub: dict, match: pd.DataFrame) -> list[dict]:
         shift = lr_shift(best, pub["scaling"])
         if shift is None:
             return []
-        first, last = best.iloc[0], best.iloc[-1]
+        mine = best[best["scaling"].astype(str) == pub["scaling"]]
+        first, last = mine.iloc[0], mine.iloc[-1]
+        # what the narrowest model's best learning rate costs the widest: a shift may be a step within the noise
+        transferred = match[(match["model_label"] == last["model_label"])
+                            & (match["scaling"].astype(str) == pub["scaling"]) & (match["lr"] == first["best"]["lr"])]
+        cost = "" if transferred.empty or not pd.notna(transferred["value"].iloc[0]) else (
+            f"; the widest at the narrowest's best lr: {transferred['value'].iloc[0] - last['best']['value']:+.4f} "
+            f"{last['best']['metric']}")
         return [base | {"our scaling": pub["scaling"], "ours": f"{shift:+.0f} (lr {first['best']['lr']:.3g} at "
-                        f"{first['model_label']} → {last['best']['lr']:.3g} at {last['model_label']})",
+                        f"{first['model_label']} → {last['best']['lr']:.3g} at {last['model_label']}{cost})",
                         "our backend / device": f"{first['best']['backend']} / {first['best']['device']}"}]
     return [base | {"our scaling": c["scaling"], "ours": fmt_difference(c),
                     "our backend / device": f"{c['backend']} / {c['device']}"} for _, c in match.iterrows()]
