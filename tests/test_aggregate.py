@@ -606,3 +606,17 @@ def test_a_variants_integer_stays_an_integer_where_another_run_leaves_the_key_un
         run["config"]["train"]["max_steps"], run["run_id"] = steps, f"{record['run_id']}-{steps}"
         runs.append(run)
     assert sorted(to_frame(runs)["variant"]) == ["train.max_steps=50", "train.max_steps=null"]
+
+
+def test_every_table_names_the_machines_that_made_its_cells(tmp_path):
+    """A table's notes open with its cells' machines: the device, and on a CPU its 16-bit units (bf16 native or
+    emulated, and how fast, depend on them); a CPU without any says so (the committed tables named none)."""
+    root = tmp_path / "runs"
+    for seed, units in enumerate((["avx512_bf16"], [])):
+        rec = record(seed=seed, metrics={"test_accuracy": 0.9})
+        rec["env"] |= {"device_name": f"CPU {seed}", "device_type": "cpu", "cpu_16bit_units": units}
+        write(root, rec)
+    main([str(root), "--out", str(tmp_path / "tables"), "--no-plots"])
+    for name in ("precision", "scaling_grid", "numerics"):
+        table = (tmp_path / "tables" / "t" / f"{name}.md").read_text()
+        assert "\nmade on CPU 0 (16-bit units: avx512_bf16); CPU 1 (no 16-bit units).\n" in table, name

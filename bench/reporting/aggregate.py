@@ -301,6 +301,15 @@ def _first_of_each_run(records: list[dict]):
             yield r, semantic
 
 
+def machine(env: dict) -> str | None:
+    """What ran a record, as its tables name it: the device, and on a CPU its 16-bit units (which decide whether
+    bf16 and fp16 ran natively, and how fast: env.cpu_16bit_units)."""
+    device, units = env.get("device_name"), env.get("cpu_16bit_units")
+    if env.get("device_type") != "cpu" or units is None:
+        return device
+    return f"{device} ({'16-bit units: ' + ', '.join(units) if units else 'no 16-bit units'})"
+
+
 def unique(records: list[dict]) -> list[dict]:
     """The first record of each run on each device (the records to_frame makes rows of)."""
     return [r for r, _ in _first_of_each_run(records)]
@@ -338,7 +347,7 @@ def to_frame(records: list[dict], gpus: tuple[GPU, ...] | None = None,
             "setting": precision.get("setting"), "scaling": cfg["scaling"]["name"], "seed": cfg["seed"],
             "rounding": cfg["format"].get("rounding", "nearest"),  # of the gradient operands (fp8, block formats)
             "format_options": format_options(cfg["format"], numeric_choices(settings)),
-            "backend": precision.get("backend"), "device": device, "status": r["status"],
+            "backend": precision.get("backend"), "device": device, "machine": machine(env), "status": r["status"],
             "reason": r.get("reason"), "diverged_at_step": _number(numerics.get("diverged_at_step")),
             "metric": metric, "unit": spec["unit"], "higher_is_better": spec["higher_is_better"],
             "chance": _number(spec.get("chance")),
@@ -430,6 +439,7 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     for status in ("ok", "diverged", "failed"):
         cells[status] = groups["status"].apply(lambda s, st=status: int((s == st).sum()))
     cells["device"] = groups["device"].first()
+    cells["machine"] = groups["machine"].first()
     cells["baseline_id"] = groups["baseline_id"].first()
     cells["design_id"] = groups["design_id"].first()
     cells["rounding"] = groups["rounding"].first()

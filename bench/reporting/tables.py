@@ -264,8 +264,10 @@ GENERIC_TABLES = {
 
 
 def _common_notes(cells: pd.DataFrame) -> list[str]:
-    """The notes every table of these cells carries."""
-    return [NOTES["std"]] + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else []) \
+    """The notes every table of these cells carries: the machines that made them first."""
+    machines = sorted(set(cells["machine"].dropna().astype(str))) if "machine" in cells else []
+    return ([f"made on {'; '.join(machines)}."] if machines else []) + [NOTES["std"]] \
+        + ([NOTES["emulated"]] if (cells["backend"] == "emulated").any() else []) \
         + ([NOTES["stalled"]] if cells["stalled"].any() else []) \
         + ([NOTES["clipped"]] if cells[["value_ci_clipped", "value_vs_fp32_clipped"]].map(flag).any(axis=None)
            else []) \
