@@ -245,3 +245,55 @@ def test_the_element_constructor_refuses_what_no_format_is():
 
     with pytest.raises(ValueError, match="already declared, differently"):
         register_element(ElementFormat.from_bits("fp8_e4m3", 4, 3))  # the OCP one is not IEEE-like
+
+
+def test_a_users_declarations_are_refused_where_they_would_train_something_else():
+    """A newcomer's plug-ins (2026-11-30) trained without a word: an E9M2 (float32 holds 8 exponent bits: the run
+    failed mid-way), an E4M0 whose all-ones NaN left no finite value (max 0: every value rounded to 0, recorded ok),
+    an E1M2 with no normal numbers, a format named fp8 that replaced the built-in (and took its records), and a
+    scaling method with site_scales but no site_scale (recorded as the method, trained unscaled)."""
+    import dataclasses
+
+    from bench.numerics.formats import ElementFormat
+    from bench.numerics.scaling_methods import ScalingMethod, register
+    from bench.numerics.specs import FORMAT_SPECS
+    from bench.numerics.specs import register as register_format
+
+    with pytest.raises(ValueError, match="exp_bits=9, man_bits=2 must fit float32's 8 and 23"):
+        ElementFormat.from_bits("x", 9, 2)
+    with pytest.raises(ValueError, match="its top binade holds no finite value"):
+        ElementFormat.from_bits("x", 4, 0, nan="all_ones")
+    with pytest.raises(ValueError, match="exponents 1 to 0 .* must be a range of normal numbers"):
+        ElementFormat.from_bits("x", 1, 2)
+    assert ElementFormat.from_bits("x", 4, 0, nan="ieee").max == 2.0 ** 7  # E4M0 with IEEE's codes has a range
+    with pytest.raises(ValueError, match="format 'fp8' is already declared \\(in bench.numerics.specs\\)"):
+        register_format(dataclasses.replace(FORMAT_SPECS["fp8"], declared_in="my_plugin"))
+    assert FORMAT_SPECS["fp8"].declared_in == "bench.numerics.specs"
+
+    class Forgot(ScalingMethod):
+        site_scales = True
+
+    with pytest.raises(ValueError, match="sets site_scales = True but does not override site_scale"):
+        register("forgot")(Forgot)
+
+
+def test_a_format_redefined_under_its_name_is_refused_where_its_records_are(make_cfg, tmp_path, monkeypatch):
+    """A record keeps each element format's definition (env.precision.element_definitions). A newcomer redefined a
+    format of their own under its name (another bias and NaN encoding) and the same command skipped the cell as
+    recorded, returning the old format's accuracy; now it exits 2 naming what changed, and the record is kept."""
+    import dataclasses
+
+    from bench.errors import ConfigError
+    from bench.numerics import formats
+    from bench.running.run import run_cell
+
+    cfg = make_cfg("format=fp8", "train.max_steps=1", f"results_dir={tmp_path}")
+    record = run_cell(cfg)
+    assert record["env"]["precision"]["element_definitions"]["fp8_e4m3"] == formats.FORMATS["fp8_e4m3"].definition()
+    assert run_cell(cfg)["skipped"]
+    redefined = dataclasses.replace(formats.FORMATS["fp8_e5m2"], emin=-15, max=98304.0)
+    monkeypatch.setitem(formats.FORMATS, "fp8_e5m2", redefined)
+    with pytest.raises(ConfigError, match=r"element format fp8_e5m2 \(emin -14 then, -15 now, max 57344.0 then, "
+                                          r"98304.0 now\), defined differently now"):
+        run_cell(cfg)
+    assert (tmp_path / cfg.cell / "result.json").is_file()

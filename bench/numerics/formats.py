@@ -84,13 +84,20 @@ class ElementFormat:
             raise ValueError(f"nan={nan!r} is not an encoding; valid: {', '.join(NAN_ENCODINGS)}")
         if (nan == "negative_zero") == negative_zero:
             raise ValueError("nan='negative_zero' (NaN takes -0's code) and negative_zero=False go together")
-        if exp_bits < 1 or man_bits < 0 or 1 + exp_bits + man_bits > 32 or man_bits > 23:
-            raise ValueError(f"{name}: exp_bits={exp_bits}, man_bits={man_bits} must fit float32's 8 and 23")
+        if not (1 <= exp_bits <= 8 and 0 <= man_bits <= 23):
+            raise ValueError(f"{name}: exp_bits={exp_bits}, man_bits={man_bits} must fit float32's 8 and 23 (every "
+                             "value is computed in float32)")
         bias = 2 ** (exp_bits - 1) - 1 if bias is None else bias
         top_code = 2**exp_bits - 1  # the largest biased exponent
         emax = top_code - bias - (nan == "ieee")
         spare_codes = 2 if nan == "all_ones" else 1  # the top binade's largest mantissa is NaN there
         largest = (2 - spare_codes * 2.0**-man_bits) * 2.0**emax
+        if not -126 <= 1 - bias <= emax <= 127:
+            raise ValueError(f"{name}: exponents {1 - bias} to {emax} (bias {bias}, nan={nan!r}) must be a range of "
+                             "normal numbers within float32's -126 to 127")
+        if largest <= 0:
+            raise ValueError(f"{name}: with nan={nan!r} and man_bits={man_bits} its top binade holds no finite value "
+                             "(all_ones takes its largest mantissa for NaN); valid: man_bits >= 1, or another nan")
         default_overflow = default_overflow or ("inf" if nan == "ieee" else "saturate")
         return cls(name, exp_bits, man_bits, emin=1 - bias, emax=emax, max=largest, has_inf=nan == "ieee",
                    default_overflow=default_overflow, torch_dtype=torch_dtype, negative_zero=negative_zero, nan=nan)
@@ -98,6 +105,12 @@ class ElementFormat:
     @property
     def bias(self) -> int:
         return 1 - self.emin
+
+    def definition(self) -> dict:
+        """What the format is, as a record keeps it (env.precision.element_definitions): its bits, exponent range,
+        largest value and special codes. A format redefined under its name no longer matches its records."""
+        return {"exp_bits": self.exp_bits, "man_bits": self.man_bits, "emin": self.emin, "emax": self.emax,
+                "max": self.max, "has_inf": self.has_inf, "nan": self.nan, "negative_zero": self.negative_zero}
 
     @property
     def storage_bytes(self) -> float:

@@ -447,6 +447,7 @@ class Precision:
             "one_node_ops": self.chained,  # emulated ops run with the modules between them as one autograd node
             "backend_reason": p.why,
             "element_formats": elements,
+            "element_definitions": {e: FORMATS[e].definition() for e in elements},
             "overflow": {e: "saturate" if self.block else resolve_overflow(FORMATS[e], c.overflow) for e in elements},
             "ftz": c.ftz,
             "rounding_of_gradients": c.rounding,

@@ -41,6 +41,9 @@ NO_SCALING = "none"  # the baseline: nothing scaled (the tables' reference colum
 def register(*names: str) -> Callable[[type], type]:
     """Declare a scaling method: the class serves each of `names` (`scaling.name`)."""
     def declare(cls: type) -> type:
+        if getattr(cls, "site_scales", False) and cls.site_scale is ScalingMethod.site_scale:
+            raise ValueError(f"scaling method {cls.__qualname__} sets site_scales = True but does not override "
+                             "site_scale, so no site would be scaled; give it site_scale (docs/extending.md)")
         for name in names:
             if name in SCALING_METHODS and SCALING_METHODS[name] is not cls:
                 raise ValueError(f"scaling method {name!r} is already declared by {SCALING_METHODS[name].__qualname__}")

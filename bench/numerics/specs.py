@@ -75,6 +75,10 @@ def register(spec: FormatSpec) -> FormatSpec:
                          f"bench.formats.register_element); registered: {', '.join(FORMATS)}")
     if not spec.declared_in:
         spec = dataclasses.replace(spec, declared_in=sys._getframe(1).f_globals.get("__name__", ""))
+    taken = FORMAT_SPECS.get(spec.name)
+    if taken is not None and taken.declared_in != spec.declared_in:  # the same module again (a re-import) replaces it
+        raise ValueError(f"format {spec.name!r} is already declared (in {taken.declared_in or 'bench'}): a format of "
+                         f"your own takes a name of its own; taken: {', '.join(FORMAT_SPECS)}")
     FORMAT_SPECS[spec.name] = spec
     return spec
 

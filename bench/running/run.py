@@ -235,8 +235,22 @@ def finished_record(cfg: DictConfig, config: dict | None = None) -> dict | None:
     if recorded != wanted:
         raise ConfigError(f"{run_dir} holds a record of a different configuration (run_id {recorded}, "
                           f"this one {wanted}): use another experiment_name or results_dir, or delete it")
+    if changed := _redefined_elements(record):
+        raise ConfigError(f"{run_dir} holds a record made with element format {changed}, defined differently now: "
+                          "a changed format takes a name of its own (or use another results_dir)")
     if record["status"] == "ok" or not cfg.retry_failed:
         return record
+    return None
+
+
+def _redefined_elements(record: dict) -> str | None:
+    """The first element format whose definition (its bits, range and codes) differs from the record's: a user's
+    format redefined under its name is not its records' format. None where all agree or the record predates them."""
+    from bench.numerics.formats import FORMATS
+
+    for name, then in ((record.get("env") or {}).get("precision") or {}).get("element_definitions", {}).items():
+        if name in FORMATS and (now := FORMATS[name].definition()) != then:
+            return f"{name} ({', '.join(f'{k} {then[k]} then, {now[k]} now' for k in now if now[k] != then.get(k))})"
     return None
 
 
