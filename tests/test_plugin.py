@@ -277,6 +277,17 @@ def test_a_metric_outside_its_declared_unit_fails_the_run_naming_the_unit_that_f
         record["reason"]
 
 
+def test_a_run_whose_evaluation_returns_no_declared_metric_fails_naming_what_it_returned(make_cfg):
+    """A model whose evaluate() lacks its declared metric (here LeNet declared `top5`) was recorded ok, its tables
+    showing "–" as if it had run (a newcomer's trial): now the run is recorded failed, naming what came back."""
+    from bench.running.run import run_cell
+
+    record = run_cell(make_cfg("model.task.metric=top5", "train.max_steps=2"))
+    assert record["status"] == "failed"
+    assert record["reason"] == ("MetricOutOfRange: evaluate() returned no top5 (model.task.metric); it returned: "
+                                "test_accuracy, test_examples, val_accuracy, val_examples")
+
+
 def test_a_plugin_whose_own_import_fails_is_named_with_its_inner_error_only(tmp_path, monkeypatch):
     """A module that is found but fails while importing (its own error, or a module it imports that is missing) is
     named with that error and where it happened; only a module that is not there at all points to PYTHONPATH."""

@@ -56,7 +56,7 @@ from bench.running.record import (
 )
 from bench.running.train import build_schedule, total_steps, train
 from bench.tasks import Task, build_task
-from bench.tasks.base import check_metric_unit
+from bench.tasks.base import check_metric_returned, check_metric_unit
 from bench.tasks.optimizer import build_optimizer, traced_config
 
 if TYPE_CHECKING:  # the speed model (and torch._dynamo under it, ~1 s) is imported by a cell that runs, not before
@@ -387,6 +387,7 @@ def _train_cell(cfg: DictConfig, config: dict, device: torch.device, precision: 
             timing_conditions = conditions.finish()
             with precision.evaluating(cell.task.model, cfg.train.eval_precision) as cast_inputs:
                 metrics = cell.task.evaluate(cell.task.model, cast_inputs)  # inside: pre-empted here, resumes here
+            check_metric_returned(cfg.model.task.metric, metrics)
             metrics["evaluated_in"] = precision.evaluated_in(cfg.train.eval_precision)
             check_metric_unit(cfg.model.task.metric, metrics.get(cfg.model.task.metric), cfg.model.task.unit)
         record["memory"] |= {"peak_bytes": memory.peak_bytes(), "step": outcome.step_memory}

@@ -87,7 +87,15 @@ UNIT_RANGES = {"fraction": (0.0, 1.0), "percent": (0.0, 100.0), "nats": (0.0, fl
 
 
 class MetricOutOfRange(ValueError):
-    """A metric outside its declared unit's range: the run is recorded failed, saying which unit would fit."""
+    """A metric outside its declared unit's range, or none returned: the run is recorded failed, saying why."""
+
+
+def check_metric_returned(metric: str, metrics: dict) -> None:
+    """MetricOutOfRange where the task's evaluation returned no value of its declared metric (`task.metric`): the
+    run is recorded failed, naming what it returned, rather than tabled "–" as if it had run."""
+    if metric not in metrics:
+        raise MetricOutOfRange(f"evaluate() returned no {metric} (model.task.metric); it returned: "
+                               f"{', '.join(sorted(metrics)) or 'nothing'}")
 
 
 def check_metric_unit(metric: str, value, unit: str) -> None:
