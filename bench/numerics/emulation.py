@@ -354,6 +354,26 @@ def _descaled(y: torch.Tensor, *scales: torch.Tensor | None) -> torch.Tensor:
     return y if factor is None else y * factor
 
 
+def _output_gemm(x_2d, x_scale, w_codes, w_scale, casts: OpCasts, accumulation: Accumulation) -> torch.Tensor:
+    """The forward GEMM, x W^T on the codes (tokens x in_features, out x in), descaled."""
+    y = matmul(x_2d, w_codes, gpu=accumulation.gpu, a_format=casts.activation.spec.name,
+               b_format=casts.weight.spec.name, promote_every=accumulation.promotion(0))
+    return _descaled(y, x_scale, w_scale)
+
+
+def _gradient_gemms(grad_2d, x_2d, x_scale, w_codes, w_scale, casts: OpCasts,
+                    accumulation: Accumulation) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward GEMMs on the output gradient's codes, descaled: grad_input = grad W reduces over out_features;
+    grad_weight = grad^T x over the tokens."""
+    g_codes, g_scale = _operand(grad_2d, casts.grad_output)
+    g_format = casts.grad_output.spec.name
+    grad_x = matmul(g_codes, w_codes.t(), gpu=accumulation.gpu, a_format=g_format,
+                    b_format=casts.weight.spec.name, promote_every=accumulation.promotion(1))
+    grad_w = matmul(g_codes.t(), x_2d.t(), gpu=accumulation.gpu, a_format=g_format,
+                    b_format=casts.activation.spec.name, promote_every=accumulation.promotion(2))
+    return _descaled(grad_x, g_scale, w_scale), _descaled(grad_w, g_scale, x_scale)
+
+
 class _TensorCoreLinear(torch.autograd.Function):
     """y = x W^T + b with each of its three GEMMs accumulated as a GPU's tensor cores do
     (bench.numerics.tensor_cores.matmul) on the codes its rounding sites made, each scaled GEMM's result divided by
@@ -364,26 +384,17 @@ class _TensorCoreLinear(torch.autograd.Function):
         (x_codes, x_scale), (w_codes, w_scale) = _operand(x, casts.activation), _operand(weight, casts.weight)
         ctx.save_for_backward(x_codes, w_codes, x_scale, w_scale)
         ctx.casts, ctx.accumulation, ctx.has_bias = casts, accumulation, bias is not None
-        x_2d = x_codes.reshape(-1, x.shape[-1])
-        y = matmul(x_2d, w_codes, gpu=accumulation.gpu, a_format=casts.activation.spec.name,
-                   b_format=casts.weight.spec.name, promote_every=accumulation.promotion(0))
-        y = _descaled(y, x_scale, w_scale).reshape(*x.shape[:-1], -1)
+        y = _output_gemm(x_codes.reshape(-1, x.shape[-1]), x_scale, w_codes, w_scale, casts, accumulation)
+        y = y.reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, grad):
         x_codes, w_codes, x_scale, w_scale = ctx.saved_tensors
-        casts, accumulation = ctx.casts, ctx.accumulation
         grad_2d = grad.reshape(-1, grad.shape[-1])
-        g_codes, g_scale = _operand(grad_2d, casts.grad_output)
-        g_format, x_2d = casts.grad_output.spec.name, x_codes.reshape(-1, x_codes.shape[-1])
-        # grad_input = grad W reduces over out_features; grad_weight = grad^T x over the tokens
-        grad_x = matmul(g_codes, w_codes.t(), gpu=accumulation.gpu, a_format=g_format,
-                        b_format=casts.weight.spec.name, promote_every=accumulation.promotion(1))
-        grad_w = matmul(g_codes.t(), x_2d.t(), gpu=accumulation.gpu, a_format=g_format,
-                        b_format=casts.activation.spec.name, promote_every=accumulation.promotion(2))
-        return (_descaled(grad_x, g_scale, w_scale).reshape(x_codes.shape), _descaled(grad_w, g_scale, x_scale),
-                grad_2d.sum(0) if ctx.has_bias else None, None, None)
+        grad_x, grad_w = _gradient_gemms(grad_2d, x_codes.reshape(-1, x_codes.shape[-1]), x_scale, w_codes, w_scale,
+                                         ctx.casts, ctx.accumulation)
+        return grad_x.reshape(x_codes.shape), grad_w, grad_2d.sum(0) if ctx.has_bias else None, None, None
 
 
 class _TensorCoreConv(torch.autograd.Function):
@@ -400,10 +411,8 @@ class _TensorCoreConv(torch.autograd.Function):
         ctx.casts, ctx.accumulation, ctx.has_bias, ctx.geometry = casts, accumulation, bias is not None, geometry
         n, _, height, width = x.shape
         patches = F.unfold(x_codes, **geometry).transpose(1, 2)  # (n, positions, channels x kernel)
-        y = matmul(patches.reshape(-1, patches.shape[-1]), w_codes.reshape(w_codes.shape[0], -1),
-                   gpu=accumulation.gpu, a_format=casts.activation.spec.name, b_format=casts.weight.spec.name,
-                   promote_every=accumulation.promotion(0))
-        y = _descaled(y, x_scale, w_scale).reshape(n, patches.shape[1], -1)
+        y = _output_gemm(patches.reshape(-1, patches.shape[-1]), x_scale, w_codes.reshape(w_codes.shape[0], -1),
+                         w_scale, casts, accumulation).reshape(n, patches.shape[1], -1)
         y = y if bias is None else y + bias
         rows, cols = ((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
                       zip((height, width), geometry["padding"], geometry["dilation"], geometry["kernel_size"],
@@ -413,21 +422,14 @@ class _TensorCoreConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x_codes, w_codes, x_scale, w_scale = ctx.saved_tensors
-        casts, accumulation, geometry = ctx.casts, ctx.accumulation, ctx.geometry
         n, out_channels = grad.shape[:2]
         grad_2d = grad.reshape(n, out_channels, -1).transpose(1, 2).reshape(-1, out_channels)
-        g_codes, g_scale = _operand(grad_2d, casts.grad_output)
-        g_format = casts.grad_output.spec.name
-        patches = F.unfold(x_codes, **geometry).transpose(1, 2)
+        patches = F.unfold(x_codes, **ctx.geometry).transpose(1, 2)
         positions, patch = patches.shape[1:]
-        grad_patches = matmul(g_codes, w_codes.reshape(out_channels, -1).t(), gpu=accumulation.gpu, a_format=g_format,
-                              b_format=casts.weight.spec.name, promote_every=accumulation.promotion(1))
-        grad_w = matmul(g_codes.t(), patches.reshape(-1, patch).t(), gpu=accumulation.gpu, a_format=g_format,
-                        b_format=casts.activation.spec.name, promote_every=accumulation.promotion(2))
-        grad_patches = _descaled(grad_patches, g_scale, w_scale).reshape(n, positions, patch).transpose(1, 2)
-        grad_x = F.fold(grad_patches, x_codes.shape[-2:], **geometry)
-        return (grad_x, _descaled(grad_w, g_scale, x_scale).reshape(w_codes.shape),
-                grad_2d.sum(0) if ctx.has_bias else None, None, None, None)
+        grad_patches, grad_w = _gradient_gemms(grad_2d, patches.reshape(-1, patch), x_scale,
+                                               w_codes.reshape(out_channels, -1), w_scale, ctx.casts, ctx.accumulation)
+        grad_x = F.fold(grad_patches.reshape(n, positions, patch).transpose(1, 2), x_codes.shape[-2:], **ctx.geometry)
+        return grad_x, grad_w.reshape(w_codes.shape), grad_2d.sum(0) if ctx.has_bias else None, None, None, None
 
 
 def _outside_autocast(device: str, call: Callable):

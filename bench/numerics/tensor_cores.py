@@ -40,7 +40,7 @@ PROMOTION_INTERVAL = 128  # elements: CUTLASS's default (4 MMAs of K = 32) and D
 ZERO_EXPONENT = -(1 << 20)  # a zero operand's or accumulator's exponent: below every alignment, it never sets one
 STEP_ELEMENTS = 1 << 24  # products per step at most (rows of the output are taken in chunks below it)
 GROUP_BLOCKS = 8  # blocks one compiled call chains: fewer calls from Python, graphs still quick to compile
-FP32_FRACTION_BITS, FP32_EMIN, FP32_EMAX = 23, -126, 127
+FP32 = FORMATS["fp32"]  # what a Blackwell FP8 step rounds its products' sum to before it adds C
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class _Step:
             # one FP32 (or FP16) addition rounded to nearest even: in float64 the sum of an FP32 and an FP16 or FP32
             # value is exact, or its smaller term lies below a quarter of the output's unit, where no rounding of
             # it reaches a tie (no double rounding)
-            products = self._round(total, largest - 23 - self.extra_bits, FP32_FRACTION_BITS, FP32_EMIN, FP32_EMAX,
+            products = self._round(total, largest - 23 - self.extra_bits, FP32.man_bits, FP32.emin, FP32.emax,
                                    nearest=False)
             return (products.double() + c.double()).to(self.output_dtype).to(torch.float32)
         c_shift = largest - c_exponent - self.extra_bits  # C's significand onto the grid 2^(E - 23 - extra_bits)
