@@ -224,11 +224,12 @@ def out_of_sample(names: list[str], scorecard: Path = SCORECARD) -> str:
 
 def _sent_as(p) -> str:
     """The types a distributed cell's collectives carry, as its parallel section sets them."""
+    from bench.speed.model import all_reduced_in
+
     if p.name == "fsdp2":
         return (f"parameters gathered in {p.param_dtype}" + (", FP8 Linear weights in FP8" if p.fp8_all_gather else "")
                 + f", gradients reduced in {p.reduce_dtype}")
-    compressed = p.gradient_compression
-    return f"gradients all-reduced in {'fp32' if compressed == 'none' else compressed}"
+    return f"gradients all-reduced in {all_reduced_in(p)}"
 
 
 def memory_of(cfg, trace, recipe) -> dict:

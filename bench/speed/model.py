@@ -657,6 +657,11 @@ def ddp_last_bucket(gradient_bytes: float) -> float:
     return rest % DDP_BUCKET_BYTES or DDP_BUCKET_BYTES
 
 
+def all_reduced_in(parallel) -> str:
+    """The type DDP all-reduces its gradient buckets in: FP32, or `gradient_compression`'s 16-bit type."""
+    return "fp32" if parallel.gradient_compression == "none" else parallel.gradient_compression
+
+
 def state_shards(parallel) -> int:
     """The ranks a cell's parameters, gradients and optimiser state are split over: FSDP2's world size, else 1."""
     return parallel.world_size if parallel is not None and parallel.name == "fsdp2" else 1
@@ -766,8 +771,7 @@ def collectives(trace: StepTrace, parallel, target: GPU, compute_s: float, block
         return None
     share = (n - 1) / n
     if parallel.name == "ddp":
-        reduced = "fp32" if parallel.gradient_compression == "none" else parallel.gradient_compression
-        gradient_bytes = trace.parameters * _element_bytes(reduced)
+        gradient_bytes = trace.parameters * _element_bytes(all_reduced_in(parallel))
         received, first = {"all_reduce": 2 * share * gradient_bytes}, 2 * share * ddp_last_bucket(gradient_bytes)
     else:
         per_block, root = _gathered_bytes(trace, blocks, parallel.param_dtype, fp8_gather)

@@ -212,10 +212,11 @@ def _without_value_reads():
         return
     from transformers import masking_utils
 
+    unpatched = masking_utils._ignore_bidirectional_mask_sdpa
+
     def ignored(padding_mask, *args, **kwargs) -> bool:
         return padding_mask is None and unpatched(padding_mask, *args, **kwargs)
 
-    unpatched = masking_utils._ignore_bidirectional_mask_sdpa
     with mock.patch.object(masking_utils, "_ignore_bidirectional_mask_sdpa", ignored):
         yield
 
