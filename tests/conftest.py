@@ -135,3 +135,18 @@ def char_data(**kw):
     """A char-LM's `model.data` node: local where a path is given."""
     return OmegaConf.create({"source": "local" if kw.get("path") else "download", "path": None, "url": "",
                              "sha256": None, "train_fraction": 0.9} | kw)
+
+
+@pytest.fixture
+def predicted_memory():
+    """predicted_memory(cfg) -> bench.predict's memory of the cell's step by category, as its table gives it on an
+    H100 (a distributed cell's: one rank's, of its share of the batch)."""
+    def _predicted(cfg) -> dict:
+        from bench.reporting.predict_cells import _rank_share, _traced, memory_of
+        from bench.speed.model import recipe_on
+        from bench.speed.profiles import shipped_gpus
+
+        trace = _traced(_rank_share(cfg))
+        return memory_of(cfg, trace, recipe_on(cfg, trace, shipped_gpus()["H100"]))
+
+    return _predicted

@@ -132,16 +132,6 @@ def test_bench_predict_and_the_record_count_a_batchnorm_models_step_alike(make_c
     assert predicted == pytest.approx(measured, rel=1e-3)
 
 
-def _predicted_memory(cfg) -> dict:
-    """bench.predict's memory of the cell's step, by category, as its table gives it (on an H100)."""
-    from bench.reporting.predict_cells import _traced, memory_of
-    from bench.speed.model import recipe_on
-    from bench.speed.profiles import shipped_gpus
-
-    trace = _traced(cfg)
-    return memory_of(cfg, trace, recipe_on(cfg, trace, shipped_gpus()["H100"]))
-
-
 def _mlm(make_cfg, text_file, *overrides):
     return make_cfg("model=bert_mlm_tiny", "model.data.source=local", f"model.data.path={text_file}",
                     "model.data.sha256=null", "train.max_steps=1", *overrides)
@@ -151,7 +141,7 @@ MLM_HIDDEN = 32 * 64 * 64  # BERT-MLM tiny's batch x length x hidden size
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16"])
-def test_bench_predict_counts_a_masked_lms_activations_as_its_record_does(make_cfg, text_file, fmt):
+def test_bench_predict_counts_a_masked_lms_activations_as_its_record_does(make_cfg, text_file, fmt, predicted_memory):
     """BERT-MLM tiny without dropout, one native step: bench.predict's saved activations against the record's.
     FP32: equal (the trace gave windows without padding an attention mask, a float one per layer: 1 MiB over).
     bf16-mixed: the prediction follows CUDA autocast's types op by op (LayerNorm, log-softmax and the residual stream
@@ -161,16 +151,16 @@ def test_bench_predict_counts_a_masked_lms_activations_as_its_record_does(make_c
     cfg = _mlm(make_cfg, text_file, f"format={fmt}", "format.backend=native", "model.arch.dropout=0")
     record = run_cell(cfg)
     assert record["status"] == "ok", record["reason"]
-    recorded, predicted = record["memory"]["step"]["activations"], _predicted_memory(cfg)["activations"]
+    recorded, predicted = record["memory"]["step"]["activations"], predicted_memory(cfg)["activations"]
     cuda_over_cpu_autocast = 2 * MLM_HIDDEN if fmt == "bf16" else 0
     assert predicted == pytest.approx(recorded + cuda_over_cpu_autocast, rel=1e-3)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16"])
-def test_bench_predict_holds_a_dropout_mask_in_a_byte(make_cfg, text_file, fmt):
+def test_bench_predict_holds_a_dropout_mask_in_a_byte(make_cfg, text_file, fmt, predicted_memory):
     """A GPU's dropout (aten.native_dropout) keeps its mask as booleans, where the traced step (a CPU's dropout)
     draws it in the model's type: BERT-MLM tiny's five dropouts (the embeddings', and each layer's two; attention's
     is the fused kernel's) add one byte per element to the step's activations, in FP32 and in bf16-mixed alike."""
-    without, with_dropout = (_predicted_memory(_mlm(make_cfg, text_file, f"format={fmt}", f"model.arch.dropout={p}"))
+    without, with_dropout = (predicted_memory(_mlm(make_cfg, text_file, f"format={fmt}", f"model.arch.dropout={p}"))
                              for p in (0, 0.1))
     assert with_dropout["activations"] - without["activations"] == 5 * MLM_HIDDEN

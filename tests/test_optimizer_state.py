@@ -207,17 +207,8 @@ def test_under_fsdp2_a_record_counts_the_shards_as_the_run_stores_them(make_cfg,
     assert step["optimizer_state"] < 1.5 * step["parameters"]
 
 
-def _predicted_memory(cfg) -> dict:
-    """bench.predict's memory of the cell's step (one rank's, for a distributed cell), as its table gives it."""
-    from bench.reporting.predict_cells import _rank_share, _traced, memory_of
-    from bench.speed.model import recipe_on
-    from bench.speed.profiles import shipped_gpus
-
-    trace = _traced(_rank_share(cfg))
-    return memory_of(cfg, trace, recipe_on(cfg, trace, shipped_gpus()["H100"]))
-
-
-def test_bench_predict_keeps_the_moments_torchao_keeps_in_fp32_and_counts_each_code_book(make_cfg, text_file):
+def test_bench_predict_keeps_the_moments_torchao_keeps_in_fp32_and_counts_each_code_book(make_cfg, text_file,
+                                                                                        predicted_memory):
     """torchao stores a moment low-bit only from 4,096 elements in whole blocks: none of LeNet's (its records'
     int8 and FP32 states are alike), BERT-MLM tiny's matrices but its 303-row embedding; each int8 moment holds its
     256-entry FP32 code book. bench.predict's optimiser state equals the record's, byte for byte."""
@@ -226,10 +217,11 @@ def test_bench_predict_keeps_the_moments_torchao_keeps_in_fp32_and_counts_each_c
         cfg = make_cfg(*model, "model.optimizer.state_format=int8")
         record = run_cell(cfg)
         assert record["status"] == "ok"
-        assert _predicted_memory(cfg)["optimizer_state"] == record["memory"]["step"]["optimizer_state"], model
+        assert predicted_memory(cfg)["optimizer_state"] == record["memory"]["step"]["optimizer_state"], model
 
 
-def test_fsdp2_shards_of_uneven_rows_train_with_low_bit_states_alike_on_every_rank(make_cfg, text_file):
+def test_fsdp2_shards_of_uneven_rows_train_with_low_bit_states_alike_on_every_rank(make_cfg, text_file,
+                                                                                  predicted_memory):
     """BERT-MLM tiny's 303-row embedding splits 152/151 over two ranks: torchao's compiled update of an unevenly
     sharded DTensor failed ('expected size 152==151'), and its rule gave rank 0's shard int8 moments and rank 1's
     FP32 ones. Each rank now updates its shard, both keep that tensor's moments in FP32, and bench.predict's state
@@ -238,7 +230,7 @@ def test_fsdp2_shards_of_uneven_rows_train_with_low_bit_states_alike_on_every_ra
                    "model.data.sha256=null", "train.max_steps=2", "model.optimizer.state_format=int8", "parallel=fsdp2")
     record = run_cell(cfg)
     assert record["status"] == "ok", record.get("reason")
-    assert _predicted_memory(cfg)["optimizer_state"] == pytest.approx(record["memory"]["step"]["optimizer_state"],
+    assert predicted_memory(cfg)["optimizer_state"] == pytest.approx(record["memory"]["step"]["optimizer_state"],
                                                                       rel=0.02)
 
 
