@@ -40,8 +40,11 @@ def test_only_cells_of_the_same_training_length_pair(committed, tmp_path, capsys
     rec = record(seed=0, metrics={"test_accuracy": 0.10})
     rec["timing"]["steps"] = 2  # a smoke run
     write(mine, rec)
-    assert compare([str(mine), "--against", str(committed)]) == 0
-    assert "none of the cells" in capsys.readouterr().out
+    # nothing compared is no pass: exit 2, saying where the nearest committed cells part from yours (it exited 0)
+    assert compare([str(mine), "--against", str(committed)]) == 2
+    said = capsys.readouterr().err
+    assert "none of the cells" in said and ("variant (none), steps 2: the reference cells of the same experiment, "
+                                            "model, setting, scaling, variant have steps 30") in said, said
 
 
 def test_bad_input_exits_2(tmp_path, capsys):

@@ -138,3 +138,26 @@ def test_a_cell_emulated_on_a_device_that_has_its_format_says_the_device_has_it(
     which read as a contradiction (a newcomer's trial, 2026-11-30): it is the device's support, and says so."""
     backend, why = decide("H100 (9.0) with torchao", "fp8", "mixed", "none")
     assert backend == "emulated" and why.endswith("(this device has fp8: compute capability 9.0 >= 8.9)"), why
+
+
+def test_the_matrix_shows_a_plugins_format_named_as_bench_run_names_it(tmp_path):
+    """`python -m bench.tools.matrix plugins=[amd_fp8]` printed the built-in table alone, the plug-in ignored (a
+    newcomer's trial, 2026-11-30); any other argument exits 2 naming the one it takes."""
+    import os
+    import subprocess
+    import sys
+
+    plugin = CONF.parent / "tests" / "plugin"
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(plugin), str(CONF.parent)])}
+
+    def matrix(*args):
+        return subprocess.run([sys.executable, "-m", "bench.tools.matrix", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    shown = matrix("plugins=[amd_fp8]")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    header = shown.stdout.splitlines()[0]
+    assert header.endswith("| nvfp4_recipe-mixed | fp8fnuz-mixed |"), header
+    for refused in (matrix("format=fp8"), matrix("plugins=[amd_fp9]")):
+        assert refused.returncode == 2 and "config error:" in refused.stderr and "Traceback" not in refused.stderr
+    assert "the one argument is plugins=[module,...]" in matrix("format=fp8").stderr

@@ -705,6 +705,11 @@ def test_bench_predicts_rows_name_what_tells_them_apart_beyond_model_format_and_
     assert "gradients all-reduced in fp32" in found[0]["note"] and "all-reduced in bf16" in found[1]["note"]
     (fsdp2,) = rows(["model=lenet", "parallel=fsdp2", "parallel.param_dtype=bf16"], [gpu("H100")])
     assert "parameters gathered in bf16, gradients reduced in fp32" in fsdp2["note"]
+    # where the configs and plug-ins come from tells no row apart (every row repeated them: a newcomer's trial)
+    plugin = Path(__file__).parent / "plugin"
+    (mine,) = rows(["model=lenet", f"hydra.searchpath=[file://{plugin / 'conf'}]", "plugins=[]", "parallel=ddp"],
+                   [gpu("H100")])
+    assert mine["also set"] == "parallel=ddp"
 
 
 def test_a_rank_that_refuses_the_cell_while_building_it_exits_2_as_a_one_device_cell_does(tmp_path):

@@ -221,6 +221,33 @@ def test_a_sweep_giving_one_methods_option_to_all_of_its_methods_is_told_whose_i
             "sweep them apart") in said, said
 
 
+def test_a_users_yaml_named_like_a_built_in_one_is_refused_not_silently_unread(tmp_path):
+    """Hydra reads the first `format/fp8.yaml` on its search path, conf/'s: a user's own `fp8.yaml` trained the
+    built-in format without a word (a newcomer's trial, 2026-11-30)."""
+    (tmp_path / "conf" / "format").mkdir(parents=True)
+    (tmp_path / "conf" / "format" / "fp8.yaml").write_text("name: fp8\nmode: mixed\nelsewhere: fp32\n")
+    said = _refused(tmp_path, "format=bf16",
+                    searchpath=f"hydra.searchpath=[file://{PLUGIN / 'conf'},file://{tmp_path / 'conf'}]")
+    mine, built_in = tmp_path / "conf" / "format" / "fp8.yaml", ROOT / "conf" / "format" / "fp8.yaml"
+    assert f"{mine} is never read: Hydra takes {built_in} first" in said and "e.g. format/my_fp8.yaml" in said, said
+
+
+def test_a_users_site_scaler_without_scale_for_is_refused_before_training(tmp_path):
+    """A method whose `site_scale` returns an object without `scale_for` trained until its first forward pass, then
+    failed with a record (exit 1; a newcomer's trial, 2026-11-30)."""
+    (tmp_path / "no_scale_for.py").write_text(
+        "from bench.numerics.scaling_methods import ScalingMethod, register\n\n\n"
+        "@register('no_scale_for')\nclass NoScaleFor(ScalingMethod):\n    site_scales = True\n\n"
+        "    def site_scale(self, tensor_class, element, observe):\n        return 2.0\n")
+    (tmp_path / "conf" / "scaling").mkdir(parents=True)
+    (tmp_path / "conf" / "scaling" / "no_scale_for.yaml").write_text(
+        "name: no_scale_for\n_target_: no_scale_for.NoScaleFor\n")
+    said = _refused(tmp_path, "plugins=[no_scale_for]", "model=lenet", "format=fp8", "scaling=no_scale_for",
+                    searchpath=f"hydra.searchpath=[file://{tmp_path / 'conf'}]")
+    assert ("scaling=no_scale_for: NoScaleFor.site_scale returned a float, which has no scale_for(x)" in said
+            and "docs/extending.md" in said), said
+
+
 TYPOS = {  # a yaml of each kind with a misspelt key: (folder, file, text, the message's key and suggestion)
     "model": ("model", "mlp_typo.yaml", "defaults: [/model_schema@_here_, _self_]\nname: mlp\n"
               "task: {_target_: mlp_digits.mlp_task, metric: test_accuracy, data_sources: [digits]}\nbatchsize: 16\n",

@@ -217,6 +217,10 @@ class Precision:
                                         lambda amax, scale: self.telemetry.observe_scale(tensor_class, amax, scale)) \
             if self.plan.site_scales else None
         if scaler is not None:
+            if not callable(getattr(scaler, "scale_for", None)):  # else the first forward pass fails, mid-run
+                raise PrecisionError(f"scaling={self.method.name}: {type(self.method).__qualname__}.site_scale "
+                                     f"returned a {type(scaler).__qualname__}, which has no scale_for(x); a site's "
+                                     "scaler gives the factor x is multiplied by before the cast (docs/extending.md)")
             self._site_scales.append(scaler)
         c = self.plan.config
         rounding = c.rounding if tensor_class == "gradients" else "nearest"

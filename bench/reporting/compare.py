@@ -14,7 +14,7 @@ so, since its numerics need not agree.
 Each of your cells is *within* when its mean lies in the committed cell's interval, *outside* when it does not
 (better or worse, by the direction the model declares, `model.task.higher_is_better`), and has *no interval* when
 the committed cell had one seed. Exit 0 when nothing is outside, 1 when something is,
-2 for bad input.
+2 for bad input or when none of your cells pairs (each said with the first key where the folder's cells part from it).
 """
 
 from __future__ import annotations
@@ -115,6 +115,32 @@ def compare(mine: pd.DataFrame, committed: pd.DataFrame,
     return pd.DataFrame(rows)
 
 
+def unpaired(mine: pd.DataFrame, committed: pd.DataFrame, reference: str = "committed", shown: int = 5) -> list[str]:
+    """Why each of your cells (the first `shown`) paired with none: the first key, in the order cells pair by, where
+    the folder's cells that agree with it on the keys before part from it, and their values there."""
+    def text(value) -> str:  # a median of steps is a float: 425.0 reads 425; the usual cell's variant is ""
+        return f"{value:g}" if isinstance(value, float) else str(value) or "(none)"
+
+    keys, lines = [*KEYS, "steps"], []
+    named = {"model_label": "model"}  # as the tables' columns name it
+    cells = mine.drop_duplicates(keys)
+    for _, cell in cells.head(shown).iterrows():
+        agreeing = committed
+        for i, key in enumerate(keys):
+            same = agreeing[agreeing[key].map(text) == text(cell[key])]
+            if same.empty:
+                values = sorted({text(v) for v in agreeing[key]})
+                agree = [named.get(k, k) for k in keys[:i]]
+                lines.append(f"- yours, {', '.join(f'{named.get(k, k)} {text(cell[k])}' for k in keys[:i + 1])}: "
+                             f"the {reference} cells{' of the same ' + ', '.join(agree) if agree else ''} have "
+                             f"{named.get(key, key)} {', '.join(values[:8])}{' ...' if len(values) > 8 else ''}")
+                break
+            agreeing = same
+    if len(cells) > shown:
+        lines.append(f"- and {len(cells) - shown} more cells of yours")
+    return lines
+
+
 def _units(records: list[dict]) -> str | None:
     """The 16-bit instruction sets of the CPUs that ran `records` (env.cpu_16bit_units), or None off CPU / unknown."""
     found = {", ".join(r["env"]["cpu_16bit_units"]) for r in records
@@ -148,9 +174,11 @@ def main(argv: list[str] | None = None, api=None) -> int:
     reference = reference_name(args.against)
     table = compare(_with_steps(aggregate.summarise(frame), frame), committed, directions, reference)
     if table.empty:
-        print(f"none of the cells in {args.mine} is among {args.against}'s (they pair by experiment, model, setting, "
-              "scaling, variant and training steps)")
-        return 0
+        print(f"nothing compared: none of the cells in {args.mine} is among {args.against}'s (they pair by experiment, "
+              "model, setting, scaling, variant and training steps):\n"
+              + "\n".join(unpaired(_with_steps(aggregate.summarise(frame), frame), committed, reference)),
+              file=sys.stderr)
+        return 2
     outside = int(table["verdict"].str.startswith("outside").sum())
     units = {"yours": _units(records), "committed": _units(archive.read(args.against / archive.ARCHIVE)[0])
              if (args.against / archive.ARCHIVE).is_file() else None}

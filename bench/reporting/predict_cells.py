@@ -163,9 +163,11 @@ def rows(overrides: list[str], gpus: list) -> list[dict]:
 
 def _also_set(cell: list[str]) -> str:
     """What the cell sets besides its model, format and scaling method (its setting and scaling columns): the
-    parallel, optimiser, master-weight and format options that tell two rows apart ("" for none)."""
+    parallel, optimiser, master-weight and format options that tell two rows apart ("" for none). Where the configs
+    and plug-ins come from (`hydra.searchpath`, `plugins`) tells none apart."""
     shown = [o.lstrip("+~") for o in cell if "=" in o]
-    return ", ".join(o for o in shown if o.split("=")[0] not in ("model", "format", "scaling", "gpu"))
+    return ", ".join(o for o in shown if o.split("=")[0] not in ("model", "format", "scaling", "gpu", "plugins")
+                     and not o.startswith("hydra."))
 
 
 def _distributed(cfg):

@@ -26,6 +26,21 @@ def _search_path(overrides) -> list[Path]:
     return paths
 
 
+def _shadowed(paths: list[Path]) -> list[str]:
+    """Each yaml of a search-path directory that an earlier directory has at the same place (conf/ first): Hydra
+    reads the first it finds, so the later one, a user's `format/fp8.yaml` say, would never be read."""
+    seen, said = {}, []
+    for path in dict.fromkeys(p.resolve() for p in paths):  # a directory named twice shadows nothing
+        for yaml in sorted(path.rglob("*.yaml")) if path.is_dir() else ():
+            where = yaml.relative_to(path)
+            if where in seen:
+                said.append(f"{yaml} is never read: Hydra takes {seen[where] / where} first (conf/ comes first on "
+                            f"the search path); give yours another name, e.g. {where.parent}/my_{where.name}")
+            else:
+                seen[where] = path
+    return said
+
+
 def _options(group: str, paths: list[Path]) -> list[str] | None:
     """The options of a config group across the search path (None: not a group)."""
     folders = [p / group for p in paths if (p / group).is_dir()]
@@ -64,8 +79,9 @@ def _near_key(cfg: DictConfig, key: str) -> str:
 
 
 def check_command_line(args: list[str]) -> None:
-    """Raise ConfigError for an option no config group has, or a key (without `+`) the config does not have: every
-    such value of the command line in one message (a sweep's two typos, named at once)."""
+    """Raise ConfigError for a yaml of `hydra.searchpath` that conf/ shadows, an option no config group has, or a key
+    (without `+`) the config does not have: every such value of the command line in one message (a sweep's two
+    typos, named at once)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -74,6 +90,8 @@ def check_command_line(args: list[str]) -> None:
     except Exception:  # a syntax error: Hydra says where
         return
     paths = _search_path(overrides)
+    if shadowed := _shadowed(paths):
+        raise ConfigError("; ".join(shadowed))
     keys, groups, refused, swept = [], [], [], {}
     for o in overrides:
         key = o.key_or_group

@@ -86,17 +86,20 @@ def check_model(cfg: DictConfig) -> None:
     config, where a mistake could hide until training: under a scaling method that changes the model (unit scaling,
     u-μP, a user's `transform`: a layer or op it has no rule for), for a model of a user's (outputs that do not
     fit the task's loss), and for a format that names layers (format.keep_high_precision) or needs whole 16 x 16
-    weight tiles (the precision is then applied to the built model). It refuses the cell here (ConfigError), before
-    any cell trains. The shipped models under the other methods are not built (their first step is checked by every
-    test run). A model that cannot be built here (a checkpoint not cached) is left to its run, which records why."""
+    weight tiles, or a user's method that scales each rounding site (the precision is then applied to the built
+    model). It refuses the cell here (ConfigError), before any cell trains. The shipped models under the other
+    methods are not built (their first step is checked by every test run). A model that cannot be built here (a
+    checkpoint not cached) is left to its run, which records why."""
     method = build_scaling_method(cfg.scaling)
     transforms = type(method).transform is not ScalingMethod.transform
-    by_layer = PrecisionConfig.from_config(cfg).by_layer
-    if not transforms and not by_layer and str(cfg.model.task._target_).startswith("bench."):
+    # the precision applied to the built model: where the format names layers, or a user's method scales each site
+    prepares = PrecisionConfig.from_config(cfg).by_layer or (
+        method.site_scales and not type(method).__module__.startswith("bench."))
+    if not transforms and not prepares and str(cfg.model.task._target_).startswith("bench."):
         return
     key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True),
                       OmegaConf.to_container(cfg.scaling, resolve=True),
-                      OmegaConf.to_container(cfg.format, resolve=True) if by_layer else None],
+                      OmegaConf.to_container(cfg.format, resolve=True) if prepares else None],
                      sort_keys=True, default=str)
     if key in _MODELS_CHECKED:
         return
@@ -114,7 +117,7 @@ def check_model(cfg: DictConfig) -> None:
             pass  # a pretrained conversion that changed the function: measured, so recorded by the run
         with torch.no_grad():
             task.compute_loss(*task.forward(task.model, next(iter(task.train_batches(0))), lambda x: x))
-        if by_layer:  # PrecisionError names the layer
+        if prepares:  # PrecisionError names the layer, or the method whose site scaler cannot scale
             Precision.from_config(cfg, torch.device("cpu")).prepare(task.model, cfg.model.task.get("blocks"))
     _MODELS_CHECKED.add(key)
 

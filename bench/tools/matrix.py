@@ -1,4 +1,6 @@
-"""What `format.backend=auto` decides on each device a cluster may have: `python -m bench.tools.matrix`.
+"""What `format.backend=auto` decides on each device a cluster may have: `python -m bench.tools.matrix
+[plugins=[module,...]]` (your formats and scaling methods beside the built-in ones, as bench.run names them; installed
+plug-ins always).
 
 The decision is `bench.numerics.precision.Precision`'s, asked on simulated devices (the CPU's flags, a CUDA compute
 capability, whether torchao is installed, an XLA device), so the table below is what the code does, not a
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import sys
 
+from bench import plugins
+from bench.errors import ConfigError
 from bench.numerics import hardware
 from bench.numerics.plan import PrecisionConfig, plan
 from bench.numerics.scaling_methods import combining_with, scaling_class
@@ -91,6 +95,24 @@ def elsewhere_emulated(profile: str) -> str | None:
                     device).elsewhere_emulated
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """Print the table, with the plug-ins `plugins=[...]` names; exit 2 naming the one argument taken otherwise."""
+    modules = []
+    for arg in sys.argv[1:] if argv is None else argv:
+        key, _, value = arg.partition("=")
+        if key != "plugins" or not value.strip("[]"):
+            print(f"config error: {arg!r}: the one argument is plugins=[module,...] (your formats' and scaling "
+                  "methods' modules, as bench.run names them)", file=sys.stderr)
+            return 2
+        modules += [m.strip() for m in value.strip("[]").split(",") if m.strip()]
+    try:
+        plugins.load(modules, named_by="the command line's plugins=")
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     print(markdown())
-    sys.exit(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
