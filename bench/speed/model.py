@@ -760,8 +760,8 @@ def collectives(trace: StepTrace, parallel, target: GPU, compute_s: float, block
       the root's once (FSDP2 keeps the root module's gathered from its forward through its backward; a block's
       biases and norms are counted with the root's), the Linear weights in `fp8_gather` (torchao's FP8 all-gather)
       at one byte; the gradients reduce-scattered in reduce_dtype.
-      FSDP2 prefetches the next block's gather under the current block's compute, so the first block's gather is
-      exposed, and whatever the compute cannot cover.
+      FSDP2 prefetches the next block's gather under the current block's compute, so the first block's gather (in
+      the same types) is exposed, and whatever the compute cannot cover.
     Each collective is priced by its bytes at the bandwidth alone, no per-call latency (a small model's many small
     collectives are priced low), and no measured step has validated these figures (docs/distributed.md).
     None on one rank, or on a profile without the interconnect's figures."""
@@ -777,7 +777,7 @@ def collectives(trace: StepTrace, parallel, target: GPU, compute_s: float, block
         per_block, root = _gathered_bytes(trace, blocks, parallel.param_dtype, fp8_gather)
         received = {"all_gather": share * (2 * sum(per_block.values()) + root),  # a block's twice, the root's once
                     "reduce_scatter": share * trace.parameters * _element_bytes(parallel.reduce_dtype)}
-        first = share * max(_block_weights(trace, blocks).values(), default=0) * _element_bytes(parallel.param_dtype)
+        first = share * max(per_block.values(), default=0)  # the first block's gather, FP8 weights at a byte
     seconds = sum(received.values()) / (bandwidth * 1e9)
     exposed = max(first / (bandwidth * 1e9), seconds - compute_s)
     return Collectives(received, seconds, exposed, "nvlink" if n <= NODE_GPUS else "network")
