@@ -172,11 +172,12 @@ def main(argv: list[str] | None = None, api=None) -> int:
     directions = {r["config"]["model"]["name"]: task_spec(r["config"]["model"]).get("higher_is_better", True)
                   for r in records}
     reference = reference_name(args.against)
-    table = compare(_with_steps(aggregate.summarise(frame), frame), committed, directions, reference)
+    cells = _with_steps(aggregate.summarise(frame), frame)
+    table = compare(cells, committed, directions, reference)
     if table.empty:
         print(f"nothing compared: none of the cells in {args.mine} is among {args.against}'s (they pair by experiment, "
               "model, setting, scaling, variant and training steps):\n"
-              + "\n".join(unpaired(_with_steps(aggregate.summarise(frame), frame), committed, reference)),
+              + "\n".join(unpaired(cells, committed, reference)),
               file=sys.stderr)
         return 2
     outside = int(table["verdict"].str.startswith("outside").sum())
