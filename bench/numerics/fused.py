@@ -42,8 +42,10 @@ contracted into an FMA would round once where the eager ops round twice, and uns
 roundings' arithmetic: inductor's C++ code is compiled without either (`INDUCTOR_OPTIONS` holds its defaults against
 an environment that changes them), and torch 2.13's Triton code without contraction while `emulate_precision_casts`
 is set. The quantisers' roundings are chains of steps exact as written (adds of a power-of-two magic number, integer
-bit operations, multiplies by powers of two, compares: unsafe math would fold `x + m - m` into `x`); their inexact
-steps (a product such as NVFP4's x * (1 / s), the divisions) inductor computes as written. tests/test_fused.py holds
+bit operations, multiplies by powers of two, compares: unsafe math would fold `x + m - m` into `x`; in these graphs
+an element rounding is Veltkamp's split, x(2^k + 1) - (x(2^k + 1) - x), which contraction would make one rounding
+and no split: bench/numerics/formats.py); their inexact steps (a product such as NVFP4's x * (1 / s), the
+divisions) inductor computes as written. tests/test_fused.py holds
 every quantiser to its eager self on every conformance family, format and overflow policy, and an emulated training
 run fused to the eager run's losses. An emulated op's pass also computes what is not exact: its GEMMs and
 convolutions, which its graph calls as torch's own kernels on the eager layouts, and a Linear's bias gradient, a sum
@@ -76,7 +78,7 @@ import torch
 # the C++ compiler's unsafe math and FMA contraction off, whatever the environment says (inductor's defaults, which
 # TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG and ..._FLOATING_POINT_CONTRACT_FLAG change): unsafe math changed
 # the bits of the element roundings in arithmetic, TE's NVFP4 and the 1 x 128 tiles (tests/test_fused.py);
-# contraction ("fast") changed none today, and is held off for the next graph that multiplies and adds
+# contraction ("fast") is held off for the element roundings' split (formats._round_by_splitting)
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold": 8, "layout_optimization": False,
                     "cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False}
 SWITCH = "PRECISION_BENCH_FUSED"  # =0: every quantiser eager; otherwise (the default) fused where it pays
