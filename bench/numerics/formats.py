@@ -196,32 +196,42 @@ def round_unbounded(x: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
         return _round_mantissa_bits(x, spec.man_bits)
     if _rounds_by_cast(spec, x.device):
         return x.to(spec.torch_dtype).to(torch.float32)
-    if in_fused_graph() and _splits(spec, 2.0 ** (spec.emax + 2)):
-        return _round_by_splitting(x, spec, bound=2.0 ** (spec.emax + 2))
+    if _splits(spec):
+        return _round_by_splitting(x, spec, clamped=False)
     return _with_sign_of(_round_on_grid(x.abs(), spec, top_exponent=spec.emax + 1), x)
 
 
-def _splits(spec: ElementFormat, bound: float) -> bool:
-    """Whether `_round_by_splitting` rounds to spec below `bound`: a format below FP32's exponent range, whose
-    splitting factor times `bound` stays finite (every built-in one; a user's with an 8-bit exponent may not)."""
-    return spec.emin > FP32_EMIN and bound * 2.0 ** (23 - spec.man_bits) < 2.0**126
+def _split_bound(spec: ElementFormat) -> float:
+    """Past this magnitude (above max) an unclamped x is left as it is by `_round_by_splitting`."""
+    return 2.0 ** (spec.emax + 2)
 
 
-def _round_by_splitting(x: torch.Tensor, spec: ElementFormat, bound: float) -> torch.Tensor:
+def _splits(spec: ElementFormat) -> bool:
+    """Whether spec is rounded by `_round_by_splitting` here: in a fused graph of ours, a format below FP32's exponent
+    range whose splitting factor times `_split_bound` stays finite (every built-in one; a user's with an 8-bit
+    exponent may not)."""
+    return (in_fused_graph() and spec.emin > FP32_EMIN
+            and _split_bound(spec) * 2.0 ** (23 - spec.man_bits) < 2.0**126)
+
+
+def _round_by_splitting(x: torch.Tensor, spec: ElementFormat, clamped: bool) -> torch.Tensor:
     """RNE of signed FP32 `x` to spec's grid (subnormals included) in floating-point arithmetic alone, for a graph:
     Veltkamp's splitting (c = x(2^(23-m) + 1), c - (c - x): x to m + 1 significant bits, RNE, for |x| from spec's
     smallest normal up) and, below it, adding and subtracting 1.5 x 2^(emin-m+23) (the grid's spacing there, either
     sign). The same bits as `_round_on_grid` (every FP32 of E4M3's and E5M2's range checked against torch's casts;
     tests/test_fused.py holds the fused quantisers to the eager ones), without its bit views: inductor's CPU code
     makes each view a store and a reload, about 3 ns a value on an Intel Xeon with AMX (docs/performance.md).
-    A value rounded to zero keeps x's sign (-0 as a cast gives); past `bound` (whose splitting must stay finite: an
-    infinity, or past max anyway) x is returned as it is, NaN as NaN. In our fused graphs alone, whose FMA contraction
-    is held off (fused.INDUCTOR_OPTIONS): contracted, x * (2^k + 1) - x is no longer a split."""
+    A value rounded to zero keeps x's sign (-0 as a cast gives); unless x is `clamped` to +-max, past `_split_bound`
+    (whose splitting must stay finite: an infinity, or past max anyway) x is returned as it is; NaN stays NaN. In our
+    fused graphs alone, whose FMA contraction is held off (fused.INDUCTOR_OPTIONS): contracted, x * (2^k + 1) - x is
+    no longer a split."""
     c = x * (2.0 ** (23 - spec.man_bits) + 1)
     normal = c - (c - x)
     shift = 1.5 * 2.0 ** (spec.emin - spec.man_bits + 23)
     magnitude = x.abs()
-    r = torch.where(magnitude < 2.0**spec.emin, (x + shift) - shift, torch.where(magnitude > bound, x, normal))
+    if not clamped:
+        normal = torch.where(magnitude > _split_bound(spec), x, normal)
+    r = torch.where(magnitude < 2.0**spec.emin, (x + shift) - shift, normal)
     return torch.where(r == 0, x * 0.0, r)
 
 
@@ -301,8 +311,8 @@ def quantise_value(x: torch.Tensor, fmt: str | ElementFormat, overflow: str | No
     x32 = x.to(torch.float32)
     if policy == "saturate" and not _overflows_to_inf(spec, x.device):  # the arithmetic path, saturating
         # clamping |x| to max (on the grid) first is the same as rounding, then clamping; it saves passes
-        if in_fused_graph() and _splits(spec, spec.max):
-            r = _round_by_splitting(x32.clamp(-spec.max, spec.max), spec, bound=spec.max)
+        if _splits(spec):
+            r = _round_by_splitting(x32.clamp(-spec.max, spec.max), spec, clamped=True)
         else:
             r = _with_sign_of(_round_on_grid(x32.abs().clamp_(max=spec.max), spec, top_exponent=None), x32)
     else:

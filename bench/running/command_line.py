@@ -90,7 +90,7 @@ def check_command_line(args: list[str]) -> None:
     except Exception:  # a syntax error: Hydra says where
         return
     paths = _search_path(overrides)
-    if shadowed := _shadowed(paths):
+    if len(paths) > 1 and (shadowed := _shadowed(paths)):  # conf/ alone shadows nothing
         raise ConfigError("; ".join(shadowed))
     keys, groups, refused, swept = [], [], [], {}
     for o in overrides:
