@@ -910,6 +910,40 @@ def test_splitting_rounds_every_fp32_of_the_formats_range_as_torchs_cast(element
                 assert torch.equal(rounded.view(torch.int32), x.to(dtype).float().view(torch.int32)), start
 
 
+def _stored(call, x, args, kwargs) -> list[tuple[int, torch.dtype]]:
+    """(elements, dtype) of each tensor that `call`'s fused graph of values alone allocates (read in inductor's
+    generated code): a fresh graph, no cache."""
+    import re
+
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    with config.patch({"force_disable_caches": True}):
+        _, code = run_and_get_code(lambda: fused.Specialisation(call.eager, args, kwargs, pick="values")(
+            x, *args, **kwargs))
+    allocations = re.findall(r"empty_strided_cpu\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)", "".join(code))
+    return [(math.prod(int(d) for d in shape.split(",") if d.strip()), getattr(torch, dtype))
+            for shape, dtype in allocations]
+
+
+def test_a_fused_block_quantiser_stores_its_values_alone_at_full_size_and_a_blocks_factors_once():
+    """What a fused graph stores decides its speed (inductor's CPU code stores a value that more than one consumer
+    reads and that takes more than `realize_opcount_threshold` operations: fused.INDUCTOR_OPTIONS). Too low, and the
+    element rounding's steps were stored at x's size, each a pass over memory: MX's call on 768 x 512 took 1.7 ms
+    against 0.10 (threshold 8 with the splitting's graph, an Intel Xeon with AMX; NVFP4's and rowwise's alike). Too
+    high, and MX's factor 2^-e is recomputed for every element: 3x slower along dim 0. A block quantiser's values
+    are the one tensor of x's size its graph writes, and MX stores its amax, scale and factor once per block."""
+    x = torch.randn(256, 384, generator=torch.Generator().manual_seed(0))  # whole blocks either way
+    per_block = x.numel() // blocks.MX_BLOCK
+    for name, call, args, dim in [("mx", blocks.mx_quantise, ("fp8_e4m3",), -1),
+                                  ("mx", blocks.mx_quantise, ("fp8_e4m3",), 0),
+                                  ("nvfp4", blocks.nvfp4_quantise, (blocks.nvfp4_tensor_scale(x),), -1),
+                                  ("rowwise", blocks.rowwise_quantise, (), 0)]:
+        stored = _stored(call, x, args, {"dim": dim})
+        assert [n for n, _ in stored if n >= x.numel()] == [x.numel()], (name, dim, stored)
+        assert name != "mx" or stored.count((per_block, torch.float32)) == 3, (dim, stored)
+
+
 def test_a_fused_element_rounding_is_arithmetic_without_bit_views(monkeypatch):
     """Inductor's CPU code makes each bit view (`x.view(torch.int32)`) a store and a reload: on a 2-core Intel Xeon with
     AMX, E4M3's fused rounding of 16,384 values took 60 us with five of them (eager: 58), 10 without

@@ -69,17 +69,20 @@ from typing import Callable
 import torch
 
 # emulate_precision_casts: keep x.to(bf16/fp16).to(fp32) a rounding when fused. realize_opcount_threshold: store a
-# value that takes more than 8 operations, and that more than one consumer reads, where inductor's CPU code would
-# recompute it for every element that reads it (50 by default): a block's scale, computed once per block and not
-# once per element (docs/performance.md: a call 2.3-7.5x faster along the first dimension, where the loop over a
-# block's elements is outside the loop over columns)
+# value that takes more than 10 operations, and that more than one consumer reads, where inductor's CPU code would
+# recompute it for every element that reads it (50 by default): a block's scale and factor, computed once per block
+# and not once per element (docs/performance.md: a call 2.3-7.5x faster along the first dimension, where the loop
+# over a block's elements is outside the loop over columns). At 8 the element rounding's own steps (the splitting's
+# c and c - x, 9 operations on a block's scaled values) were stored too, each a tensor of x's size: MX's call 17x
+# slower (1.7 ms against 0.10 on 768 x 512); at 16 MX's factor 2^-e is recomputed per element again (3x slower
+# along dim 0). tests/test_fused.py holds what a graph stores
 # layout_optimization off: an emulated op's graph (bench/numerics/emulation.py) calls torch's convolution on the
 # layouts its eager pass gives it, not channels-last ones, whose kernels may sum in another order
 # the C++ compiler's unsafe math and FMA contraction off, whatever the environment says (inductor's defaults, which
 # TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG and ..._FLOATING_POINT_CONTRACT_FLAG change): unsafe math changed
 # the bits of the element roundings in arithmetic, TE's NVFP4 and the 1 x 128 tiles (tests/test_fused.py);
 # contraction ("fast") is held off for the element roundings' split (formats._round_by_splitting)
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold": 8, "layout_optimization": False,
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold": 10, "layout_optimization": False,
                     "cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False}
 SWITCH = "PRECISION_BENCH_FUSED"  # =0: every quantiser eager; otherwise (the default) fused where it pays
 ARITHMETIC_FROM = 1  # block and tile quantisers, and element roundings done in arithmetic: every size
