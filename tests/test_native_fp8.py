@@ -84,7 +84,7 @@ def test_native_fp8_meets_the_gpu_kernels_multiple_of_16_with_a_head_on_one_toke
         return (out if scale_result is None else out * scale_result).to(out_dtype or a.dtype)
 
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_with_cuda_shape_check)
-    _native_on_cpu(monkeypatch, "fp8", "test: torchao float8 through CPU _scaled_mm")
+    _native_on_cpu(monkeypatch, "fp8", "test: torchao float8 through a _scaled_mm with the CUDA shape check")
     record = _record(make_cfg("model=distilbert_tiny", "format=fp8", f"scaling={scaling}", "model.batch_size=12",
                               "train.max_steps=2"))
     assert record["status"] == "ok", record.get("reason")

@@ -73,7 +73,7 @@ import torch
 # recompute it for every element that reads it (50 by default): a block's scale and factor, computed once per block
 # and not once per element (docs/performance.md: a call 2.3-7.5x faster along the first dimension, where the loop
 # over a block's elements is outside the loop over columns). At 8 the element rounding's own steps (the splitting's
-# c and c - x, 9 operations on a block's scaled values) were stored too, each a tensor of x's size: MX's call 17x
+# c and c - x on a block's scaled values) were stored too, each a tensor of x's size: MX's call 17x
 # slower (1.7 ms against 0.10 on 768 x 512); at 16 MX's factor 2^-e is recomputed per element again (3x slower
 # along dim 0). tests/test_fused.py holds what a graph stores
 # layout_optimization off: an emulated op's graph (bench/numerics/emulation.py) calls torch's convolution on the
