@@ -11,10 +11,10 @@ holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
   E5M2: two eager passes) saves 2-3 us a call below 4,096 elements, too little to repay a compile, so only from
   there (compiled, E5M2 is rounded in arithmetic, not cast: bench/numerics/formats.py says why);
 - x is on the CPU (FUSED_DEVICES), and no graph is being traced or compiled already (a compiled model, or a fused
-  quantiser calling another, takes the eager body into its own graph). On CUDA the quantisers run eagerly: two of
-  them compiled into Triton, and an emulated run's compiled passes, were not the eager bits on an H200 (2026-11-29,
-  `pytest -m cuda`; mended since, on a CPU simulation of CUDA's arithmetic, not yet run on a GPU:
-  docs/performance.md; `quantiser.fused` still compiles for CUDA, with eager CUDA's division and subnormals:
+  quantiser calling another, takes the eager body into its own graph). On CUDA the quantisers run eagerly: on an
+  H200 (2026-11-30, `pytest -m cuda`) every quantiser compiled into Triton gave its eager bits and LeNet FP8 fused
+  logged the eager losses, but BERT-tiny's NVFP4 recipe fused did not, for a reason not yet found
+  (docs/performance.md; `quantiser.fused` compiles for CUDA, with eager CUDA's division and subnormals:
   `_eager_numerics`);
 - the call draws no random numbers, or its quantiser makes its draws itself (`fused(draws=...)`: every block
   quantiser that rounds stochastically, MX, NVFP4 by either scale rule, its 16 x 16 tiles, FP8 rowwise and 1 x 128
@@ -58,6 +58,7 @@ still NaN.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -88,10 +89,9 @@ SWITCH = "PRECISION_BENCH_FUSED"  # =0: every quantiser eager; otherwise (the de
 ARITHMETIC_FROM = 1  # block and tile quantisers, and element roundings done in arithmetic: every size
 CAST_FROM = 1 << 12  # element roundings that are torch's own cast (two eager passes): from 4,096
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # compiled on their FP32 widening (the module docstring says why)
-# where runs call the compiled quantisers: not CUDA, where on an H200 (2026-11-29, `pytest -m cuda`) Triton's code
-# for 1 x 128 tiles and Transformer Engine's NVFP4 16 x 16 tiles was not the eager bits, and a LeNet FP8 run with its
-# passes compiled for CUDA departed from the eager run's losses (all three mended since, on a CPU simulation of
-# CUDA's arithmetic; not yet run on a GPU: docs/performance.md)
+# where runs call the compiled quantisers: not CUDA, where on an H200 (2026-11-30, `pytest -m cuda`) a BERT-tiny
+# NVFP4 recipe run fused departed from the eager run's losses though each fused call gave its eager bits
+# (docs/performance.md; the quantisers and LeNet FP8's run passed there)
 FUSED_DEVICES = ("cpu",)
 LAYOUTS_PER_SPECIALISATION = 32  # graphs per quantiser and arguments; past it, a new shape runs eagerly
 
@@ -111,6 +111,16 @@ def in_fused_graph() -> bool:
     """Whether the code running now is being traced into a fused graph of ours, compiled with INDUCTOR_OPTIONS (a
     cast there and back kept a rounding), not into a compiled model's, whose inductor runs on its defaults."""
     return _tracing and not torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def _random_streams_kept(device: torch.device):
+    """Making a graph draws nothing from the run's random streams (the CPU's and x's CUDA device's), whatever
+    tracing, compiling or tuning it draws: a fused run's dropout masks and stochastic draws stay the eager run's.
+    Dynamo restores them around its compiles as this does (torch/_dynamo/convert_frame.py); a Specialisation
+    bypasses dynamo, and inductor restores them around its code generation alone."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        yield
 
 
 def compile_seconds() -> float:
@@ -189,7 +199,9 @@ class Specialisation:
         if graph is None:
             if len(self.graphs) >= LAYOUTS_PER_SPECIALISATION:
                 return self.fn(x, *args, **kwargs)
-            graph = self.graphs[layout] = self._compile(tensors, args, kwargs)
+            with _random_streams_kept(x.device):  # the graph's first call too: Triton tunes a kernel on its first
+                graph = self.graphs[layout] = self._compile(tensors, args, kwargs)
+                return graph(tensors)
         return graph(tensors)
 
     def _compile(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Callable:
