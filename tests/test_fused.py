@@ -857,14 +857,15 @@ def test_an_emulated_run_fused_as_triton_compiles_round_trips_logs_the_eager_run
 def _quantiser_trail(monkeypatch, device: str) -> list[list[tuple]]:
     """Record each quantiser call of the runs that follow, in order, into a new list per run (`trail.append([])`
     starts one): its function, the emulation code that called it, its input's shape, dtype and two sums, and the
-    device's random stream's state as it began. Where an eager and a fused run part, the first entry that differs
-    says whether by the values a quantiser was given or by the draws before it (`_first_parting`). Calls made while
-    a graph is traced, and those a quantiser's eager body makes, are not recorded; a Bound's call is one entry."""
+    random streams' states as it began (the CPU's, which a data loader draws from for each epoch, and a GPU's).
+    Where an eager and a fused run part, the first entry that differs says whether by the values a quantiser was
+    given or by the draws before it (`_first_parting`). Calls made while a graph is traced, and those a quantiser's
+    eager body makes, are not recorded; a Bound's call is one entry."""
     import sys
     import traceback
 
     trail: list[list[tuple]] = []
-    state = torch.cuda.get_rng_state if device == "cuda" else torch.get_rng_state
+    states = [torch.get_rng_state, *([torch.cuda.get_rng_state] if device == "cuda" else [])]  # the CPU's: shuffling
     inside = []
 
     def note(fn):
@@ -880,7 +881,7 @@ def _quantiser_trail(monkeypatch, device: str) -> list[list[tuple]]:
         if where is not None:
             wide = x.detach().double()
             trail[-1].append((*where, tuple(x.shape), str(x.dtype), repr((wide.sum().item(), wide.abs().sum().item())),
-                              hash(state().numpy().tobytes())))
+                              tuple(hash(state().numpy().tobytes()) for state in states)))
 
     runs_eagerly, bound_call = fused._runs_eagerly, fused.Bound.__call__
 
@@ -908,7 +909,7 @@ def _quantiser_trail(monkeypatch, device: str) -> list[list[tuple]]:
 
 def _first_parting(eager: list[tuple], fast: list[tuple]) -> str:
     """Where two runs' quantiser trails first differ, with the entry before it: (site, function, shape, dtype, the
-    input's sums, the random stream's state's hash)."""
+    input's sums, the random streams' states' hashes)."""
     at = next((i for i, (a, b) in enumerate(zip(eager, fast)) if a != b), min(len(eager), len(fast)))
     return (f"{len(eager)} and {len(fast)} quantiser calls; first parting at call {at}: eager {eager[at - 1:at + 1]}, "
             f"fused {fast[at - 1:at + 1]}")
@@ -919,7 +920,7 @@ def _first_parting(eager: list[tuple], fast: list[tuple]) -> str:
 # On 2026-11-30 BERT-tiny's NVFP4 recipe fused logged 3.85757 at its second loss against the eager 3.8759, though
 # every fused quantiser call of a 3-step run gave its eager bits on the same input and draws (270 calls), and the eager
 # run itself was not the same twice (3.87606, 3.87579; 3.87585 with deterministic algorithms asked for): the trail
-# (`_quantiser_trail`) says where the runs part; making a graph now leaves the random streams where it found them.
+# (`_quantiser_trail`) says where the runs part; making a graph now leaves the random streams as it found them.
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["model=lenet format=fp8", "model=bert_tiny format=nvfp4_recipe"])
