@@ -199,7 +199,7 @@ class Specialisation:
         if graph is None:
             if len(self.graphs) >= LAYOUTS_PER_SPECIALISATION:
                 return self.fn(x, *args, **kwargs)
-            with _random_streams_kept(x.device):  # the graph's first call too: Triton tunes a kernel on its first
+            with _random_streams_kept(x.device):  # its first call too, where Triton tunes a kernel
                 graph = self.graphs[layout] = self._compile(tensors, args, kwargs)
                 return graph(tensors)
         return graph(tensors)
