@@ -468,3 +468,19 @@ def test_an_embedding_smaller_than_the_tokenizer_is_refused(make_cfg):
     cfg = make_cfg("model=bert_tiny", "model.arch.vocab_size=100")
     with pytest.raises(ConfigError, match=r"model.arch.vocab_size=100 is under the tokenizer's 303 pieces"):
         build_task(cfg.model, torch.device("cpu"), 0)
+
+
+def test_every_committed_cuda_bench_json_names_a_shipped_gpu_and_holds_rows():
+    """The scorecard reads every results/bench/cuda-*.json as `make bench` wrote it (speed_validation.measured_rows):
+    a file of another shape there fails `make bench`'s speed-model section and the slow suite (a pytest summary
+    committed as JSON did, 2026-11-30)."""
+    import json
+
+    from bench.tools import speed_validation as validation
+
+    assert validation.MEASURED
+    for path in validation.MEASURED:
+        data = json.loads(path.read_text())
+        assert isinstance(data.get("rows"), list), path.name
+        assert any(data.get("env", {}).get("device_name", "").startswith(g.device_name)
+                   for g in shipped_gpus().values()), path.name
