@@ -320,12 +320,15 @@ def torchao_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
 
 def te_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     """Transformer Engine's power-of-two FP8 scale (compute_scale_from_amax, epsilon 0): 448 / amax in float32
-    with the mantissa bits cleared; 1 where amax is 0 or infinite, the largest float where the quotient is."""
+    with the mantissa bits cleared; 1 where amax is 0 or infinite, the largest float where the quotient is.
+    The quotient is a normal float (at least 448 / FP32's max), so clearing its mantissa is 2^(e - 1) for frexp's
+    exponent e: the same bits, found without a bit view, which inductor's CPU code would bit-cast value by value
+    where the scale meets the elements (1 x 128 tiles along dim 0 ran 3-4x slower: docs/performance.md)."""
     amax = amax.float()
     scale = _quotient(E4M3_MAX, amax)
     scale = torch.where(scale.isinf(), torch.finfo(torch.float32).max, scale)
     scale = torch.where((amax == 0) | amax.isinf() | scale.isnan(), 1.0, scale)
-    return (scale.view(torch.int32) & -0x800000).view(torch.float32)  # 0xFF800000: sign and exponent kept
+    return torch.ldexp(torch.full_like(scale, 0.5), torch.frexp(scale).exponent)
 
 
 def _fp8_scaled(blocks: torch.Tensor, scale: torch.Tensor, rounding: str = "nearest",
