@@ -911,8 +911,9 @@ def _first_parting(eager: list[tuple], fast: list[tuple]) -> str:
     """Where two runs' quantiser trails first differ, with the entry before it: (site, function, shape, dtype, the
     input's sums, the random streams' states' hashes)."""
     at = next((i for i, (a, b) in enumerate(zip(eager, fast)) if a != b), min(len(eager), len(fast)))
-    return (f"{len(eager)} and {len(fast)} quantiser calls; first parting at call {at}: eager {eager[at - 1:at + 1]}, "
-            f"fused {fast[at - 1:at + 1]}")
+    shown = slice(max(at - 1, 0), at + 1)
+    return (f"{len(eager)} and {len(fast)} quantiser calls; first parting at call {at}: eager {eager[shown]}, "
+            f"fused {fast[shown]}")
 
 
 # What kept CUDA out of fused.FUSED_DEVICES on an H200 (2026-11-29): LeNet FP8's second logged loss was 2.29895 fused,
@@ -927,8 +928,8 @@ def _first_parting(eager: list[tuple], fast: list[tuple]) -> str:
 def test_on_cuda_an_emulated_run_fused_logs_the_eager_runs_losses_exactly(make_cfg, tmp_path, monkeypatch, fmt):
     """Emulated on a GPU (format.backend=emulated: an H100 has FP8 natively), with CUDA among the devices whose runs
     call compiled code: each emulated op's passes compiled into Triton around cuBLAS's and cuDNN's own kernels, and
-    the eager cell, loss for loss, bit for bit. Both runs are held to torch's deterministic algorithms (warned of
-    where there are none: SDPA's memory-efficient backward). A failure names where the runs' quantiser calls part."""
+    the eager cell, loss for loss, bit for bit. Both runs are held to torch's deterministic algorithms (an op that has
+    none warns and runs). A failure names where the runs' quantiser calls part."""
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     deterministic = torch.are_deterministic_algorithms_enabled()
