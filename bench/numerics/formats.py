@@ -428,20 +428,28 @@ def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, po
     top_spacing = 2.0 ** (spec.emax - spec.man_bits)
     bound = spec.max + top_spacing  # BF16's (2^128) is past FP32's range, which then bounds |x| by itself
     magnitude = x32.abs() if bound > torch.finfo(torch.float32).max else x32.abs().clamp(max=bound)
-    # floor(log2 |x|) in range, from float32's exponent field (an FP32 subnormal reads -127: below every emin)
-    exponent = ((magnitude.view(torch.int32) >> 23) - 127).clamp(min=spec.emin, max=spec.emax)
-    if spec.emin - spec.man_bits >= FP32_EMIN:  # every spacing a normal float32: written as its exponent field
-        spacing = ((exponent - spec.man_bits + 127) << 23).view(torch.float32)
+    arithmetic = _splits(spec) and bound * _ONE_BIT_SPLIT < 2.0**126  # in a fused graph: no bit views, no sign
+    if arithmetic:
+        spacing = _binade_of(magnitude, spec) * 2.0**-spec.man_bits
     else:
-        spacing = torch.ldexp(torch.ones_like(magnitude), exponent - spec.man_bits)
+        # floor(log2 |x|) in range, from float32's exponent field (an FP32 subnormal reads -127: below every emin)
+        exponent = ((magnitude.view(torch.int32) >> 23) - 127).clamp(min=spec.emin, max=spec.emax)
+        if spec.emin - spec.man_bits >= FP32_EMIN:  # every spacing a normal float32: written as its exponent field
+            spacing = ((exponent - spec.man_bits + 127) << 23).view(torch.float32)
+        else:
+            spacing = torch.ldexp(torch.ones_like(magnitude), exponent - spec.man_bits)
     below = torch.floor(magnitude / spacing) * spacing  # exact: spacing is a power of two
     distance = (magnitude - below) / spacing  # exact, in [0, 1)
     if bits is not None:
         distance = torch.floor(distance * (1 << bits)) / (1 << bits)
-    # 1 where draw < distance, else 0, from their difference: 0 only where they are equal, and torch's sign of NaN
-    # (an infinite |x|'s distance, inf - inf) is 0, as `draw < NaN` was False. A compiled graph held the comparison
-    # `draw < distance` as a buffer of bools, 5.5x slower (docs/performance.md)
-    rounded = below + spacing * (distance - draw).sign().clamp(min=0)
+    if arithmetic:  # a select: inductor's CPU code for sign is two selects and a subtraction a vector
+        rounded = below + torch.where(draw < distance, spacing, 0.0)
+    else:
+        # 1 where draw < distance, else 0, from their difference: 0 only where they are equal, and torch's sign of
+        # NaN (an infinite |x|'s distance, inf - inf) is 0, as `draw < NaN` was False. A compiled graph held the
+        # comparison `draw < distance` as a buffer of bools, 5.5x slower (docs/performance.md; the select above,
+        # in our fused graphs since threshold 10, is not)
+        rounded = below + spacing * (distance - draw).sign().clamp(min=0)
     overflowed = rounded > spec.max
     if policy == "saturate":
         rounded = rounded.clamp(max=spec.max)
@@ -449,8 +457,25 @@ def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, po
         rounded = torch.where(overflowed, math.inf, rounded)
     else:  # nan: finite overflow becomes NaN; an infinite input of a format with inf stays infinite
         rounded = torch.where(x32.isinf() & spec.has_inf, math.inf, torch.where(overflowed, math.nan, rounded))
-    rounded = _with_sign_of(rounded, x32)
+    if arithmetic:  # x's sign by selects, a zero's from x * 0: a NaN's sign aside, copysign's bits
+        rounded = torch.where(x32 < 0, -rounded, rounded)
+        rounded = torch.where(rounded == 0, x32 * 0.0, rounded)
+    else:
+        rounded = _with_sign_of(rounded, x32)
     return _finish(rounded, spec, ftz).to(x.dtype)
+
+
+_ONE_BIT_SPLIT = 2.0**23 + 1  # Veltkamp's factor that keeps one significant bit
+
+
+def _binade_of(magnitude: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
+    """2^floor(log2 m) of each magnitude m, clamped to [2^emin, 2^emax], in arithmetic for a fused graph (no bit
+    view): Veltkamp's split rounds m to one significant bit, 2^e or 2^(e+1); the larger, past m, is halved. Exact for
+    normal FP32 m whose product by the split's factor is finite (the caller's bound); a smaller m (zero, an FP32
+    subnormal) is below 2^emin, which the clamp gives it, for a format whose emin is above FP32's."""
+    c = magnitude * _ONE_BIT_SPLIT
+    nearest = c - (c - magnitude)
+    return torch.where(nearest > magnitude, nearest * 0.5, nearest).clamp(2.0**spec.emin, 2.0**spec.emax)
 
 
 class _QuantiseSTE(torch.autograd.Function):

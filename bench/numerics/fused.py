@@ -3,7 +3,7 @@ fused pass compiled by inductor, bit for bit the same, where that pays.
 
 `@fused(from_elements=n)` wraps a quantiser `fn(x, ...)`. A call runs fn's compiled graph (a `Specialisation`:
 traced by make_fx, compiled by inductor, called without dynamo's guards) when every one of these
-holds, and `fn` itself (the eager reference, also `quantiser.eager`) otherwise:
+holds, and `fn` itself otherwise (`quantiser.eager`, the reference, runs fn with every quantiser it calls eager):
 - x has at least n elements (n may depend on the call's arguments). A compiled call costs a fixed 6-13 us, and a
   new layout one compile (0.1-0.9 s). Measured on a 2-core Intel Xeon (`make bench`'s quantise_call_us rows,
   docs/performance.md): the block quantisers and the arithmetic element roundings (FP8 E4M3, TF32, FP6, FP4) cost
@@ -97,6 +97,7 @@ LAYOUTS_PER_SPECIALISATION = 32  # graphs per quantiser and arguments; past it, 
 
 
 _tracing = False  # a graph is being traced: every quantiser called inside it runs its eager body
+_in_reference = False  # a `quantiser.eager` call is running: every quantiser called inside it runs its eager body
 FELL_BACK: list[str] = []  # the specialisations that failed to compile in this process (they run eagerly)
 _compile_s = 0.0  # seconds this process has spent making graphs (traced and compiled, or failing to)
 logger = logging.getLogger(__name__)
@@ -131,8 +132,23 @@ def compile_seconds() -> float:
 
 
 def enabled() -> bool:
-    """Whether fused quantisers may run in this process (unless `PRECISION_BENCH_FUSED=0`)."""
-    return os.environ.get(SWITCH, "1") != "0"
+    """Whether fused quantisers may run here (unless `PRECISION_BENCH_FUSED=0`, or inside an eager reference)."""
+    return not _in_reference and os.environ.get(SWITCH, "1") != "0"
+
+
+def _wholly_eager(eager: Callable) -> Callable:
+    """`quantiser.eager`: the eager body with every quantiser it calls eager too (a block quantiser's element
+    rounding, a stochastic rounding's `_round_up_below`), so that a fused graph is held to a reference with no
+    compiled code in it. The body a call falls back to keeps its inner quantisers' own choice."""
+    @functools.wraps(eager)
+    def reference(*args, **kwargs):
+        global _in_reference
+        _in_reference, outer = True, _in_reference
+        try:
+            return eager(*args, **kwargs)
+        finally:
+            _in_reference = outer
+    return reference
 
 
 def _runs_eagerly(x: torch.Tensor, least: int) -> bool:
@@ -429,7 +445,8 @@ def fused(from_elements: int | Callable[..., int], values_alone: bool = False,
     otherwise. from_elements: the fewest elements compiled, or a function of the call's other arguments giving it.
     draws: for a quantiser with a `draw` parameter, `draws(x, arguments)` (its arguments by name, defaults filled
     in) makes the stochastic draws its eager body would make; a stochastic call is then fused, given them.
-    `quantiser.eager` is `fn`, `quantiser.fused` the compiled path whatever the call (the tests' and the benchmark's),
+    `quantiser.eager` is `fn` with every quantiser it calls eager too, `quantiser.fused` the compiled path whatever
+    the call (the tests' and the benchmark's),
     `quantiser.compiled` its Specialisations so far (None: one that failed to compile, eager), `quantiser.bind(...)`
     a `Bound` quantiser (its arguments after x fixed, for a caller that calls it on one layout again and again).
     With `values_alone` (a quantiser returning a blocks.Blocked), `quantiser.values` is the same call returning only its
@@ -518,5 +535,6 @@ def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str |
             least = None
         return Bound(quantiser, args, kwargs, least)
 
-    quantiser.eager, quantiser.fused, quantiser.compiled, quantiser.bind = eager, run_fused, compiled, bind
+    quantiser.eager, quantiser.fused = _wholly_eager(eager), run_fused
+    quantiser.compiled, quantiser.bind = compiled, bind
     return quantiser
