@@ -627,15 +627,60 @@ def call_rows() -> list[dict]:
     return rows
 
 
+# glibc's mallopt parameters: large allocations from the heap, and freed ones kept there (mallopt(3))
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # where glibc's own threshold stops growing on a 64-bit machine
+GLIBC_TRIM_THRESHOLD = 128 << 10
+
+
+@contextlib.contextmanager
+def large_allocations_kept():
+    """Inside it, glibc keeps a freed 64 MB tensor's pages for the next one: by default it maps every allocation
+    over 32 MB afresh and the kernel faults each page in on its first write, time that clone and a quantiser pay
+    alike and that lifted their ratio toward 1 in some runs and not others (docs/performance.md, "The 4096 x 4096
+    rows swing"). Without glibc (another C library), nothing changes; the minor-fault row says which it was."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        yield
+        return
+    mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    try:
+        yield
+    finally:
+        mallopt(M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD)
+        mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX)
+
+
 def of_clone_rows(device: torch.device, side: int | None = None) -> list[dict]:
     """quantise_of_clone (on CUDA: quantise_of_clone_cuda): each quantiser's eager and fused throughput as a fraction
     of clone's, on FP32 values past every cache: 4096 x 4096 on the CPU, 8192 x 8192 on a GPU (an H100's 4096 x 4096
     clone takes 45 µs, near a launch's cost). A block quantiser's `fused` row is its values alone, what a training
     step asks for (`quantiser.values`: one tensor written, as clone writes one); `fused_blocked` the whole Blocked
-    (elements and per-block fields too, what telemetry's sampled steps ask for)."""
+    (elements and per-block fields too, what telemetry's sampled steps ask for). On the CPU with glibc kept from
+    mapping each result afresh (`large_allocations_kept`): the memory's speed, not the page faults', and a row
+    saying how many faults a call took."""
     side = side or (4096 if device.type == "cpu" else 8192)
     x = (torch.randn(side, side, generator=torch.Generator().manual_seed(0)) * 100).to(device)
     prefix = "quantise_of_clone" if device.type == "cpu" else f"quantise_of_clone_{device.type}"
+    if device.type != "cpu":
+        return _of_clone_rows(x, prefix)[0]
+    import resource
+
+    with large_allocations_kept():
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        rows, calls = _of_clone_rows(x, prefix)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return rows + [row(f"{prefix}.minor_faults_per_call", faults / calls, f"page faults a call, each writing "
+                       f"{x.numel() * 4 >> 20} MB: {x.numel() * 4 >> 12} if its pages were mapped afresh")]
+
+
+def _of_clone_rows(x: torch.Tensor, prefix: str) -> tuple[list[dict], int]:
+    """`of_clone_rows`' rows on x, and how many calls made them."""
+    device, made = x.device, 0
     rows = []
     for name, (quantiser, extra) in FUSED_QUANTISERS.items():
         args = tuple(nvfp4_tensor_scale(x) if a is None else a for a in extra)
@@ -645,13 +690,14 @@ def of_clone_rows(device: torch.device, side: int | None = None) -> list[dict]:
         if values is not quantiser:
             calls["fused_blocked"] = lambda q=quantiser, a=args: q.fused(x, *a)
         wall, = alternate_all(calls, device, OF_CLONE_ROUNDS)
+        made += len(calls) * (OF_CLONE_ROUNDS + 1)  # a warm-up round first
         rows += median_rows(f"{prefix}.{name}.eager", per_round(wall, "clone", "eager"), "x clone's throughput")
         rows += median_rows(f"{prefix}.{name}.fused", per_round(wall, "clone", "fused"), "x clone's throughput",
                             OF_CLONE_TARGET)
         if "fused_blocked" in wall:
             rows += median_rows(f"{prefix}.{name}.fused_blocked", per_round(wall, "clone", "fused_blocked"),
                                 "x clone's throughput (the whole Blocked)")
-    return rows
+    return rows, made
 
 
 def optimizer_rows(repeats: int) -> list[dict]:
