@@ -638,7 +638,9 @@ def large_allocations_kept():
     """Inside it, glibc keeps a freed 64 MB tensor's pages for the next one: by default it maps every allocation
     over 32 MB afresh and the kernel faults each page in on its first write, time that clone and a quantiser pay
     alike and that lifted their ratio toward 1 in some runs and not others (docs/performance.md, "The 4096 x 4096
-    rows swing"). Without glibc (another C library), nothing changes; the minor-fault row says which it was."""
+    rows swing"). For the process's main thread, as `make bench` runs (another thread's glibc arena maps anything
+    over 64 MB whatever the thresholds); without glibc (another C library), nothing changes: the minor-fault row says
+    which it was."""
     import ctypes
 
     try:
