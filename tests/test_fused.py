@@ -1082,8 +1082,9 @@ def test_a_fused_block_quantiser_stores_its_values_alone_at_full_size_and_a_bloc
 def test_a_fused_element_rounding_is_arithmetic_without_bit_views(monkeypatch):
     """Inductor's CPU code makes each bit view (`x.view(torch.int32)`) a store and a reload: on a 2-core Intel Xeon with
     AMX, E4M3's fused rounding of 16,384 values took 60 us with five of them (eager: 58), 10 without
-    (docs/performance.md). In our fused graphs the FP8, FP6 and FP4 roundings are floating-point arithmetic alone, on
-    every overflow policy; the eager reference keeps its bit operations."""
+    (docs/performance.md). In our fused graphs the FP8, FP6, FP4 and TF32 roundings, and the stochastic ones given
+    their draws, are floating-point arithmetic alone, on every overflow policy, with no sign op either; the eager
+    reference keeps its bit operations."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     monkeypatch.setattr(fused, "_tracing", True)  # as a fused graph is traced
