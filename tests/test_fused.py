@@ -859,11 +859,12 @@ def test_an_emulated_run_fused_as_triton_compiles_round_trips_logs_the_eager_run
 
 def _quantiser_trail(monkeypatch, device: str) -> list[list[tuple]]:
     """Record each quantiser call of the runs that follow, in order, into a new list per run (`trail.append([])`
-    starts one): its function, the emulation code that called it, its input's shape, dtype and two sums, and the
-    random streams' states as it began (the CPU's, which a data loader draws from for each epoch, and a GPU's).
-    Where an eager and a fused run part, the first entry that differs says whether by the values a quantiser was
-    given or by the draws before it (`_first_parting`). Calls made while a graph is traced, and those a quantiser's
-    eager body makes, are not recorded; a Bound's call is one entry."""
+    starts one): its function, the emulation code that called it, its input's shape, strides, dtype and two sums,
+    and the random streams' states as it began (the CPU's, which a data loader draws from for each epoch, and a
+    GPU's). Where an eager and a fused run part, the first entry that differs says whether by the values a quantiser
+    was given, their layout (a fused graph's output laid out otherwise than eager's would send the next GEMM down
+    another kernel), or the draws before it (`_first_parting`). Calls made while a graph is traced, and those a
+    quantiser's eager body makes, are not recorded; a Bound's call is one entry."""
     import sys
     import traceback
 
@@ -883,7 +884,8 @@ def _quantiser_trail(monkeypatch, device: str) -> list[list[tuple]]:
         where = note(fn)
         if where is not None:
             wide = x.detach().double()
-            trail[-1].append((*where, tuple(x.shape), str(x.dtype), repr((wide.sum().item(), wide.abs().sum().item())),
+            trail[-1].append((*where, tuple(x.shape), x.stride(), str(x.dtype),
+                              repr((wide.sum().item(), wide.abs().sum().item())),
                               tuple(hash(state().numpy().tobytes()) for state in states)))
 
     runs_eagerly, bound_call = fused._runs_eagerly, fused.Bound.__call__
@@ -911,8 +913,8 @@ def _quantiser_trail(monkeypatch, device: str) -> list[list[tuple]]:
 
 
 def _first_parting(eager: list[tuple], fast: list[tuple]) -> str:
-    """Where two runs' quantiser trails first differ, with the entry before it: (site, function, shape, dtype, the
-    input's sums, the random streams' states' hashes)."""
+    """Where two runs' quantiser trails first differ, with the entry before it: (site, function, shape, strides,
+    dtype, the input's sums, the random streams' states' hashes)."""
     at = next((i for i, (a, b) in enumerate(zip(eager, fast)) if a != b), min(len(eager), len(fast)))
     shown = slice(max(at - 1, 0), at + 1)
     return (f"{len(eager)} and {len(fast)} quantiser calls; first parting at call {at}: eager {eager[shown]}, "
