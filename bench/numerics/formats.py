@@ -218,22 +218,22 @@ def _splits(spec: ElementFormat) -> bool:
 def _round_by_splitting(x: torch.Tensor, spec: ElementFormat, clamped: bool) -> torch.Tensor:
     """RNE of signed FP32 `x` to spec's grid (subnormals included) in floating-point arithmetic alone, for a graph:
     Veltkamp's splitting (c = x(2^(23-m) + 1), c - (c - x): x to m + 1 significant bits, RNE, for |x| from spec's
-    smallest normal up) and, below it, adding and subtracting 1.5 x 2^(emin-m+23) (the grid's spacing there, either
-    sign). The same bits as `_round_on_grid` (every FP32 of E4M3's and E5M2's range checked against torch's casts;
+    smallest normal up) and, below it, x scaled to units of the grid's spacing there, rounded to a whole number by
+    `torch.round` (RNE; one instruction, and a zero keeps x's sign) and scaled back: both scalings are exact. The
+    same bits as `_round_on_grid` (every FP32 of E4M3's and E5M2's range checked against torch's casts;
     tests/test_fused.py holds the fused quantisers to the eager ones), without its bit views: inductor's CPU code
     makes each view a store and a reload, about 3 ns a value on an Intel Xeon with AMX (docs/performance.md).
-    A value rounded to zero keeps x's sign (-0 as a cast gives); unless x is `clamped` to +-max, past `_split_bound`
+    A value rounded to zero keeps x's sign (-0, as a cast gives); unless x is `clamped` to +-max, past `_split_bound`
     (whose splitting must stay finite: an infinity, or past max anyway) x is returned as it is; NaN stays NaN. In our
     fused graphs alone, whose FMA contraction is held off (fused.INDUCTOR_OPTIONS): contracted, x * (2^k + 1) - x is
     no longer a split."""
     c = x * (2.0 ** (23 - spec.man_bits) + 1)
     normal = c - (c - x)
-    shift = 1.5 * 2.0 ** (spec.emin - spec.man_bits + 23)
     magnitude = x.abs()
     if not clamped:
         normal = torch.where(magnitude > _split_bound(spec), x, normal)
-    r = torch.where(magnitude < 2.0**spec.emin, (x + shift) - shift, normal)
-    return torch.where(r == 0, x * 0.0, r)
+    up = 2.0 ** (spec.man_bits - spec.emin)  # below the smallest normal: RNE to whole multiples of the spacing
+    return torch.where(magnitude < 2.0**spec.emin, torch.round(x * up) * (1 / up), normal)
 
 
 def _with_sign_of(magnitude: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
