@@ -215,6 +215,14 @@ def _splits(spec: ElementFormat) -> bool:
             and _split_bound(spec) * 2.0 ** (23 - spec.man_bits) < 2.0**126)
 
 
+def _veltkamp(x: torch.Tensor, kept_bits: int) -> torch.Tensor:
+    """x rounded to `kept_bits` significant bits, to nearest even, by Veltkamp's splitting: c = x(2^(24-k) + 1),
+    then c - (c - x). Exact for normal x whose c is finite; in our fused graphs alone, whose FMA contraction is held
+    off (fused.INDUCTOR_OPTIONS): contracted, x(2^s + 1) - x is no longer a split."""
+    c = x * (2.0 ** (24 - kept_bits) + 1)
+    return c - (c - x)
+
+
 def _round_by_splitting(x: torch.Tensor, spec: ElementFormat, clamped: bool) -> torch.Tensor:
     """RNE of signed FP32 `x` to spec's grid (subnormals included) in floating-point arithmetic alone, for a graph:
     Veltkamp's splitting (c = x(2^(23-m) + 1), c - (c - x): x to m + 1 significant bits, RNE, for |x| from spec's
@@ -225,10 +233,8 @@ def _round_by_splitting(x: torch.Tensor, spec: ElementFormat, clamped: bool) -> 
     makes each view a store and a reload, about 3 ns a value on an Intel Xeon with AMX (docs/performance.md).
     A value rounded to zero keeps x's sign (-0, as a cast gives); unless x is `clamped` to +-max, past `_split_bound`
     (whose splitting must stay finite: an infinity, or past max anyway) x is returned as it is; NaN stays NaN. In our
-    fused graphs alone, whose FMA contraction is held off (fused.INDUCTOR_OPTIONS): contracted, x * (2^k + 1) - x is
-    no longer a split."""
-    c = x * (2.0 ** (23 - spec.man_bits) + 1)
-    normal = c - (c - x)
+    fused graphs alone (`_veltkamp`)."""
+    normal = _veltkamp(x, spec.man_bits + 1)
     magnitude = x.abs()
     if not clamped:
         normal = torch.where(magnitude > _split_bound(spec), x, normal)
@@ -310,13 +316,11 @@ def _round_mantissa_by_splitting(x: torch.Tensor, man_bits: int) -> torch.Tensor
     scaled back, a carry past max is inf, as the bits' carry is), and a fixed shift below FP32's smallest normal (the
     grid's spacing there, 2^(-126-m)). Infinities and NaNs are x's own. The same bits on every FP32 for TF32's and
     BF16's widths (tests/test_fused.py). On an Intel Xeon with AMX, TF32's fused rounding of 4096 x 4096 values went
-    from 0.12-0.15 of clone's throughput with the bit views to 0.63-0.74 (docs/performance.md). FMA contraction must
-    stay off, as for the split."""
+    from 0.12-0.15 of clone's throughput with the bit views to 0.63-0.74 (docs/performance.md)."""
     magnitude = x.abs()
     large = magnitude >= _SPLIT_SCALED_FROM
     y = torch.where(large, x * (1 / _SPLIT_SCALE), x)
-    c = y * (2.0 ** (23 - man_bits) + 1)
-    normal = c - (c - y)
+    normal = _veltkamp(y, man_bits + 1)
     normal = torch.where(large, normal * _SPLIT_SCALE, normal)
     shift = 1.5 * 2.0 ** (FP32_EMIN - man_bits + 23)
     r = torch.where(magnitude < 2.0**FP32_EMIN, (x + shift) - shift, normal)
@@ -465,7 +469,7 @@ def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, po
     return _finish(rounded, spec, ftz).to(x.dtype)
 
 
-_ONE_BIT_SPLIT = 2.0**23 + 1  # Veltkamp's factor that keeps one significant bit
+_ONE_BIT_SPLIT = 2.0**23 + 1  # `_veltkamp(m, 1)`'s factor: `_binade_of` is exact while m times it stays finite
 
 
 def _binade_of(magnitude: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
@@ -473,8 +477,7 @@ def _binade_of(magnitude: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
     view): Veltkamp's split rounds m to one significant bit, 2^e or 2^(e+1); the larger, past m, is halved. Exact for
     normal FP32 m whose product by the split's factor is finite (the caller's bound); a smaller m (zero, an FP32
     subnormal) is below 2^emin, which the clamp gives it, for a format whose emin is above FP32's."""
-    c = magnitude * _ONE_BIT_SPLIT
-    nearest = c - (c - magnitude)
+    nearest = _veltkamp(magnitude, 1)
     return torch.where(nearest > magnitude, nearest * 0.5, nearest).clamp(2.0**spec.emin, 2.0**spec.emax)
 
 
