@@ -208,11 +208,11 @@ class ConvGemm:
             False, [0] * len(self.stride), self.groups, list(wanted))
 
 
-def _op_forward(x, weight, bias, gemm, casts: "OpCasts", dtype) -> tuple:
-    """`_EmulatedOp`'s forward on its inputs (a 16-bit one already widened): `_rounded_inputs`, the op on them, its
-    result rounded. Returns that result, handed on in `dtype` where given (its values in an FP32 tensor where the op
-    `carries_out`), and the rounded x and weight that the backward reads."""
-    x_r, w_r, b_r = _rounded_inputs(casts, False, x, weight, bias)
+def _op_forward(x, weight, bias, gemm, casts: "OpCasts", dtype, widen: bool = False) -> tuple:
+    """`_EmulatedOp`'s forward on its inputs (with `widen`, a 16-bit one widened first): `_rounded_inputs`, the op on
+    them, its result rounded. Returns that result, handed on in `dtype` where given (its values in an FP32 tensor
+    where the op `carries_out`), and the rounded x and weight that the backward reads."""
+    x_r, w_r, b_r = _rounded_inputs(casts, widen, x, weight, bias)
     y = gemm.forward(x_r, w_r, b_r)
     y = y if casts.output is None else casts.output(y)
     if dtype is None:
@@ -224,11 +224,13 @@ def _op_forward(x, weight, bias, gemm, casts: "OpCasts", dtype) -> tuple:
 
 def _op_backward(grad, x_r, w_r, gemm, casts: "OpCasts", wanted: tuple[bool, bool, bool],
                  dtypes: tuple, carried: torch.dtype | None) -> tuple:
-    """`_EmulatedOp`'s backward on its result's gradient (widened back to the op's dtype): rounded, the op's backward
-    on it, `_rounded_gradients`, each handed back in its input's dtype (`dtypes`: x's, weight's, bias's), as autograd
-    would hand it back. `carried`: the 16-bit dtype whose values the op's result stood for in an FP32 tensor where it
-    `carries_out` (None: autocast was off), to which autograd would have rounded that tensor's gradient: here. (The
-    input's gradient, handed back in FP32 to the op before, is rounded there, at its entry.)"""
+    """`_EmulatedOp`'s backward on its result's gradient, widened back to the op's dtype (x_r's: the dtype its result
+    had before it was handed on), rounded, the op's backward on it, `_rounded_gradients`, each handed back in its
+    input's dtype (`dtypes`: x's, weight's, bias's), as autograd would hand it back. `carried`: the 16-bit dtype
+    whose values the op's result stood for in an FP32 tensor where it `carries_out` (None: autocast was off), to
+    which autograd would have rounded that tensor's gradient: here. (The input's gradient, handed back in FP32 to the
+    op before, is rounded there, at its entry.)"""
+    grad = grad.to(x_r.dtype)
     if carried is not None and casts.carries_out:
         grad = rounded_through(grad, carried)
     grad = grad if casts.grad_output is None else casts.grad_output(grad)
@@ -239,8 +241,10 @@ def _op_backward(grad, x_r, w_r, gemm, casts: "OpCasts", wanted: tuple[bool, boo
 class _EmulatedOp(torch.autograd.Function):
     """An emulated Linear or convolution accumulated exactly in FP32, as one autograd node where it was three (the
     input casts, torch's op, the output cast: a node costs 10-30 us a step here). Forward: `_op_forward` on the
-    inputs (widened first under autocast), autocast off. Backward: the output's gradient widened back, `_op_backward`
-    (the op's backward as torch's autograd computes it: the same kernels on the same layouts, bit for bit,
+    inputs (widened first under autocast, inside the pass: its graph reads BF16 where an eager cast wrote and the
+    graph read FP32, 4% of BERT-tiny's FP8 step on an Intel Xeon, docs/performance.md), autocast off. Backward:
+    `_op_backward` on the output's gradient, widened back inside it too (the op's backward as torch's autograd
+    computes it: the same kernels on the same layouts, bit for bit,
     tests/test_precision.py). The op saves its rounded operands, as torch's op did (bench/numerics/memory.py counts
     them). Where its sites round x by x alone (OpCasts.run) and fused quantisers run (the CPU), each pass runs as one
     compiled graph (`fused.Passes`: the roundings, the op and the casts in one call, bit for bit the eager
@@ -250,9 +254,7 @@ class _EmulatedOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gemm, casts: "OpCasts", widen: bool, dtype, x, weight, bias):
         ctx.input_dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        if widen:  # eagerly: inductor's CPU code reading BF16 made BERT-tiny's FP8 step 5% slower
-            x, weight, bias = _widened(x, weight, bias)
-        y, x_r, w_r = casts.run(_op_forward, ("forward", dtype), x, weight, bias, gemm, casts, dtype)
+        y, x_r, w_r = casts.run(_op_forward, ("forward", dtype, widen), x, weight, bias, gemm, casts, dtype, widen)
         ctx.gemm, ctx.casts, ctx.carried = gemm, casts, dtype
         ctx.save_for_backward(x_r, w_r)
         return y
@@ -261,7 +263,6 @@ class _EmulatedOp(torch.autograd.Function):
     def backward(ctx, grad):
         casts, wanted = ctx.casts, tuple(ctx.needs_input_grad[4:])
         x_r, w_r = ctx.saved_tensors
-        grad = grad.to(x_r.dtype)  # the op's own dtype, which its result had before it was handed on
         device = grad.device.type  # a backward run under autocast would otherwise compute its GEMMs in 16 bits
         with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext(), \
                 torch._C.DisableTorchFunction():
