@@ -129,3 +129,61 @@ def test_only_bf16_elsewhere_carries_and_only_through_a_plain_sequential_of_dist
         precision = Precision.of("fp8", CPU, mode="mixed", backend="emulated", elsewhere=elsewhere)
         precision.prepare(model)
         assert precision.carried == carried, (model, elsewhere)
+
+
+def _bert_step(monkeypatch, carry: bool) -> dict:
+    """A small transformers BERT (2 layers, dropout on, padded batch) prepared for FP8 with BF16 elsewhere, its
+    attention taking its query, key and value in FP32 tensors (carry) or in BF16 ones as before: one training step's
+    loss and gradients, an evaluation's logits, what the query projection handed on and how often the math path ran
+    (bench/numerics/carried_attention.py)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from bench.numerics import carried_attention
+    from bench.numerics import precision as precision_module
+
+    if not carry:
+        monkeypatch.setattr(precision_module, "carried_attention_ops", lambda model: [])
+    math_paths = []
+    monkeypatch.setattr(carried_attention, "_takes_math_path",
+                        lambda *args, taken=carried_attention._takes_math_path: math_paths.append(taken(*args))
+                        or math_paths[-1])
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, attn_implementation="sdpa")
+    precision = Precision.of("fp8", CPU, mode="mixed", backend="emulated", elsewhere="bf16")
+    model = precision.prepare(BertForSequenceClassification(config))
+    query = model.bert.encoder.layer[0].attention.self.query
+    handed_on = []
+    query.register_forward_hook(lambda module, args, y: handed_on.append(y.dtype))
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (3, 12), generator=generator)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 7:] = mask[2, 4:] = 0  # padding: the attention's mask in play
+    labels = torch.tensor([0, 1, 1])
+    model.train()
+    torch.manual_seed(2)  # the dropout masks
+    with precision.autocast():
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    model.eval()
+    with torch.no_grad(), precision.autocast():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    return {"loss": loss, "grads": [p.grad for p in model.parameters()], "logits": logits,
+            "handed_on": handed_on[0], "math_paths": math_paths,
+            "names": precision.describe()["elsewhere_in_fp32_to_attention"]}
+
+
+def test_bert_attention_on_carried_query_key_value_gives_the_same_bits(monkeypatch):
+    """FP8 with BF16 elsewhere on a transformers BERT: its query, key and value ops hand BF16's values to the
+    attention in FP32 tensors and a training step's attention runs torch's math path in FP32 on them (what CPU BF16
+    autocast computes there), giving the loss and every gradient of the step that handed on BF16 tensors, bit for
+    bit; an evaluation (no dropout: another kernel, which rounds inside) calls SDPA as before, the same logits."""
+    carried = _bert_step(monkeypatch, carry=True)
+    monkeypatch.undo()
+    handed = _bert_step(monkeypatch, carry=False)
+    assert carried["handed_on"] == torch.float32 and handed["handed_on"] == torch.bfloat16
+    assert carried["math_paths"] == [True, True] and handed["math_paths"] == []  # training only: no dropout, no ask
+    assert carried["names"] == [f"bert.encoder.layer.{i}.attention.self.{p}" for i in (0, 1)
+                                for p in ("query", "key", "value")] and handed["names"] == []
+    assert torch.equal(carried["loss"], handed["loss"]) and torch.equal(carried["logits"], handed["logits"])
+    assert all(torch.equal(a, b) for a, b in zip(carried["grads"], handed["grads"]))

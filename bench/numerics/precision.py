@@ -41,6 +41,8 @@ from torch import nn
 
 from bench.numerics.autocast import EmulatedGemms
 from bench.numerics.blocks import RHT_SIZE, rht_matrix, rht_signs
+from bench.numerics.carried_attention import carried_attention_ops
+from bench.numerics.carried_attention import route as route_carried_attention
 from bench.numerics.chain import EmulatedChain, chained
 from bench.numerics.emulation import (
     EMULATED_MODULES,
@@ -176,6 +178,7 @@ class Precision:
         # the model's Linear and Conv layers autocast computes (none of the format's GEMMs); None: no model prepared
         self.autocast_layers: list[str] | None = None
         self.carried: list[str] = []  # the emulated ops handing BF16's values on in FP32 tensors (_carry_between_ops)
+        self.carried_to_attention: list[str] = []  # those handing them to the attention (_carry_between_ops)
         self.chained: list[str] = []  # the emulated ops run with the modules between them as one node (chain.py)
         self.fp8_all_gather = False  # FSDP2 gathers torchao's float8 weights in FP8 (gather_in_fp8)
         c = decided.config
@@ -261,13 +264,22 @@ class Precision:
         return model
 
     def _carry_between_ops(self, model: nn.Module) -> list[str]:
-        """Under format.elsewhere=bf16, the emulated ops that hand BF16's values to one another in FP32 tensors
-        (emulation.carried_ops: the same values, fewer casts), each but the last told to hand such a tensor on (the
-        last hands the loss BF16, as before); the names of those that do, [] where none does."""
-        ops = carried_ops(model)[:-1] if self.elsewhere == "bf16" and not self.native else []
-        for op in ops:
+        """Under format.elsewhere=bf16, the emulated ops that hand BF16's values on in FP32 tensors (the same values,
+        fewer casts): to one another (emulation.carried_ops), each but the last told to (the last hands the loss
+        BF16, as before): their names, [] where none does; and to a transformers encoder's attention
+        (carried_attention: its query, key and value, the model switched to the attention that takes them): their
+        names in `carried_to_attention` (which the memory count leaves alone: the math path CPU attention takes
+        saves its inputs in FP32 from BF16 too)."""
+        if self.elsewhere != "bf16" or self.native:
+            return []
+        ops = carried_ops(model)[:-1]
+        attending = carried_attention_ops(model)
+        if attending:
+            route_carried_attention(model)
+        for op in ops + attending:
             op.casts.carries_out = True
         names = {id(m): n for n, m in model.named_modules()}
+        self.carried_to_attention = [names[id(op)] for op in attending]
         return [names[id(op)] for op in ops]
 
     def _prepared(self, model: nn.Module, blocks: str | None) -> nn.Module:
@@ -448,6 +460,7 @@ class Precision:
             "elsewhere": p.elsewhere,  # outside the converted GEMMs (format.elsewhere)
             "elsewhere_emulated": self.elsewhere_emulated,  # why bf16 elsewhere's own GEMMs were emulated; null: native
             "elsewhere_in_fp32_after": self.carried,  # emulated ops handing bf16 elsewhere's values on in FP32 tensors
+            "elsewhere_in_fp32_to_attention": self.carried_to_attention,  # ... to a transformers encoder's attention
             "one_node_ops": self.chained,  # emulated ops run with the modules between them as one autograd node
             "backend_reason": p.why,
             "element_formats": elements,
