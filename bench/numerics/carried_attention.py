@@ -50,11 +50,13 @@ def route(model: nn.Module) -> None:
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, **kwargs):
     """transformers' attention-function signature: `sdpa_attention_forward`, in FP32 with autocast off where torch's
-    BF16 call would take its math path (the module docstring), its result handed on in BF16; as it is elsewhere."""
+    BF16 call would take its math path (the module docstring), its result handed on in BF16; as it is elsewhere
+    (in a compiled step too, where asking which path breaks the graph)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     device = query.device.type
-    if not (device == "cpu" and query.dtype == torch.float32 and torch.is_autocast_enabled(device)
+    if torch.compiler.is_compiling() or not (  # a compiled step's inductor takes autocast's casts in as they are
+            device == "cpu" and query.dtype == torch.float32 and torch.is_autocast_enabled(device)
             and torch.get_autocast_dtype(device) == torch.bfloat16 and dropout > 0
             and _takes_math_path(query, key, value, attention_mask, dropout)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
