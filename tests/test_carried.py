@@ -187,3 +187,18 @@ def test_bert_attention_on_carried_query_key_value_gives_the_same_bits(monkeypat
                                 for p in ("query", "key", "value")] and handed["names"] == []
     assert torch.equal(carried["loss"], handed["loss"]) and torch.equal(carried["logits"], handed["logits"])
     assert all(torch.equal(a, b) for a, b in zip(carried["grads"], handed["grads"]))
+
+
+def test_a_gpu_run_keeps_handing_its_attention_bf16():
+    """Only a CPU's BF16 attention with dropout is FP32 arithmetic on widened inputs; a GPU's BF16 kernels read BF16,
+    so there the query, key and value ops hand on BF16 as before and the model keeps transformers' SDPA."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    for device, carried in ((CPU, 3), (torch.device("cuda"), 0)):
+        config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=64, max_position_embeddings=16, attn_implementation="sdpa")
+        precision = Precision.of("fp8", CPU, mode="mixed", backend="emulated", elsewhere="bf16")
+        precision.device = device  # as a CUDA run's (built on this CPU: prepare moves nothing)
+        model = precision.prepare(BertForSequenceClassification(config))
+        assert len(precision.carried_to_attention) == carried
+        assert model.config._attn_implementation == ("precision_bench_carried_sdpa" if carried else "sdpa")

@@ -273,7 +273,8 @@ class Precision:
         if self.elsewhere != "bf16" or self.native:
             return []
         ops = carried_ops(model)[:-1]
-        attending = carried_attention_ops(model)
+        # on a CPU, where BF16 attention with dropout is FP32 arithmetic (a GPU's BF16 kernels read BF16)
+        attending = carried_attention_ops(model) if self.device.type == "cpu" else []
         if attending:
             route_carried_attention(model)
         for op in ops + attending:
