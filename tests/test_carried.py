@@ -131,12 +131,29 @@ def test_only_bf16_elsewhere_carries_and_only_through_a_plain_sequential_of_dist
         assert precision.carried == carried, (model, elsewhere)
 
 
-def _bert_step(monkeypatch, carry: bool) -> dict:
-    """A small transformers BERT (2 layers, dropout on, padded batch) prepared for FP8 with BF16 elsewhere, its
+def _small_encoder(kind: str) -> nn.Module:
+    """A 2-layer transformers encoder for sequence classification with dropout on: BERT or DistilBERT."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        DistilBertConfig,
+        DistilBertForSequenceClassification,
+    )
+
+    if kind == "bert":
+        return BertForSequenceClassification(BertConfig(
+            vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=16, attn_implementation="sdpa"))
+    return DistilBertForSequenceClassification(DistilBertConfig(
+        vocab_size=50, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=16,
+        attn_implementation="sdpa"))
+
+
+def _encoder_step(monkeypatch, kind: str, carry: bool) -> dict:
+    """A small transformers encoder (`_small_encoder`, padded batch) prepared for FP8 with BF16 elsewhere, its
     attention taking its query, key and value in FP32 tensors (carry) or in BF16 ones as before: one training step's
-    loss and gradients, an evaluation's logits, what the query projection handed on and how often the math path ran
-    (bench/numerics/carried_attention.py)."""
-    from transformers import BertConfig, BertForSequenceClassification
+    loss and gradients, an evaluation's logits, what the first query projection handed on and how often the math
+    path ran (bench/numerics/carried_attention.py)."""
 
     from bench.numerics import carried_attention
     from bench.numerics import precision as precision_module
@@ -148,11 +165,9 @@ def _bert_step(monkeypatch, carry: bool) -> dict:
                         lambda *args, taken=carried_attention._takes_math_path: math_paths.append(taken(*args))
                         or math_paths[-1])
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=16, attn_implementation="sdpa")
     precision = Precision.of("fp8", CPU, mode="mixed", backend="emulated", elsewhere="bf16")
-    model = precision.prepare(BertForSequenceClassification(config))
-    query = model.bert.encoder.layer[0].attention.self.query
+    model = precision.prepare(_small_encoder(kind))
+    query = next(module for name, module in model.named_modules() if name.endswith(("self.query", "q_lin")))
     handed_on = []
     query.register_forward_hook(lambda module, args, y: handed_on.append(y.dtype))
     generator = torch.Generator().manual_seed(1)
@@ -173,18 +188,21 @@ def _bert_step(monkeypatch, carry: bool) -> dict:
             "names": precision.describe()["elsewhere_in_fp32_to_attention"]}
 
 
-def test_bert_attention_on_carried_query_key_value_gives_the_same_bits(monkeypatch):
-    """FP8 with BF16 elsewhere on a transformers BERT: its query, key and value ops hand BF16's values to the
-    attention in FP32 tensors and a training step's attention runs torch's math path in FP32 on them (what CPU BF16
-    autocast computes there), giving the loss and every gradient of the step that handed on BF16 tensors, bit for
-    bit; an evaluation (no dropout: another kernel, which rounds inside) calls SDPA as before, the same logits."""
-    carried = _bert_step(monkeypatch, carry=True)
+@pytest.mark.parametrize("kind", ["bert", "distilbert"])
+def test_an_encoders_attention_on_carried_query_key_value_gives_the_same_bits(monkeypatch, kind):
+    """FP8 with BF16 elsewhere on a transformers BERT or DistilBERT: its query, key and value ops hand BF16's values
+    to the attention in FP32 tensors and a training step's attention runs torch's math path in FP32 on them (what CPU
+    BF16 autocast computes there), giving the loss and every gradient of the step that handed on BF16 tensors, bit
+    for bit; an evaluation (no dropout: another kernel, which rounds inside) calls SDPA as before, the same logits."""
+    carried = _encoder_step(monkeypatch, kind, carry=True)
     monkeypatch.undo()
-    handed = _bert_step(monkeypatch, carry=False)
+    handed = _encoder_step(monkeypatch, kind, carry=False)
     assert carried["handed_on"] == torch.float32 and handed["handed_on"] == torch.bfloat16
     assert carried["math_paths"] == [True, True] and handed["math_paths"] == []  # training only: no dropout, no ask
-    assert carried["names"] == [f"bert.encoder.layer.{i}.attention.self.{p}" for i in (0, 1)
-                                for p in ("query", "key", "value")] and handed["names"] == []
+    names = {"bert": [f"bert.encoder.layer.{i}.attention.self.{p}" for i in (0, 1) for p in ("query", "key", "value")],
+             "distilbert": [f"distilbert.transformer.layer.{i}.attention.{p}" for i in (0, 1)
+                            for p in ("q_lin", "k_lin", "v_lin")]}[kind]
+    assert carried["names"] == names and handed["names"] == []
     assert torch.equal(carried["loss"], handed["loss"]) and torch.equal(carried["logits"], handed["logits"])
     assert all(torch.equal(a, b) for a, b in zip(carried["grads"], handed["grads"]))
 
@@ -192,13 +210,9 @@ def test_bert_attention_on_carried_query_key_value_gives_the_same_bits(monkeypat
 def test_a_gpu_run_keeps_handing_its_attention_bf16():
     """Only a CPU's BF16 attention with dropout is FP32 arithmetic on widened inputs; a GPU's BF16 kernels read BF16,
     so there the query, key and value ops hand on BF16 as before and the model keeps transformers' SDPA."""
-    from transformers import BertConfig, BertForSequenceClassification
-
-    for device, carried in ((CPU, 3), (torch.device("cuda"), 0)):
-        config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                            intermediate_size=64, max_position_embeddings=16, attn_implementation="sdpa")
+    for device, carried in ((CPU, 6), (torch.device("cuda"), 0)):
         precision = Precision.of("fp8", CPU, mode="mixed", backend="emulated", elsewhere="bf16")
         precision.device = device  # as a CUDA run's (built on this CPU: prepare moves nothing)
-        model = precision.prepare(BertForSequenceClassification(config))
+        model = precision.prepare(_small_encoder("bert"))
         assert len(precision.carried_to_attention) == carried
         assert model.config._attn_implementation == ("precision_bench_carried_sdpa" if carried else "sdpa")

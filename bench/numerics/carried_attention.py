@@ -27,14 +27,21 @@ from bench.numerics.unit import registry_attention_modules
 ATTENTION = "precision_bench_carried_sdpa"
 
 
+# The query, key and value projections' names in the transformers attention modules whose forward hands their results
+# to the attention function through views alone (no rotary embedding between): BERT's (and its copies'), DistilBERT's
+PROJECTIONS = (("query", "key", "value"), ("q_lin", "k_lin", "v_lin"))
+
+
 def carried_attention_ops(model: nn.Module) -> list[CastOp]:
     """The query, key and value ops of `model`'s registry-attention modules (`unit.registry_attention_modules`) that
     can hand the attention BF16's values in FP32 tensors: the model attends by transformers' SDPA, and each such
-    module's three projections are emulated ops accumulated exactly. [] otherwise."""
+    module's three projections (named as in PROJECTIONS) are emulated ops accumulated exactly. [] otherwise."""
     if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
         return []
-    ops = [getattr(module, name, None) for module in registry_attention_modules(model).values()
-           for name in ("query", "key", "value")]
+    ops = []
+    for module in registry_attention_modules(model).values():
+        names = next((names for names in PROJECTIONS if all(hasattr(module, name) for name in names)), ())
+        ops += [getattr(module, name) for name in names] or [None]
     return ops if ops and all(isinstance(op, CastOp) and _exact_op(op) for op in ops) else []
 
 
