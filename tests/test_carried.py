@@ -216,3 +216,28 @@ def test_a_gpu_run_keeps_handing_its_attention_bf16():
         model = precision.prepare(_small_encoder("bert"))
         assert len(precision.carried_to_attention) == carried
         assert model.config._attn_implementation == ("precision_bench_carried_sdpa" if carried else "sdpa")
+
+
+def test_the_carried_attention_rounds_a_float_mask_as_autocast_does():
+    """An additive float mask (a model's own, not transformers' boolean one): autocast hands SDPA its BF16 rounding,
+    so the FP32 math path adds the same rounded values; the result and the gradients are the native call's, bit for
+    bit (an unrounded mask, or a BF16 one, which SDPA refuses beside FP32 q, fails it)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from bench.numerics.carried_attention import _attention
+
+    module = SimpleNamespace(is_causal=False)
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 7, 8, generator=generator).bfloat16().float() for _ in range(3))
+    mask = torch.randn(2, 1, 7, 7, generator=generator) * 3  # values BF16 cannot hold
+    results = []
+    for attend, inputs in ((_attention, (q, k, v)), (sdpa_attention_forward, [t.bfloat16() for t in (q, k, v)])):
+        inputs = [t.clone().requires_grad_() for t in inputs]
+        torch.manual_seed(5)  # the dropout mask
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = attend(module, *inputs, mask, dropout=0.2)
+        out.float().pow(2).sum().backward()
+        results.append([out, *(t.grad.bfloat16() for t in inputs)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -1,5 +1,5 @@
 """A transformers encoder's attention on BF16's values carried in FP32 tensors, where the emulated ops before it hand
-them on so (format.elsewhere=bf16 on a CPU, `Precision.carried`).
+them on so (format.elsewhere=bf16 on a CPU, `Precision.carried_to_attention`).
 
 Under CPU BF16 autocast, a training step's `F.scaled_dot_product_attention` (dropout on) takes torch's math path, which
 widens BF16 q, k and v to FP32, computes in FP32 and rounds its result to BF16 (and, backward, rounds the gradients
@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend
 
 from bench.numerics.emulation import CastOp, _exact_op
+from bench.numerics.formats import rounded_through
 from bench.numerics.unit import registry_attention_modules
 
 # Our entry in transformers' attention-function registry (and its mask registry: SDPA's masks)
@@ -67,8 +68,8 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
             and torch.get_autocast_dtype(device) == torch.bfloat16 and dropout > 0
             and _takes_math_path(query, key, value, attention_mask, dropout)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.to(torch.bfloat16)  # as autocast casts it; the math path adds it in FP32
+    if attention_mask is not None and attention_mask.is_floating_point():  # as autocast rounds it, the FP32 path's
+        attention_mask = rounded_through(attention_mask, torch.bfloat16)  # dtype (SDPA takes no BF16 mask for FP32 q)
     torch.set_autocast_enabled(device, False)
     try:
         output, weights = sdpa_attention_forward(module, query, key.float(), value.float(), attention_mask,

@@ -239,17 +239,17 @@ def _op_backward(grad, x_r, w_r, gemm, casts: "OpCasts", wanted: tuple[bool, boo
 
 
 class _EmulatedOp(torch.autograd.Function):
-    """An emulated Linear or convolution accumulated exactly in FP32, as one autograd node where it was three (the
-    input casts, torch's op, the output cast: a node costs 10-30 us a step here). Forward: `_op_forward` on the
-    inputs (widened first under autocast, inside the pass: its graph reads BF16 where an eager cast wrote and the
-    graph read FP32, 4% of BERT-tiny's FP8 step on an Intel Xeon, docs/performance.md), autocast off. Backward:
+    """An emulated Linear or convolution accumulated exactly in FP32, as one autograd node where it was three (the input
+    casts, torch's op, the output cast: a node costs 10-30 us a step here). Forward: `_op_forward` on the inputs
+    (widened first under autocast, inside the pass: its graph reads BF16 where an eager cast wrote and the graph
+    read FP32, 4% of BERT-tiny's FP8 step on an Intel Xeon, docs/performance.md), autocast off. Backward:
     `_op_backward` on the output's gradient, widened back inside it too (the op's backward as torch's autograd
-    computes it: the same kernels on the same layouts, bit for bit,
-    tests/test_precision.py). The op saves its rounded operands, as torch's op did (bench/numerics/memory.py counts
-    them). Where its sites round x by x alone (OpCasts.run) and fused quantisers run (the CPU), each pass runs as one
-    compiled graph (`fused.Passes`: the roundings, the op and the casts in one call, bit for bit the eager
-    pass, tests/test_fused.py), which saves the Python and dispatch of three or four calls a pass: 1-3% of LeNet's and
-    BERT-tiny's FP8 steps here (docs/performance.md)."""
+    computes it: the same kernels on the same layouts, bit for bit, tests/test_precision.py). The op saves its
+    rounded operands, as torch's op did (bench/numerics/memory.py counts them). Where its sites round x by x alone
+    (OpCasts.run) and fused quantisers run (the CPU), each pass runs as one compiled graph (`fused.Passes`: the
+    roundings, the op and the casts in one call, bit for bit the eager pass, tests/test_fused.py), which saves the
+    Python and dispatch of three or four calls a pass: 1-3% of LeNet's and BERT-tiny's FP8 steps here
+    (docs/performance.md)."""
 
     @staticmethod
     def forward(ctx, gemm, casts: "OpCasts", widen: bool, dtype, x, weight, bias):
