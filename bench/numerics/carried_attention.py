@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend
 
-from bench.numerics.emulation import CastOp, _exact_op
+from bench.numerics.emulation import CastOp, _exact_op, _outside_autocast
 from bench.numerics.formats import rounded_through
 from bench.numerics.unit import registry_attention_modules
 
@@ -41,8 +41,10 @@ def carried_attention_ops(model: nn.Module) -> list[CastOp]:
         return []
     ops = []
     for module in registry_attention_modules(model).values():
-        names = next((names for names in PROJECTIONS if all(hasattr(module, name) for name in names)), ())
-        ops += [getattr(module, name) for name in names] or [None]
+        names = next((names for names in PROJECTIONS if all(hasattr(module, name) for name in names)), None)
+        if names is None:  # an attention module of another make: its forward is not known here
+            return []
+        ops += [getattr(module, name) for name in names]
     return ops if ops and all(isinstance(op, CastOp) and _exact_op(op) for op in ops) else []
 
 
@@ -70,12 +72,8 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():  # as autocast rounds it, the FP32 path's
         attention_mask = rounded_through(attention_mask, torch.bfloat16)  # dtype (SDPA takes no BF16 mask for FP32 q)
-    torch.set_autocast_enabled(device, False)
-    try:
-        output, weights = sdpa_attention_forward(module, query, key.float(), value.float(), attention_mask,
-                                                 dropout=dropout, **kwargs)
-    finally:
-        torch.set_autocast_enabled(device, True)
+    output, weights = _outside_autocast(device, lambda widen, dtype: sdpa_attention_forward(
+        module, query, key.float(), value.float(), attention_mask, dropout=dropout, **kwargs))
     return output.to(torch.bfloat16), weights
 
 

@@ -437,7 +437,7 @@ def _outside_autocast(device: str, call: Callable):
     """call(widen, dtype) as an emulated GEMM runs: as it is (False, None) outside autocast; under autocast
     (format.elsewhere=bf16) with autocast and torch-function modes off (bench/numerics/autocast.py's would take each
     of the emulation's own torch calls), told to widen its 16-bit inputs and to hand its result on in autocast's
-    dtype."""
+    dtype. (The carried attention's FP32 math path runs so too, bench/numerics/carried_attention.py.)"""
     if not torch.is_autocast_enabled(device):
         return call(False, None)
     dtype = torch.get_autocast_dtype(device)

@@ -257,31 +257,30 @@ class Precision:
         count."""
         model = self._prepared(model, blocks)
         self.autocast_layers = _autocast_layers(model)
-        self.carried = self._carry_between_ops(model)
+        self._carry_between_ops(model)
         model = chained(model)
         self.chained = [name for name, module in model.named_modules()
                         if isinstance(module, CastOp)] if isinstance(model, EmulatedChain) else []
         return model
 
-    def _carry_between_ops(self, model: nn.Module) -> list[str]:
-        """Under format.elsewhere=bf16, the emulated ops that hand BF16's values on in FP32 tensors (the same values,
-        fewer casts): to one another (emulation.carried_ops), each but the last told to (the last hands the loss
-        BF16, as before): their names, [] where none does; and to a transformers encoder's attention
-        (carried_attention: its query, key and value, the model switched to the attention that takes them): their
-        names in `carried_to_attention` (which the memory count leaves alone: the math path CPU attention takes
-        saves its inputs in FP32 from BF16 too)."""
-        if self.elsewhere != "bf16" or self.native:
-            return []
-        ops = carried_ops(model)[:-1]
+    def _carry_between_ops(self, model: nn.Module) -> None:
+        """Under format.elsewhere=bf16, the emulated ops told to hand BF16's values on in FP32 tensors (the same
+        values, fewer casts), by name: in `carried` those handing them to one another (emulation.carried_ops; all
+        but the last, which hands the loss BF16, as before), in `carried_to_attention` those handing them to a
+        transformers encoder's attention (carried_attention: its query, key and value, the model switched to the
+        attention that takes them; the memory count leaves these alone: the math path a CPU's attention takes saves
+        its inputs in FP32 from BF16 too). [] where none does."""
+        carrying = self.elsewhere == "bf16" and not self.native
+        ops = carried_ops(model)[:-1] if carrying else []
         # on a CPU, where BF16 attention with dropout is FP32 arithmetic (a GPU's BF16 kernels read BF16)
-        attending = carried_attention_ops(model) if self.device.type == "cpu" else []
+        attending = carried_attention_ops(model) if carrying and self.device.type == "cpu" else []
         if attending:
             route_carried_attention(model)
         for op in ops + attending:
             op.casts.carries_out = True
         names = {id(m): n for n, m in model.named_modules()}
+        self.carried = [names[id(op)] for op in ops]
         self.carried_to_attention = [names[id(op)] for op in attending]
-        return [names[id(op)] for op in ops]
 
     def _prepared(self, model: nn.Module, blocks: str | None) -> nn.Module:
         if self.plan.spec.recipe is None:
