@@ -52,7 +52,8 @@ things compared, in one process:
 - quantise_ns.<format>: nanoseconds per value of bench.numerics.formats.quantise on 2^20 float32 values, and of the
   block quantisers (MX, NVFP4, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix (fused where that
   pays: bench/numerics/fused.py). quantise_of_clone.<format>.{eager,fused}: each one's throughput as a fraction of
-  x.clone()'s (the memory floor: one read, one write) on 4096 x 4096, eager and fused (MXFP8, NVFP4 and FP8's
+  x.clone()'s (the memory floor: one read, one write; on a CPU each call, clone's too, after twice the largest
+  cache's bytes are written, quantise_of_clone.evicted_mb) on 4096 x 4096, eager and fused (MXFP8, NVFP4 and FP8's
   1 x 128 tiles also with their blocks along dim 0, `<format>_dim0`, as a weight-gradient GEMM's operands are), and on
   a CUDA machine quantise_of_clone_cuda.* on 8192 x 8192: the median over alternating rounds of each round's
   ratio, the fused path's with its 95% bootstrap interval (.median_low, .median_high). Target for the fused path:
@@ -79,7 +80,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import datasets
@@ -168,14 +169,17 @@ def timed(fn, device, clocks=(time.perf_counter,)) -> list[float]:
     return [clock() - s for clock, s in zip(clocks, start)]
 
 
-def alternate_all(fns: dict, device, repeats: int, clocks=(time.perf_counter,)) -> list[dict[str, list[float]]]:
+def alternate_all(fns: dict, device, repeats: int, clocks=(time.perf_counter,),
+                  before: Callable[[], object] | None = None) -> list[dict[str, list[float]]]:
     """Per clock, {name: seconds in each round}: `repeats` rounds running the functions in turn, after one
-    warm-up round."""
+    warm-up round; `before`, untimed, ahead of each timed call."""
     for fn in fns.values():
         fn()
     times = [{name: [] for name in fns} for _ in clocks]
     for _ in range(repeats):
         for name, fn in fns.items():
+            if before is not None:
+                before()
             for by_clock, seconds in zip(times, timed(fn, device, clocks)):
                 by_clock[name].append(seconds)
     return times
@@ -657,14 +661,43 @@ def large_allocations_kept():
         mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX)
 
 
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")  # Linux's description of the first CPU's caches
+CACHE_UNKNOWN_BYTES = 1 << 30  # written where no cache size can be read: more than any last-level cache here
+
+
+def largest_cache_bytes(caches: Path = CPU_CACHES) -> int | None:
+    """The largest cache the first CPU sits behind (its last level; sysfs's `size`, as "491520K"), None where sysfs
+    does not say (another OS)."""
+    sizes = []
+    for index in caches.glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if match := re.fullmatch(r"(\d+)([KMG]?)", size):
+            sizes.append(int(match[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[match[2]])
+    return max(sizes, default=None)
+
+
+def cache_evictor(largest_cache: int | None) -> tuple[Callable[[], object], int]:
+    """A call that writes twice the largest cache's bytes (a buffer made once), pushing out whatever a timed call
+    before it left there, and how many bytes it writes."""
+    evicting = 2 * largest_cache if largest_cache else CACHE_UNKNOWN_BYTES
+    buffer = torch.ones(evicting // 4)  # its pages mapped now, not inside the first timed round
+    return (lambda: buffer.fill_(1.0)), evicting
+
+
 def of_clone_rows(device: torch.device, side: int | None = None) -> list[dict]:
     """quantise_of_clone (on CUDA: quantise_of_clone_cuda): each quantiser's eager and fused throughput as a fraction
     of clone's, on FP32 values past every cache: 4096 x 4096 on the CPU, 8192 x 8192 on a GPU (an H100's 4096 x 4096
     clone takes 45 µs, near a launch's cost). A block quantiser's `fused` row is its values alone, what a training
     step asks for (`quantiser.values`: one tensor written, as clone writes one); `fused_blocked` the whole Blocked
-    (elements and per-block fields too, what telemetry's sampled steps ask for). On the CPU with glibc kept from
-    mapping each result afresh (`large_allocations_kept`): the memory's speed, not the page faults', and a row
-    saying how many faults a call took."""
+    (elements and per-block fields too, what telemetry's sampled steps ask for). On the CPU, each timed call after
+    writing twice the largest cache's bytes (`cache_evictor`: a 2-core VM here has sat behind a 480 MB L3, which
+    holds 4096 x 4096 values and clone's copy, so that without it clone ran at the cache's speed, not the memory's:
+    docs/performance.md), with glibc kept from mapping each result afresh (`large_allocations_kept`): the memory's
+    speed, not the page faults', and rows saying how many faults a call took and how many bytes were written
+    before each."""
     side = side or (4096 if device.type == "cpu" else 8192)
     x = (torch.randn(side, side, generator=torch.Generator().manual_seed(0)) * 100).to(device)
     prefix = "quantise_of_clone" if device.type == "cpu" else f"quantise_of_clone_{device.type}"
@@ -672,16 +705,20 @@ def of_clone_rows(device: torch.device, side: int | None = None) -> list[dict]:
         return _of_clone_rows(x, prefix)[0]
     import resource
 
+    evict, evicting = cache_evictor(largest_cache_bytes())
     with large_allocations_kept():
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        rows, calls = _of_clone_rows(x, prefix)
+        rows, calls = _of_clone_rows(x, prefix, evict)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return rows + [row(f"{prefix}.minor_faults_per_call", faults / calls, f"page faults a call, each writing "
-                       f"{x.numel() * 4 >> 20} MB: {x.numel() * 4 >> 12} if its pages were mapped afresh")]
+                       f"{x.numel() * 4 >> 20} MB: {x.numel() * 4 >> 12} if its pages were mapped afresh"),
+                   row(f"{prefix}.evicted_mb", evicting >> 20, "MB written before each timed call (twice the "
+                       "largest cache's; 1024 where none could be read)")]
 
 
-def _of_clone_rows(x: torch.Tensor, prefix: str) -> tuple[list[dict], int]:
-    """`of_clone_rows`' rows on x, and how many calls made them."""
+def _of_clone_rows(x: torch.Tensor, prefix: str, before: Callable[[], object] | None = None
+                   ) -> tuple[list[dict], int]:
+    """`of_clone_rows`' rows on x, and how many calls made them (`before`: ahead of each timed call)."""
     device, made = x.device, 0
     rows = []
     for name, (quantiser, extra) in FUSED_QUANTISERS.items():
@@ -691,7 +728,7 @@ def _of_clone_rows(x: torch.Tensor, prefix: str) -> tuple[list[dict], int]:
                  "fused": lambda q=values, a=args: q.fused(x, *a)}
         if values is not quantiser:
             calls["fused_blocked"] = lambda q=quantiser, a=args: q.fused(x, *a)
-        wall, = alternate_all(calls, device, OF_CLONE_ROUNDS)
+        wall, = alternate_all(calls, device, OF_CLONE_ROUNDS, before=before)
         made += len(calls) * (OF_CLONE_ROUNDS + 1)  # a warm-up round first
         rows += median_rows(f"{prefix}.{name}.eager", per_round(wall, "clone", "eager"), "x clone's throughput")
         rows += median_rows(f"{prefix}.{name}.fused", per_round(wall, "clone", "fused"), "x clone's throughput",
