@@ -713,7 +713,7 @@ def of_clone_rows(device: torch.device, side: int | None = None) -> list[dict]:
     return rows + [row(f"{prefix}.minor_faults_per_call", faults / calls, f"page faults a call, each writing "
                        f"{x.numel() * 4 >> 20} MB: {x.numel() * 4 >> 12} if its pages were mapped afresh"),
                    row(f"{prefix}.evicted_mb", evicting >> 20, "MB written before each timed call (twice the "
-                       "largest cache's; 1024 where none could be read)")]
+                       f"largest cache's; {CACHE_UNKNOWN_BYTES >> 20} where none could be read)")]
 
 
 def _of_clone_rows(x: torch.Tensor, prefix: str, before: Callable[[], object] | None = None
