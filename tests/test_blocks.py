@@ -520,6 +520,40 @@ def test_block_scaled_fp8_uses_1x128_tiles_for_activations_and_gradients_and_128
     assert not torch.equal(operands.tiled_weight(w), operands.forward(w, -1))  # and it is not 1 x 128
 
 
+@pytest.mark.parametrize("path", ["eager", "fused"])
+def test_a_side_shorter_than_a_tile_is_quantised_as_the_zero_padded_tile_bit_for_bit(path):
+    """BERT-tiny's 64 features in 1 x 128 tiles, its 64 x 64 weights in 128 x 128 ones: quantised as one run (one
+    tile) of their own length, they give the zero-padded tile's values, elements, scales and amaxes bit for bit, and
+    under stochastic rounding its draws too (the padded tile's taken, the generator left where padding leaves it)."""
+    from bench.numerics.blocks import tile2d_quantise, tile_quantise
+
+    call = (lambda q: q.eager) if path == "eager" else (lambda q: q.fused)
+    same = lambda a, b: torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))  # NaN's too
+    torch.manual_seed(0)
+    x = torch.randn(6, 64) * torch.exp2(torch.randint(-8, 8, (6, 64)).float())
+    x[0, 5], x[1] = float("nan"), 0.0  # a NaN run and a zero run keep their own scales
+    for dim, along in ((-1, x), (0, x.T.contiguous())):
+        wide = torch.nn.functional.pad(along, (0, 64)) if dim == -1 else torch.nn.functional.pad(along, (0, 0, 0, 64))
+        for rounding in ("nearest", "stochastic"):
+            short_generator, padded_generator = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+            short = call(tile_quantise)(along, dim, rounding=rounding, generator=short_generator)
+            whole = call(tile_quantise)(wide, dim, rounding=rounding, generator=padded_generator)
+            cut = (slice(None), slice(0, 64)) if dim == -1 else (slice(0, 64), slice(None))
+            for field in ("values", "elements"):
+                assert same(getattr(short, field), getattr(whole, field)[cut]), (dim, rounding, field)
+            for field in ("scale", "amax", "factor"):
+                assert same(getattr(short, field), getattr(whole, field)), (dim, rounding, field)
+            assert torch.equal(short_generator.get_state(), padded_generator.get_state()), (dim, rounding)
+    for w in (torch.randn(64, 64), torch.randn(64, 300), torch.randn(200, 40)):
+        tiled = call(tile2d_quantise)(w)
+        rows, cols = -w.shape[0] % 128, -w.shape[1] % 128
+        reference = call(tile2d_quantise)(torch.nn.functional.pad(w, (0, cols, 0, rows)))
+        assert same(tiled.values, reference.values[:w.shape[0], :w.shape[1]])
+        assert same(tiled.elements, reference.elements[:w.shape[0], :w.shape[1]])
+        for field in ("scale", "amax", "factor"):
+            assert same(getattr(tiled, field), getattr(reference, field)), (w.shape, field)
+
+
 def test_block_scaled_fp8_quantises_each_weight_once_per_step_for_both_of_its_gemms(monkeypatch):
     """One 128 x 128 quantisation serves the forward and the input-gradient GEMM (W and W^T hold the same tiles),
     as Transformer Engine keeps one quantised weight; rowwise scales run along each GEMM's reduction, so its weight

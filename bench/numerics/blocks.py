@@ -359,16 +359,29 @@ def rowwise_quantise(x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
 def tile_quantise(x: torch.Tensor, dim: int = -1, tile: int = FP8_TILE, rounding: str = "nearest",
                   generator: torch.Generator | None = None, draw: torch.Tensor | None = None) -> Blocked:
     """x in E4M3 with one Transformer Engine power-of-two scale per 1 x `tile` run along `dim` (rounded as
-    `rowwise_quantise`'s; `draw`: made already by `_tile_draws`)."""
-    return _fp8_runs(x, dim, tile, te_pow2_scale, rounding, generator, draw)
+    `rowwise_quantise`'s; `draw`: made already by `_tile_draws`). A `dim` shorter than a tile (BERT-tiny's 64 features)
+    is one run of its own length: the zero-padded tile's amax, scale and elements without rounding its zeros; under
+    stochastic rounding the padded tile's draws are still taken, and its zeros' left unused, so that the generator's
+    stream is the same."""
+    length = x.shape[dim]
+    if length >= tile:
+        return _fp8_runs(x, dim, tile, te_pow2_scale, rounding, generator, draw)
+    if rounding == "stochastic":
+        if draw is None:
+            draw = _tile_draws(x, {"dim": dim, "tile": tile, "generator": generator})
+        draw = draw.narrow(dim % x.dim() + 1, 0, length)
+    return _fp8_runs(x, dim, length, te_pow2_scale, rounding, generator, draw)
 
 
-def _square_tiles(w: torch.Tensor, tile: int) -> torch.Tensor:
-    """A 2-D `w` (as FP32) zero-padded to whole `tile` x `tile` squares, viewed as (row tiles, tile, column tiles,
-    tile): a tile's amax is over dims (1, 3). Zeros never change an amax."""
+def _square_tiles(w: torch.Tensor, tile: int, shorter_unpadded: bool = False) -> torch.Tensor:
+    """A 2-D `w` (as FP32) zero-padded to whole `tile` x `tile` squares, viewed as (row tiles, tile rows, column
+    tiles, tile columns): a tile's amax is over dims (1, 3). Zeros never change an amax, so with `shorter_unpadded` a
+    side of w shorter than a tile is one tile of its own length (BERT-tiny's 64 x 64 weights in 128 x 128 tiles: a
+    quarter of the work); NVFP4's 16 x 16 tiles stay padded, their stochastic draws laid out on the padded tiles."""
     rows, cols = w.shape
-    padded = torch.nn.functional.pad(w.float(), (0, -cols % tile, 0, -rows % tile))
-    return padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // tile, tile)
+    tall, wide = (min(tile, rows), min(tile, cols)) if shorter_unpadded else (tile, tile)
+    padded = torch.nn.functional.pad(w.float(), (0, -cols % wide, 0, -rows % tall))
+    return padded.reshape(padded.shape[0] // tall, tall, padded.shape[1] // wide, wide)
 
 
 def _tiled(w: torch.Tensor, values: torch.Tensor, elements: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
@@ -384,7 +397,7 @@ def _tiled(w: torch.Tensor, values: torch.Tensor, elements: torch.Tensor, scale:
 def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:
     """A 2-D weight in E4M3 with one Transformer Engine power-of-two scale per `tile` x `tile` square (edge tiles
     shorter); `scale` is (ceil(rows / tile), ceil(cols / tile))."""
-    squares = _square_tiles(w, tile)
+    squares = _square_tiles(w, tile, shorter_unpadded=True)
     amax = squares.abs().amax((1, 3), keepdim=True)
     scale = te_pow2_scale(amax)
     elements, values = _fp8_scaled(squares, scale)
