@@ -21,6 +21,7 @@ from bench.numerics.blocks import (
     nvfp4_tile_quantise,
     random_hadamard_transform,
     rht_matrix,
+    rht_signs,
 )
 from bench.numerics.plan import PrecisionError, kept_layers
 from bench.numerics.precision import Precision
@@ -49,12 +50,63 @@ def test_the_hadamard_matrix_is_sylvesters_over_four_and_the_signs_are_transform
 
 
 @pytest.mark.parametrize("seed", [None, 0, 7])
-def test_the_transform_is_orthogonal_and_a_seed_draws_other_signs(seed):
+def test_the_transform_is_orthogonal_a_seed_draws_other_signs_and_each_unit_vector_becomes_a_row(seed):
+    """rht_matrix is the definition; the transform, which takes the signs, maps each unit vector to its row (sums
+    with zeros are exact)."""
     matrix = rht_matrix(seed)
     assert torch.equal(matrix @ matrix.t(), torch.eye(16, dtype=torch.float64))
     assert set(torch.diag(matrix @ hadamard(16).t()).tolist()) <= {-1.0, 1.0}  # a +-1 diagonal times H
     if seed is not None:
         assert not torch.equal(matrix, rht_matrix(None)) and torch.equal(matrix, rht_matrix(seed))
+    assert torch.equal(random_hadamard_transform(torch.eye(16), rht_signs(seed), 0), matrix.t().float())
+
+
+def test_the_matrix_as_before_0_3_is_multiplied_as_then_with_a_deprecation_warning():
+    x = torch.randn(40, 24, generator=torch.Generator().manual_seed(3))
+    with pytest.warns(DeprecationWarning, match="takes the 16 signs now"):
+        found = random_hadamard_transform(x, rht_matrix(None), 0)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, 8)).reshape(-1, 16, 24)
+    assert torch.equal(found, (rht_matrix(None).float().t() @ padded).reshape(48, 24))
+
+
+def _in_place_fwht_in_numpy(groups: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """The reference order, written apart in numpy's float32: each value times its sign / 4, then the in-place fast
+    Walsh-Hadamard transform over axis 1 (pairs `width` apart for width 1, 2, 4, 8; the first gets the sum)."""
+    rows = groups.astype(np.float32) * (signs.astype(np.float32) / np.float32(4))[None, :, None]
+    width = 1
+    with np.errstate(over="ignore", invalid="ignore"):  # the mixed extremes overflow, as FP32 does
+        while width < 16:
+            for start in range(0, 16, 2 * width):
+                first, second = rows[:, start:start + width].copy(), rows[:, start + width:start + 2 * width].copy()
+                rows[:, start:start + width], rows[:, start + width:start + 2 * width] = first + second, first - second
+            width *= 2
+    return rows
+
+
+@pytest.mark.parametrize("path", ["eager", "fused"])
+def test_the_transform_rounds_in_one_order_on_every_machine_the_in_place_fast_walsh_hadamard_transforms(path):
+    """Bit for bit against numpy's float32 in the in-place FWHT's order, eager and fused, on random values across
+    2^+-20 and on the conformance families: the bits depend on no BLAS kernel (an FP32 GEMM's changed with the
+    instruction set oneDNN and MKL were allowed, AVX2 against AVX-512). About half the values differ from the
+    correctly rounded transform, so any other order of the sums (the GEMM's, the pairs taken 8 apart first) fails
+    here."""
+    from bench.tools.conformance import families
+
+    transform = getattr(random_hadamard_transform, path)
+    generator = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(256, 48, generator=generator) * torch.exp2(torch.randint(-20, 20, (256, 48),
+                                                                                   generator=generator))]
+    for x in families("fp4_e2m1", 16, count=2**12).values():
+        finite = x.float()[x.float().isfinite().all(-1)]
+        inputs += [finite[: len(finite) // 16 * 16]] if len(finite) >= 16 else []
+    for x in inputs:
+        expected = _in_place_fwht_in_numpy(x.numpy().reshape(-1, 16, x.shape[1]), rht_signs(None).numpy())
+        found = transform(x, rht_signs(None), 0).numpy()
+        expected = expected.reshape(found.shape)
+        same = (found.view(np.int32) == expected.view(np.int32)) | (np.isnan(found) & np.isnan(expected))
+        assert same.all(), (found[~same][:4], expected[~same][:4])
+    exact = (rht_matrix(None).t() @ inputs[0].double().reshape(-1, 16, 48)).reshape(256, 48).float()
+    assert 0.3 < (transform(inputs[0], rht_signs(None), 0) != exact).float().mean() < 0.7
 
 
 @pytest.mark.parametrize("tokens", [96, 100, 7])  # whole groups of 16, a partial last group, fewer than 16
@@ -63,11 +115,11 @@ def test_the_transform_leaves_an_unquantised_product_unchanged(tokens):
     grad = torch.randn(tokens, 24, generator=generator) * torch.exp2(
         torch.randint(-8, 8, (tokens, 1), generator=generator))
     x = torch.randn(tokens, 40, generator=generator)
-    matrix = rht_matrix(None)
-    product = random_hadamard_transform(grad, matrix, 0).t().double() @ random_hadamard_transform(x, matrix, 0).double()
+    signs = rht_signs(None)
+    product = random_hadamard_transform(grad, signs, 0).t().double() @ random_hadamard_transform(x, signs, 0).double()
     exact = grad.t().double() @ x.double()
     assert (product - exact).abs().max() <= 1e-6 * exact.abs().max()
-    transformed = random_hadamard_transform(grad, matrix, 0)
+    transformed = random_hadamard_transform(grad, signs, 0)
     assert transformed.shape[0] == 16 * math.ceil(tokens / 16) and not torch.allclose(transformed[:tokens], grad)
 
 
@@ -80,10 +132,10 @@ def test_the_transform_is_scipys_hadamard_times_te_signs_to_fp32_accumulation():
         @ torch.from_numpy(scipy.linalg.hadamard(16).astype(np.float64)) / 4
     groups = x.double().reshape(-1, 16, 32)
     reference = (reference_matrix.t() @ groups).reshape(x.shape)
-    ours = random_hadamard_transform(x, rht_matrix(None), 0).double()
+    ours = random_hadamard_transform(x, rht_signs(None), 0).double()
     bound = 16 * 2.0**-24 * groups.abs().amax(1, keepdim=True).expand_as(groups).reshape(x.shape)
     assert ((ours - reference).abs() <= bound).all()
-    assert not torch.equal(ours, random_hadamard_transform(x, rht_matrix(1), 0).double())
+    assert not torch.equal(ours, random_hadamard_transform(x, rht_signs(1), 0).double())
 
 
 def test_the_weight_gradient_gemm_takes_both_operands_transformed_then_blocked_along_the_tokens():
@@ -105,7 +157,7 @@ def test_the_weight_gradient_gemm_takes_both_operands_transformed_then_blocked_a
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()  # 40 tokens: padded to 48
     upstream = torch.randn(40, 48, generator=torch.Generator().manual_seed(2))
     layer(x).backward(upstream)
-    transformed = [random_hadamard_transform(t, rht_matrix(None), 0) for t in (upstream, x.detach())]
+    transformed = [random_hadamard_transform(t, rht_signs(None), 0) for t in (upstream, x.detach())]
     expected = torchao_along_tokens(transformed[0]).t() @ torchao_along_tokens(transformed[1])
     assert torch.equal(layer.weight.grad, expected)
     x_grad = x.grad.clone()

@@ -619,9 +619,9 @@ class BlockOperands:
 
     NVIDIA's NVFP4 recipe adds (bench/numerics/blocks.py; each None/False leaves the operand as plain NVFP4 makes it):
     `weight_tiles`, the weight in 16 x 16 tiles, quantised once for the forward and the input-gradient GEMMs;
-    `rht`, the 16 x 16 random Hadamard transform applied to both operands of the weight-gradient GEMM along the
-    tokens before they are blocked (their tensor scales from the transformed amax, as Transformer Engine takes it),
-    its output rounded to `rht_output` (bf16: Transformer Engine's transform reads and writes BF16);
+    `rht`, the signs of the 16 x 16 random Hadamard transform applied to both operands of the weight-gradient GEMM
+    along the tokens before they are blocked (their tensor scales from the transformed amax, as Transformer Engine
+    takes it), its output rounded to `rht_output` (bf16: Transformer Engine's transform reads and writes BF16);
     `scale_rule`, NVFP4's scale arithmetic, torchao's or Transformer Engine's (te: the transform's input rounded to
     BF16 too, as TE reads it); `sr_bits`, the random bits of a stochastic rounding (None: an FP32 uniform)."""
 

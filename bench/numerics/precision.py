@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from bench.numerics.autocast import EmulatedGemms
-from bench.numerics.blocks import RHT_SIZE, rht_matrix, rht_signs
+from bench.numerics.blocks import RHT_SIZE, rht_signs
 from bench.numerics.carried_attention import carried_attention_ops
 from bench.numerics.carried_attention import route as route_carried_attention
 from bench.numerics.chain import EmulatedChain, chained
@@ -187,7 +187,7 @@ class Precision:
         elif decided.recipe is not None and decided.recipe.block:
             self.block = BlockOperands(decided.recipe, c.scale_mode, c.rounding, self.telemetry,
                                        weight_tiles=c.weight_blocks == "16x16",
-                                       rht=rht_matrix(c.rht_seed) if c.rht else None,
+                                       rht=rht_signs(c.rht_seed) if c.rht else None,
                                        rht_output="bf16" if decided.elsewhere == "bf16" or c.scale_rule == "te"
                                        else "fp32", scale_rule=c.scale_rule, sr_bits=c.sr_bits)
         else:

@@ -36,7 +36,7 @@ from bench.numerics.blocks import (
     nvfp4_tensor_scale,
     nvfp4_tile_quantise,
     random_hadamard_transform,
-    rht_matrix,
+    rht_signs,
     rowwise_quantise,
     te_nvfp4_quantise,
     te_nvfp4_tile_quantise,
@@ -63,8 +63,9 @@ DEPARTURES = {
     "e2m1_nan_code": "E2M1 has no NaN: for a NaN element torchao writes an element code and ours NaN; the block's "
                      "scale is NaN, so the value dequantises to NaN either way",
     "rht_fp32_arithmetic": "NVIDIA's recipe, the transform before the weight-gradient GEMM: ours computes it in FP32 "
-                           "(as Transformer Engine's BF16 transform accumulates: sums of 16 round, and products by "
-                           "+-1/4 lose bits below FP32's normal range), the reference in float64 rounded once; where "
+                           "in the fast Walsh-Hadamard transform's order (Transformer Engine's BF16 transform sums in "
+                           "FP32 too: sums of pairs round, and products by +-1/4 lose bits below FP32's normal range), "
+                           "the reference in float64 rounded once; where "
                            "the two transformed values differ, the blocks (and, through the amax, the tensor) they "
                            "fall in are counted here",
     "tensor_scale_floor": "two-level NVFP4: torchao's tensor scale amax / 2688 is 0 for an all-zero tensor (every "
@@ -436,7 +437,7 @@ def compare_te_rht_with_reference(x: torch.Tensor) -> dict:
     bf16_in = w.numpy().astype(ml_dtypes.bfloat16).astype(np.float64)
     transformed = (matrix.T @ bf16_in.reshape(-1, 16, w.shape[1])).reshape(w.shape)
     reference_t = torch.from_numpy(transformed.astype(ml_dtypes.bfloat16).astype(np.float32))
-    ours_t = quantise_value(random_hadamard_transform(quantise_value(w, "bf16"), rht_matrix(None), 0), "bf16")
+    ours_t = quantise_value(random_hadamard_transform(quantise_value(w, "bf16"), rht_signs(None), 0), "bf16")
     by_tokens = lambda t: t.t().contiguous()  # blocks of 16 along the tokens, as rows
     if not torch.equal(reference_t.abs().max(), ours_t.abs().max()):
         return counts | {"rht_fp32_arithmetic": w.numel()}
@@ -474,7 +475,7 @@ def _rht_pair(w: torch.Tensor) -> dict[str, torch.Tensor]:
     hadamard16 = torch.from_numpy(scipy.linalg.hadamard(16) / 4.0)
     matrix = torch.diag(torch.tensor(TE_RHT_SIGNS, dtype=torch.float64)) @ hadamard16
     reference_t = (matrix.t() @ w.double().reshape(-1, 16, w.shape[1])).reshape(w.shape).float().t().contiguous()
-    ours_t = random_hadamard_transform(w, rht_matrix(None), 0)
+    ours_t = random_hadamard_transform(w, rht_signs(None), 0)
     their_scale = per_tensor_amax_to_scale(reference_t.abs().amax())
     return {"reference_t": reference_t, "ours_t": ours_t.t(), "their_scale": their_scale,
             "our_scale": nvfp4_tensor_scale(ours_t), "reference": _torchao_nvfp4(reference_t, their_scale)[2],
@@ -625,8 +626,8 @@ def departure_examples() -> pd.DataFrame:
     nan_block = torch.linspace(-6, 6, 16)[None].clone()
     nan_block[0, 3] = float("nan")
     # 16 x 16 values spread over 2^-40 .. 2: a sum of 16 that rounds in FP32 moves an element across a rounding
-    # boundary (found by search: seed 373 is the first of its kind)
-    generator = torch.Generator().manual_seed(373)
+    # boundary (found by search: seed 3 is the first of its kind)
+    generator = torch.Generator().manual_seed(3)
     rht_wide = torch.randn(16, 16, generator=generator) * torch.exp2(torch.randint(-40, 2, (16, 16),
                                                                                  generator=generator).float())
     cases = [("round_trip_2^-127", "MX fp4_e2m1, floor", round_trip, lambda x: _mx_pair(x, "fp4_e2m1", "floor")),
