@@ -424,7 +424,8 @@ def compare_te_tiles_with_reference(x: torch.Tensor) -> dict:
 def compare_te_rht_with_reference(x: torch.Tensor) -> dict:
     """A weight-gradient operand under scale_rule=te, as bench/numerics/emulation.py makes it (BF16 in, the
     transform, BF16 out, NVFP4 along the tokens under the transformed amax), against the reference: ml_dtypes'
-    BF16 casts around scipy's Hadamard matrix times TE's signs in float64, then te_nvfp4_reference. Where the two
+    BF16 casts around scipy's Hadamard matrix times TE's signs in float64 (rounded to FP32 before BF16), then
+    te_nvfp4_reference. Where the two
     transforms differ (ours sums in FP32) the blocks they fall in are counted apart (rht_fp32_arithmetic)."""
     import ml_dtypes
     import scipy.linalg
@@ -436,7 +437,9 @@ def compare_te_rht_with_reference(x: torch.Tensor) -> dict:
     matrix = np.diag(np.array(TE_RHT_SIGNS, dtype=np.float64)) @ (scipy.linalg.hadamard(16) / 4.0)
     bf16_in = w.numpy().astype(ml_dtypes.bfloat16).astype(np.float64)
     transformed = (matrix.T @ bf16_in.reshape(-1, 16, w.shape[1])).reshape(w.shape)
-    reference_t = torch.from_numpy(transformed.astype(ml_dtypes.bfloat16).astype(np.float32))
+    # to FP32, then BF16, as TE's kernel writes its FP32 accumulator (and as ml_dtypes 0.6 cast float64 to BF16;
+    # 0.7 rounds once, which differs where the FP32 value lands on a BF16 tie)
+    reference_t = torch.from_numpy(transformed.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32))
     ours_t = quantise_value(random_hadamard_transform(quantise_value(w, "bf16"), rht_signs(None), 0), "bf16")
     by_tokens = lambda t: t.t().contiguous()  # blocks of 16 along the tokens, as rows
     if not torch.equal(reference_t.abs().max(), ours_t.abs().max()):
