@@ -65,9 +65,8 @@ DEPARTURES = {
     "rht_fp32_arithmetic": "NVIDIA's recipe, the transform before the weight-gradient GEMM: ours computes it in FP32 "
                            "in the fast Walsh-Hadamard transform's order (Transformer Engine's BF16 transform sums in "
                            "FP32 too: sums of pairs round, and products by +-1/4 lose bits below FP32's normal range), "
-                           "the reference in float64 rounded once; where "
-                           "the two transformed values differ, the blocks (and, through the amax, the tensor) they "
-                           "fall in are counted here",
+                           "the reference in float64 rounded once; where the two transformed values differ, the "
+                           "blocks (and, through the amax, the tensor) they fall in are counted here",
     "tensor_scale_floor": "two-level NVFP4: torchao's tensor scale amax / 2688 is 0 for an all-zero tensor (every "
                           "value NaN) and, for a tensor amax under 2688 * 2^-121 (about 1.05e-33), so small that a "
                           "block's factor (1 / t) / s overflows (zeros NaN, every other element saturated); ours "
@@ -425,8 +424,8 @@ def compare_te_rht_with_reference(x: torch.Tensor) -> dict:
     """A weight-gradient operand under scale_rule=te, as bench/numerics/emulation.py makes it (BF16 in, the
     transform, BF16 out, NVFP4 along the tokens under the transformed amax), against the reference: ml_dtypes'
     BF16 casts around scipy's Hadamard matrix times TE's signs in float64 (rounded to FP32 before BF16), then
-    te_nvfp4_reference. Where the two
-    transforms differ (ours sums in FP32) the blocks they fall in are counted apart (rht_fp32_arithmetic)."""
+    te_nvfp4_reference. Where the two transforms differ (ours sums in FP32) the blocks they fall in are counted apart
+    (rht_fp32_arithmetic)."""
     import ml_dtypes
     import scipy.linalg
 
@@ -438,7 +437,7 @@ def compare_te_rht_with_reference(x: torch.Tensor) -> dict:
     bf16_in = w.numpy().astype(ml_dtypes.bfloat16).astype(np.float64)
     transformed = (matrix.T @ bf16_in.reshape(-1, 16, w.shape[1])).reshape(w.shape)
     # to FP32, then BF16, as TE's kernel writes its FP32 accumulator (and as ml_dtypes 0.6 cast float64 to BF16;
-    # 0.7 rounds once, which differs where the FP32 value lands on a BF16 tie)
+    # 0.7 rounds once, which differs where the rounding to FP32 lands on a tie between two BF16 values)
     reference_t = torch.from_numpy(transformed.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32))
     ours_t = quantise_value(random_hadamard_transform(quantise_value(w, "bf16"), rht_signs(None), 0), "bf16")
     by_tokens = lambda t: t.t().contiguous()  # blocks of 16 along the tokens, as rows
