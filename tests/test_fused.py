@@ -798,6 +798,21 @@ def test_on_cuda_every_other_block_quantiser_eager_and_fused_give_the_cpu_bits(q
         _same_on_cuda(call, x, args, BLOCKED_FIELDS)
 
 
+def _transform_inputs() -> list[torch.Tensor]:
+    """The conformance families of 16-blocks as weight-gradient operands: finite rows, whole groups of 16 tokens."""
+    rows = [x.float()[x.float().isfinite().all(-1)] for x in _inputs("fp4_e2m1", 16)]
+    return [x[: len(x) // 16 * 16] for x in rows if len(x) >= 16]
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_on_cuda_the_hadamard_transform_eager_and_fused_gives_the_cpu_bits():
+    """Elementwise IEEE sums in one order (blocks.random_hadamard_transform): the CPU's bits on CUDA too, where the
+    FP32 GEMM it replaced summed in cuBLAS's order."""
+    for x in _transform_inputs():
+        _same_on_cuda(blocks.random_hadamard_transform, x, (blocks.rht_signs(None), 0))
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_on_cuda_stochastic_rounding_of_the_same_draws_gives_the_cpu_bits():
