@@ -125,7 +125,7 @@ def test_the_transform_leaves_an_unquantised_product_unchanged(tokens):
 
 def test_the_transform_is_scipys_hadamard_times_te_signs_to_fp32_accumulation():
     """Against scipy's Hadamard matrix and TE's signs in float64: each product by +-1/4 is exact, and the sum of 16
-    rounds as an FP32 GEMM's accumulation does, within 16 ulps of the group's largest magnitude."""
+    rounds in FP32, within 16 ulps of the group's largest magnitude."""
     generator = torch.Generator().manual_seed(9)
     x = torch.randn(64, 32, generator=generator) * torch.exp2(torch.randint(-20, 20, (64, 32), generator=generator))
     reference_matrix = torch.diag(torch.tensor(TE_RHT_SIGNS, dtype=torch.float64)) \
