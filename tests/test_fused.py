@@ -17,7 +17,7 @@ from bench.numerics import blocks, emulation, formats, fused
 from bench.numerics.formats import FORMATS, OVERFLOW_POLICIES, _round_up_below, quantise_stochastic, quantise_value
 from bench.numerics.precision import Precision
 from bench.numerics.telemetry import category_counts
-from bench.tools.conformance import families
+from bench.tools.conformance import _as_tiles, families
 
 BLOCKED_FIELDS = ("values", "elements", "scale", "amax", "factor", "scale_bits")
 
@@ -798,18 +798,12 @@ def test_on_cuda_every_other_block_quantiser_eager_and_fused_give_the_cpu_bits(q
         _same_on_cuda(call, x, args, BLOCKED_FIELDS)
 
 
-def _transform_inputs() -> list[torch.Tensor]:
-    """The conformance families of 16-blocks as weight-gradient operands: finite rows, whole groups of 16 tokens."""
-    rows = [x.float()[x.float().isfinite().all(-1)] for x in _inputs("fp4_e2m1", 16)]
-    return [x[: len(x) // 16 * 16] for x in rows if len(x) >= 16]
-
-
 @pytest.mark.cuda
 @needs_cuda
 def test_on_cuda_the_hadamard_transform_eager_and_fused_gives_the_cpu_bits():
     """Elementwise IEEE sums in one order (blocks.random_hadamard_transform): the CPU's bits on CUDA too, where the
     FP32 GEMM it replaced summed in cuBLAS's order."""
-    for x in _transform_inputs():
+    for x in map(_as_tiles, _inputs("fp4_e2m1", 16)):  # as the conformance transforms them: finite rows, 16 x 16
         _same_on_cuda(blocks.random_hadamard_transform, x, (blocks.rht_signs(None), 0))
 
 

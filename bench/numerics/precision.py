@@ -489,7 +489,7 @@ class Precision:
         """NVIDIA's NVFP4 switches as this cell set them (the record's env.precision.block)."""
         c = self.plan.config
         return {"weight_blocks": c.weight_blocks, "pad_weights": c.pad_weights,
-                "rht": {"size": RHT_SIZE, "seed": c.rht_seed, "signs": rht_signs(c.rht_seed).int().tolist(),
+                "rht": {"size": RHT_SIZE, "seed": c.rht_seed, "signs": self.block.rht.int().tolist(),
                         "signs_from": "Transformer Engine's fixed vector" if c.rht_seed is None else "the seed",
                         "input": "bf16" if c.scale_rule == "te" else "as the GEMM reads it",
                         "output": self.block.rht_output} if c.rht else None}
