@@ -1096,6 +1096,68 @@ def test_a_fused_block_quantiser_stores_its_values_alone_at_full_size_and_a_bloc
         assert name != "tiles" or (torch.int32 not in {dtype for _, dtype in stored}), stored
 
 
+def _outer_loop_steps(call, x, args, kwargs) -> list[int]:
+    """The step of each outermost loop (over x0) in the C++ of `call`'s fused graph of values alone on x, in order:
+    a fresh graph, no cache."""
+    import re
+
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    with config.patch({"force_disable_caches": True}):
+        _, code = run_and_get_code(lambda: fused.Specialisation(call.eager, args, kwargs, pick="values")(
+            x, *args, **kwargs))
+    return [int(step) for step in re.findall(r"for\(int64_t x0=.*?x0\+=static_cast<int64_t>\((\d+)L\)\)",
+                                             "".join(code))]
+
+
+# the block quantisers whose fused graph on a large x is one loop over blocks (fused.in_one_pass), with the
+# conformance families they are checked on there: (quantiser, its arguments, element, block width)
+ONE_PASS = {"mx": (blocks.mx_quantise, ("fp8_e4m3",), "fp8_e4m3", blocks.MX_BLOCK),
+            "rowwise": (blocks.rowwise_quantise, (), "fp8_e4m3", 128),
+            "1x128 tiles": (blocks.tile_quantise, (), "fp8_e4m3", 128)}
+
+
+@pytest.mark.parametrize("name", ONE_PASS)
+def test_a_large_tensors_block_quantiser_is_one_loop_over_blocks_a_smaller_ones_three(monkeypatch, name):
+    """Past the caches a fused block quantiser ran at 0.45-0.51 of clone's throughput as three loops over x (every
+    block's amax; then every block's scale, vectorised across blocks; then the elements, reading x again), and at
+    0.62-0.78 as one loop over blocks, which reads a block again from L1 (docs/performance.md). In the caches the
+    three loops are the faster. So from fused.ONE_PASS_FROM values the graph is one loop over blocks, and below it
+    three, the middle one vectorised (16 FP32 lanes with AVX-512, 8 with AVX2). Here with the size set to 64 rows
+    of 256."""
+    call, args, _, _ = ONE_PASS[name]
+    monkeypatch.setattr(fused, "ONE_PASS_FROM", 64 * 256)
+    generator = torch.Generator().manual_seed(0)
+    assert _outer_loop_steps(call, torch.randn(64, 256, generator=generator), args, {}) == [1], name
+    steps = _outer_loop_steps(call, torch.randn(63, 256, generator=generator), args, {})
+    assert len(steps) == 3 and steps[0] == steps[2] == 1 and steps[1] > 1, (name, steps)
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == "mx" else pytest.mark.slow)
+                                  for name in ONE_PASS])
+def test_one_loop_over_blocks_gives_the_eager_bits(monkeypatch, name):
+    """The one-loop form (every size here) on the conformance families, FP32 and bfloat16, is the eager quantiser bit
+    for bit: the Blocked whole and the values alone, along the last dimension and the first, rounded to nearest and,
+    on the draws its eager self makes, stochastically."""
+    call, args, element, width = ONE_PASS[name]
+    monkeypatch.setattr(fused, "ONE_PASS_FROM", 1)
+    for x in _inputs(element, width):
+        for dim in (-1, 0):
+            eager = call.eager(x, *args, dim=dim)
+            whole = fused.Specialisation(call.eager, args, {"dim": dim})(x, *args, dim=dim)
+            assert _same_bits(eager, whole, BLOCKED_FIELDS), (name, x.dtype, dim)
+            values = fused.Specialisation(call.eager, args, {"dim": dim}, pick="values")(x, *args, dim=dim)
+            assert _same_bits(eager.values, values), (name, x.dtype, dim)
+        draw = torch.rand(blocks._blocks_shape(x, -1, width if name != "rowwise" else x.shape[-1]),
+                          generator=torch.Generator().manual_seed(1))
+        named = {"rounding": "stochastic", "draw": draw}
+        eager = call.eager(x, *args, **named)
+        fast = fused.Specialisation(call.eager, args, named, pick="values")(x, *args, **named)
+        assert _same_bits(eager.values, fast), (name, x.dtype, "stochastic")
+    assert _outer_loop_steps(call, x, args, {}) == [1]  # the form checked is the one loop
+
+
 def test_a_fused_element_rounding_is_arithmetic_without_bit_views(monkeypatch):
     """Inductor's CPU code makes each bit view (`x.view(torch.int32)`) a store and a reload: on a 2-core Intel Xeon with
     AMX, E4M3's fused rounding of 16,384 values took 60 us with five of them (eager: 58), 10 without

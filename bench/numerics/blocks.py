@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value, tensor_amax_of, uniforms
-from bench.numerics.fused import ARITHMETIC_FROM, fused, in_graph
+from bench.numerics.fused import ARITHMETIC_FROM, fused, in_graph, in_one_pass
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
 
@@ -220,7 +220,7 @@ def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -
     spec = FORMATS[element]
     blocks, length, within = _blocks(x, dim, block)
     amax = blocks.abs().amax(within, keepdim=True)  # NaN where the block holds one
-    biased = mx_scale_exponent(amax, spec, mode)
+    biased = mx_scale_exponent(in_one_pass(amax, x), spec, mode)
     nan = biased == E8M0_NAN
     scale = torch.where(nan, torch.nan, _e8m0_value(biased))  # 2^e, exact down to 2^-127
     # x * 2^-e is x / 2^e exactly (a power of two), and a multiply is cheaper than a divide
@@ -342,7 +342,7 @@ def _fp8_scaled(blocks: torch.Tensor, scale: torch.Tensor, rounding: str = "near
 def _fp8_runs(x: torch.Tensor, dim: int, run: int, scale_rule, rounding: str, generator, draw) -> Blocked:
     blocks, length, within = _blocks(x, dim, run)
     amax = blocks.abs().amax(within, keepdim=True)
-    scale = scale_rule(amax)
+    scale = scale_rule(in_one_pass(amax, x))
     elements, values = _fp8_scaled(blocks, scale, rounding, generator, draw)
     return _blocked(values, elements, length, within, scale, amax, _quotient(1.0, scale))
 

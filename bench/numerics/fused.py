@@ -93,6 +93,7 @@ SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # compiled on their FP32 widening
 # NVFP4 recipe run fused departed from the eager run's losses though each fused call gave its eager bits
 # (docs/performance.md; the quantisers and LeNet FP8's run passed there)
 FUSED_DEVICES = ("cpu",)
+ONE_PASS_FROM = 1 << 22  # values (16 MB of FP32): from here a block quantiser's fused graph is one loop over blocks
 LAYOUTS_PER_SPECIALISATION = 32  # graphs per quantiser and arguments; past it, a new shape runs eagerly
 
 
@@ -112,6 +113,22 @@ def in_fused_graph() -> bool:
     """Whether the code running now is being traced into a fused graph of ours, compiled with INDUCTOR_OPTIONS (a
     cast there and back kept a rounding), not into a compiled model's, whose inductor runs on its defaults."""
     return _tracing and not torch.compiler.is_compiling()
+
+
+def in_one_pass(amax: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A block quantiser's per-block amax (non-negative, or NaN), unchanged, written so that in a fused graph of x of
+    ONE_PASS_FROM values or more inductor's CPU code runs the whole quantiser as one loop over blocks: a block's amax,
+    then its scale and factor, then its elements, which it reads again from L1. Otherwise inductor vectorises the
+    per-block step across 16 blocks, a loop that steps unlike the two around it, so it runs three loops over the
+    tensor and reads x twice from memory (docs/performance.md: MXFP8 past the caches at 0.45 of clone's
+    throughput). The term added (0, or 1 to a NaN) is int16, a type inductor's CPU code does not vectorise
+    (VECTORIZABLE_DTYPES in torch/_inductor/codegen/cpp.py): the step runs one block at a time, and inductor's
+    outer-loop fusion then joins the three loops. In the caches the vectorised step is the faster, hence the size
+    (measured: docs/performance.md); tests/test_fused.py holds both forms. Eagerly, and in a compiled model's
+    graph, amax itself."""
+    if x.numel() < ONE_PASS_FROM or not in_fused_graph():
+        return amax
+    return amax + amax.isnan().to(torch.int16)
 
 
 @contextlib.contextmanager
