@@ -25,6 +25,7 @@ holds, and `fn` itself otherwise (`quantiser.eager`, the reference, runs fn with
 - no gradient is being recorded through x (the quantisers run inside autograd Functions' forward passes);
 - the environment does not say `PRECISION_BENCH_FUSED=0` (the switch; on by default). Records say which ran
   (`env.fused_quantisers`); the test suite runs the eager reference unless a test switches it on.
+A block quantiser's graph on ONE_PASS_FROM values or more is one loop over blocks (`in_one_pass` says why).
 A BF16 or FP16 x enters the compiled graph as FP32 and its result leaves in x's dtype: inductor's CPU code for a
 16-bit tensor cast to FP8 and back ran 2x slower than torch's eager casts.
 
