@@ -1134,6 +1134,20 @@ def test_a_large_tensors_block_quantiser_is_one_loop_over_blocks_a_smaller_ones_
     assert len(steps) == 3 and steps[0] == steps[2] == 1 and steps[1] > 1, (name, steps)
 
 
+def test_the_one_loop_term_changes_no_amax_and_is_added_in_a_fused_cpu_graph_alone(monkeypatch):
+    """`fused.in_one_pass` adds its int16 term (0, or 1 to a NaN) where inductor's CPU code will compile it: in a fused
+    graph of ours on the CPU; an amax it is given (zero, normal, subnormal, the largest float, inf, NaN) comes back
+    the same; eagerly, and on another device, the amax itself."""
+    monkeypatch.setattr(fused, "ONE_PASS_FROM", 1)
+    amax = torch.tensor([0.0, 1.5, 2.0**-140, torch.finfo(torch.float32).max, math.inf, math.nan])
+    assert fused.in_one_pass(amax, amax) is amax  # eagerly
+    monkeypatch.setattr(fused, "_tracing", True)  # as a fused graph is traced
+    marked = fused.in_one_pass(amax, amax)
+    assert marked is not amax and _same_bit_for_bit(amax, marked)
+    on_meta = amax.to("meta")
+    assert fused.in_one_pass(on_meta, on_meta) is on_meta
+
+
 @pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == "mx" else pytest.mark.slow)
                                   for name in ONE_PASS])
 def test_one_loop_over_blocks_gives_the_eager_bits(monkeypatch, name):

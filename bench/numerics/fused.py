@@ -120,14 +120,14 @@ def in_one_pass(amax: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A block quantiser's per-block amax (non-negative, or NaN), unchanged, written so that in a fused graph of x of
     ONE_PASS_FROM values or more inductor's CPU code runs the whole quantiser as one loop over blocks: a block's amax,
     then its scale and factor, then its elements, which it reads again from L1. Otherwise inductor vectorises the
-    per-block step across 16 blocks, a loop that steps unlike the two around it, so it runs three loops over the
-    tensor and reads x twice from memory (docs/performance.md: MXFP8 past the caches at 0.45 of clone's
-    throughput). The term added (0, or 1 to a NaN) is int16, a type inductor's CPU code does not vectorise
+    per-block step across blocks (16 at a time with AVX-512), a loop that steps unlike the two around it, so it runs
+    three loops over the tensor and reads x twice from memory (docs/performance.md: MXFP8 past the caches at 0.45 of
+    clone's throughput). The term added (0, or 1 to a NaN) is int16, a type inductor's CPU code does not vectorise
     (VECTORIZABLE_DTYPES in torch/_inductor/codegen/cpp.py): the step runs one block at a time, and inductor's
     outer-loop fusion then joins the three loops. In the caches the vectorised step is the faster, hence the size
-    (measured: docs/performance.md); tests/test_fused.py holds both forms. Eagerly, and in a compiled model's
-    graph, amax itself."""
-    if x.numel() < ONE_PASS_FROM or not in_fused_graph():
+    (measured: docs/performance.md); tests/test_fused.py holds both forms. Eagerly, off the CPU (the term works on
+    inductor's CPU code alone), and in a compiled model's graph: amax itself."""
+    if x.numel() < ONE_PASS_FROM or x.device.type != "cpu" or not in_fused_graph():
         return amax
     return amax + amax.isnan().to(torch.int16)
 
