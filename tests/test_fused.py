@@ -1122,7 +1122,7 @@ ONE_PASS = {"mx": (blocks.mx_quantise, ("fp8_e4m3",), "fp8_e4m3", blocks.MX_BLOC
 def test_a_large_tensors_block_quantiser_is_one_loop_over_blocks_a_smaller_ones_three(monkeypatch, name):
     """Past the caches a fused block quantiser ran at 0.45-0.51 of clone's throughput as three loops over x (every
     block's amax; then every block's scale, vectorised across blocks; then the elements, reading x again), and at
-    0.62-0.78 as one loop over blocks, which reads a block again from L1 (docs/performance.md). In the caches the
+    0.65-0.80 as one loop over blocks, which reads a block again from L1 (docs/performance.md). In the caches the
     three loops are the faster. So from fused.ONE_PASS_FROM values the graph is one loop over blocks, and below it
     three, the middle one vectorised (16 FP32 lanes with AVX-512, 8 with AVX2). Here with the size set to 64 rows
     of 256."""
