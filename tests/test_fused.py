@@ -1058,18 +1058,24 @@ def test_mantissa_rounding_in_arithmetic_is_the_bit_rounding_in_every_binade(man
                        _bits(formats._round_mantissa_bits(x, man_bits)))
 
 
-def _stored(call, x, args, kwargs) -> list[tuple[int, torch.dtype]]:
-    """(elements, dtype) of each tensor that `call`'s fused graph of values alone allocates (read in inductor's
-    generated code): a fresh graph, no cache."""
-    import re
-
+def _values_graph_code(call, x, args, kwargs) -> str:
+    """Inductor's generated code for `call`'s fused graph of values alone on x: a fresh graph, no cache."""
     from torch._inductor import config
     from torch._inductor.utils import run_and_get_code
 
     with config.patch({"force_disable_caches": True}):
         _, code = run_and_get_code(lambda: fused.Specialisation(call.eager, args, kwargs, pick="values")(
             x, *args, **kwargs))
-    allocations = re.findall(r"empty_strided_cpu\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)", "".join(code))
+    return "".join(code)
+
+
+def _stored(call, x, args, kwargs) -> list[tuple[int, torch.dtype]]:
+    """(elements, dtype) of each tensor that `call`'s fused graph of values alone allocates (read in inductor's
+    generated code)."""
+    import re
+
+    allocations = re.findall(r"empty_strided_cpu\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)",
+                             _values_graph_code(call, x, args, kwargs))
     return [(math.prod(int(d) for d in shape.split(",") if d.strip()), getattr(torch, dtype))
             for shape, dtype in allocations]
 
@@ -1097,18 +1103,11 @@ def test_a_fused_block_quantiser_stores_its_values_alone_at_full_size_and_a_bloc
 
 
 def _outer_loop_steps(call, x, args, kwargs) -> list[int]:
-    """The step of each outermost loop (over x0) in the C++ of `call`'s fused graph of values alone on x, in order:
-    a fresh graph, no cache."""
+    """The step of each outermost loop (over x0) in the C++ of `call`'s fused graph of values alone on x, in order."""
     import re
 
-    from torch._inductor import config
-    from torch._inductor.utils import run_and_get_code
-
-    with config.patch({"force_disable_caches": True}):
-        _, code = run_and_get_code(lambda: fused.Specialisation(call.eager, args, kwargs, pick="values")(
-            x, *args, **kwargs))
     return [int(step) for step in re.findall(r"for\(int64_t x0=.*?x0\+=static_cast<int64_t>\((\d+)L\)\)",
-                                             "".join(code))]
+                                             _values_graph_code(call, x, args, kwargs))]
 
 
 # the block quantisers whose fused graph on a large x is one loop over blocks (fused.in_one_pass), with the
@@ -1163,7 +1162,7 @@ def test_one_loop_over_blocks_gives_the_eager_bits(monkeypatch, name):
             assert _same_bits(eager, whole, BLOCKED_FIELDS), (name, x.dtype, dim)
             values = fused.Specialisation(call.eager, args, {"dim": dim}, pick="values")(x, *args, dim=dim)
             assert _same_bits(eager.values, values), (name, x.dtype, dim)
-        draw = torch.rand(blocks._blocks_shape(x, -1, width if name != "rowwise" else x.shape[-1]),
+        draw = torch.rand(blocks._blocks_shape(x, -1, width),  # a row of the families is one block of each
                           generator=torch.Generator().manual_seed(1))
         named = {"rounding": "stochastic", "draw": draw}
         eager = call.eager(x, *args, **named)
