@@ -741,10 +741,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 
 def _on_cpu(found):
-    """A quantiser's result (a tensor, or a Blocked of tensors) moved to the CPU."""
+    """A quantiser's result (a tensor, or a Blocked of tensors) moved to the CPU in its layout: its whole storage
+    copied, and the same strides and offset in it (`.cpu()` would make a slice of a padded tensor contiguous, and
+    every offset 0), which `_same_bit_for_bit` holds to the CPU's."""
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        return t.new_empty(0).set_(t.untyped_storage()).cpu().as_strided(t.shape, t.stride(), t.storage_offset())
+
     if isinstance(found, torch.Tensor):
-        return found.cpu()
-    return dataclasses.replace(found, **{f.name: getattr(found, f.name).cpu() for f in dataclasses.fields(found)
+        return moved(found)
+    return dataclasses.replace(found, **{f.name: moved(getattr(found, f.name)) for f in dataclasses.fields(found)
                                          if isinstance(getattr(found, f.name), torch.Tensor)})
 
 
@@ -759,15 +764,20 @@ def _same_on_cuda(call, x: torch.Tensor, args: tuple, fields=None) -> None:
 
 
 def _differences(expected, found, fields=None) -> list[str]:
-    """Per field that differs: how many elements, and the first three as (flat index, expected, found), so that a
-    failure on a lent GPU says where without another run."""
+    """Per field that differs: its layout where that differs, how many elements, and the first three as (flat index,
+    expected, found), so that a failure on a lent GPU says where without another run."""
     said = []
     for field in fields or [None]:
         e, f = (expected, found) if field is None else (getattr(expected, field), getattr(found, field))
         if e is None or _same_bit_for_bit(e, f):
             continue
+        if (e.stride(), e.storage_offset()) != (f.stride(), f.storage_offset()):
+            said.append(f"{field or 'result'}: laid out {f.stride()} from {f.storage_offset()}, "
+                        f"not {e.stride()} from {e.storage_offset()}")
         e, f = e.flatten(), f.flatten()
         differ = _differing(e, f)
+        if not differ.any():  # the layout alone
+            continue
         first = differ.nonzero().flatten()[:3].tolist()
         said.append(f"{field or 'result'}: {int(differ.sum())} of {e.numel()} differ, first "
                     f"{[(i, e[i].item(), f[i].item()) for i in first]}")
