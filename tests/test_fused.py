@@ -55,11 +55,11 @@ def _differing(eager: torch.Tensor, fast: torch.Tensor) -> torch.Tensor:
 
 
 def _same_bit_for_bit(eager: torch.Tensor, fast: torch.Tensor) -> bool:
-    """Every bit the same, but a NaN's payload (`_differing`), in the same dtype, shape and layout (strides and
-    offset: the GEMM a quantiser feeds reads its result as laid out, and on a GPU cuBLAS picks its algorithm by the
-    operands' layouts and alignment, so another layout could change a run's sums with no bit here differing)."""
-    return (eager.dtype == fast.dtype and eager.shape == fast.shape and eager.stride() == fast.stride()
-            and eager.storage_offset() == fast.storage_offset() and not _differing(eager, fast).any())
+    """Every bit the same, but a NaN's payload (`_differing`), in the same layout as a fused graph is keyed on
+    (`fused._layout`: shape, strides, offset, dtype, device; the GEMM a quantiser feeds reads its result as laid out,
+    and on a GPU cuBLAS picks its algorithm by the operands' layouts and alignment, so another layout could change a
+    run's sums with no bit here differing)."""
+    return fused._layout([eager]) == fused._layout([fast]) and not _differing(eager, fast).any()
 
 
 def _same_bits(eager, fast, fields=None):
