@@ -259,6 +259,38 @@ def test_a_call_takes_the_fused_path_only_where_it_pays_and_draws_nothing():
     assert compiles(lambda: quantise_value(x.t(), "fp4_e2m1", "nan"))  # other strides: a graph of their own
 
 
+def test_past_its_layouts_a_quantiser_runs_eagerly_and_returns_what_its_graph_would(monkeypatch):
+    """Shapes that keep changing: past LAYOUTS_PER_SPECIALISATION graphs, a new layout runs eagerly, no graph made,
+    and gives what the graph would have given: a block quantiser's `values` alone a tensor (an emulated GEMM reads
+    it), the whole quantiser its Blocked."""
+    monkeypatch.setattr(fused, "LAYOUTS_PER_SPECIALISATION", 1)
+    for quantiser, fields in ((blocks.mx_quantise.values, None), (blocks.mx_quantise, BLOCKED_FIELDS)):
+        monkeypatch.delitem(quantiser.compiled, ("fp6_e2m3",), raising=False)  # graphs other tests made, aside
+        for rows in (3, 5):  # the first compiles; the second is past the limit
+            x = torch.randn(rows, 64)
+            fast = quantiser.fused(x, "fp6_e2m3")
+            eager = blocks.mx_quantise.eager(x, "fp6_e2m3")
+            assert _same_bits(eager.values if fields is None else eager, fast, fields)
+        made, = [s for key, s in quantiser.compiled.items() if key == ("fp6_e2m3",)]
+        assert len(made.graphs) == 1
+    # an MXFP8 Linear whose batches change shape (IMDb's, trimmed to their longest review), its passes past the limit
+    # too: the eager run's outputs and gradients (before the fix, "'Blocked' object has no attribute 'reshape'")
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(fused.SWITCH, switch)
+        precision = Precision.of("mxfp8", torch.device("cpu"), "none", mode="mixed", backend="emulated")
+        layer = precision.prepare(torch.nn.Linear(64, 32))
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(32, 64, generator=torch.Generator().manual_seed(1)))
+            layer.bias.zero_()
+        for rows in (2, 3, 4):
+            x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows), requires_grad=True)
+            y = layer(x)
+            y.square().sum().backward()
+            results.setdefault(switch, []).extend([y.detach(), x.grad])
+    assert all(_same_bit_for_bit(eager, fast) for eager, fast in zip(results["0"], results["1"]))
+
+
 def test_a_bound_quantiser_runs_its_layouts_graph_again_and_is_the_quantiser_bit_for_bit(monkeypatch):
     """A rounding site's quantiser (`quantise_value.bind`): from a layout's second call on, the graph compiled for
     it, without the quantiser's lookups; the quantiser's bits on every layout it meets; and the quantiser's own call

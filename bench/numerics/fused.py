@@ -231,8 +231,9 @@ class Specialisation:
         layout = _layout(tensors)
         graph = self.graphs.get(layout)
         if graph is None:
-            if len(self.graphs) >= LAYOUTS_PER_SPECIALISATION:
-                return self.fn(x, *args, **kwargs)
+            if len(self.graphs) >= LAYOUTS_PER_SPECIALISATION:  # eager, returning what its graph would
+                result = self.fn(x, *args, **kwargs)
+                return result if self.pick is None else getattr(result, self.pick)
             with _random_streams_kept(x.device):  # its first call too, where Triton tunes a kernel
                 graph = self.graphs[layout] = self._compile(tensors, args, kwargs)
                 return graph(tensors)
