@@ -169,6 +169,14 @@ def _wholly_eager(eager: Callable) -> Callable:
     return reference
 
 
+def _picking(fn: Callable, pick: str | None) -> Callable:
+    """fn, returning its result's field `pick` alone where pick is given (a block quantiser's `values`): what its
+    eager call, its graph and a call past its layouts all return."""
+    if pick is None:
+        return fn
+    return functools.wraps(fn)(lambda x, *args, **kwargs: getattr(fn(x, *args, **kwargs), pick))
+
+
 def _runs_eagerly(x: torch.Tensor, least: int) -> bool:
     """Whether a call on x runs its quantiser's eager body whatever its other arguments (the module docstring's
     list): switched off (asked first: off, a call costs one lookup before the eager body), fewer than `least`
@@ -217,7 +225,7 @@ class Specialisation:
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, pick: str | None = None):
         """args, kwargs: a call's, whose static key this is: where its tensor arguments sit is part of that key.
         pick: the one field of fn's dataclass result that the graph returns (None: all of them)."""
-        self.fn, self.pick = fn, pick
+        self.fn = _picking(fn, pick)  # the other fields are never written: inductor drops what no output needs
         self.slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.names = [k for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor)]
         self.graphs: dict[tuple, Callable] = {}
@@ -231,9 +239,8 @@ class Specialisation:
         layout = _layout(tensors)
         graph = self.graphs.get(layout)
         if graph is None:
-            if len(self.graphs) >= LAYOUTS_PER_SPECIALISATION:  # eager, returning what its graph would
-                result = self.fn(x, *args, **kwargs)
-                return result if self.pick is None else getattr(result, self.pick)
+            if len(self.graphs) >= LAYOUTS_PER_SPECIALISATION:
+                return self.fn(x, *args, **kwargs)
             with _random_streams_kept(x.device):  # its first call too, where Triton tunes a kernel
                 graph = self.graphs[layout] = self._compile(tensors, args, kwargs)
                 return graph(tensors)
@@ -269,8 +276,6 @@ class Specialisation:
             for k, t in zip(names, inputs[1 + len(slots):]):
                 named[k] = t
             result = self.fn(x, *rest, **named)
-            if self.pick is not None:  # the other fields are never written: inductor drops what no output needs
-                result = getattr(result, self.pick)
             if isinstance(result, torch.Tensor):
                 made["rebuild"], made["outputs"] = _ONE_TENSOR, 1
                 return (result,)
@@ -485,8 +490,7 @@ def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str |
     """`fused`'s quantiser for fn, returning its result's field `pick` alone where pick is given."""
     signature = inspect.signature(fn)
     compiled: dict[tuple, Callable | None] = {}  # per static key; None: it failed to compile, eager
-    eager = fn if pick is None else functools.wraps(fn)(lambda x, *args, **kwargs: getattr(fn(x, *args, **kwargs),
-                                                                                             pick))
+    eager = _picking(fn, pick)
 
     # where `rounding` and `generator` sit among the arguments after x (None: fn has no such parameter)
     position = {name: (list(signature.parameters).index(name) - 1 if name in signature.parameters else None)
