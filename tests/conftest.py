@@ -15,6 +15,9 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 # The suite runs the eager quantisers, the reference (and no compile per new shape); tests/test_fused.py switches the
 # fused ones on, and holds them and a fused training run to it. Set before any test, so launched ranks inherit it.
 os.environ.setdefault(fused.SWITCH, "0")
+# Where a test switches them on, each layout compiles on its first call, as a long run's steady state: a test of when
+# a graph pays for itself (tests/test_fused.py) asks for that itself
+os.environ[fused.COMPILE_WHEN] = fused.AT_ONCE
 
 
 @pytest.fixture

@@ -55,6 +55,14 @@ def test_bad_choices_and_combinations_name_the_valid_ones(make_cfg, overrides, m
         check(make_cfg(*overrides))
 
 
+def test_an_unknown_setting_of_when_fused_graphs_are_made_names_the_valid_ones(make_cfg, monkeypatch):
+    from bench.numerics import fused
+
+    monkeypatch.setenv(fused.COMPILE_WHEN, "sometimes")
+    with pytest.raises(ConfigError, match="PRECISION_BENCH_FUSED_COMPILE='sometimes'.*valid: when-paid, at-once"):
+        check(make_cfg())
+
+
 def _bench(tmp_path, *args):
     return subprocess.run([sys.executable, "-m", "bench.run", *args, f"results_dir={tmp_path}"],
                           capture_output=True, text=True, cwd=CONF.parent, timeout=120)

@@ -451,6 +451,139 @@ def test_a_record_says_whether_its_quantisers_ran_fused(monkeypatch):
     assert describe(torch.device("cpu"))["fused_quantisers"] is False
 
 
+class _Ticking:
+    """The clock that times eager calls and graphs on trial, advancing `step` seconds each time it is read: a call
+    then takes that long (it is read at its start and its end), whatever the machine."""
+
+    def __init__(self, step: float = 1.0):
+        self.step, self.now = step, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def _ticking(monkeypatch, step: float = 1.0) -> _Ticking:
+    clock = _Ticking(step)
+    monkeypatch.setattr(fused, "_clock", clock)
+    return clock
+
+
+def _graphs_made_before(monkeypatch, graphs: int, seconds: float = 0.0, first: float = 0.0) -> None:
+    """This process as if it had made `graphs` graphs in `seconds`, its first in `first`, run nothing eagerly while
+    it waited for its first, tried none, and expected a graph to save the whole of an eager call (restored after the
+    test)."""
+    for name, value in (("_graphs_made", graphs), ("_compile_s", seconds), ("_first_graph_s", first),
+                        ("_eager_s", 0.0), ("_shares_measured", []), ("SAVING_SHARE", 1.0)):
+        monkeypatch.setattr(fused, name, value)
+
+
+def _calls(specialisation, inputs, element: str) -> list[int]:
+    """Each input quantised by `specialisation` (to `element`), its eager bits asserted; after each call, the
+    graphs kept."""
+    kept = []
+    for y in inputs:
+        assert torch.equal(specialisation(y, element), quantise_value.eager(y, element))
+        kept.append(len(specialisation.graphs))
+    return kept
+
+
+@pytest.mark.parametrize("graph_step,kept", [(0.25, True), (2.0, False)])
+def test_by_default_a_layout_compiles_once_its_eager_calls_have_paid_and_keeps_its_graph_if_faster(
+        monkeypatch, graph_step, kept):
+    """The default, once inductor has warmed up: a layout's calls run eagerly until they have taken what its graph
+    is expected to take to make (2.5 s here, the mean of the graphs after the process's first; an eager call 1 s),
+    so its fourth call compiles; each layout counts its own. The graph then runs TRIAL_CALLS calls on trial: kept
+    where it was faster than the eager calls (a quarter of their time: three quarters saved, which prices the next
+    graph), else the layout runs eagerly again. At once, the first call compiles and keeps its graph. Every call
+    gives the eager bits."""
+    monkeypatch.setenv(fused.COMPILE_WHEN, fused.WHEN_PAID)
+    _graphs_made_before(monkeypatch, 2, seconds=10.0, first=7.5)
+    clock = _ticking(monkeypatch)
+    specialisation = fused.Specialisation(quantise_value.eager, ("fp6_e2m3",), {})
+    x, other = torch.randn(5, 67), torch.randn(67, 5)
+    assert _calls(specialisation, [x, x, x, other, x], "fp6_e2m3") == [0, 0, 0, 0, 0]
+    assert specialisation.made() == 1 and len(specialisation.trials) == 1
+    assert list(specialisation.eager_s.values()) == [1.0]  # the other layout's one call; x's count dropped
+    clock.step = graph_step
+    assert _calls(specialisation, [x, x, x], "fp6_e2m3") == ([0, 1, 1] if kept else [0, 0, 0])
+    assert specialisation.made() == 1 and not specialisation.trials
+    assert fused.expected_saving_share() == (0.75 if kept else 0.0)
+
+    monkeypatch.setenv(fused.COMPILE_WHEN, fused.AT_ONCE)
+    at_once = fused.Specialisation(quantise_value.eager, ("fp6_e2m3",), {})
+    assert _calls(at_once, [other], "fp6_e2m3") == [1]
+
+
+def test_a_process_first_graph_waits_for_every_layout_s_eager_calls_together_to_pay_inductor_s_warm_up(
+        monkeypatch):
+    """Before its first graph a process also pays inductor's warm-up (3.5 s here), which serves every graph after
+    it: made once the eager calls of all layouts together have taken it, though one layout's own (2 s) would have
+    repaid its graph (0.5 s) alone. Once made, the next layout compiles on its own count."""
+    monkeypatch.setenv(fused.COMPILE_WHEN, fused.WHEN_PAID)
+    _graphs_made_before(monkeypatch, 0)
+    monkeypatch.setattr(fused, "WARM_UP_S", 3.5)
+    monkeypatch.setattr(fused, "GRAPH_S", 0.5)
+    _ticking(monkeypatch)
+    one = fused.Specialisation(quantise_value.eager, ("fp6_e2m3",), {})
+    another = fused.Specialisation(quantise_value.eager, ("fp6_e3m2",), {})
+    x = torch.randn(5, 67)
+    made = []
+    for specialisation, element in [(one, "fp6_e2m3"), (another, "fp6_e3m2")] * 3:
+        assert torch.equal(specialisation(x, element), quantise_value.eager(x, element))
+        made.append((one.made(), another.made()))
+    assert made == [(0, 0), (0, 0), (0, 0), (0, 0), (1, 0), (1, 1)]
+
+
+def test_what_a_graph_is_expected_to_cost_and_save_and_an_inner_graph_is_not_eager_time(monkeypatch):
+    """What the next graph is expected to cost: GRAPH_S until a process has made two, then the mean of those after
+    its first (whose time holds inductor's warm-up); to save: SAVING_SHARE of an eager call until a graph has been
+    tried, then the mean share tried graphs saved. An eager call that makes a graph inside it (an inner
+    quantiser's) counts its own time alone."""
+    _graphs_made_before(monkeypatch, 1, seconds=3.0, first=3.0)
+    assert fused.expected_graph_seconds() == fused.GRAPH_S
+    _graphs_made_before(monkeypatch, 3, seconds=7.0, first=3.0)
+    assert fused.expected_graph_seconds() == 2.0
+    monkeypatch.setattr(fused, "SAVING_SHARE", 0.5)
+    assert fused.expected_saving_share() == 0.5
+    monkeypatch.setattr(fused, "_shares_measured", [0.25, 0.75, 0.0])
+    assert fused.expected_saving_share() == pytest.approx(1 / 3)
+    monkeypatch.setattr(fused, "_shares_measured", [0.5])  # a layout pays once half its eager seconds reach 2 s
+    assert (fused._paid_for(3.9), fused._paid_for(4.0)) == (False, True)
+    _graphs_made_before(monkeypatch, 0)  # and before the first graph, once half of every layout's reach 2.5 s too
+    monkeypatch.setattr(fused, "SAVING_SHARE", 0.5)
+    monkeypatch.setattr(fused, "WARM_UP_S", 2.5)
+    monkeypatch.setattr(fused, "_eager_s", 4.9)
+    assert (fused._paid_for(1.0), fused._paid_for(4.9)) == (False, False)
+    monkeypatch.setattr(fused, "_eager_s", 5.0)
+    assert (fused._paid_for(0.9), fused._paid_for(1.0)) == (False, True)
+
+    def making_a_graph_inside(x):
+        fused._compile_s += 10.0  # as an inner quantiser's graph made during the call would add
+        return x
+
+    monkeypatch.setenv(fused.COMPILE_WHEN, fused.WHEN_PAID)
+    _ticking(monkeypatch, 11.0)
+    specialisation = fused.Specialisation(making_a_graph_inside, (), {})
+    specialisation(torch.ones(3))
+    assert list(specialisation.eager_s.values()) == [1.0] and not specialisation.made()
+
+
+def test_a_short_run_by_default_makes_no_graph_its_steps_cannot_repay(make_cfg, tmp_path, monkeypatch):
+    """LeNet FP8 for 24 steps with the fused quantisers on by default, in a process that has made no graph and whose
+    warm-up would cost ten minutes: nothing compiles, no step is timed apart as compiling, the losses are the eager
+    run's, and the record says when graphs are made. (Every layout compiled on its first call, a default LeNet FP8
+    cell ran 2.8x slower than eagerly.)"""
+    monkeypatch.setenv(fused.COMPILE_WHEN, fused.WHEN_PAID)
+    _graphs_made_before(monkeypatch, 0)
+    monkeypatch.setattr(fused, "WARM_UP_S", 600.0)
+    eager, _ = _losses(make_cfg, tmp_path, monkeypatch, "0", "model=lenet", "format=fp8")
+    fast, said, record = _losses(make_cfg, tmp_path, monkeypatch, "1", "model=lenet", "format=fp8", record=True)
+    assert said and record["env"]["fused_compile"] == fused.WHEN_PAID
+    assert fused.compile_seconds() == 0.0 and record["timing"]["compile"]["steps"] == []
+    assert len(eager) >= 3 and fast == eager
+
+
 def test_the_first_graph_a_process_compiles_says_so_in_the_log_and_the_next_says_nothing(monkeypatch, caplog):
     """A newcomer's first emulated cell ran a silent minute, compiling (2026-11-30): the first compile says why."""
     import logging
@@ -868,9 +1001,9 @@ def test_on_cuda_stochastic_rounding_of_the_same_draws_gives_the_cpu_bits():
         _same_on_cuda(_round_up_below, x, (draw, FORMATS[element], policy, False))
 
 
-def _losses(make_cfg, tmp_path, monkeypatch, switch: str, *overrides) -> tuple[list[float], bool]:
-    """The logged losses of a short cell run with the fused quantisers switched on ("1") or off ("0"), and what its
-    record says ran."""
+def _losses(make_cfg, tmp_path, monkeypatch, switch: str, *overrides, record: bool = False) -> tuple:
+    """The logged losses of a short cell run with the fused quantisers switched on ("1") or off ("0"), what its
+    record says ran, and with `record` the record itself."""
     import json
     import shutil
     from pathlib import Path
@@ -879,11 +1012,13 @@ def _losses(make_cfg, tmp_path, monkeypatch, switch: str, *overrides) -> tuple[l
 
     monkeypatch.setenv(fused.SWITCH, switch)
     cfg = make_cfg(*overrides, "train.max_steps=24", "train.log_every=6")
-    record = run_cell(cfg)
+    result = run_cell(cfg)
     run_dir = Path(tmp_path) / cfg.cell
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(run_dir)
-    return [row["loss"] for row in rows if "loss" in row], record["env"]["fused_quantisers"]
+    losses = [row["loss"] for row in rows if "loss" in row]
+    ran_fused = result["env"]["fused_quantisers"]
+    return (losses, ran_fused, result) if record else (losses, ran_fused)
 
 
 # FP8 in make test (18 s here); MXFP8's LeNet compiles a graph for each block layout of each layer (79 s): slow

@@ -25,7 +25,10 @@ holds, and `fn` itself otherwise (`quantiser.eager`, the reference, runs fn with
 - no gradient is being recorded through x (the quantisers run inside autograd Functions' forward passes);
 - the environment does not say `PRECISION_BENCH_FUSED=0` (the switch; on by default). Records say which ran
   (`env.fused_quantisers`); the test suite runs the eager reference unless a test switches it on.
-A block quantiser's graph on ONE_PASS_FROM values or more is one loop over blocks (`in_one_pass` says why).
+A layout's graph is made once what its eager calls would have saved fused has cost what making it is expected to
+cost, and kept if it proves faster, or with `PRECISION_BENCH_FUSED_COMPILE=at-once` made and kept on its first call
+(`Specialisation` says why). A block quantiser's graph on
+ONE_PASS_FROM values or more is one loop over blocks (`in_one_pass` says why).
 A BF16 or FP16 x enters the compiled graph as FP32 and its result leaves in x's dtype: inductor's CPU code for a
 16-bit tensor cast to FP8 and back ran 2x slower than torch's eager casts.
 
@@ -64,6 +67,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 import os
 import time
 from typing import Callable
@@ -87,6 +91,25 @@ import torch
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold": 10, "layout_optimization": False,
                     "cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False}
 SWITCH = "PRECISION_BENCH_FUSED"  # =0: every quantiser eager; otherwise (the default) fused where it pays
+# when a layout's graph is made (`Specialisation`): once what its eager calls would have saved has cost what making it
+# is expected to cost (the default), or on its first call (a long run's steady state from its first step: `make
+# bench`, the tests)
+COMPILE_WHEN = "PRECISION_BENCH_FUSED_COMPILE"
+WHEN_PAID, AT_ONCE = "when-paid", "at-once"
+COMPILE_WHEN_CHOICES = (WHEN_PAID, AT_ONCE)
+# What making graphs costs, before a process has timed its own: its first graph 2.6-2.8 s (LeNet FP8's, BERT-tiny
+# NVFP4's, from inductor's disk cache on this 2-core AMD EPYC; 8.1 s on an empty cache), inductor warming up once for
+# every later graph, and each later one 0.1-0.4 s (1.0 s on an empty cache): WARM_UP_S, and GRAPH_S until a process
+# has made a second graph, from when it expects the mean of its own after the first
+WARM_UP_S = 2.5
+GRAPH_S = 0.5
+# the share of an eager call that its graph is expected to save, before a trial has measured one: the eager seconds
+# counted are whole calls, an emulated op's GEMM or convolution in them, which its graph runs as long (LeNet FP8's
+# 800-step cell: 2.9 s of eager calls, 0.8 s saved fused); after, the mean of the shares measured on trial
+SAVING_SHARE = 0.5
+# a graph made when its layout had paid for it runs this many calls on trial: kept where its fastest beats the
+# layout's fastest eager call, else the layout runs eagerly again (`Specialisation`)
+TRIAL_CALLS = 3
 ARITHMETIC_FROM = 1  # block and tile quantisers, and element roundings done in arithmetic: every size
 CAST_FROM = 1 << 12  # element roundings that are torch's own cast (two eager passes): from 4,096
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # compiled on their FP32 widening (the module docstring says why)
@@ -102,6 +125,11 @@ _tracing = False  # a graph is being traced: every quantiser called inside it ru
 _in_reference = False  # a `quantiser.eager` call is running: every quantiser called inside it runs its eager body
 FELL_BACK: list[str] = []  # the specialisations that failed to compile in this process (they run eagerly)
 _compile_s = 0.0  # seconds this process has spent making graphs (traced and compiled, or failing to)
+_graphs_made = 0  # graphs this process has made (or failed to make) in those seconds
+_first_graph_s = 0.0  # of which its first graph's, inductor's warm-up in it
+_eager_s = 0.0  # seconds of eager calls on layouts not yet compiled, every quantiser's, before the first graph
+_shares_measured: list[float] = []  # per graph tried: the share of its layout's fastest eager call that it saved
+_clock = time.perf_counter  # what times a layout's eager calls (a test's own clock in its place)
 logger = logging.getLogger(__name__)
 
 
@@ -152,6 +180,33 @@ def compile_seconds() -> float:
 def enabled() -> bool:
     """Whether fused quantisers may run here (unless `PRECISION_BENCH_FUSED=0`, or inside an eager reference)."""
     return not _in_reference and os.environ.get(SWITCH, "1") != "0"
+
+
+def compile_when() -> str:
+    """When a layout's graph is made: `PRECISION_BENCH_FUSED_COMPILE`, WHEN_PAID unless it says AT_ONCE (a run
+    refuses any other value before it trains: bench/running/config.py)."""
+    return os.environ.get(COMPILE_WHEN, WHEN_PAID)
+
+
+def expected_graph_seconds() -> float:
+    """What making the next graph is expected to cost, inductor's warm-up aside: the mean of the graphs this process
+    has made after its first (whose time holds the warm-up), GRAPH_S before it has made two."""
+    return (_compile_s - _first_graph_s) / (_graphs_made - 1) if _graphs_made > 1 else GRAPH_S
+
+
+def expected_saving_share() -> float:
+    """The share of an eager call that its graph is expected to save: the mean of those measured on trial in this
+    process, SAVING_SHARE before any."""
+    return sum(_shares_measured) / len(_shares_measured) if _shares_measured else SAVING_SHARE
+
+
+def _paid_for(eager_s: float) -> bool:
+    """Whether a layout whose eager calls have taken `eager_s` has paid for its graph: what they would have saved
+    fused (`expected_saving_share`) is what the graph is expected to cost to make, and before a process's first
+    graph, what every layout's eager calls together would have saved is inductor's one-off warm-up as well, which
+    serves every graph."""
+    share = expected_saving_share()
+    return eager_s * share >= expected_graph_seconds() and (_graphs_made > 0 or _eager_s * share >= WARM_UP_S)
 
 
 def _wholly_eager(eager: Callable) -> Callable:
@@ -220,7 +275,19 @@ class Specialisation:
     keeps them. A graph compiled this way has no guards to check: the layout is the key that a call is checked
     against, in Python. A small call costs about 7 us here (a bound one 3.4: `Bound`) where `torch.compile`'s guards
     and dispatch cost about 20 (docs/performance.md). Past
-    LAYOUTS_PER_SPECIALISATION layouts (shapes that keep changing), new ones run eagerly."""
+    LAYOUTS_PER_SPECIALISATION layouts (shapes that keep changing), new ones run eagerly.
+
+    When a layout's graph is made (`compile_when`): by default, once what the layout's eager calls would have saved
+    fused has cost what making a graph is expected to cost (`expected_graph_seconds`), as one rents skis until the
+    rent would have bought them, and inductor's one-off warm-up, which serves every graph, once every layout's eager
+    calls together would have saved it (`_paid_for`). A graph that pays for itself then costs at most twice what
+    compiling it at once would have, and one that never would at most three times what running eagerly costs (its
+    cost and saving as expected, its calls alike), where compiling every layout on its first call (AT_ONCE) made a
+    default LeNet FP8 cell 2.8x slower than eager (0.8 s of steps saved, 14 s of compiling) and `make sweep` 2.2x
+    (docs/performance.md). What a graph saves is known only once it is made, and it can be nothing (Transformer
+    Engine's stochastic NVFP4 on a char-LM's gradients: 4-6 ms a call fused against 2-4 eagerly): a graph made this
+    way runs TRIAL_CALLS calls on trial, is kept only where it was the faster, and what it saved
+    (`expected_saving_share`) prices the next."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, pick: str | None = None):
         """args, kwargs: a call's, whose static key this is: where its tensor arguments sit is part of that key.
@@ -228,7 +295,15 @@ class Specialisation:
         self.fn = _picking(fn, pick)  # the other fields are never written: inductor drops what no output needs
         self.slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.names = [k for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor)]
-        self.graphs: dict[tuple, Callable] = {}
+        self.graphs: dict[tuple, Callable] = {}  # per layout: its graph, which every call runs
+        self.eager_s: dict[tuple, float] = {}  # per layout not yet compiled: seconds its eager calls have taken...
+        self.fastest_eager: dict[tuple, float] = {}  # ...and its fastest one's
+        self.trials: dict[tuple, _Trial] = {}  # per layout: its graph on trial
+        self.no_faster: set[tuple] = set()  # layouts whose graph was no faster than their eager calls: eager
+
+    def made(self) -> int:
+        """Graphs made for this quantiser: kept, on trial, or dropped."""
+        return len(self.graphs) + len(self.trials) + len(self.no_faster)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):
         tensors = [x]  # (map, not a generator: a Python frame less a call, which counts in a step's cold code)
@@ -238,17 +313,58 @@ class Specialisation:
             tensors += map(kwargs.__getitem__, self.names)
         layout = _layout(tensors)
         graph = self.graphs.get(layout)
-        if graph is None:
-            if len(self.graphs) >= LAYOUTS_PER_SPECIALISATION:
-                return self.fn(x, *args, **kwargs)
-            with _random_streams_kept(x.device):  # its first call too, where Triton tunes a kernel
-                graph = self.graphs[layout] = self._compile(tensors, args, kwargs)
+        if graph is not None:
+            return graph(tensors)
+        if layout in self.trials:
+            return self._on_trial(layout, tensors)
+        if layout in self.no_faster or self.made() >= LAYOUTS_PER_SPECIALISATION:
+            return self.fn(x, *args, **kwargs)
+        at_once = compile_when() == AT_ONCE
+        if not at_once and not _paid_for(self.eager_s.get(layout, 0.0)):
+            return self._eagerly(layout, x, args, kwargs)
+        self.eager_s.pop(layout, None)
+        with _random_streams_kept(x.device):  # its first call too, where Triton tunes a kernel
+            graph = self._compile(tensors, args, kwargs)
+            if at_once:
+                self.graphs[layout] = graph
                 return graph(tensors)
-        return graph(tensors)
+            self.trials[layout] = _Trial(graph, self.fastest_eager.pop(layout, 0.0))
+            return self._on_trial(layout, tensors)
+
+    def _eagerly(self, layout: tuple, x: torch.Tensor, args: tuple, kwargs: dict):
+        """fn's eager call on a layout not yet compiled, its seconds (less those of any graph made inside it: an
+        inner quantiser's) added to the layout's and, before the first graph, to every layout's (`_paid_for`)."""
+        global _eager_s
+        made_s, start = _compile_s, _clock()
+        result = self.fn(x, *args, **kwargs)
+        seconds = (_clock() - start) - (_compile_s - made_s)
+        self.eager_s[layout] = self.eager_s.get(layout, 0.0) + seconds
+        self.fastest_eager[layout] = min(seconds, self.fastest_eager.get(layout, seconds))
+        if not _graphs_made:
+            _eager_s += seconds
+        return result
+
+    def _on_trial(self, layout: tuple, tensors: list[torch.Tensor]):
+        """The layout's graph on trial, timed: after TRIAL_CALLS calls, kept where its fastest call beat the fastest
+        eager one, else dropped (the layout runs eagerly from then on)."""
+        trial = self.trials[layout]
+        start = _clock()
+        result = trial.graph(tensors)
+        trial.fastest = min(trial.fastest, _clock() - start)
+        trial.calls += 1
+        if trial.calls >= TRIAL_CALLS:
+            del self.trials[layout]
+            if trial.fastest_eager > 0:
+                _shares_measured.append(max(0.0, 1.0 - trial.fastest / trial.fastest_eager))
+            if trial.fastest < trial.fastest_eager:
+                self.graphs[layout] = trial.graph
+            else:
+                self.no_faster.add(layout)
+        return result
 
     def _compile(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Callable:
-        """`_compiled_graph`, its seconds counted (`compile_seconds`)."""
-        global _compile_s
+        """`_compiled_graph`, its seconds and itself counted (`compile_seconds`, `expected_graph_seconds`)."""
+        global _compile_s, _graphs_made, _first_graph_s
         if not _compile_s:  # the first graph: a run that seems to hang for a minute says why
             logger.info("compiling the fused quantisers for this run's shapes (inductor: a minute or more on 2 cores "
                         "the first time on a machine, seconds once its cache holds them; PRECISION_BENCH_FUSED=0 "
@@ -257,7 +373,10 @@ class Specialisation:
         try:
             return self._compiled_graph(tensors, args, kwargs)
         finally:
-            _compile_s += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            _compile_s += seconds
+            _first_graph_s = _first_graph_s or seconds
+            _graphs_made += 1
 
     def _compiled_graph(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Callable:
         """The graph of fn on these tensors (the other arguments as constants), compiled; a callable of the list of
@@ -307,6 +426,17 @@ class Specialisation:
         # and autotune-cache state no CPU graph of ours has, about 1 us a call (more inside a step, code gone cold).
         # It is boxed: it empties the list it is given, which each caller makes for the call.
         return _returning(rebuild, getattr(direct, "current_callable", None) or direct)
+
+
+@dataclasses.dataclass
+class _Trial:
+    """A layout's graph on trial (`Specialisation._on_trial`): its calls so far, its fastest, and the fastest of the
+    layout's eager calls before it was made."""
+
+    graph: Callable
+    fastest_eager: float
+    calls: int = 0
+    fastest: float = math.inf
 
 
 def _eager_numerics() -> dict:

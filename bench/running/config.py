@@ -26,6 +26,7 @@ from bench.errors import (  # bench.running.config.ConfigError: the same class
     located,
     suggestion,
 )
+from bench.numerics import fused
 from bench.numerics.master_weights import MASTER_WEIGHTS
 from bench.numerics.plan import FORMAT_DEFAULTS, FormatChoices, PrecisionConfig
 from bench.numerics.precision import EVAL_PRECISIONS
@@ -343,6 +344,7 @@ def check(cfg: DictConfig) -> None:
     PrecisionConfig.from_config(cfg)  # the format's choices and their combinations with the scaling method
     parallel.check(cfg)
     check_choice(cfg.device, DEVICES, "device")
+    check_choice(fused.compile_when(), fused.COMPILE_WHEN_CHOICES, fused.COMPILE_WHEN)  # the environment's
     check_choice(cfg.train.eval_precision, EVAL_PRECISIONS, "train.eval_precision")
     check_choice(cfg.train.master_weights, MASTER_WEIGHTS, "train.master_weights")
     if cfg.train.master_weights != "fp32" and str(cfg.format.mode).lower() == "true" \

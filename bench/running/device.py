@@ -321,6 +321,7 @@ def describe(device: torch.device) -> dict:
         "gpu_index": device.index if device.type == "cuda" else None,  # the one among them this cell used
         "cpu_16bit_units": hardware.cpu_16bit_units(),  # what decides whether bf16/fp16 run natively on a CPU
         "fused_quantisers": fused.enabled(),  # emulated rounding fused by inductor (the same bits, another time)
+        "fused_compile": fused.compile_when() if fused.enabled() else None,  # when a layout's graph was made
         "started_at": utc_now(),
     }
 

@@ -7,7 +7,9 @@ Writes results/bench/<device>-<date>.json (<device>: `machine_name`, on a CPU wi
 --as-cpu the CPU it stood for: bench/tools/cpu_proxy.py):
 {"device", "env", "rows": [{"metric", "value", "unit", "target"}]}
 and prints the rows as a table. Every timing is the median of repeats after a warm-up, alternating the
-things compared, in one process:
+things compared, in one process, the fused quantisers' graphs made in the warm-up (`PRECISION_BENCH_FUSED_COMPILE=
+at-once`: a long run's steady state; a run makes a layout's graph once its eager calls have paid for it,
+bench/numerics/fused.py):
 - harness_ratio.<model>.<format>: steps/s of bench's training loop / a bare hand-written loop over the
   same model, batches and format (telemetry and the one-off first-step memory count off in both, each measured on
   its own below, but for our loop's step 0, a log step as in every run, whose telemetry is in our time: 0.6-0.9 ms
@@ -89,6 +91,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from tabulate import tabulate
 
+from bench.numerics import fused
 from bench.numerics.blocks import (
     mx_quantise,
     nvfp4_quantise,
@@ -805,6 +808,8 @@ def main(argv: list[str] | None = None) -> int:
         cpu_proxy.reexecute_as(args.as_cpu, sys.argv[1:] if argv is None else argv)
     proxy = cpu_proxy.apply(args.as_cpu) if args.as_cpu else None
     datasets.disable_progress_bars()
+    # every row measures a long run's steady state: each fused graph made on its layout's first call (the warm-up)
+    os.environ[fused.COMPILE_WHEN] = fused.AT_ONCE
     steps, repeats = (5, 1) if args.quick else (100, 7)
     steps, repeats = args.steps or steps, args.repeats or repeats
     device = devices.select_device("auto")
