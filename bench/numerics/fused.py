@@ -98,9 +98,9 @@ COMPILE_WHEN = "PRECISION_BENCH_FUSED_COMPILE"
 WHEN_PAID, AT_ONCE = "when-paid", "at-once"
 COMPILE_WHEN_CHOICES = (WHEN_PAID, AT_ONCE)
 # What making graphs costs, before a process has timed its own: its first graph 2.6-2.8 s (LeNet FP8's, BERT-tiny
-# NVFP4's, from inductor's disk cache on this 2-core AMD EPYC; 8.1 s on an empty cache), inductor warming up once for
-# every later graph, and each later one 0.1-0.4 s (1.0 s on an empty cache): WARM_UP_S, and GRAPH_S until a process
-# has made a second graph, from when it expects the mean of its own after the first
+# NVFP4's, from inductor's disk cache on this 2-core AMD EPYC; the slowest 8.1 s on an empty cache), inductor warming
+# up once for every later graph, and most later ones 0.05-0.4 s (median 0.15; 0.67 on an empty cache): WARM_UP_S, and
+# GRAPH_S until a process has made a second graph, from when it expects the mean of its own after the first
 WARM_UP_S = 2.5
 GRAPH_S = 0.5
 # the share of an eager call that its graph is expected to save, before a trial has measured one: the eager seconds
