@@ -431,7 +431,8 @@ def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, po
     x32 = x.to(torch.float32)
     top_spacing = 2.0 ** (spec.emax - spec.man_bits)
     bound = spec.max + top_spacing  # BF16's (2^128) is past FP32's range, which then bounds |x| by itself
-    magnitude = x32.abs() if bound > torch.finfo(torch.float32).max else x32.abs().clamp(max=bound)
+    signed = x32 if bound > torch.finfo(torch.float32).max else x32.clamp(-bound, bound)
+    magnitude = signed.abs()
     arithmetic = _splits(spec) and bound * _ONE_BIT_SPLIT < 2.0**126  # in a fused graph: no bit views, no sign
     if arithmetic:
         spacing = _binade_of(magnitude, spec) * 2.0**-spec.man_bits
@@ -461,9 +462,11 @@ def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, po
         rounded = torch.where(overflowed, math.inf, rounded)
     else:  # nan: finite overflow becomes NaN; an infinite input of a format with inf stays infinite
         rounded = torch.where(x32.isinf() & spec.has_inf, math.inf, torch.where(overflowed, math.nan, rounded))
-    if arithmetic:  # x's sign by selects, a zero's from x * 0: a NaN's sign aside, copysign's bits
-        rounded = torch.where(x32 < 0, -rounded, rounded)
-        rounded = torch.where(rounded == 0, x32 * 0.0, rounded)
+    if arithmetic:  # x's sign by selects, a zero's from x * 0: a NaN's sign aside, copysign's bits. Both from
+        # `signed`, x clamped (its sign, and its zero wherever the result is zero), the one FP32 copy a graph then
+        # stores: from x32, TE's NVFP4 graph stored `x < 0` as bools, 4x slower (docs/performance.md)
+        rounded = torch.where(signed < 0, -rounded, rounded)
+        rounded = torch.where(rounded == 0, signed * 0.0, rounded)
     else:
         rounded = _with_sign_of(rounded, x32)
     return _finish(rounded, spec, ftz).to(x.dtype)
