@@ -1297,7 +1297,7 @@ def test_a_stochastic_block_rounding_stores_one_fp32_copy_of_its_scaled_values_a
     Transformer Engine's stochastic NVFP4 graph on a char-LM's 768 x 128 gradient took 1.7 ms against 0.35 with the
     sign taken from the one clamped FP32 copy the flat loop reads (formats._round_up_below). At x's size the graph
     stores that copy and its values (or the values alone, over it), nothing else: TE's rule fails without it; the
-    other two stored no mask either way, held here so that none comes to."""
+    other two stored no mask before it either, and are held here so that they never do."""
     quantiser, _, leading, _ = STOCHASTIC_BLOCK_QUANTISERS[name]
     x = torch.randn(256, 384, generator=torch.Generator().manual_seed(0))  # whole blocks
     draw = blocks._nvfp4_draws(x, {"dim": -1, "generator": None, "sr_bits": 8}) if "nvfp4" in name else \
