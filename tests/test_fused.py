@@ -588,7 +588,7 @@ def test_the_first_graph_a_process_compiles_says_so_in_the_log_and_the_next_says
     """A newcomer's first emulated cell ran a silent minute, compiling (2026-11-30): the first compile says why."""
     import logging
 
-    monkeypatch.setattr(fused, "_compile_s", 0.0)
+    _graphs_made_before(monkeypatch, 0)
     caplog.set_level(logging.INFO, logger=fused.__name__)
     quantise_value.fused(torch.randn(3, 77), "fp6_e3m2")
     assert "compiling the fused quantisers" in caplog.text and "PRECISION_BENCH_FUSED=0" in caplog.text

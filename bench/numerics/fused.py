@@ -365,7 +365,8 @@ class Specialisation:
     def _compile(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Callable:
         """`_compiled_graph`, its seconds and itself counted (`compile_seconds`, `expected_graph_seconds`)."""
         global _compile_s, _graphs_made, _first_graph_s
-        if not _compile_s:  # the first graph: a run that seems to hang for a minute says why
+        first = not _graphs_made
+        if first:  # a run that seems to hang for a minute says why
             logger.info("compiling the fused quantisers for this run's shapes (inductor: a minute or more on 2 cores "
                         "the first time on a machine, seconds once its cache holds them; PRECISION_BENCH_FUSED=0 "
                         "runs them eagerly)")
@@ -375,7 +376,7 @@ class Specialisation:
         finally:
             seconds = time.perf_counter() - start
             _compile_s += seconds
-            _first_graph_s = _first_graph_s or seconds
+            _first_graph_s = seconds if first else _first_graph_s
             _graphs_made += 1
 
     def _compiled_graph(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Callable:
