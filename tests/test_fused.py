@@ -238,6 +238,20 @@ def test_stochastic_block_rounding_is_fused_on_the_draws_its_eager_self_makes(na
     assert stochastic and all(made is not None and made.graphs for made in stochastic)  # compiled, not eager
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mx fp8_e4m3"])
+def test_the_fused_path_called_directly_rounds_stochastically_on_the_eager_draws(name):
+    """`quantiser.fused`, the compiled path a test or the benchmark calls directly, makes a stochastic call's draws
+    as the quantiser does: handed the generator, its graph drew other bits than the eager quantiser on the same
+    seed."""
+    quantiser, _, leading, _ = STOCHASTIC_BLOCK_QUANTISERS[name]
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    seeded = [torch.Generator().manual_seed(3) for _ in range(2)]
+    fast = quantiser.values.fused(x, *leading(x), rounding="stochastic", generator=seeded[0])
+    eager = quantiser.values.eager(x, *leading(x), rounding="stochastic", generator=seeded[1])
+    assert _same_bits(eager, fast), name
+    assert torch.equal(torch.rand(8, generator=seeded[0]), torch.rand(8, generator=seeded[1]))
+
+
 def test_a_call_takes_the_fused_path_only_where_it_pays_and_draws_nothing():
     """Large enough for its quantiser (a native cast later than arithmetic), on CPU, no draws, no gradient recorded,
     switched on: compiled; otherwise eager."""

@@ -601,9 +601,10 @@ def fused(from_elements: int | Callable[..., int], values_alone: bool = False,
     draws: for a quantiser with a `draw` parameter, `draws(x, arguments)` (its arguments by name, defaults filled
     in) makes the stochastic draws its eager body would make; a stochastic call is then fused, given them.
     `quantiser.eager` is `fn` with every quantiser it calls eager too, `quantiser.fused` the compiled path whatever
-    the call (the tests' and the benchmark's),
-    `quantiser.compiled` its Specialisations so far (None: one that failed to compile, eager), `quantiser.bind(...)`
-    a `Bound` quantiser (its arguments after x fixed, for a caller that calls it on one layout again and again).
+    the call (the tests' and the benchmark's; a stochastic call's draws made eagerly first, as the quantiser makes
+    them), `quantiser.compiled` its Specialisations so far (None: one that failed to compile, eager),
+    `quantiser.bind(...)` a `Bound` quantiser (its arguments after x fixed, for a caller that calls it on one layout
+    again and again).
     With `values_alone` (a quantiser returning a blocks.Blocked), `quantiser.values` is the same call returning only its
     `values` (with its own `.eager`, `.fused` and `.compiled`): what a training step's GEMM reads. Fused, its graph
     writes one tensor where the whole Blocked writes two and the per-block fields, which also keep inductor from
@@ -689,6 +690,13 @@ def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str |
             least = None
         return Bound(quantiser, args, kwargs, least)
 
-    quantiser.eager, quantiser.fused = _wholly_eager(eager), run_fused
+    def fused_path(x: torch.Tensor, *args, **kwargs):
+        """`run_fused` whatever the call, a stochastic call's draws made first as `quantiser` makes them: a generator
+        handed to the traced graph drew other bits than the eager quantiser."""
+        if draws(args, kwargs) and draws_for is not None and chosen("rounding", args, kwargs, "") == "stochastic":
+            return run_fused(x, **with_draws(x, args, kwargs))
+        return run_fused(x, *args, **kwargs)
+
+    quantiser.eager, quantiser.fused = _wholly_eager(eager), fused_path
     quantiser.compiled, quantiser.bind = compiled, bind
     return quantiser
