@@ -52,12 +52,12 @@ bench/numerics/fused.py):
   its FLOPs) as the same share. Target <= 0.02.
 - aggregate_s.10k: reading, summarising and tabulating 10,000 synthetic records. Target <= 5 s.
 - quantise_ns.<format>: nanoseconds per value of bench.numerics.formats.quantise on 2^20 float32 values, and of the
-  block quantisers (MX, NVFP4, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix (fused where that
-  pays: bench/numerics/fused.py). quantise_of_clone.<format>.{eager,fused}: each one's throughput as a fraction of
-  x.clone()'s (the memory floor: one read, one write; on a CPU each call, clone's too, after twice the largest
-  cache's bytes are written, quantise_of_clone.evicted_mb) on 4096 x 4096, eager and fused (MXFP8, NVFP4 and FP8's
-  1 x 128 tiles also with their blocks along dim 0, `<format>_dim0`, as a weight-gradient GEMM's operands are), and on
-  a CUDA machine quantise_of_clone_cuda.* on 8192 x 8192: the median over alternating rounds of each round's
+  block quantisers (MX, NVFP4 by torchao's rule and, stochastically from 8 bits, by Transformer Engine's, FP8
+  rowwise and tiles) on the same values as a 1024 x 1024 matrix (fused where that pays: bench/numerics/fused.py).
+  quantise_of_clone.<format>.{eager,fused}: each one's throughput as a fraction of x.clone()'s (the memory floor:
+  one read, one write; on a CPU each call, clone's too, after twice the largest cache's bytes are written,
+  quantise_of_clone.evicted_mb) on 4096 x 4096, eager and fused (MXFP8, NVFP4 and FP8's 1 x 128 tiles also with
+  their blocks along dim 0, `<format>_dim0`, as a weight-gradient GEMM's operands are), and on a CUDA machine quantise_of_clone_cuda.* on 8192 x 8192: the median over alternating rounds of each round's
   ratio, the fused path's with its 95% bootstrap interval (.median_low, .median_high). Target for the fused path:
   >= 0.7.
   quantise_call_us.<format>.<elements>.{eager,fused}: one call on 32 to 16,384 values, which fixes from what size
@@ -97,6 +97,7 @@ from bench.numerics.blocks import (
     nvfp4_quantise,
     nvfp4_tensor_scale,
     rowwise_quantise,
+    te_nvfp4_quantise,
     tile2d_quantise,
     tile_quantise,
 )
@@ -580,6 +581,8 @@ BLOCK_QUANTISERS = {  # on a (1024, 1024) tensor, blocked along its rows
     "mxfp8_e4m3": lambda x: mx_quantise(x, "fp8_e4m3"), "mxfp6_e2m3": lambda x: mx_quantise(x, "fp6_e2m3"),
     "mxfp4_e2m1": lambda x: mx_quantise(x, "fp4_e2m1"), "nvfp4": lambda x: nvfp4_quantise(x, nvfp4_tensor_scale(x)),
     "nvfp4_stochastic": lambda x: nvfp4_quantise(x, nvfp4_tensor_scale(x), rounding="stochastic"),
+    # Transformer Engine's rule, 8 random bits: a gradient under the NVFP4 recipe as `experiment=nvfp4_recipe` runs it
+    "nvfp4_te_stochastic": lambda x: te_nvfp4_quantise(x, rounding="stochastic", sr_bits=8),
     "fp8_rowwise": rowwise_quantise, "fp8_1x128": tile_quantise, "fp8_128x128": tile2d_quantise}
 ELEMENT_FORMATS = ("tf32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
 # quantise_of_clone: each quantiser and its arguments after x (None: the tensor's NVFP4 scale), eager and fused;
