@@ -57,9 +57,9 @@ bench/numerics/fused.py):
   quantise_of_clone.<format>.{eager,fused}: each one's throughput as a fraction of x.clone()'s (the memory floor:
   one read, one write; on a CPU each call, clone's too, after twice the largest cache's bytes are written,
   quantise_of_clone.evicted_mb) on 4096 x 4096, eager and fused (MXFP8, NVFP4 and FP8's 1 x 128 tiles also with
-  their blocks along dim 0, `<format>_dim0`, as a weight-gradient GEMM's operands are), and on a CUDA machine quantise_of_clone_cuda.* on 8192 x 8192: the median over alternating rounds of each round's
-  ratio, the fused path's with its 95% bootstrap interval (.median_low, .median_high). Target for the fused path:
-  >= 0.7.
+  their blocks along dim 0, `<format>_dim0`, as a weight-gradient GEMM's operands are), and on a CUDA machine
+  quantise_of_clone_cuda.* on 8192 x 8192: the median over alternating rounds of each round's ratio, the fused path's
+  with its 95% bootstrap interval (.median_low, .median_high). Target for the fused path: >= 0.7.
   quantise_call_us.<format>.<elements>.{eager,fused}: one call on 32 to 16,384 values, which fixes from what size
   the fused path is taken. No target.
 - optimizer_ratio.<state_format>: one AdamW step over the char-LM's matrices with its moments in BF16, int8, int4
