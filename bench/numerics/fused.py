@@ -638,6 +638,10 @@ def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str |
         return (chosen("rounding", args, kwargs, "nearest") != "nearest"
                 or chosen("generator", args, kwargs, None) is not None)
 
+    def drawn_eagerly(args, kwargs) -> bool:
+        """Whether the call is a stochastic rounding whose draws `with_draws` makes, to hand to its graph."""
+        return draws_for is not None and chosen("rounding", args, kwargs, "nearest") == "stochastic"
+
     def run_fused(x: torch.Tensor, *args, **kwargs):
         key = _static_key(args, kwargs)
         try:
@@ -674,7 +678,7 @@ def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str |
         if _runs_eagerly(x, least):
             return eager(x, *args, **kwargs)
         if draws(args, kwargs):
-            if draws_for is None or chosen("rounding", args, kwargs, "nearest") != "stochastic":
+            if not drawn_eagerly(args, kwargs):
                 return eager(x, *args, **kwargs)
             return run_fused(x, **with_draws(x, args, kwargs))
         return run_fused(x, *args, **kwargs)
@@ -693,7 +697,7 @@ def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str |
     def fused_path(x: torch.Tensor, *args, **kwargs):
         """`run_fused` whatever the call, a stochastic call's draws made first as `quantiser` makes them: a generator
         handed to the traced graph drew other bits than the eager quantiser."""
-        if draws(args, kwargs) and draws_for is not None and chosen("rounding", args, kwargs, "") == "stochastic":
+        if drawn_eagerly(args, kwargs):
             return run_fused(x, **with_draws(x, args, kwargs))
         return run_fused(x, *args, **kwargs)
 
