@@ -168,14 +168,16 @@ def test_bench_names_no_scaling_method_outside_its_declaration():
         <= names  # the shipped methods, from their one home
 
 
-HEAVY = ("torch._dynamo", "torchao", "scipy.stats", "matplotlib")  # seconds of imports a refusal must not wait for
+# seconds of imports a refusal must not wait for (torch.distributed.tensor, with sympy: 0.8 s of bench.run's 2.6)
+HEAVY = ("torch._dynamo", "torchao", "scipy.stats", "matplotlib", "torch.distributed.tensor")
 
 
 @pytest.mark.parametrize("command, argv", [("bench.run", ["format=fp33"]), ("bench.predict", ["format=fp33"]),
                                            ("bench.aggregate", ["/nonexistent"])])
 def test_a_refused_command_imports_nothing_heavy_before_it_refuses(command, argv):
-    """A typo is refused before the speed model (torch._dynamo), torchao, scipy.stats or matplotlib is imported: a
-    refusal costs about an `import torch` (make bench does not time it; these imports are what made it 2x)."""
+    """A typo is refused before the speed model (torch._dynamo), torchao, scipy.stats, matplotlib or DTensor
+    (bench.numerics.dtensors) is imported: a refusal costs about an `import torch` (make bench does not time it;
+    these imports are what made it 2x)."""
     script = ("import runpy, sys\nsys.argv = [%r, *%r]\ntry:\n    runpy.run_module(%r, run_name='__main__')\n"
               "except SystemExit as e:\n    code = e.code\nprint(code, [m for m in %r if m in sys.modules])"
               % (command, argv, command, HEAVY))

@@ -21,8 +21,8 @@ BF16 value gives it back, and a compensation is always under half a BF16 step of
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from bench.numerics.dtensors import is_dtensor
 from bench.numerics.formats import quantise_stochastic
 
 MASTER_WEIGHTS = ("fp32", "bf16", "bf16_stochastic", "bf16_kahan")
@@ -37,9 +37,11 @@ def _round_stochastically(p: torch.Tensor) -> None:
     """p rounded stochastically to BF16 in place. A parameter FSDP2 shards (a DTensor) draws the whole parameter's
     uniforms on every rank, from the same generator, and rounds its shard with its slice of them: the ranks' draws
     are not the same numbers twice, and the result is the unsharded parameter's, bit for bit."""
-    if not isinstance(p, DTensor):
+    if not is_dtensor(p):
         p.copy_(quantise_stochastic(p, "bf16"))
         return
+    from torch.distributed.tensor import distribute_tensor
+
     whole = torch.rand(p.shape, device=p.to_local().device)
     mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()  # no communication
     p.to_local().copy_(quantise_stochastic(p.to_local(), "bf16", draw=mine))

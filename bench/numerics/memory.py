@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from bench.numerics.dtensors import is_dtensor
 from bench.numerics.formats import FORMATS, quantise_value
 
 
@@ -69,7 +69,7 @@ def _state_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
 def _held_bytes(t: torch.Tensor, stored_format=None) -> float:
     """The bytes a parameter, gradient or optimiser state holds: FSDP2's DTensor, this rank's shard as the run holds
     it; a low-bit state, its parts; a floating tensor in `stored_format` where given (its values stand for that)."""
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         return _held_bytes(t.to_local(), stored_format)
     if (parts := _state_parts(t)) is not None:
         return sum(p.numel() * p.element_size() for p in parts)

@@ -17,8 +17,8 @@ from collections import defaultdict, deque
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from bench.numerics.dtensors import is_dtensor
 from bench.numerics.formats import ElementFormat, tensor_amax_of
 from bench.numerics.readings import Readings
 
@@ -129,7 +129,7 @@ class LossScaler:
                     g.mul_(inv_scale.to(dtype))
                 continue
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        sharded = next((g for grads in groups.values() for g in grads if isinstance(g, DTensor)), None)
+        sharded = next((g for grads in groups.values() for g in grads if is_dtensor(g)), None)
         if sharded is not None:  # FSDP2: each rank checked its shards; a step is skipped on every rank or none
             dist.all_reduce(found_inf, group=sharded.device_mesh.get_group())  # as torch's ShardedGradScaler
         return found_inf

@@ -4,14 +4,17 @@ model's tracer steps (bench/speed/trace.py), so both see the same fused kernel a
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from omegaconf import DictConfig
-from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from bench.errors import ConfigError
+from bench.numerics.dtensors import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # model.optimizer.state_format: Adam's moments as stored (`low_bit_adam`), a storage type, not a GEMM format
 STATE_FORMATS = ("fp32", "bf16", "int8", "int4", "fp8")
@@ -40,7 +43,7 @@ def build_optimizer(cfg: DictConfig, params, lr_multipliers: dict | None = None,
     learning rate, scaled per parameter by type and depth, the weight decay independent of it)."""
     params = list(dict.fromkeys(params))  # a tied parameter once
     fused = bool(params) and params[0].device.type in _get_fused_kernels_supported_devices() \
-        and not isinstance(params[0], DTensor)  # FSDP2's sharded parameters: torch's fused kernels take no DTensor
+        and not is_dtensor(params[0])  # FSDP2's sharded parameters: torch's fused kernels take no DTensor
     groups = {}
     for p in params:
         decay = cfg.weight_decay if p.dim() >= 2 or not cfg.decay_matrices_only else 0.0
@@ -113,7 +116,7 @@ def _shard_elements(p: DTensor) -> list[int]:
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 @functools.cache
@@ -156,7 +159,9 @@ def _sharded_alike(cls: type, state_format: str) -> type:
             return loss
 
         def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
-            if isinstance(p, DTensor) and not all(held_in_state_format(n, state_format) for n in _shard_elements(p)):
+            if is_dtensor(p) and not all(held_in_state_format(n, state_format) for n in _shard_elements(p)):
+                from torch.distributed.tensor import DTensor
+
                 local = torch.zeros_like(p.to_local())
                 return DTensor.from_local(local, device_mesh=p.device_mesh, placements=p.placements, run_check=False,
                                           shape=p.shape, stride=p.stride()).to(p.device)
