@@ -535,9 +535,10 @@ def speed_model_rows(quick: bool = False) -> list[dict]:
     from bench.tools import speed_validation
 
     rows = []
-    validation = speed_validation.hand_compiled_rows() if quick else speed_validation.measured_rows() \
-        + speed_validation.hand_compiled_rows() \
-        + speed_validation.published_rows(set(speed_validation.KINDS) - {"single_linear"})  # (speed-validation's)
+    validation = speed_validation.hand_compiled_rows()
+    if not quick:  # the rows measured here, and the published ones speed-validation reads (single linears aside)
+        validation = speed_validation.measured_rows() + validation \
+            + speed_validation.published_rows(set(speed_validation.KINDS) - {"single_linear"})
     for r in validation:
         predicted = r.predict(speed_validation.CONSTANTS)
         name = f"predicted.{r.gpu}.{r.model.split(',')[0].replace(' ', '_')}.{r.what.replace(' ', '_')}.{r.mode}"
