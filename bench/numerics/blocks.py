@@ -208,7 +208,14 @@ def _e8m0_value(biased: torch.Tensor) -> torch.Tensor:
     return torch.where(biased > 0, biased.int() << 23, 1 << 22).view(torch.float32)
 
 
-@fused(ARITHMETIC_FROM, values_alone=True, draws=_mx_draws)
+def _mx_chunk_rows(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -1, block: int = MX_BLOCK, *_,
+                   **__) -> int | None:
+    """MX's values along dim 0 quantised in chunks of whole blocks past the caches (`fused`'s chunk_rows); along the
+    last dimension its graph is one loop over blocks there already (fused.in_one_pass)."""
+    return block if dim % x.dim() == 0 else None
+
+
+@fused(ARITHMETIC_FROM, values_alone=True, draws=_mx_draws, chunk_rows=_mx_chunk_rows)
 def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -1, block: int = MX_BLOCK,
                 rounding: str = "nearest", generator: torch.Generator | None = None,
                 draw: torch.Tensor | None = None) -> Blocked:
@@ -241,7 +248,15 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     return _divided_by(tensor_amax_of(x).float(), NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX).clamp(min=NVFP4_TENSOR_SCALE_MIN)
 
 
-@fused(ARITHMETIC_FROM, values_alone=True, draws=_nvfp4_draws)
+def _nvfp4_chunk_rows(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1, *_,
+                      **__) -> int | None:
+    """NVFP4's values (torchao's rule) quantised in chunks of whole blocks past the caches (`fused`'s chunk_rows), along
+    either end dimension: its 16-value blocks' per-block step keeps inductor from one loop over blocks."""
+    along = dim % x.dim()
+    return NVFP4_BLOCK if along == 0 else 1 if along == x.dim() - 1 else None
+
+
+@fused(ARITHMETIC_FROM, values_alone=True, draws=_nvfp4_draws, chunk_rows=_nvfp4_chunk_rows)
 def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1,
                    rounding: str = "nearest", generator: torch.Generator | None = None,
                    sr_bits: int | None = None, draw: torch.Tensor | None = None) -> Blocked:

@@ -28,7 +28,8 @@ holds, and `fn` itself otherwise (`quantiser.eager`, the reference, runs fn with
 A layout's graph is made once what its eager calls would have saved fused has cost what making it is expected to
 cost, and kept if it proves faster, or with `PRECISION_BENCH_FUSED_COMPILE=at-once` made and kept on its first call
 (`Specialisation` says why). A block quantiser's graph on ONE_PASS_FROM values or more is one loop over blocks
-(`in_one_pass` says why).
+(`in_one_pass` says why), and one that inductor runs as three loops even there (NVFP4, MX along dim 0) quantises its
+values in chunks of rows, each read again from the caches (`chunk_rows`, `_in_chunks`).
 A BF16 or FP16 x enters the compiled graph as FP32 and its result leaves in x's dtype: inductor's CPU code for a
 16-bit tensor cast to FP8 and back ran 2x slower than torch's eager casts.
 
@@ -118,6 +119,8 @@ SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # compiled on their FP32 widening
 # (docs/performance.md; the quantisers and LeNet FP8's run passed there)
 FUSED_DEVICES = ("cpu",)
 ONE_PASS_FROM = 1 << 22  # values (16 MB of FP32): from here a block quantiser's fused graph is one loop over blocks
+CHUNKED_FROM = ONE_PASS_FROM  # values: from here a quantiser that declares `chunk_rows` runs its values in chunks
+CHUNK_VALUES = 1 << 20  # values of x a chunk holds at least (4 MB of FP32: read again from the caches, not memory)
 LAYOUTS_PER_SPECIALISATION = 32  # graphs per quantiser and arguments; past it, a new shape runs eagerly
 
 
@@ -289,10 +292,13 @@ class Specialisation:
     way runs TRIAL_CALLS calls on trial, is kept only where it was the faster, and what it saved
     (`expected_saving_share`) prices the next."""
 
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict, pick: str | None = None):
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, pick: str | None = None,
+                 chunk_rows: Callable[..., int | None] | None = None):
         """args, kwargs: a call's, whose static key this is: where its tensor arguments sit is part of that key.
-        pick: the one field of fn's dataclass result that the graph returns (None: all of them)."""
+        pick: the one field of fn's dataclass result that the graph returns (None: all of them).
+        chunk_rows: `fused`'s, for a graph returning one tensor of x's shape (`_in_chunks`)."""
         self.fn = _picking(fn, pick)  # the other fields are never written: inductor drops what no output needs
+        self.chunk_rows = chunk_rows
         self.slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.names = [k for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor)]
         self.graphs: dict[tuple, Callable] = {}  # per layout: its graph, which every call runs
@@ -386,6 +392,9 @@ class Specialisation:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
         from torch.fx.experimental.proxy_tensor import make_fx
 
+        rows = _in_chunks(self.chunk_rows, tensors, args, kwargs)
+        if rows is not None:
+            return self._chunked_graph(tensors, args, kwargs, rows)
         made: dict = {}
         slots, names = self.slots, self.names
 
@@ -427,6 +436,106 @@ class Specialisation:
         # and autotune-cache state no CPU graph of ours has, about 1 us a call (more inside a step, code gone cold).
         # It is boxed: it empties the list it is given, which each caller makes for the call.
         return _returning(rebuild, getattr(direct, "current_callable", None) or direct)
+
+    def _chunked_graph(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict, rows: int) -> Callable:
+        """The graph of fn on x's chunks of `rows` rows (its last one shorter where they do not divide x), each
+        chunk an input of its own, their results concatenated: inductor's code for one chunk is the same as for the
+        next (compiled once), and runs chunk after chunk, each chunk's three loops over it reading its values again
+        from the caches. A call splits x into its chunks (views) and hands the graph those and the other tensors,
+        the scalars `_in_chunks` allows."""
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        chunks = list(tensors[0].split(rows))
+        slots, names, count = self.slots, self.names, len(chunks)
+
+        def traced(*inputs):
+            rest, named = list(args), dict(kwargs)
+            for i, t in zip(slots, inputs[count:]):
+                rest[i] = t
+            for k, t in zip(names, inputs[count + len(slots):]):
+                named[k] = t
+            return (torch.cat([self.fn(chunk, *rest, **named) for chunk in inputs[:count]]),)
+
+        global _tracing
+        with torch.no_grad():
+            _tracing, outer = True, _tracing
+            try:
+                graph = make_fx(traced)(*chunks, *tensors[1:])
+            finally:
+                _tracing = outer
+            _concatenated_unviewed(graph)
+            inner = []
+
+            def keep(*args, **kwargs):
+                inner.append(compile_fx_inner(*args, **kwargs))
+                return inner[-1]
+
+            wrapped = compile_fx(graph, [*chunks, *tensors[1:]], inner_compile=keep,
+                                 config_patches={**INDUCTOR_OPTIONS, **_eager_numerics()})
+            direct = inner[0]
+            if not _called_directly(direct, [*chunks, *tensors[1:]], 1):
+                return lambda inputs: wrapped(*inputs[0].split(rows), *inputs[1:])[0]
+        call = getattr(direct, "current_callable", None) or direct
+        return lambda inputs: call([*inputs[0].split(rows), *inputs[1:]])[0]
+
+
+def _in_chunks(chunk_rows: Callable[..., int | None] | None, tensors: list[torch.Tensor], args: tuple,
+               kwargs: dict) -> int | None:
+    """The rows of each of x's chunks where a graph runs x in chunks, None where it runs x whole. In chunks: past
+    CHUNKED_FROM values on the CPU, where the quantiser says how many rows a chunk must hold a multiple of
+    (`chunk_rows(x, *args, **kwargs)`: its blocks' rows along dim 0, 1 along the last; None: not for these
+    arguments), x is contiguous with two dimensions or more and its other tensors are scalars (no draws of x's size to
+    cut alike), and x holds more than one chunk of at least CHUNK_VALUES values."""
+    x = tensors[0]
+    if (chunk_rows is None or x.numel() < CHUNKED_FROM or x.device.type != "cpu" or x.dim() < 2
+            or not x.is_contiguous() or any(t.numel() > 1 for t in tensors[1:])):
+        return None
+    granule = chunk_rows(x, *args, **kwargs)
+    if granule is None:
+        return None
+    least = -(-CHUNK_VALUES * x.shape[0] // x.numel())  # rows holding CHUNK_VALUES values, rounded up
+    rows = -(-least // granule) * granule
+    return rows if rows < x.shape[0] else None
+
+
+_VIEWS = (torch.ops.aten.alias.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _unviewed(node):
+    """The tensor that a chain of views ends in, going back from node through views of contiguous tensors (a view
+    of one keeps its values' order) and slices that keep every value."""
+    while node.op == "call_function" and isinstance(node.args[0], torch.fx.Node):
+        source = node.args[0]
+        whole_slice = (node.target is torch.ops.aten.slice.Tensor
+                       and source.meta["val"].shape == node.meta["val"].shape)
+        if not (node.target in _VIEWS or whole_slice) or not source.meta["val"].is_contiguous():
+            break
+        node = source
+    return node
+
+
+def _concatenated_unviewed(graph) -> None:
+    """Rewrite, in place, a concatenation along dim 0 of views of contiguous tensors as the view of their
+    concatenation, where those tensors differ only along dim 0: the same values in the same order. Inductor writes
+    each tensor it concatenates into its place in the result, but a view of one it first writes apart and then
+    copies: a block quantiser's values are its blocks (rows, blocks, 16) viewed as x's shape, and that copy made the
+    chunks slower than x whole."""
+    for node in list(graph.graph.nodes):
+        if node.target is not torch.ops.aten.cat.default or (len(node.args) > 1 and node.args[1] != 0):
+            continue
+        parts = node.args[0]
+        unviewed = [_unviewed(part) for part in parts]
+        if (unviewed == list(parts) or len({u.meta["val"].shape[1:] for u in unviewed}) != 1
+                or not all(part.meta["val"].is_contiguous() for part in parts)):
+            continue
+        with graph.graph.inserting_before(node):
+            joined = graph.graph.call_function(torch.ops.aten.cat.default, (unviewed, 0))
+            viewed = graph.graph.call_function(torch.ops.aten.view.default, (joined, list(node.meta["val"].shape)))
+        node.replace_all_uses_with(viewed)
+        graph.graph.erase_node(node)
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
 
 
 @dataclasses.dataclass
@@ -595,7 +704,8 @@ class Passes:
 
 
 def fused(from_elements: int | Callable[..., int], values_alone: bool = False,
-          draws: Callable[[torch.Tensor, dict], torch.Tensor] | None = None) -> Callable[[Callable], Callable]:
+          draws: Callable[[torch.Tensor, dict], torch.Tensor] | None = None,
+          chunk_rows: Callable[..., int | None] | None = None) -> Callable[[Callable], Callable]:
     """Decorate quantiser `fn(x, ...)`: its compiled twin where it pays (the module docstring says when), `fn`
     otherwise. from_elements: the fewest elements compiled, or a function of the call's other arguments giving it.
     draws: for a quantiser with a `draw` parameter, `draws(x, arguments)` (its arguments by name, defaults filled
@@ -608,17 +718,21 @@ def fused(from_elements: int | Callable[..., int], values_alone: bool = False,
     With `values_alone` (a quantiser returning a blocks.Blocked), `quantiser.values` is the same call returning only its
     `values` (with its own `.eager`, `.fused` and `.compiled`): what a training step's GEMM reads. Fused, its graph
     writes one tensor where the whole Blocked writes two and the per-block fields, which also keep inductor from
-    running the block amax and the elements in one loop: MX's values alone ran 1.9x faster (docs/performance.md)."""
+    running the block amax and the elements in one loop: MX's values alone ran 1.9x faster (docs/performance.md).
+    chunk_rows: for the values alone, `chunk_rows(x, *args, **kwargs)`, how many rows a chunk of x must hold a
+    multiple of for its blocks to lie whole in it (None: not to be chunked), where x past the caches is to be
+    quantised in chunks (`_in_chunks`)."""
     def decorate(fn: Callable) -> Callable:
         quantiser = _dispatch(fn, from_elements, None, draws)
         if values_alone:
-            quantiser.values = _dispatch(fn, from_elements, "values", draws)
+            quantiser.values = _dispatch(fn, from_elements, "values", draws, chunk_rows)
         return quantiser
     return decorate
 
 
 def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str | None,
-              draws_for: Callable[[torch.Tensor, dict], torch.Tensor] | None = None) -> Callable:
+              draws_for: Callable[[torch.Tensor, dict], torch.Tensor] | None = None,
+              chunk_rows: Callable[..., int | None] | None = None) -> Callable:
     """`fused`'s quantiser for fn, returning its result's field `pick` alone where pick is given."""
     signature = inspect.signature(fn)
     compiled: dict[tuple, Callable | None] = {}  # per static key; None: it failed to compile, eager
@@ -649,7 +763,7 @@ def _dispatch(fn: Callable, from_elements: int | Callable[..., int], pick: str |
         except TypeError:  # an argument that cannot be hashed: no key, eager
             return eager(x, *args, **kwargs)
         if specialisation is _UNSEEN:
-            specialisation = compiled[key] = Specialisation(fn, args, kwargs, pick)
+            specialisation = compiled[key] = Specialisation(fn, args, kwargs, pick, chunk_rows)
         if specialisation is not None:
             try:
                 if x.dtype in SIXTEEN_BIT:  # FP32 in, and back: inductor's 16-bit code is slower than eager
