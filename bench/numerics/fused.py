@@ -505,7 +505,7 @@ _VIEWS = (torch.ops.aten.alias.default, torch.ops.aten.view.default, torch.ops.a
 def _unviewed(node):
     """The tensor that a chain of views ends in, going back from node through views of contiguous tensors (a view
     of one keeps its values' order) and slices that keep every value."""
-    while node.op == "call_function" and isinstance(node.args[0], torch.fx.Node):
+    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
         source = node.args[0]
         whole_slice = (node.target is torch.ops.aten.slice.Tensor
                        and source.meta["val"].shape == node.meta["val"].shape)
