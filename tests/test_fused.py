@@ -1426,18 +1426,19 @@ def test_a_fused_element_rounding_is_arithmetic_without_bit_views(monkeypatch):
 # conformance families they are checked on and the dimensions they are chunked along: (quantiser, its rule, element,
 # block width, dims)
 CHUNKED = {"nvfp4": (blocks.nvfp4_quantise, blocks._nvfp4_chunk_rows, "fp4_e2m1", blocks.NVFP4_BLOCK, (-1, 0)),
-           "mx": (blocks.mx_quantise, blocks._mx_chunk_rows, "fp8_e4m3", blocks.MX_BLOCK, (0,))}
+           "mx": (blocks.mx_quantise, blocks._mx_chunk_rows, "fp8_e4m3", blocks.MX_BLOCK, (-1, 0)),
+           "1x128 tiles": (blocks.tile_quantise, blocks._tile_chunk_rows, "fp8_e4m3", blocks.FP8_TILE, (-1,))}
 
 
 def _chunked_arguments(name: str, x: torch.Tensor) -> tuple:
     """The quantiser's arguments after x: NVFP4's tensor scale that of x's finite values (the families' NaN would
     make it NaN, and every value NaN, whatever the chunks)."""
-    return (blocks.nvfp4_tensor_scale(x[x.isfinite()]),) if name == "nvfp4" else ("fp8_e4m3",)
+    return {"nvfp4": (blocks.nvfp4_tensor_scale(x[x.isfinite()]),), "mx": ("fp8_e4m3",), "1x128 tiles": ()}[name]
 
 
 @pytest.mark.parametrize("name", CHUNKED)
 def test_values_quantised_in_chunks_give_the_eager_bits(monkeypatch, name):
-    """Past the caches NVFP4's values and MX's along dim 0 are quantised in chunks of whole blocks' rows
+    """Past the caches NVFP4's, MX's and the 1 x 128 tiles' values are quantised in chunks of whole blocks' rows
     (`fused._in_chunks`), each chunk's loops reading it again from the caches. On the conformance families, FP32 and
     bfloat16, along each dimension chunked, with the sizes set so that x is four or five chunks and a shorter last
     one: the eager values bit for bit (a chunk boundary inside a block, or a block's rows counted wrongly, changes
@@ -1478,14 +1479,15 @@ def test_a_quantiser_runs_in_chunks_past_the_caches_on_whole_blocks_and_without_
     values whose rows are a multiple of what the quantiser says (MX along dim 0: 32, its block; NVFP4 along the last
     dimension: any), not where x is one chunk, has one dimension, is not contiguous, or comes with a tensor of more
     than one value (a stochastic rounding's draws), nor where the quantiser declares no rule or refuses the
-    dimension (MX along the last: one loop over blocks there already)."""
+    dimension (the 1 x 128 tiles along dim 0: no faster in chunks)."""
     monkeypatch.setattr(fused, "CHUNK_VALUES", 1000)
     x = torch.zeros(400, 10)
     limit, mx, nvfp4 = fused.CHUNKED_FROM, blocks._mx_chunk_rows, blocks._nvfp4_chunk_rows
     monkeypatch.setattr(fused, "CHUNKED_FROM", x.numel())
     assert fused._in_chunks(mx, [x], ("fp8_e4m3",), {"dim": 0}) == 128  # 100 rows hold 1,000: whole blocks, 128
     assert fused._in_chunks(nvfp4, [x, torch.ones(())], (torch.ones(()),), {}) == 100
-    assert fused._in_chunks(mx, [x], ("fp8_e4m3",), {}) is None  # along the last dimension
+    assert fused._in_chunks(mx, [x], ("fp8_e4m3",), {}) == 100  # along the last dimension, any rows
+    assert fused._in_chunks(blocks._tile_chunk_rows, [x], (), {"dim": 0}) is None
     assert fused._in_chunks(None, [x], (), {}) is None
     assert fused._in_chunks(nvfp4, [x[:-1]], (), {}) is None  # under CHUNKED_FROM
     assert fused._in_chunks(nvfp4, [x.t().contiguous().t()], (), {}) is None  # not contiguous

@@ -210,9 +210,11 @@ def _e8m0_value(biased: torch.Tensor) -> torch.Tensor:
 
 def _mx_chunk_rows(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -1, block: int = MX_BLOCK, *_,
                    **__) -> int | None:
-    """MX's values along dim 0 quantised in chunks of whole blocks past the caches (`fused`'s chunk_rows); along the
-    last dimension its graph is one loop over blocks there already (fused.in_one_pass)."""
-    return block if dim % x.dim() == 0 else None
+    """MX's values quantised in chunks of whole blocks past the caches (`fused`'s chunk_rows), along either end
+    dimension: faster than x whole along dim 0 (three loops) and along the last (one loop over blocks there:
+    fused.in_one_pass; docs/performance.md)."""
+    along = dim % x.dim()
+    return block if along == 0 else 1 if along == x.dim() - 1 else None
 
 
 @fused(ARITHMETIC_FROM, values_alone=True, draws=_mx_draws, chunk_rows=_mx_chunk_rows)
@@ -371,7 +373,13 @@ def rowwise_quantise(x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
     return _fp8_runs(x, dim, x.shape[dim], torchao_pow2_scale, rounding, generator, draw)
 
 
-@fused(ARITHMETIC_FROM, values_alone=True, draws=_tile_draws)
+def _tile_chunk_rows(x: torch.Tensor, dim: int = -1, *_, **__) -> int | None:
+    """The 1 x 128 tiles' values along the last dimension quantised in chunks of rows past the caches (`fused`'s
+    chunk_rows); along dim 0 the chunks were no faster than x whole (docs/performance.md)."""
+    return 1 if dim % x.dim() == x.dim() - 1 else None
+
+
+@fused(ARITHMETIC_FROM, values_alone=True, draws=_tile_draws, chunk_rows=_tile_chunk_rows)
 def tile_quantise(x: torch.Tensor, dim: int = -1, tile: int = FP8_TILE, rounding: str = "nearest",
                   generator: torch.Generator | None = None, draw: torch.Tensor | None = None) -> Blocked:
     """x in E4M3 with one Transformer Engine power-of-two scale per 1 x `tile` run along `dim` (rounded as

@@ -28,8 +28,8 @@ holds, and `fn` itself otherwise (`quantiser.eager`, the reference, runs fn with
 A layout's graph is made once what its eager calls would have saved fused has cost what making it is expected to
 cost, and kept if it proves faster, or with `PRECISION_BENCH_FUSED_COMPILE=at-once` made and kept on its first call
 (`Specialisation` says why). A block quantiser's graph on ONE_PASS_FROM values or more is one loop over blocks
-(`in_one_pass` says why), and one that inductor runs as three loops even there (NVFP4, MX along dim 0) quantises its
-values in chunks of rows, each read again from the caches (`chunk_rows`, `_in_chunks`).
+(`in_one_pass` says why), but where the quantiser declares `chunk_rows` (NVFP4, MX, the 1 x 128 tiles), its values
+from CHUNKED_FROM are quantised in chunks of rows instead, each chunk read again from the caches (`_in_chunks`).
 A BF16 or FP16 x enters the compiled graph as FP32 and its result leaves in x's dtype: inductor's CPU code for a
 16-bit tensor cast to FP8 and back ran 2x slower than torch's eager casts.
 
@@ -118,8 +118,8 @@ SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # compiled on their FP32 widening
 # NVFP4 recipe run fused departed from the eager run's losses though each fused call gave its eager bits
 # (docs/performance.md; the quantisers and LeNet FP8's run passed there)
 FUSED_DEVICES = ("cpu",)
-ONE_PASS_FROM = 1 << 22  # values (16 MB of FP32): from here a block quantiser's fused graph is one loop over blocks
-CHUNKED_FROM = ONE_PASS_FROM  # values: from here a quantiser that declares `chunk_rows` runs its values in chunks
+ONE_PASS_FROM = 1 << 22  # values (16 MB of FP32): from here a block quantiser's graph, unchunked, is one loop
+CHUNKED_FROM = ONE_PASS_FROM  # values: from here a quantiser declaring `chunk_rows` quantises its values in chunks
 CHUNK_VALUES = 1 << 20  # values of x a chunk holds at least (4 MB of FP32: read again from the caches, not memory)
 LAYOUTS_PER_SPECIALISATION = 32  # graphs per quantiser and arguments; past it, a new shape runs eagerly
 
