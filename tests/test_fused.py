@@ -1441,21 +1441,24 @@ def test_values_quantised_in_chunks_give_the_eager_bits(monkeypatch, name):
     """Past the caches NVFP4's, MX's and the 1 x 128 tiles' values are quantised in chunks of whole blocks' rows
     (`fused._in_chunks`), each chunk's loops reading it again from the caches. On the conformance families, FP32 and
     bfloat16, along each dimension chunked, with the sizes set so that x is four or five chunks and a shorter last
-    one: the eager values bit for bit (a chunk boundary inside a block, or a block's rows counted wrongly, changes
-    them)."""
+    one: the eager values bit for bit, rounded to nearest and, on the draws its eager self makes (cut alike),
+    stochastically (a chunk boundary inside a block, a block's rows counted wrongly, or a chunk given another
+    chunk's draws changes them)."""
     call, rule, element, width, dims = CHUNKED[name]
     monkeypatch.setattr(fused, "CHUNKED_FROM", 1)
     tails = []
     for x in _inputs(element, width):
         monkeypatch.setattr(fused, "CHUNK_VALUES", x.numel() // 5 - width * 3)
         args = _chunked_arguments(name, x)
+        scalars = [a for a in args if isinstance(a, torch.Tensor)]
         for dim in dims:
-            rows = fused._in_chunks(rule, [x, *[a for a in args if isinstance(a, torch.Tensor)]], args, {"dim": dim})
-            assert rows is not None and x.shape[0] // rows >= 4, (name, dim, rows)
-            tails.append(x.shape[0] % rows != 0)
-            fast = fused.Specialisation(call.eager, args, {"dim": dim}, pick="values", chunk_rows=rule)(
-                x, *args, dim=dim)
-            assert _same_bits(call.eager(x, *args, dim=dim).values, fast), (name, x.dtype, dim)
+            draw = torch.rand(blocks._blocks_shape(x, dim, width), generator=torch.Generator().manual_seed(1))
+            for named in ({"dim": dim}, {"dim": dim, "rounding": "stochastic", "draw": draw}):
+                cuts = fused._in_chunks(rule, [x, *scalars, *([draw] if "draw" in named else [])], args, named)
+                assert cuts is not None and x.shape[0] // cuts[0] >= 4, (name, dim, cuts)
+                tails.append(x.shape[0] % cuts[0] != 0)
+                fast = fused.Specialisation(call.eager, args, named, pick="values", chunk_rows=rule)(x, *args, **named)
+                assert _same_bits(call.eager(x, *args, **named).values, fast), (name, x.dtype, named.get("rounding"))
     assert any(tails)  # a shorter last chunk, its own code
 
 
@@ -1474,25 +1477,28 @@ def test_values_in_chunks_are_written_in_place_not_copied(monkeypatch, name):
     assert len(steps) == 3 * 4, (name, steps)
 
 
-def test_a_quantiser_runs_in_chunks_past_the_caches_on_whole_blocks_and_without_draws(monkeypatch):
+def test_a_quantiser_runs_in_chunks_past_the_caches_on_whole_blocks_its_draws_cut_alike(monkeypatch):
     """Where `fused._in_chunks` cuts x: from fused.CHUNKED_FROM values, in chunks of at least fused.CHUNK_VALUES
     values whose rows are a multiple of what the quantiser says (MX along dim 0: 32, its block; NVFP4 along the last
-    dimension: any), not where x is one chunk, has one dimension, is not contiguous, or comes with a tensor of more
-    than one value (a stochastic rounding's draws), nor where the quantiser declares no rule or refuses the
-    dimension (the 1 x 128 tiles along dim 0: no faster in chunks)."""
+    dimension: any), each other tensor whole where it is a scalar and cut alike where it is a stochastic rounding's
+    draws (a row of blocks a row); not where x is one chunk, has one dimension, is not contiguous, or comes with
+    another tensor, nor where the quantiser declares no rule or refuses the dimension (the 1 x 128 tiles along dim
+    0: no faster in chunks)."""
     monkeypatch.setattr(fused, "CHUNK_VALUES", 1000)
     x = torch.zeros(400, 10)
     limit, mx, nvfp4 = fused.CHUNKED_FROM, blocks._mx_chunk_rows, blocks._nvfp4_chunk_rows
     monkeypatch.setattr(fused, "CHUNKED_FROM", x.numel())
-    assert fused._in_chunks(mx, [x], ("fp8_e4m3",), {"dim": 0}) == 128  # 100 rows hold 1,000: whole blocks, 128
-    assert fused._in_chunks(nvfp4, [x, torch.ones(())], (torch.ones(()),), {}) == 100
-    assert fused._in_chunks(mx, [x], ("fp8_e4m3",), {}) == 100  # along the last dimension, any rows
+    assert fused._in_chunks(mx, [x], ("fp8_e4m3",), {"dim": 0}) == [128]  # 100 rows hold 1,000: whole blocks, 128
+    assert fused._in_chunks(nvfp4, [x, torch.ones(())], (torch.ones(()),), {}) == [100, None]  # a scalar: whole
+    assert fused._in_chunks(mx, [x], ("fp8_e4m3",), {}) == [100]  # along the last dimension, any rows
+    draws = torch.ones(13, 32, 10)  # MX's along dim 0: a row of 32-row blocks a row, 400 rows in 13
+    assert fused._in_chunks(mx, [x, draws], ("fp8_e4m3",), {"dim": 0, "draw": draws}) == [128, 4]
     assert fused._in_chunks(blocks._tile_chunk_rows, [x], (), {"dim": 0}) is None
     assert fused._in_chunks(None, [x], (), {}) is None
     assert fused._in_chunks(nvfp4, [x[:-1]], (), {}) is None  # under CHUNKED_FROM
     assert fused._in_chunks(nvfp4, [x.t().contiguous().t()], (), {}) is None  # not contiguous
     assert fused._in_chunks(nvfp4, [x.reshape(-1)], (), {}) is None  # one dimension
-    assert fused._in_chunks(nvfp4, [x, torch.ones(400, 10)], (), {"draw": torch.ones(400, 10)}) is None
+    assert fused._in_chunks(nvfp4, [x, torch.ones(399, 10)], (), {}) is None  # a tensor not laid out as the blocks
     monkeypatch.setattr(fused, "CHUNK_VALUES", 4000)
     assert fused._in_chunks(nvfp4, [x], (), {}) is None  # one chunk would hold x
     assert limit >= fused.ONE_PASS_FROM  # chunks only where the tensors are past the caches

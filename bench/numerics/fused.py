@@ -392,9 +392,9 @@ class Specialisation:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        rows = _in_chunks(self.chunk_rows, tensors, args, kwargs)
-        if rows is not None:
-            return self._chunked_graph(tensors, args, kwargs, rows)
+        cuts = _in_chunks(self.chunk_rows, tensors, args, kwargs)
+        if cuts is not None:
+            return self._chunked_graph(tensors, args, kwargs, cuts)
         made: dict = {}
         slots, names = self.slots, self.names
 
@@ -437,31 +437,43 @@ class Specialisation:
         # It is boxed: it empties the list it is given, which each caller makes for the call.
         return _returning(rebuild, getattr(direct, "current_callable", None) or direct)
 
-    def _chunked_graph(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict, rows: int) -> Callable:
-        """The graph of fn on x's chunks of `rows` rows (its last one shorter where they do not divide x), each
-        chunk an input of its own, their results concatenated: inductor's code for one chunk is the same as for the
-        next (compiled once), and runs chunk after chunk, each chunk's three loops over it reading its values again
-        from the caches. A call splits x into its chunks (views) and hands the graph those and the other tensors,
-        the scalars `_in_chunks` allows."""
+    def _chunked_graph(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict, cuts: list[int | None]
+                       ) -> Callable:
+        """The graph of fn on x's chunks of rows (`_in_chunks`' cuts: its last chunk shorter where they do not divide
+        x), each chunk an input of its own with its draws' chunk, their results concatenated: inductor's code for
+        one chunk is the same as for the next (compiled once), and runs chunk after chunk, each chunk's loops over
+        it reading its values again from the caches. A call cuts its tensors alike (views) and hands the graph
+        those, its scalars to every chunk."""
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        chunks = list(tensors[0].split(rows))
-        slots, names, count = self.slots, self.names, len(chunks)
+        def pieces(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [piece for t, rows in zip(inputs, cuts) for piece in (t.split(rows) if rows else (t,))]
 
-        def traced(*inputs):
-            rest, named = list(args), dict(kwargs)
-            for i, t in zip(slots, inputs[count:]):
-                rest[i] = t
-            for k, t in zip(names, inputs[count + len(slots):]):
-                named[k] = t
-            return (torch.cat([self.fn(chunk, *rest, **named) for chunk in inputs[:count]]),)
+        sizes = [len(t.split(rows)) if rows else 1 for t, rows in zip(tensors, cuts)]
+        slots, names, count = self.slots, self.names, sizes[0]
 
+        def traced(*flat):
+            per_tensor, at = [], 0
+            for size in sizes:  # each tensor's chunks, or itself for every chunk
+                per_tensor.append(flat[at:at + size] if size > 1 else flat[at:at + 1] * count)
+                at += size
+            results = []
+            for chunk in range(count):
+                rest, named = list(args), dict(kwargs)
+                for i, t in zip(slots, per_tensor[1:]):
+                    rest[i] = t[chunk]
+                for k, t in zip(names, per_tensor[1 + len(slots):]):
+                    named[k] = t[chunk]
+                results.append(self.fn(per_tensor[0][chunk], *rest, **named))
+            return (torch.cat(results),)
+
+        example = pieces(tensors)
         global _tracing
         with torch.no_grad():
             _tracing, outer = True, _tracing
             try:
-                graph = make_fx(traced)(*chunks, *tensors[1:])
+                graph = make_fx(traced)(*example)
             finally:
                 _tracing = outer
             _concatenated_unviewed(graph)
@@ -471,32 +483,44 @@ class Specialisation:
                 inner.append(compile_fx_inner(*args, **kwargs))
                 return inner[-1]
 
-            wrapped = compile_fx(graph, [*chunks, *tensors[1:]], inner_compile=keep,
+            wrapped = compile_fx(graph, example, inner_compile=keep,
                                  config_patches={**INDUCTOR_OPTIONS, **_eager_numerics()})
             direct = inner[0]
-            if not _called_directly(direct, [*chunks, *tensors[1:]], 1):
-                return lambda inputs: wrapped(*inputs[0].split(rows), *inputs[1:])[0]
+            if not _called_directly(direct, example, 1):
+                return lambda inputs: wrapped(*pieces(inputs))[0]
         call = getattr(direct, "current_callable", None) or direct
-        return lambda inputs: call([*inputs[0].split(rows), *inputs[1:]])[0]
+        return lambda inputs: call(pieces(inputs))[0]
 
 
 def _in_chunks(chunk_rows: Callable[..., int | None] | None, tensors: list[torch.Tensor], args: tuple,
-               kwargs: dict) -> int | None:
-    """The rows of each of x's chunks where a graph runs x in chunks, None where it runs x whole. In chunks: past
-    CHUNKED_FROM values on the CPU, where the quantiser says how many rows a chunk must hold a multiple of
-    (`chunk_rows(x, *args, **kwargs)`: its blocks' rows along dim 0, 1 along the last; None: not for these
-    arguments), x is contiguous with two dimensions or more and its other tensors are scalars (no draws of x's size to
-    cut alike), and x holds more than one chunk of at least CHUNK_VALUES values."""
+               kwargs: dict) -> list[int | None] | None:
+    """Where a graph runs x in chunks of rows, the rows of each tensor's chunks (x's first; None: a scalar, handed
+    to every chunk whole); None where it runs x whole. In chunks: past CHUNKED_FROM values on the CPU, where the
+    quantiser says how many rows a chunk must hold a multiple of (`chunk_rows(x, *args, **kwargs)`: its blocks'
+    rows along dim 0, 1 along the last; None: not for these arguments), x is contiguous with two dimensions or
+    more and holds more than one chunk of at least CHUNK_VALUES values, and each other tensor is a scalar or a
+    stochastic rounding's draws, laid out as x's blocks are (`blocks._draws_over`: a row of blocks a row), cut
+    alike."""
     x = tensors[0]
     if (chunk_rows is None or x.numel() < CHUNKED_FROM or x.device.type != "cpu" or x.dim() < 2
-            or not x.is_contiguous() or any(t.numel() > 1 for t in tensors[1:])):
+            or not x.is_contiguous()):
         return None
     granule = chunk_rows(x, *args, **kwargs)
     if granule is None:
         return None
     least = -(-CHUNK_VALUES * x.shape[0] // x.numel())  # rows holding CHUNK_VALUES values, rounded up
     rows = -(-least // granule) * granule
-    return rows if rows < x.shape[0] else None
+    if rows >= x.shape[0]:
+        return None
+    cuts, block_rows = [rows], -(-x.shape[0] // granule)
+    for t in tensors[1:]:
+        if t.numel() == 1:
+            cuts.append(None)
+        elif t.dim() > 1 and t.shape[0] == block_rows and t.is_contiguous():
+            cuts.append(rows // granule)
+        else:
+            return None
+    return cuts
 
 
 _VIEWS = (torch.ops.aten.alias.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
