@@ -1425,20 +1425,18 @@ def test_a_fused_element_rounding_is_arithmetic_without_bit_views(monkeypatch):
 # the block quantisers whose values past the caches are quantised in chunks of rows (fused.chunk_rows), with the
 # conformance families they are checked on and the dimensions they are chunked along: (quantiser, its rule, element,
 # block width, dims)
-CHUNKED = {"nvfp4": (blocks.nvfp4_quantise, blocks._nvfp4_chunk_rows, "fp4_e2m1", blocks.NVFP4_BLOCK, (-1, 0)),
-           "mx": (blocks.mx_quantise, blocks._mx_chunk_rows, "fp8_e4m3", blocks.MX_BLOCK, (-1, 0)),
-           "1x128 tiles": (blocks.tile_quantise, blocks._tile_chunk_rows, "fp8_e4m3", blocks.FP8_TILE, (-1,))}
+CHUNKED = {"mxfp8": (blocks.mx_quantise, blocks._mx_chunk_rows, "fp8_e4m3", blocks.MX_BLOCK, (-1, 0)),
+           "mxfp4": (blocks.mx_quantise, blocks._mx_chunk_rows, "fp4_e2m1", blocks.MX_BLOCK, (-1, 0))}
 
 
 def _chunked_arguments(name: str, x: torch.Tensor) -> tuple:
-    """The quantiser's arguments after x: NVFP4's tensor scale that of x's finite values (the families' NaN would
-    make it NaN, and every value NaN, whatever the chunks)."""
-    return {"nvfp4": (blocks.nvfp4_tensor_scale(x[x.isfinite()]),), "mx": ("fp8_e4m3",), "1x128 tiles": ()}[name]
+    """The quantiser's arguments after x (x's own tensors among them where it has one: none today)."""
+    return {"mxfp8": ("fp8_e4m3",), "mxfp4": ("fp4_e2m1",)}[name]
 
 
 @pytest.mark.parametrize("name", CHUNKED)
 def test_values_quantised_in_chunks_give_the_eager_bits(monkeypatch, name):
-    """Past the caches NVFP4's, MX's and the 1 x 128 tiles' values are quantised in chunks of whole blocks' rows
+    """Past the caches MX's values are quantised in chunks of whole blocks' rows
     (`fused._in_chunks`), each chunk's loops reading it again from the caches. On the conformance families, FP32 and
     bfloat16, along each dimension chunked, with the sizes set so that x is four or five chunks and a shorter last
     one: the eager values bit for bit, rounded to nearest and, on the draws its eager self makes (cut alike),
@@ -1479,26 +1477,25 @@ def test_values_in_chunks_are_written_in_place_not_copied(monkeypatch, name):
 
 def test_a_quantiser_runs_in_chunks_past_the_caches_on_whole_blocks_its_draws_cut_alike(monkeypatch):
     """Where `fused._in_chunks` cuts x: from fused.CHUNKED_FROM values, in chunks of at least fused.CHUNK_VALUES
-    values whose rows are a multiple of what the quantiser says (MX along dim 0: 32, its block; NVFP4 along the last
+    values whose rows are a multiple of what the quantiser says (MX along dim 0: 32, its block; along the last
     dimension: any), each other tensor whole where it is a scalar and cut alike where it is a stochastic rounding's
     draws (a row of blocks a row); not where x is one chunk, has one dimension, is not contiguous, or comes with
-    another tensor, nor where the quantiser declares no rule or refuses the dimension (the 1 x 128 tiles along dim
-    0: no faster in chunks)."""
+    another tensor, nor where the quantiser declares no rule or refuses the dimension (MX along a middle one)."""
     monkeypatch.setattr(fused, "CHUNK_VALUES", 1000)
     x = torch.zeros(400, 10)
-    limit, mx, nvfp4 = fused.CHUNKED_FROM, blocks._mx_chunk_rows, blocks._nvfp4_chunk_rows
+    limit, mx = fused.CHUNKED_FROM, blocks._mx_chunk_rows
     monkeypatch.setattr(fused, "CHUNKED_FROM", x.numel())
     assert fused._in_chunks(mx, [x], ("fp8_e4m3",), {"dim": 0}) == [128]  # 100 rows hold 1,000: whole blocks, 128
-    assert fused._in_chunks(nvfp4, [x, torch.ones(())], (torch.ones(()),), {}) == [100, None]  # a scalar: whole
+    assert fused._in_chunks(mx, [x, torch.ones(())], ("fp8_e4m3",), {}) == [100, None]  # a scalar: whole
     assert fused._in_chunks(mx, [x], ("fp8_e4m3",), {}) == [100]  # along the last dimension, any rows
     draws = torch.ones(13, 32, 10)  # MX's along dim 0: a row of 32-row blocks a row, 400 rows in 13
     assert fused._in_chunks(mx, [x, draws], ("fp8_e4m3",), {"dim": 0, "draw": draws}) == [128, 4]
-    assert fused._in_chunks(blocks._tile_chunk_rows, [x], (), {"dim": 0}) is None
+    assert fused._in_chunks(mx, [torch.zeros(40, 10, 10)], ("fp8_e4m3",), {"dim": 1}) is None  # a middle dimension
     assert fused._in_chunks(None, [x], (), {}) is None
-    assert fused._in_chunks(nvfp4, [x[:-1]], (), {}) is None  # under CHUNKED_FROM
-    assert fused._in_chunks(nvfp4, [x.t().contiguous().t()], (), {}) is None  # not contiguous
-    assert fused._in_chunks(nvfp4, [x.reshape(-1)], (), {}) is None  # one dimension
-    assert fused._in_chunks(nvfp4, [x, torch.ones(399, 10)], (), {}) is None  # a tensor not laid out as the blocks
+    assert fused._in_chunks(mx, [x[:-1]], ("fp8_e4m3",), {}) is None  # under CHUNKED_FROM
+    assert fused._in_chunks(mx, [x.t().contiguous().t()], ("fp8_e4m3",), {}) is None  # not contiguous
+    assert fused._in_chunks(mx, [x.reshape(-1)], ("fp8_e4m3",), {}) is None  # one dimension
+    assert fused._in_chunks(mx, [x, torch.ones(399, 10)], ("fp8_e4m3",), {}) is None  # not laid out as the blocks
     monkeypatch.setattr(fused, "CHUNK_VALUES", 4000)
-    assert fused._in_chunks(nvfp4, [x], (), {}) is None  # one chunk would hold x
+    assert fused._in_chunks(mx, [x], ("fp8_e4m3",), {}) is None  # one chunk would hold x
     assert limit >= fused.ONE_PASS_FROM  # chunks only where the tensors are past the caches

@@ -212,7 +212,7 @@ def _mx_chunk_rows(x: torch.Tensor, element: str, mode: str = "floor", dim: int 
                    **__) -> int | None:
     """MX's values quantised in chunks of whole blocks past the caches (`fused`'s chunk_rows), along either end
     dimension: faster than x whole along dim 0 (three loops) and along the last (one loop over blocks there:
-    fused.in_one_pass; docs/performance.md)."""
+    fused.in_one_pass), at every shape measured; NVFP4's and the 1 x 128 tiles' were not (docs/performance.md)."""
     along = dim % x.dim()
     return block if along == 0 else 1 if along == x.dim() - 1 else None
 
@@ -250,15 +250,7 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     return _divided_by(tensor_amax_of(x).float(), NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX).clamp(min=NVFP4_TENSOR_SCALE_MIN)
 
 
-def _nvfp4_chunk_rows(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1, *_,
-                      **__) -> int | None:
-    """NVFP4's values (torchao's rule) quantised in chunks of whole blocks past the caches (`fused`'s chunk_rows), along
-    either end dimension: its 16-value blocks' per-block step keeps inductor from one loop over blocks."""
-    along = dim % x.dim()
-    return NVFP4_BLOCK if along == 0 else 1 if along == x.dim() - 1 else None
-
-
-@fused(ARITHMETIC_FROM, values_alone=True, draws=_nvfp4_draws, chunk_rows=_nvfp4_chunk_rows)
+@fused(ARITHMETIC_FROM, values_alone=True, draws=_nvfp4_draws)
 def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, dim: int = -1,
                    rounding: str = "nearest", generator: torch.Generator | None = None,
                    sr_bits: int | None = None, draw: torch.Tensor | None = None) -> Blocked:
@@ -373,13 +365,7 @@ def rowwise_quantise(x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
     return _fp8_runs(x, dim, x.shape[dim], torchao_pow2_scale, rounding, generator, draw)
 
 
-def _tile_chunk_rows(x: torch.Tensor, dim: int = -1, *_, **__) -> int | None:
-    """The 1 x 128 tiles' values along the last dimension quantised in chunks of rows past the caches (`fused`'s
-    chunk_rows); along dim 0 the chunks were no faster than x whole (docs/performance.md)."""
-    return 1 if dim % x.dim() == x.dim() - 1 else None
-
-
-@fused(ARITHMETIC_FROM, values_alone=True, draws=_tile_draws, chunk_rows=_tile_chunk_rows)
+@fused(ARITHMETIC_FROM, values_alone=True, draws=_tile_draws)
 def tile_quantise(x: torch.Tensor, dim: int = -1, tile: int = FP8_TILE, rounding: str = "nearest",
                   generator: torch.Generator | None = None, draw: torch.Tensor | None = None) -> Blocked:
     """x in E4M3 with one Transformer Engine power-of-two scale per 1 x `tile` run along `dim` (rounded as

@@ -28,8 +28,8 @@ holds, and `fn` itself otherwise (`quantiser.eager`, the reference, runs fn with
 A layout's graph is made once what its eager calls would have saved fused has cost what making it is expected to
 cost, and kept if it proves faster, or with `PRECISION_BENCH_FUSED_COMPILE=at-once` made and kept on its first call
 (`Specialisation` says why). A block quantiser's graph on ONE_PASS_FROM values or more is one loop over blocks
-(`in_one_pass` says why), but where the quantiser declares `chunk_rows` (NVFP4, MX, the 1 x 128 tiles), its values
-from CHUNKED_FROM are quantised in chunks of rows instead, each chunk read again from the caches (`_in_chunks`).
+(`in_one_pass` says why), but where the quantiser declares `chunk_rows` (MX), its values from CHUNKED_FROM are
+quantised in chunks of rows instead, each chunk read again from the caches (`_in_chunks`).
 A BF16 or FP16 x enters the compiled graph as FP32 and its result leaves in x's dtype: inductor's CPU code for a
 16-bit tensor cast to FP8 and back ran 2x slower than torch's eager casts.
 
