@@ -1434,7 +1434,8 @@ def _chunked_arguments(name: str, x: torch.Tensor) -> tuple:
     return {"mxfp8": ("fp8_e4m3",), "mxfp4": ("fp4_e2m1",)}[name]
 
 
-@pytest.mark.parametrize("name", CHUNKED)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == "mxfp8" else pytest.mark.slow)
+                                  for name in CHUNKED])
 def test_values_quantised_in_chunks_give_the_eager_bits(monkeypatch, name):
     """Past the caches MX's values are quantised in chunks of whole blocks' rows
     (`fused._in_chunks`), each chunk's loops reading it again from the caches. On the conformance families, FP32 and
