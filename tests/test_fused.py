@@ -1422,16 +1422,11 @@ def test_a_fused_element_rounding_is_arithmetic_without_bit_views(monkeypatch):
     assert any(n.target == torch.ops.aten.view.dtype for n in eager.graph.nodes)
 
 
-# the block quantisers whose values past the caches are quantised in chunks of rows (fused.chunk_rows), with the
+# the block quantisers whose values past the caches are quantised in chunks of rows (`fused`'s chunk_rows), with the
 # conformance families they are checked on and the dimensions they are chunked along: (quantiser, its rule, element,
 # block width, dims)
 CHUNKED = {"mxfp8": (blocks.mx_quantise, blocks._mx_chunk_rows, "fp8_e4m3", blocks.MX_BLOCK, (-1, 0)),
            "mxfp4": (blocks.mx_quantise, blocks._mx_chunk_rows, "fp4_e2m1", blocks.MX_BLOCK, (-1, 0))}
-
-
-def _chunked_arguments(name: str, x: torch.Tensor) -> tuple:
-    """The quantiser's arguments after x (x's own tensors among them where it has one: none today)."""
-    return {"mxfp8": ("fp8_e4m3",), "mxfp4": ("fp4_e2m1",)}[name]
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == "mxfp8" else pytest.mark.slow)
@@ -1448,12 +1443,11 @@ def test_values_quantised_in_chunks_give_the_eager_bits(monkeypatch, name):
     tails = []
     for x in _inputs(element, width):
         monkeypatch.setattr(fused, "CHUNK_VALUES", x.numel() // 5 - width * 3)
-        args = _chunked_arguments(name, x)
-        scalars = [a for a in args if isinstance(a, torch.Tensor)]
+        args = (element,)
         for dim in dims:
             draw = torch.rand(blocks._blocks_shape(x, dim, width), generator=torch.Generator().manual_seed(1))
             for named in ({"dim": dim}, {"dim": dim, "rounding": "stochastic", "draw": draw}):
-                cuts = fused._in_chunks(rule, [x, *scalars, *([draw] if "draw" in named else [])], args, named)
+                cuts = fused._in_chunks(rule, [x, *([draw] if "draw" in named else [])], args, named)
                 assert cuts is not None and x.shape[0] // cuts[0] >= 4, (name, dim, cuts)
                 tails.append(x.shape[0] % cuts[0] != 0)
                 fast = fused.Specialisation(call.eager, args, named, pick="values", chunk_rows=rule)(x, *args, **named)
@@ -1471,8 +1465,7 @@ def test_values_in_chunks_are_written_in_place_not_copied(monkeypatch, name):
     monkeypatch.setattr(fused, "CHUNKED_FROM", 1)
     monkeypatch.setattr(fused, "CHUNK_VALUES", 64 * 256)
     x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
-    args = _chunked_arguments(name, x)
-    steps = _outer_loop_steps(call, x, args, {"dim": dims[-1]}, rule)
+    steps = _outer_loop_steps(call, x, (element,), {"dim": dims[-1]}, rule)
     assert len(steps) == 3 * 4, (name, steps)
 
 

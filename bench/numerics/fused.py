@@ -388,10 +388,6 @@ class Specialisation:
     def _compiled_graph(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Callable:
         """The graph of fn on these tensors (the other arguments as constants), compiled; a callable of the list of
         tensors returning what fn returns (a tensor, or a dataclass of tensors such as blocks.Blocked)."""
-        # here, not at import: a refused command imports nothing heavy
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         cuts = _in_chunks(self.chunk_rows, tensors, args, kwargs)
         if cuts is not None:
             return self._chunked_graph(tensors, args, kwargs, cuts)
@@ -414,28 +410,8 @@ class Specialisation:
             made["rebuild"], made["outputs"] = _rebuild(type(result), is_tuple, written), sum(written)
             return tuple(v for v in values if v is not None)
 
-        global _tracing
-        with torch.no_grad():
-            _tracing, outer = True, _tracing
-            try:  # the quantisers fn calls (quantise_value inside mx_quantise) are traced into its graph, eagerly
-                graph = make_fx(traced)(*tensors)
-            finally:
-                _tracing = outer
-            inner = []  # inductor's compiled graph, kept as AOTAutograd's pipeline hands it on
-
-            def keep(*args, **kwargs):
-                inner.append(compile_fx_inner(*args, **kwargs))
-                return inner[-1]
-
-            wrapped = compile_fx(graph, list(tensors), inner_compile=keep,
-                                 config_patches={**INDUCTOR_OPTIONS, **_eager_numerics()})
-            direct, rebuild = inner[0], made["rebuild"]
-            if not _called_directly(direct, tensors, made["outputs"]):
-                return _returning(rebuild, lambda inputs: wrapped(*inputs))
-        # the generated module's `call` itself, where inductor hands it on: the CompiledFxGraph around it checks debug
-        # and autotune-cache state no CPU graph of ours has, about 1 us a call (more inside a step, code gone cold).
-        # It is boxed: it empties the list it is given, which each caller makes for the call.
-        return _returning(rebuild, getattr(direct, "current_callable", None) or direct)
+        call = _inductor_graph(traced, list(tensors), lambda: made["outputs"])
+        return _returning(made["rebuild"], call)
 
     def _chunked_graph(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict, cuts: list[int | None]
                        ) -> Callable:
@@ -444,14 +420,12 @@ class Specialisation:
         one chunk is the same as for the next (compiled once), and runs chunk after chunk, each chunk's loops over
         it reading its values again from the caches. A call cuts its tensors alike (views) and hands the graph
         those, its scalars to every chunk."""
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-        from torch.fx.experimental.proxy_tensor import make_fx
+        def pieces(inputs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+            return [list(t.split(rows)) if rows else [t] for t, rows in zip(inputs, cuts)]
 
-        def pieces(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [piece for t, rows in zip(inputs, cuts) for piece in (t.split(rows) if rows else (t,))]
-
-        sizes = [len(t.split(rows)) if rows else 1 for t, rows in zip(tensors, cuts)]
-        slots, names, count = self.slots, self.names, sizes[0]
+        example = pieces(tensors)
+        sizes, count = [len(cut) for cut in example], len(example[0])
+        slots, names = self.slots, self.names
 
         def traced(*flat):
             per_tensor, at = [], 0
@@ -468,28 +442,45 @@ class Specialisation:
                 results.append(self.fn(per_tensor[0][chunk], *rest, **named))
             return (torch.cat(results),)
 
-        example = pieces(tensors)
-        global _tracing
-        with torch.no_grad():
-            _tracing, outer = True, _tracing
-            try:
-                graph = make_fx(traced)(*example)
-            finally:
-                _tracing = outer
-            _concatenated_unviewed(graph)
-            inner = []
+        call = _inductor_graph(traced, [piece for cut in example for piece in cut], lambda: 1, _concatenated_unviewed)
+        return lambda inputs: call([piece for cut in pieces(inputs) for piece in cut])[0]
 
-            def keep(*args, **kwargs):
-                inner.append(compile_fx_inner(*args, **kwargs))
-                return inner[-1]
 
-            wrapped = compile_fx(graph, example, inner_compile=keep,
-                                 config_patches={**INDUCTOR_OPTIONS, **_eager_numerics()})
-            direct = inner[0]
-            if not _called_directly(direct, example, 1):
-                return lambda inputs: wrapped(*pieces(inputs))[0]
-        call = getattr(direct, "current_callable", None) or direct
-        return lambda inputs: call(pieces(inputs))[0]
+def _inductor_graph(traced: Callable, example: list[torch.Tensor], outputs: Callable[[], int],
+                    rewrite: Callable | None = None) -> Callable:
+    """`traced` (a function of tensors returning a tuple of them) as a graph traced by make_fx on `example` (the
+    quantisers it calls traced into it, eagerly), rewritten in place by `rewrite` where given, and compiled as
+    `torch._inductor.compile` compiles it; a callable of a list of tensors returning the graph's outputs: inductor's
+    generated code itself where it gives all `outputs()` of them (known once traced), AOTAutograd's wrapped graph
+    otherwise (`_called_directly`)."""
+    # here, not at import: a refused command imports nothing heavy
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    global _tracing
+    with torch.no_grad():
+        _tracing, outer = True, _tracing
+        try:  # the quantisers fn calls (quantise_value inside mx_quantise) are traced into its graph, eagerly
+            graph = make_fx(traced)(*example)
+        finally:
+            _tracing = outer
+        if rewrite is not None:
+            rewrite(graph)
+        inner = []  # inductor's compiled graph, kept as AOTAutograd's pipeline hands it on
+
+        def keep(*args, **kwargs):
+            inner.append(compile_fx_inner(*args, **kwargs))
+            return inner[-1]
+
+        wrapped = compile_fx(graph, example, inner_compile=keep,
+                             config_patches={**INDUCTOR_OPTIONS, **_eager_numerics()})
+        direct = inner[0]
+        if not _called_directly(direct, example, outputs()):
+            return lambda inputs: wrapped(*inputs)
+    # the generated module's `call` itself, where inductor hands it on: the CompiledFxGraph around it checks debug
+    # and autotune-cache state no CPU graph of ours has, about 1 us a call (more inside a step, code gone cold).
+    # It is boxed: it empties the list it is given, which each caller makes for the call.
+    return getattr(direct, "current_callable", None) or direct
 
 
 def _in_chunks(chunk_rows: Callable[..., int | None] | None, tensors: list[torch.Tensor], args: tuple,
