@@ -52,7 +52,15 @@ from typing import Callable
 
 import torch
 
-from bench.numerics.formats import FORMATS, ElementFormat, quantise_stochastic, quantise_value, tensor_amax_of, uniforms
+from bench.numerics.formats import (
+    FLOAT32_MAX,
+    FORMATS,
+    ElementFormat,
+    quantise_stochastic,
+    quantise_value,
+    tensor_amax_of,
+    uniforms,
+)
 from bench.numerics.fused import ARITHMETIC_FROM, fused, in_graph, in_one_pass
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
@@ -84,7 +92,6 @@ NVFP4_SCALE_MIN = 2.0**-6  # torch.finfo(float8_e4m3fn).tiny: torchao's clamp be
 # the floor of the two-level tensor scale t: (1 / t) / NVFP4_SCALE_MIN, the largest factor an element is
 # multiplied by, is then 2^127, still finite
 NVFP4_TENSOR_SCALE_MIN = 2.0**-121
-FLOAT32_MAX = torch.finfo(torch.float32).max
 SCALE_RULES = ("torchao", "te")  # NVFP4's scale arithmetic: torchao's (the default) or Transformer Engine's
 
 
@@ -336,7 +343,7 @@ def te_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     where the scale meets the elements (1 x 128 tiles along dim 0 ran 3-4x slower: docs/performance.md)."""
     amax = amax.float()
     scale = _quotient(E4M3_MAX, amax)
-    scale = torch.where(scale.isinf(), torch.finfo(torch.float32).max, scale)
+    scale = torch.where(scale.isinf(), FLOAT32_MAX, scale)
     scale = torch.where((amax == 0) | amax.isinf() | scale.isnan(), 1.0, scale)
     return torch.ldexp(torch.full_like(scale, 0.5), torch.frexp(scale).exponent)
 

@@ -157,6 +157,7 @@ FORMATS: dict[str, ElementFormat] = {
     "fp4_e2m1": _bits("fp4_e2m1", 2, 1, nan="none"),
 }
 FP32_EMIN = FORMATS["fp32"].emin  # FP32's smallest normal exponent, -126
+FLOAT32_MAX = torch.finfo(torch.float32).max
 _SIXTEEN_BIT_FORMATS = {FORMATS[name].torch_dtype: FORMATS[name] for name in ("bf16", "fp16")}  # autocast's
 
 
@@ -325,7 +326,7 @@ def _round_mantissa_by_splitting(x: torch.Tensor, man_bits: int) -> torch.Tensor
     shift = 1.5 * 2.0 ** (FP32_EMIN - man_bits + 23)
     r = torch.where(magnitude < 2.0**FP32_EMIN, (x + shift) - shift, normal)
     r = torch.where(r == 0, x * 0.0, r)
-    return torch.where(magnitude <= torch.finfo(torch.float32).max, r, x)  # inf and NaN (false) as they came
+    return torch.where(magnitude <= FLOAT32_MAX, r, x)  # inf and NaN (false) as they came
 
 
 def _fused_from(fmt: str | ElementFormat, *_, **__) -> int:
@@ -431,9 +432,9 @@ def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, po
     x32 = x.to(torch.float32)
     top_spacing = 2.0 ** (spec.emax - spec.man_bits)
     bound = spec.max + top_spacing  # BF16's (2^128) is past FP32's range, which then bounds |x| by itself
-    signed = x32 if bound > torch.finfo(torch.float32).max else x32.clamp(-bound, bound)
+    signed = x32 if bound > FLOAT32_MAX else x32.clamp(-bound, bound)
     magnitude = signed.abs()
-    arithmetic = _splits(spec) and bound * _ONE_BIT_SPLIT < 2.0**126  # in a fused graph: no bit views, no sign
+    arithmetic = in_fused_graph()  # no bit views, no sign
     if arithmetic:
         spacing = _binade_of(magnitude, spec) * 2.0**-spec.man_bits
     else:
@@ -472,16 +473,25 @@ def _round_up_below(x: torch.Tensor, draw: torch.Tensor, spec: ElementFormat, po
     return _finish(rounded, spec, ftz).to(x.dtype)
 
 
-_ONE_BIT_SPLIT = 2.0**23 + 1  # `_veltkamp(m, 1)`'s factor: `_binade_of` is exact while m times it stays finite
+_ONE_BIT_SPLIT = 2.0**23 + 1  # `_veltkamp(m, 1)`'s factor: exact while m times it stays finite (m < 2^104)
+_BINADE_SCALED_FROM = 2.0**100  # from here `_binade_of` splits m * 2^-64 (exact: m is normal and stays so)
 
 
 def _binade_of(magnitude: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
     """2^floor(log2 m) of each magnitude m, clamped to [2^emin, 2^emax], in arithmetic for a fused graph (no bit
-    view): Veltkamp's split rounds m to one significant bit, 2^e or 2^(e+1); the larger, past m, is halved. Exact for
-    normal FP32 m whose product by the split's factor is finite (the caller's bound); a smaller m (zero, an FP32
-    subnormal) is below 2^emin, which the clamp gives it, for a format whose emin is above FP32's."""
-    nearest = _veltkamp(magnitude, 1)
-    return torch.where(nearest > magnitude, nearest * 0.5, nearest).clamp(2.0**spec.emin, 2.0**spec.emax)
+    view): Veltkamp's split rounds m to one significant bit, 2^e or 2^(e+1); the larger, past m, is halved. A smaller
+    m than FP32's smallest normal (zero, an FP32 subnormal) is below 2^emin (never under FP32's), which the clamp gives
+    it. For a format whose range passes 2^100 (BF16's and TF32's: FP32's own), m from there is split scaled down by
+    2^64 and scaled back, and an infinite m is split as FP32's max: 2^emax, as its exponent field clamped reads. A
+    NaN stays NaN."""
+    if 2.0 ** (spec.emax + 1) <= _BINADE_SCALED_FROM:  # every m the caller passes (its bound, 2^(emax+1), at most)
+        nearest = _veltkamp(magnitude, 1)
+        return torch.where(nearest > magnitude, nearest * 0.5, nearest).clamp(2.0**spec.emin, 2.0**spec.emax)
+    large = magnitude >= _BINADE_SCALED_FROM
+    m = torch.where(large, magnitude.clamp(max=FLOAT32_MAX) * 2.0**-64, magnitude)
+    nearest = _veltkamp(m, 1)
+    binade = torch.where(nearest > m, nearest * 0.5, nearest)
+    return torch.where(large, binade * 2.0**64, binade).clamp(2.0**spec.emin, 2.0**spec.emax)
 
 
 class _QuantiseSTE(torch.autograd.Function):

@@ -51,9 +51,11 @@ bench/numerics/fused.py):
 - trace_share.lenet.<format>: what tracing its step costs a cell (bench/speed/trace.py, the speed model's input and
   its FLOPs) as the same share. Target <= 0.02.
 - aggregate_s.10k: reading, summarising and tabulating 10,000 synthetic records. Target <= 5 s.
-- quantise_ns.<format>: nanoseconds per value of bench.numerics.formats.quantise on 2^20 float32 values, and of the
-  block quantisers (MX, NVFP4 by torchao's rule and, stochastically from 8 bits, by Transformer Engine's, FP8
-  rowwise and tiles) on the same values as a 1024 x 1024 matrix (fused where that pays: bench/numerics/fused.py).
+- quantise_ns.<format>: nanoseconds per value of bench.numerics.formats.quantise on 2^20 float32 values (and
+  `bf16_stochastic`: quantise_stochastic to BF16, its draws included, as train.master_weights=bf16_stochastic rounds
+  each weight every step), and of the block quantisers (MX, NVFP4 by torchao's rule and, stochastically from 8
+  bits, by Transformer Engine's, FP8 rowwise and tiles) on the same values as a 1024 x 1024 matrix (fused where
+  that pays: bench/numerics/fused.py).
   quantise_of_clone.<format>.{eager,fused}: each one's throughput as a fraction of x.clone()'s (the memory floor:
   one read, one write; on a CPU each call, clone's too, after twice the largest cache's bytes are written,
   quantise_of_clone.evicted_mb) on 4096 x 4096, eager and fused (MXFP8, NVFP4 and FP8's 1 x 128 tiles also with
@@ -101,7 +103,7 @@ from bench.numerics.blocks import (
     tile2d_quantise,
     tile_quantise,
 )
-from bench.numerics.formats import quantise, quantise_value
+from bench.numerics.formats import quantise, quantise_stochastic, quantise_value
 from bench.numerics.memory import StepMemory
 from bench.running import device as devices
 from bench.running.compile import CompiledStep
@@ -588,6 +590,8 @@ BLOCK_QUANTISERS = {  # on a (1024, 1024) tensor, blocked along its rows
     "nvfp4_te_stochastic": lambda x: te_nvfp4_quantise(x, rounding="stochastic", sr_bits=8),
     "fp8_rowwise": rowwise_quantise, "fp8_1x128": tile_quantise, "fp8_128x128": tile2d_quantise}
 ELEMENT_FORMATS = ("tf32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+ELEMENT_QUANTISERS = {**{fmt: lambda x, fmt=fmt: quantise(x, fmt) for fmt in ELEMENT_FORMATS},
+                      "bf16_stochastic": lambda x: quantise_stochastic(x, "bf16")}
 # quantise_of_clone: each quantiser and its arguments after x (None: the tensor's NVFP4 scale), eager and fused;
 # blocks along dim -1, and (`_dim0`) along dim 0, as a weight-gradient GEMM's operands are blocked
 FUSED_QUANTISERS = {**{fmt: (quantise_value, (fmt,)) for fmt in ELEMENT_FORMATS},
@@ -606,9 +610,9 @@ def quantise_rows(quick: bool = False) -> list[dict]:
     compiles), `of_clone_rows`."""
     x = torch.randn(2**20) * 100
     rows = []
-    for fmt in ELEMENT_FORMATS:
-        seconds = alternate({fmt: lambda fmt=fmt: quantise(x, fmt)}, torch.device("cpu"), 5)[fmt]
-        rows.append(row(f"quantise_ns.{fmt}", seconds / x.numel() * 1e9, "ns/value", None))
+    for name, quantiser in ELEMENT_QUANTISERS.items():
+        seconds = alternate({name: lambda q=quantiser: q(x)}, torch.device("cpu"), 5)[name]
+        rows.append(row(f"quantise_ns.{name}", seconds / x.numel() * 1e9, "ns/value", None))
     matrix = x.reshape(1024, 1024)
     for name, quantiser in BLOCK_QUANTISERS.items():
         seconds = alternate({name: lambda q=quantiser: q(matrix)}, torch.device("cpu"), 5)[name]

@@ -43,11 +43,10 @@ from bench.numerics.blocks import (
     te_pow2_scale,
     torchao_pow2_scale,
 )
-from bench.numerics.formats import FORMATS, quantise_value
+from bench.numerics.formats import FLOAT32_MAX, FORMATS, quantise_value
 
 RANDOM_VALUES = 2**20
 E4M3_NEAR = 448.0
-FLOAT32_MAX = torch.finfo(torch.float32).max
 # What a reference does that departs from the spec (or, for NVFP4's tensor scale, from a finite answer): each is
 # counted in its own column (differing values plus differing scale bytes in the blocks it concerns) and shown
 # with an example under "Named departures"; anything else that differs is a mismatch.
