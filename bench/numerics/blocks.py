@@ -61,7 +61,7 @@ from bench.numerics.formats import (
     tensor_amax_of,
     uniforms,
 )
-from bench.numerics.fused import ARITHMETIC_FROM, fused, in_graph, in_one_pass
+from bench.numerics.fused import ARITHMETIC_FROM, fused, in_fused_graph, in_graph, in_one_pass
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
 
@@ -138,6 +138,21 @@ def _blocks(x: torch.Tensor, dim: int, k: int) -> tuple[torch.Tensor, int, int]:
         x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1 - dim) + (0, pad))
     return x.unflatten(dim, (-1, k)), length, dim + 1
 
+
+AMAX_ROWS = 16  # a fused graph reduces a block of more rows 16 rows at a time first (`_block_amax`)
+
+
+def _block_amax(blocks: torch.Tensor, within: int) -> torch.Tensor:
+    """Each block's amax (kept as a singleton at `within`; NaN where the block holds one). In a fused graph, a block
+    along dim 0 (its elements a row apart) of a multiple of AMAX_ROWS rows past it is reduced AMAX_ROWS rows at a
+    time, then over those: the same maximum. Inductor's CPU code reduces a block's rows innermost, reading one stream
+    of memory a row, and 128 streams at once ran at half the speed of one (docs/performance.md). A 128 x 128 tile's
+    rows, 512 bytes each, gained nothing so, and are reduced at once."""
+    rows = blocks.shape[within]
+    magnitudes = blocks.abs()
+    if not (in_fused_graph() and within < blocks.dim() - 1 and rows > AMAX_ROWS and rows % AMAX_ROWS == 0):
+        return magnitudes.amax(within, keepdim=True)
+    return magnitudes.unflatten(within, (-1, AMAX_ROWS)).amax(within + 1).amax(within, keepdim=True)
 
 def _unblock(blocks: torch.Tensor, length: int, within: int) -> torch.Tensor:
     return blocks.flatten(within - 1, within).narrow(within - 1, 0, length)
@@ -235,7 +250,7 @@ def mx_quantise(x: torch.Tensor, element: str, mode: str = "floor", dim: int = -
         raise ValueError(f"unknown MX element format {element!r}; valid: {', '.join(MX_ELEMENTS)}")
     spec = FORMATS[element]
     blocks, length, within = _blocks(x, dim, block)
-    amax = blocks.abs().amax(within, keepdim=True)  # NaN where the block holds one
+    amax = _block_amax(blocks, within)  # NaN where the block holds one
     biased = mx_scale_exponent(in_one_pass(amax, x), spec, mode)
     nan = biased == E8M0_NAN
     scale = torch.where(nan, torch.nan, _e8m0_value(biased))  # 2^e, exact down to 2^-127
@@ -265,7 +280,7 @@ def nvfp4_quantise(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, di
     E2M1 elements rounded by `rounding` (NVIDIA's NVFP4 training recipe rounds gradients stochastically, from
     `sr_bits` random bits where given; `draw`: those `_nvfp4_draws` drew already)."""
     blocks, length, within = _blocks(x, dim, NVFP4_BLOCK)
-    amax = blocks.abs().amax(within, keepdim=True)
+    amax = _block_amax(blocks, within)
     elements, stored, scale = _nvfp4_scaled(blocks, amax, tensor_scale, rounding, generator, sr_bits, draw)
     return _blocked(elements * scale, elements, length, within, stored, amax, scale)
 
@@ -324,7 +339,7 @@ def te_nvfp4_quantise(x: torch.Tensor, tensor_amax: torch.Tensor | None = None, 
     as `nvfp4_quantise`'s)."""
     tensor_amax = tensor_amax_of(x) if tensor_amax is None else tensor_amax
     blocks, length, within = _blocks(x, dim, NVFP4_BLOCK)
-    amax = blocks.abs().amax(within, keepdim=True)
+    amax = _block_amax(blocks, within)
     elements, stored, scale = _te_nvfp4_scaled(blocks, amax, tensor_amax, rounding, generator, sr_bits, draw)
     return _blocked(elements * scale, elements, length, within, stored, amax, scale)
 
@@ -357,7 +372,7 @@ def _fp8_scaled(blocks: torch.Tensor, scale: torch.Tensor, rounding: str = "near
 
 def _fp8_runs(x: torch.Tensor, dim: int, run: int, scale_rule, rounding: str, generator, draw) -> Blocked:
     blocks, length, within = _blocks(x, dim, run)
-    amax = blocks.abs().amax(within, keepdim=True)
+    amax = _block_amax(blocks, within)
     scale = scale_rule(in_one_pass(amax, x))
     elements, values = _fp8_scaled(blocks, scale, rounding, generator, draw)
     return _blocked(values, elements, length, within, scale, amax, _quotient(1.0, scale))
