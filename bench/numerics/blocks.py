@@ -144,15 +144,16 @@ AMAX_ROWS = 16  # a fused graph reduces a block of more rows 16 rows at a time f
 
 def _block_amax(blocks: torch.Tensor, within: int) -> torch.Tensor:
     """Each block's amax (kept as a singleton at `within`; NaN where the block holds one). In a fused graph, a block
-    along dim 0 (its elements a row apart) of a multiple of AMAX_ROWS rows past it is reduced AMAX_ROWS rows at a
-    time, then over those: the same maximum. Inductor's CPU code reduces a block's rows innermost, reading one stream
-    of memory a row, and 128 streams at once ran at half the speed of one (docs/performance.md). A 128 x 128 tile's
-    rows, 512 bytes each, gained nothing so, and are reduced at once."""
+    across rows (along dim 0, or any dimension but the last: its elements a row apart) of a multiple of AMAX_ROWS rows
+    past it is reduced AMAX_ROWS rows at a time, then over those: the same maximum. Inductor's CPU code reduces a
+    block's rows innermost, reading one stream of memory a row, and 128 streams at once ran at half the speed of one
+    (docs/performance.md). A 128 x 128 tile's rows, 512 bytes each, gained nothing so, and are reduced at once."""
     rows = blocks.shape[within]
     magnitudes = blocks.abs()
     if not (in_fused_graph() and within < blocks.dim() - 1 and rows > AMAX_ROWS and rows % AMAX_ROWS == 0):
         return magnitudes.amax(within, keepdim=True)
     return magnitudes.unflatten(within, (-1, AMAX_ROWS)).amax(within + 1).amax(within, keepdim=True)
+
 
 def _unblock(blocks: torch.Tensor, length: int, within: int) -> torch.Tensor:
     return blocks.flatten(within - 1, within).narrow(within - 1, 0, length)
