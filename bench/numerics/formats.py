@@ -485,13 +485,16 @@ def _binade_of(magnitude: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
     2^64 and scaled back, and an infinite m is split as FP32's max: 2^emax, as its exponent field clamped reads. A
     NaN stays NaN."""
     if 2.0 ** (spec.emax + 1) <= _BINADE_SCALED_FROM:  # every m the caller passes (its bound, 2^(emax+1), at most)
-        nearest = _veltkamp(magnitude, 1)
-        return torch.where(nearest > magnitude, nearest * 0.5, nearest).clamp(2.0**spec.emin, 2.0**spec.emax)
+        return _split_binade(magnitude).clamp(2.0**spec.emin, 2.0**spec.emax)
     large = magnitude >= _BINADE_SCALED_FROM
-    m = torch.where(large, magnitude.clamp(max=FLOAT32_MAX) * 2.0**-64, magnitude)
-    nearest = _veltkamp(m, 1)
-    binade = torch.where(nearest > m, nearest * 0.5, nearest)
+    binade = _split_binade(torch.where(large, magnitude.clamp(max=FLOAT32_MAX) * 2.0**-64, magnitude))
     return torch.where(large, binade * 2.0**64, binade).clamp(2.0**spec.emin, 2.0**spec.emax)
+
+
+def _split_binade(m: torch.Tensor) -> torch.Tensor:
+    """2^floor(log2 m) of normal FP32 m under 2^104 (`_binade_of`'s step, unclamped): Veltkamp's one-bit split."""
+    nearest = _veltkamp(m, 1)
+    return torch.where(nearest > m, nearest * 0.5, nearest)
 
 
 class _QuantiseSTE(torch.autograd.Function):
