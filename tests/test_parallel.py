@@ -5,6 +5,7 @@ one-device cell, against each other, and against torch's own compression hook.""
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -371,14 +372,39 @@ def test_a_killed_rank_fails_its_cell_with_a_summary_stops_the_other_ranks_and_t
     assert sorted(by_steps) == [6, 400], sweep.stdout[-3000:] + sweep.stderr[-3000:]
     assert "USDT" not in sweep.stdout + sweep.stderr  # kineto's trace points, from the ranks' profiled step
     assert by_steps[400]["status"] == "failed" and by_steps[6]["status"] == "ok"
-    assert by_steps[400]["reason"].startswith(f"JobFailed: rank 1 of 2 (pid {pids.read_text()}) was killed by SIGKILL; "
-                                              "the launcher stopped the other ranks")
+    assert by_steps[400]["reason"].startswith(f"JobFailed: rank 1 of 2 (pid {pids.read_text()}) was killed by SIGKILL;")
     assert not Path(f"/proc/{pids.read_text()}").exists()
     again = subprocess.run([*cmd, "retry_failed=true"], cwd=Path(__file__).resolve().parents[1], env=env,
                            capture_output=True, text=True, timeout=300)
     retried = next(json.loads(p.read_text()) for p in pids.parent.rglob("result.json")
                    if json.loads(p.read_text())["config"]["train"]["max_steps"] == 400)
     assert retried["status"] == "ok" and retried["resumed_from"]["step"] > 0, again.stdout[-3000:]
+
+
+def test_a_rank_that_crashed_as_its_peer_was_killed_is_not_named_the_cause():
+    """The launcher found rank 1 killed (SIGKILL) and rank 0 crashed (SIGSEGV, in gloo's closed connection) in one
+    check: torch stamps both with that second and its own choice names rank 0; ours names rank 1, and says rank 0's
+    end too. Of two ends of their own in one second, the lower rank; an error a second earlier comes first."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def failed(*ends):
+        failures = {}
+        for rank, (exitcode, second) in enumerate(ends):
+            failures[rank] = ProcessFailure(local_rank=rank, pid=4240 + rank, exitcode=exitcode, error_file="")
+            failures[rank].timestamp = second
+        return ChildFailedError("rank", failures)
+
+    crashed_as_killed = failed((-signal.SIGSEGV, 100), (-signal.SIGKILL, 100))
+    assert crashed_as_killed.get_first_failure()[0] == 0  # torch's choice, which this guards against
+    assert parallel.first_failure(crashed_as_killed)[0] == 1
+    assert parallel.failure_summary(crashed_as_killed, 2) == (
+        "rank 1 of 2 (pid 4241) was killed by SIGKILL; rank 0 (pid 4240) had ended too: it was killed by SIGSEGV")
+    assert parallel.failure_summary(crashed_as_killed, 4).endswith("; the launcher stopped the other ranks")
+    lost_peer_as_crashed = failed((1, 100), (-signal.SIGSEGV, 100))
+    lost_peer_as_crashed.failures[0].message = "RuntimeError: [gloo] Read error: Connection reset by peer"
+    assert parallel.first_failure(lost_peer_as_crashed)[0] == 1
+    assert parallel.first_failure(failed((-signal.SIGKILL, 100), (-signal.SIGTERM, 100)))[0] == 0
+    assert parallel.first_failure(failed((-signal.SIGSEGV, 99), (-signal.SIGKILL, 100)))[0] == 0
 
 
 # A plug-in whose rank 1 stops answering at its third backward pass (a rank stuck, not dead): rank 0 waits in the

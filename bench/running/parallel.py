@@ -182,7 +182,7 @@ def launch(cfg: DictConfig, config: dict, train_rank) -> dict:
     except ChildFailedError as e:
         if (refusal := _refusal(e)) is not None:
             raise ConfigError(refusal) from None
-        raise JobFailed(failure_summary(e, cfg.parallel.world_size), e.get_first_failure()[0]) from None
+        raise JobFailed(failure_summary(e, cfg.parallel.world_size), first_failure(e)[0]) from None
     except SignalException as e:  # the launcher passed it to the ranks, which saved a checkpoint at a step boundary
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None  # bench.run's "interrupted: ... run the same command again"
@@ -217,18 +217,44 @@ def _refusal(error) -> str | None:
                  if said in line), None)
 
 
+# How a rank can end because another one vanished: a crash inside gloo's or NCCL's handling of the closed connection
+# (seen: rank 0 SIGSEGV within a tenth of a second of rank 1's SIGKILL), or its collective's error (LOST_PEER).
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT})
+
+
+def first_failure(error) -> tuple[int, object]:
+    """The rank whose end caused the job's (torch's ChildFailedError), and its ProcessFailure. torch's own choice
+    (`get_first_failure`) takes the earliest timestamp, in whole seconds, and a signal's end is stamped when the
+    launcher saw it, so two ranks found dead in one of its checks tie and the lower rank wins: a rank that crashed
+    because its peer was killed was named as the cause. Among ranks ending in the same second, an end of its own
+    (a signal from outside, its error) comes before a crash and a crash before a lost peer's error."""
+    def consequence(failure) -> int:
+        if failure.exitcode < 0:
+            return int(-failure.exitcode in CRASH_SIGNALS)
+        return 2 if any(words in line for line in _error_lines(failure) for words in LOST_PEER) else 0
+
+    return min(error.failures.items(), key=lambda item: (item[1].timestamp, consequence(item[1]), item[0]))
+
+
+def _how_it_ended(failure) -> str:
+    """'was killed by SIGKILL' or 'exited with code 1', and its error's last line, a collective's timeout named."""
+    if failure.exitcode < 0:
+        return f"was killed by {failure.signal_name()}"
+    last = next((line.strip() for line in reversed(_error_lines(failure)) if line.strip()), "")
+    if "timed out" in last.lower() or "timeout" in last.lower():
+        last = f"a collective timed out (after {collective_timeout().total_seconds():g} s): {last}"
+    said = f": {last}" if last and not last.startswith("To enable traceback") else ""
+    return f"exited with code {failure.exitcode}{said}"
+
+
 def failure_summary(error, world_size: int) -> str:
-    """One line for the first rank that failed (torch's ChildFailedError): how it ended and its error's last line,
-    a collective's timeout named as one."""
-    first, failure = error.get_first_failure()
-    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
-    said = ""
-    if failure.exitcode > 0:  # its error's last line
-        last = next((line.strip() for line in reversed(_error_lines(failure)) if line.strip()), "")
-        if "timed out" in last.lower() or "timeout" in last.lower():
-            last = f"a collective timed out (after {collective_timeout().total_seconds():g} s): {last}"
-        said = f": {last}" if last and not last.startswith("To enable traceback") else ""
-    return f"rank {first} of {world_size} (pid {failure.pid}) {how}{said}; the launcher stopped the other ranks"
+    """One line for the rank whose end failed the job (`first_failure`): how it ended, then any other rank the
+    launcher found ended in the same check, and whether it stopped the rest."""
+    first, failure = first_failure(error)
+    others = "".join(f"; rank {r} (pid {f.pid}) had ended too: it {_how_it_ended(f)}"
+                     for r, f in sorted(error.failures.items()) if r != first)
+    stopped = "; the launcher stopped the other ranks" if len(error.failures) < world_size else ""
+    return f"rank {first} of {world_size} (pid {failure.pid}) {_how_it_ended(failure)}{others}{stopped}"
 
 
 def collective_timeout() -> dt.timedelta:
