@@ -35,6 +35,59 @@ def records(root):
     return {str(p.parent.relative_to(root)): json.loads(p.read_text()) for p in Path(root).rglob("result.json")}
 
 
+# A plug-in that makes the cell of seed 1 step slowly (a third of a second a backward pass): a worker whose cell stops
+# first must not end the sweep while this one is still in its step.
+SLOW_SEED_ONE = """
+import time
+import torch
+
+_backward = torch.Tensor.backward
+
+def _slowly(self, *args, **kwargs):
+    if torch.initial_seed() == 1:
+        time.sleep(0.3)
+    return _backward(self, *args, **kwargs)
+torch.Tensor.backward = _slowly
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how, jobs", [(signal.SIGINT, 2), (signal.SIGTERM, 4)])
+def test_a_signal_to_a_parallel_sweeps_process_alone_saves_every_running_cell_and_starts_no_other(tmp_path, how,
+                                                                                                  jobs):
+    """`kill -INT <pid>` (or -TERM) of a parallel sweep's own process, not its process group: each running cell
+    saves a checkpoint at its next step boundary, the slow one (seed 1) too, after a fast one has stopped; with two
+    workers the queued third cell never starts; with four, none is left without a cell (a worker that never ran one
+    would end on the signal, and joblib then kill the others); one line, no traceback, exit 128 + the signal. (It
+    raised KeyboardInterrupt, and joblib killed its workers mid-step, with no checkpoint saved.)"""
+    (tmp_path / "slow_seed_one.py").write_text(SLOW_SEED_ONE)
+    results = tmp_path / "results"
+    cmd = [sys.executable, "-m", "bench.run", "-m", "hydra/launcher=parallel", "model=lenet", "seed=0,1,2",
+           "train.epochs=200", "train.checkpoint_every=100000", "plugins=[slow_seed_one]", f"results_dir={results}",
+           f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    env = os.environ | OFFLINE | {"BENCH_PARALLEL_JOBS": str(jobs),
+                                  "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    sweep = subprocess.Popen(cmd, cwd=CONF.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True,  # its own group: the signal reaches it alone
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 120
+    while time.time() < deadline and sweep.poll() is None:
+        logs = list(results.rglob("metrics.jsonl"))
+        if len(logs) == min(jobs, 3) and all(log.read_text().count("\n") >= 2 for log in logs):  # all training
+            break
+        time.sleep(0.05)
+    assert sweep.poll() is None, "the sweep ended before it could be signalled"
+    sweep.send_signal(how)
+    output = sweep.communicate(timeout=120)[0]
+    assert sweep.returncode == 128 + how, output[-3000:]
+    assert "interrupted: the sweep's running cells saved their checkpoints" in output and "Traceback" not in output
+    cells = {path.parent.name.split(",")[0]: path.parent for path in results.rglob("metrics.jsonl")}
+    assert sorted(cells) == ["seed0", "seed1", "seed2"][:jobs]  # with two workers seed 2, queued, never started
+    for seed, cell in cells.items():
+        steps = torch.load(cell / "checkpoint.pt", weights_only=False)["loop"]["steps"]
+        assert steps > 0 and not (cell / "result.json").exists(), seed
+
+
 @pytest.mark.slow  # end to end through submitit's local executor; the SLURM tests run the same plug-in on a cluster
 def test_submitit_local_runs_cells_as_subprocesses_and_a_rerun_skips_them(tmp_path):
     grid = ["-m", "hydra/launcher=submitit_local", "format=fp32,fp16", "scaling=none,static", "train.max_steps=3"]

@@ -43,6 +43,7 @@ from bench.running.record import error_line, storage_errors
 log = logging.getLogger(__name__)
 
 PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+STOPPED_EXIT_CODES = frozenset(128 + sig for sig in PREEMPTION_SIGNALS)  # `Checkpointer._stop`'s SystemExit
 CHECKPOINT_NAME = "checkpoint.pt"
 PREVIOUS_NAME = "checkpoint.previous.pt"  # with keep_checkpoint: the one before the last
 UNREADABLE_SUFFIX = ".unreadable-"
@@ -78,6 +79,31 @@ class CheckpointMismatch(Exception):
     """A readable checkpoint that is not this run's."""
 
 
+# A parallel sweep's worker (a joblib process that trains cell after cell) keeps a pre-emption signal that comes while
+# none of its cells' Checkpointers holds the signals (between cells, or while a cell is built) instead of ending: the
+# default would end an idle worker, and joblib then kills the other workers mid-step. The worker's later cells then
+# stop before they train (`Checkpointer.__enter__`), and the sweep's queued cells with them.
+_kept_signal: int | None = None
+
+
+def keep_signal(signum: int, frame=None) -> None:
+    """Keep `signum` (a signal handler too): the worker's later cells stop before they train."""
+    global _kept_signal
+    _kept_signal = signum
+
+
+def keep_signals_between_cells() -> None:
+    """In a parallel sweep's worker, from its first cell on: a pre-emption signal no cell is there to take is kept
+    (`keep_signal`), and stops the worker's later cells before they train."""
+    for sig in PREEMPTION_SIGNALS:
+        signal.signal(sig, keep_signal)
+
+
+def kept_signal() -> int | None:
+    """The pre-emption signal a parallel sweep's worker kept between its cells (None: none)."""
+    return _kept_signal
+
+
 class Checkpointer:
     """Saves and restores one cell's training state under `run_dir`."""
 
@@ -96,6 +122,8 @@ class Checkpointer:
         return (3 if self.keep else 2) * state_bytes(model, optimizer)
 
     def __enter__(self):
+        if _kept_signal is not None:  # pre-empted while the cell was built: it stops before its first step
+            raise KeyboardInterrupt
         if os.name == "posix":
             for sig in PREEMPTION_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)

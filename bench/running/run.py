@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 import traceback
@@ -31,8 +32,8 @@ from bench.numerics.scaling import LossScaler
 from bench.numerics.scaling_methods import ScalingMethod, transform_task
 from bench.numerics.scaling_methods import build as build_scaling_method
 from bench.numerics.unit import ConversionError
+from bench.running import checkpoint, parallel
 from bench.running import device as devices
-from bench.running import parallel
 from bench.running.checkpoint import Checkpointer, DistributedCheckpointer
 from bench.running.command_line import check_command_line, check_yaml_files
 from bench.running.compile import compiling
@@ -548,11 +549,23 @@ def main() -> None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def run_cells(cfg: DictConfig) -> dict:
     """One cell (Hydra calls it once per cell of a sweep): its record, or exit 2 for bad input."""
+    in_worker = _in_parallel_sweep()
+    if in_worker:  # a pre-emption signal between this worker's cells stops its later ones, not the worker
+        checkpoint.keep_signals_between_cells()
+        if checkpoint.kept_signal() is not None:
+            return INTERRUPTED
     try:
         record = run_cell(cfg)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as e:
+        # a worker's cell stopped by SIGTERM or SIGUSR2 (a whole process group's) ends in SystemExit; elsewhere
+        # that passes as it always has
+        if isinstance(e, SystemExit) and not (in_worker and e.code in checkpoint.STOPPED_EXIT_CODES):
+            raise
         print(f"interrupted: {cfg.cell} (its checkpoint is saved at the last step boundary); run the same command "
               "again to resume it", file=sys.stderr)
+        if in_worker:  # the worker's task ends as any other, so that joblib lets the other workers' cells save
+            checkpoint.keep_signal(signal.SIGINT)
+            return INTERRUPTED
         sys.exit(130)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -600,6 +613,18 @@ def _remove_setup_leftovers(results_dir: Path, cell: str) -> None:
             parent.rmdir()
     if _in_multirun() and results_dir.is_dir() and [p.name for p in results_dir.iterdir()] == [SWEEP_NOTE]:
         (results_dir / SWEEP_NOTE).unlink()
+
+
+# What a parallel sweep's worker returns for a cell it stopped, or did not start, after a pre-emption signal: its
+# sweep then ends without a summary (hydra_plugins/bench_sweeper: "interrupted: ...", exit 128 + the signal)
+INTERRUPTED = {"status": "interrupted", "skipped": False, "recorded": False}
+
+
+def _in_parallel_sweep() -> bool:
+    """Whether this process is a worker of a parallel sweep (hydra/launcher=parallel: joblib's processes)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return _in_multirun() and "joblib" in str(HydraConfig.get().launcher.get("_target_", ""))
 
 
 def _in_multirun() -> bool:

@@ -13,13 +13,18 @@ Hydra's basic sweeper with four additions:
 - the sweep ends with a status summary and a non-zero exit if any cell (run now or before) failed,
   including a SLURM job that ended without a result (cancelled, killed) and a cell stopped by a full or failing
   disk (no record), neither of which ends the sweep;
-- a SLURM sweep starts only where `sacct` answers (submitit sees a job end only through SLURM accounting).
+- a SLURM sweep starts only where `sacct` answers (submitit sees a job end only through SLURM accounting);
+- a pre-emption signal sent to a parallel sweep's own process (`kill -INT <pid>`, not only a terminal's Ctrl-C to
+  its whole group) reaches the cells its workers run, and the sweep waits for them to save at their next step
+  boundary before it exits, rather than killing them mid-step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -71,6 +76,67 @@ def _jobs_without_a_result_count_as_failed():
         submitit.Job.results = results
 
 
+def _cell_workers() -> list[int]:
+    """The pids of this process's joblib (loky) workers, each running a cell: its children whose command line is
+    loky's worker's (Linux's /proc; elsewhere none), not loky's and multiprocessing's resource trackers."""
+    workers = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # "pid (comm) state ppid ..."
+            if parent == os.getpid() and b"popen_loky_posix" in (stat.parent / "cmdline").read_bytes():
+                workers.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):  # ended while read
+            continue
+    return workers
+
+
+class _Stopped:
+    """The pre-emption signal a parallel sweep's process received (None: none yet)."""
+
+    signum: int | None = None
+
+
+@contextlib.contextmanager
+def _cells_stop_at_their_step_boundary():
+    """Around a parallel sweep's launch (joblib's workers, each training a cell): a pre-emption signal this process
+    receives (checkpoint.PREEMPTION_SIGNALS) is handed to every worker as SIGINT, whose cell saves a checkpoint at
+    its next step boundary and returns (a worker between cells keeps it, and its later cells, the queued ones among
+    them, return before they train: bench.running.run's run_cells), and the sweep waits for them instead of raising
+    at once (Python's KeyboardInterrupt, by which joblib killed its workers mid-step: sent to this process alone,
+    `kill -INT <pid>`, no cell saved; a terminal's Ctrl-C, which reaches every worker too, raced the kill). Once they
+    have returned, one line and exit 128 + the signal. The same signal again stops at once, as before."""
+    from bench.running.checkpoint import PREEMPTION_SIGNALS
+
+    stopped, previous = _Stopped(), {}
+
+    def hand_on(signum, frame):
+        if stopped.signum == signum:  # asked twice: stop now, without waiting
+            signal.signal(signum, previous[signum])
+            os.kill(os.getpid(), signum)
+            return
+        stopped.signum = signum
+        for pid in _cell_workers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)  # SIGTERM's default would end the worker, and joblib the others
+        log.warning("%s: each running cell saves a checkpoint at its next step boundary and stops; the sweep waits "
+                    "for them (the same signal again stops at once)", signal.Signals(signum).name)
+
+    for signum in PREEMPTION_SIGNALS:
+        previous[signum] = signal.signal(signum, hand_on)
+    try:
+        yield
+    except BaseException:
+        if stopped.signum is None:
+            raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if stopped.signum is not None:
+        print(f"interrupted: the sweep's running cells saved their checkpoints at their last step boundary "
+              f"({signal.Signals(stopped.signum).name}); run the same command again to resume them", file=sys.stderr)
+        sys.exit(128 + stopped.signum)
+
+
 def check_slurm_accounting() -> None:
     """submitit learns that a job ended (finished, cancelled, killed) only from `sacct`: where accounting is off
     or sacct is missing, it never sees a cancelled job end and the sweep waits forever. Refuse before submitting."""
@@ -120,8 +186,17 @@ class CheckingSweeper(BasicSweeper):
         def launch_unless_empty(batch, initial_job_idx):
             if not batch:
                 return []  # submitit refuses an empty array
+            stopping = contextlib.nullcontext()
+            if "Joblib" in type(self.launcher).__name__:
+                stopping = _cells_stop_at_their_step_boundary()
+                # no more workers than cells: a worker that never ran a cell would end on a signal (joblib's loky
+                # starts n_jobs of them whatever the batch), and joblib then kills the others mid-step
+                from joblib import effective_n_jobs
+
+                self.launcher.joblib["n_jobs"] = min(effective_n_jobs(int(self.launcher.joblib["n_jobs"])),
+                                                     len(batch))
             try:
-                with _jobs_without_a_result_count_as_failed():
+                with _jobs_without_a_result_count_as_failed(), stopping:
                     return launch(batch, initial_job_idx=initial_job_idx)
             except OSError as e:  # the launcher's own files (submitit's job pickles) did not fit on the disk
                 if e.errno not in STORAGE_ERRNOS:
@@ -232,6 +307,7 @@ class CheckingSweeper(BasicSweeper):
         launched = [job.return_value for batch in returns for job in batch]
         total = Counter(r["status"] for r in launched) + self.already
         busy = total.pop(IN_FLIGHT, 0)
+        interrupted = total.pop("interrupted", 0)  # a parallel sweep's worker signalled alone (its sweep went on)
         skipped = sum(n for status, n in self.already.items() if status != IN_FLIGHT) \
             + sum(r.get("skipped", False) and r["status"] != IN_FLIGHT for r in launched)
         unrecorded = sum(r.get("recorded") is False for r in launched)
@@ -241,10 +317,14 @@ class CheckingSweeper(BasicSweeper):
               + (f"; {unrecorded} failed without a record, the disk being full or failing: run again once it has "
                  "space" if unrecorded else "") + ")"
               + (f"; {busy} in flight in another process, not run here (run again once it ends)" if busy else "")
+              + (f"; {interrupted} interrupted by a signal, their checkpoints saved (run again to resume them)"
+                 if interrupted else "")
               + (f"; {len(stalled)} ok but stalled, not learning as their siblings did (numerics.stalled): "
                  + ", ".join(stalled) if stalled else "")
               + (f"; {RETRY_HINT}" if total.get("failed") or total.get("diverged") else ""),
               file=sys.stderr)
         if total.get("failed"):
             sys.exit(1)
+        if interrupted:
+            sys.exit(130)
         return returns
