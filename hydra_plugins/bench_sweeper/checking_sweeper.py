@@ -1,6 +1,6 @@
 """(Lives in the hydra_plugins namespace because Hydra only instantiates sweepers from there.)
 
-Hydra's basic sweeper with four additions:
+Hydra's basic sweeper with these additions:
 - `hydra.sweeper.settings`: a list of override sets ("format=fp16 scaling=static"), each crossed with the swept
   params, for a grid that is not a full product (a paper's columns: FP16 without and with a loss scale, FP32);
 - every cell of a sweep is checked before the first one trains (a bad combination anywhere in the
@@ -110,7 +110,8 @@ def _cells_stop_at_their_step_boundary():
     stopped, previous = _Stopped(), {}
 
     def hand_on(signum, frame):
-        if stopped.signum == signum:  # asked twice: stop now, without waiting
+        if stopped.signum == signum:  # asked twice: stop now, without waiting (and without the line below)
+            stopped.signum = None
             signal.signal(signum, previous[signum])
             os.kill(os.getpid(), signum)
             return
@@ -182,19 +183,22 @@ class CheckingSweeper(BasicSweeper):
         # SLURM cells run on compute nodes: what their device supports is decided there, not on the login node
         self._cells_run_here = "Slurm" not in type(self.launcher).__name__
         launch = self.launcher.launch
+        workers = None  # a parallel sweep's n_jobs as configured (joblib's launcher)
+        if "Joblib" in type(self.launcher).__name__:
+            workers = self.launcher.joblib.get("n_jobs")
+            workers = int(workers) if isinstance(workers, str) else workers
 
         def launch_unless_empty(batch, initial_job_idx):
             if not batch:
                 return []  # submitit refuses an empty array
             stopping = contextlib.nullcontext()
-            if "Joblib" in type(self.launcher).__name__:
+            if workers is not None:
                 stopping = _cells_stop_at_their_step_boundary()
                 # no more workers than cells: a worker that never ran a cell would end on a signal (joblib's loky
                 # starts n_jobs of them whatever the batch), and joblib then kills the others mid-step
                 from joblib import effective_n_jobs
 
-                self.launcher.joblib["n_jobs"] = min(effective_n_jobs(int(self.launcher.joblib["n_jobs"])),
-                                                     len(batch))
+                self.launcher.joblib["n_jobs"] = min(effective_n_jobs(workers), len(batch))
             try:
                 with _jobs_without_a_result_count_as_failed(), stopping:
                     return launch(batch, initial_job_idx=initial_job_idx)
