@@ -81,6 +81,7 @@ def test_a_signal_to_a_parallel_sweeps_process_alone_saves_every_running_cell_an
     output = sweep.communicate(timeout=120)[0]
     assert sweep.returncode == 128 + how, output[-3000:]
     assert "interrupted: the sweep's running cells saved their checkpoints" in output and "Traceback" not in output
+    assert "not every cell" not in output  # no worker ended before its cell saved
     cells = {path.parent.name.split(",")[0]: path.parent for path in results.rglob("metrics.jsonl")}
     assert sorted(cells) == ["seed0", "seed1", "seed2"][:jobs]  # with two workers seed 2, queued, never started
     for seed, cell in cells.items():

@@ -124,16 +124,19 @@ def _cells_stop_at_their_step_boundary():
 
     for signum in PREEMPTION_SIGNALS:
         previous[signum] = signal.signal(signum, hand_on)
+    lost = ""
     try:
         yield
-    except BaseException:
+    except BaseException as e:  # joblib's, once stopping: a worker ended before its cell could save
         if stopped.signum is None:
             raise
+        lost = f" (but not every cell: the launcher raised {type(e).__name__}: {str(e).splitlines()[0][:200]})" \
+            if str(e) else f" (but not every cell: the launcher raised {type(e).__name__})"
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if stopped.signum is not None:
-        print(f"interrupted: the sweep's running cells saved their checkpoints at their last step boundary "
+        print(f"interrupted: the sweep's running cells saved their checkpoints at their last step boundary{lost} "
               f"({signal.Signals(stopped.signum).name}); run the same command again to resume them", file=sys.stderr)
         sys.exit(128 + stopped.signum)
 
