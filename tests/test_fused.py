@@ -1315,19 +1315,20 @@ def _stored(call, x, args, kwargs) -> list[tuple[int, torch.dtype]]:
             for shape, dtype in allocations]
 
 
-def test_a_blocks_rows_reduced_16_at_a_time_give_the_eager_bits():
+def test_a_blocks_rows_reduced_16_at_a_time_and_a_wide_tiles_a_row_at_a_time_give_the_eager_bits():
     """In a fused graph a block of more than 16 rows along dim 0 takes its amax over 16 rows at a time first
-    (`blocks._block_amax`: inductor's CPU code read one stream of memory a row, 128 at once at half the speed of one):
-    the same maximum, a NaN's included. Against the eager quantiser (one reduction) on the conformance families, as
-    FP32 (MX along dim 0 is held so by the MX cases); and the graph does reduce twice (a 128 x 128 tile, which gained
-    nothing so, once)."""
+    (`blocks._block_amax`: inductor's CPU code read one stream of memory a row, 128 at once at half the speed of one),
+    and a 128 x 128 tile a row at a time first (`blocks._tile_amax`, for the same reason): the same maximum, a NaN's
+    included. Against the eager quantiser (one reduction) on the conformance families, as FP32 (MX along dim 0 is
+    held so by the MX cases); and the graph does reduce twice (NVFP4's 16 x 16 tiles, slower so, once)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     x = _inputs("fp8_e4m3", 128)[0]
     x = x[-(len(x) // 128 * 128):]  # whole square tiles, the last families (the non-finite values among them) kept
     assert x.isnan().any()
     for call, args, reductions in ((blocks.tile_quantise, (0,), 2), (blocks.rowwise_quantise, (0,), 2),
-                                   (blocks.tile2d_quantise, (), 1)):
+                                   (blocks.tile2d_quantise, (), 2),
+                                   (blocks.nvfp4_tile_quantise, (blocks.nvfp4_tensor_scale(x),), 1)):
         with mock.patch.object(fused, "_tracing", True):  # as a fused graph is traced
             graph = make_fx(lambda x: call.eager(x, *args).values)(x)
         amaxes = [n for n in graph.graph.nodes if n.target == torch.ops.aten.amax.default]

@@ -147,12 +147,27 @@ def _block_amax(blocks: torch.Tensor, within: int) -> torch.Tensor:
     across rows (along dim 0, or any dimension but the last: its elements a row apart) of a multiple of AMAX_ROWS rows
     past it is reduced AMAX_ROWS rows at a time, then over those: the same maximum. Inductor's CPU code reduces a
     block's rows innermost, reading one stream of memory a row, and 128 streams at once ran at half the speed of one
-    (docs/performance.md). A 128 x 128 tile's rows, 512 bytes each, gained nothing so, and are reduced at once."""
+    (docs/performance.md). A square tile's are `_tile_amax`'s."""
     rows = blocks.shape[within]
     magnitudes = blocks.abs()
     if not (in_fused_graph() and within < blocks.dim() - 1 and rows > AMAX_ROWS and rows % AMAX_ROWS == 0):
         return magnitudes.amax(within, keepdim=True)
     return magnitudes.unflatten(within, (-1, AMAX_ROWS)).amax(within + 1).amax(within, keepdim=True)
+
+
+TILE_ROWS_FIRST_FROM = 128  # a fused graph reduces a square tile this wide or wider a row at a time first
+
+
+def _tile_amax(squares: torch.Tensor) -> torch.Tensor:
+    """Each square tile's amax over dims (1, 3) of `_square_tiles`' layout, kept as singletons (NaN where the tile
+    holds one). In a fused graph a tile TILE_ROWS_FIRST_FROM values wide or wider takes each row's part first, then
+    the maximum over its rows: the same maximum. Reduced at once, inductor's CPU code read a 128 x 128 tile's rows as
+    128 streams of memory, 1.07-1.22x slower on 4096 x 4096 past the caches; NVFP4's 16 x 16 tiles ran 1.2x slower
+    a row at a time, and are reduced at once (docs/performance.md)."""
+    magnitudes = squares.abs()
+    if not (in_fused_graph() and squares.shape[3] >= TILE_ROWS_FIRST_FROM):
+        return magnitudes.amax((1, 3), keepdim=True)
+    return magnitudes.amax(3, keepdim=True).amax(1, keepdim=True)
 
 
 def _unblock(blocks: torch.Tensor, length: int, within: int) -> torch.Tensor:
@@ -431,7 +446,7 @@ def tile2d_quantise(w: torch.Tensor, tile: int = FP8_TILE) -> Blocked:
     """A 2-D weight in E4M3 with one Transformer Engine power-of-two scale per `tile` x `tile` square (edge tiles
     shorter); `scale` is (ceil(rows / tile), ceil(cols / tile))."""
     squares = _square_tiles(w, tile, shorter_unpadded=True)
-    amax = squares.abs().amax((1, 3), keepdim=True)
+    amax = _tile_amax(squares)
     scale = te_pow2_scale(amax)
     elements, values = _fp8_scaled(squares, scale)
     return _tiled(w, values, elements, scale, amax, _quotient(1.0, scale))
@@ -526,7 +541,7 @@ def nvfp4_tile_quantise(w: torch.Tensor, tensor_scale: torch.Tensor, rounding: s
     tiles are shorter (their amax over the elements they have); `scale` and `amax` are (ceil(rows / 16),
     ceil(cols / 16))."""
     squares = _square_tiles(w, NVFP4_TILE)
-    amax = squares.abs().amax((1, 3), keepdim=True)
+    amax = _tile_amax(squares)
     elements, stored, scale = _nvfp4_scaled(squares, amax, tensor_scale, rounding, generator, draw=draw)
     return _tiled(w, elements * scale, elements, stored, amax, scale)
 
@@ -538,6 +553,6 @@ def te_nvfp4_tile_quantise(w: torch.Tensor, tensor_amax: torch.Tensor | None = N
     elements rounded to nearest (TE rounds weights to nearest: stochastic rounding is for gradients)."""
     tensor_amax = tensor_amax_of(w) if tensor_amax is None else tensor_amax
     squares = _square_tiles(w, NVFP4_TILE)
-    amax = squares.abs().amax((1, 3), keepdim=True)
+    amax = _tile_amax(squares)
     elements, stored, scale = _te_nvfp4_scaled(squares, amax, tensor_amax, "nearest", None, None)
     return _tiled(w, elements * scale, elements, stored, amax, scale)
