@@ -162,7 +162,7 @@ def _tile_amax(squares: torch.Tensor) -> torch.Tensor:
     """Each square tile's amax over dims (1, 3) of `_square_tiles`' layout, kept as singletons (NaN where the tile
     holds one). In a fused graph a tile TILE_ROWS_FIRST_FROM values wide or wider takes each row's part first, then
     the maximum over its rows: the same maximum. Reduced at once, inductor's CPU code read a 128 x 128 tile's rows as
-    128 streams of memory, 1.07-1.22x slower on 4096 x 4096 past the caches; NVFP4's 16 x 16 tiles ran 1.2x slower
+    128 streams of memory, 1.07-1.25x slower on 4096 x 4096 past the caches; NVFP4's 16 x 16 tiles ran 1.2x slower
     a row at a time, and are reduced at once (docs/performance.md)."""
     magnitudes = squares.abs()
     if not (in_fused_graph() and squares.shape[3] >= TILE_ROWS_FIRST_FROM):

@@ -90,12 +90,6 @@ def _cell_workers() -> list[int]:
     return workers
 
 
-class _Stopped:
-    """The pre-emption signal a parallel sweep's process received (None: none yet)."""
-
-    signum: int | None = None
-
-
 @contextlib.contextmanager
 def _cells_stop_at_their_step_boundary():
     """Around a parallel sweep's launch (joblib's workers, each training a cell): a pre-emption signal this process
@@ -107,15 +101,16 @@ def _cells_stop_at_their_step_boundary():
     have returned, one line and exit 128 + the signal. The same signal again stops at once, as before."""
     from bench.running.checkpoint import PREEMPTION_SIGNALS
 
-    stopped, previous = _Stopped(), {}
+    received, previous = None, {}  # the pre-emption signal received (None: none yet), and the handlers before
 
     def hand_on(signum, frame):
-        if stopped.signum == signum:  # asked twice: stop now, without waiting (and without the line below)
-            stopped.signum = None
+        nonlocal received
+        if received == signum:  # asked twice: stop now, without waiting (and without the line below)
+            received = None
             signal.signal(signum, previous[signum])
             os.kill(os.getpid(), signum)
             return
-        stopped.signum = signum
+        received = signum
         for pid in _cell_workers():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGINT)  # SIGTERM's default would end the worker, and joblib the others
@@ -128,17 +123,17 @@ def _cells_stop_at_their_step_boundary():
     try:
         yield
     except BaseException as e:  # joblib's, once stopping: a worker ended before its cell could save
-        if stopped.signum is None:
+        if received is None:
             raise
-        lost = f" (but not every cell: the launcher raised {type(e).__name__}: {str(e).splitlines()[0][:200]})" \
-            if str(e) else f" (but not every cell: the launcher raised {type(e).__name__})"
+        raised = ": ".join([type(e).__name__, *(line[:200] for line in str(e).splitlines()[:1])])
+        lost = f" (but not every cell: the launcher raised {raised})"
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    if stopped.signum is not None:
+    if received is not None:
         print(f"interrupted: the sweep's running cells saved their checkpoints at their last step boundary{lost} "
-              f"({signal.Signals(stopped.signum).name}); run the same command again to resume them", file=sys.stderr)
-        sys.exit(128 + stopped.signum)
+              f"({signal.Signals(received).name}); run the same command again to resume them", file=sys.stderr)
+        sys.exit(128 + received)
 
 
 def check_slurm_accounting() -> None:
