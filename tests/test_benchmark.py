@@ -73,14 +73,49 @@ def test_a_quantisers_throughput_is_the_median_of_each_rounds_ratio_to_clone(mon
     on a shared machine leaves alone; the fused figure comes with its median's interval."""
     rounds = {"clone": [1.0, 2.0, 3.0], "eager": [2.0, 2.0, 6.0], "fused": [1.0, 4.0, 3.0]}
     monkeypatch.setattr(benchmark, "FUSED_QUANTISERS", {"fp8_e4m3": benchmark.FUSED_QUANTISERS["fp8_e4m3"]})
-    monkeypatch.setattr(benchmark, "alternate_all", lambda calls, device, repeats, before: [rounds])
+    monkeypatch.setattr(benchmark, "alternate_all",  # (the references' rounds: clone's)
+                        lambda calls, device, repeats, before: [{c: rounds.get(c, rounds["clone"]) for c in calls}])
     monkeypatch.setattr(benchmark, "largest_cache_bytes", lambda: 4 << 20)
-    rows = {r["metric"]: r["value"] for r in benchmark.of_clone_rows(torch.device("cpu"), side=8)}
+    rows = {r["metric"]: r["value"] for r in benchmark.of_clone_rows(torch.device("cpu"), side=16)}
     assert rows["quantise_of_clone.fp8_e4m3.fused"] == 1.0  # the ratios 1, 0.5, 1 (the medians' ratio: 2/3)
     assert rows["quantise_of_clone.fp8_e4m3.eager"] == 0.5
     fused = "quantise_of_clone.fp8_e4m3.fused"
     assert rows[f"{fused}.median_low"] <= 1.0 <= rows[f"{fused}.median_high"]
     assert rows["quantise_of_clone.evicted_mb"] == 8  # twice the largest cache
+
+
+def test_the_quantisers_rows_come_with_what_two_reads_and_a_16_value_amax_reach_compiled_alike(monkeypatch):
+    """quantise_of_clone's references, no target, timed in rounds with clone as the quantisers are: x over its amax
+    (x read twice, written once) and NVFP4's 16-value block amaxes alone, each its compiled graph's figure (a call
+    that ran eagerly would measure torch's passes, not what a fused quantiser can reach) and each the value it
+    names."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 100
+    assert torch.equal(benchmark.two_reads.fused(x), x * (1.0 / x.abs().amax()))
+    assert torch.equal(benchmark.block_amax_16.fused(x), x.reshape(64, 8, 16).abs().amax(-1))
+    ran = []
+    rounds = {"clone": [1.0, 2.0, 3.0], "two_reads": [2.0, 2.0, 6.0], "block_amax_16": [1.0, 4.0, 3.0]}
+
+    def alternate_all(calls, device, repeats, before):
+        ran.append(calls)
+        return [{name: rounds.get(name, rounds["clone"]) for name in calls}]
+
+    monkeypatch.setattr(benchmark, "FUSED_QUANTISERS", {"fp8_e4m3": benchmark.FUSED_QUANTISERS["fp8_e4m3"]})
+    monkeypatch.setattr(benchmark, "alternate_all", alternate_all)
+    monkeypatch.setattr(benchmark, "largest_cache_bytes", lambda: 4 << 20)
+    rows = {r["metric"]: r for r in benchmark.of_clone_rows(torch.device("cpu"), side=32)}
+    two = rows["quantise_of_clone.reference.two_reads"]
+    assert two["value"] == 0.5 and two["target"] is None  # the ratios 0.5, 1, 0.5
+    assert rows["quantise_of_clone.reference.two_reads.median_low"]["value"] <= 0.5 <= \
+        rows["quantise_of_clone.reference.two_reads.median_high"]["value"]
+    assert rows["quantise_of_clone.reference.block_amax_16"]["value"] == 1.0  # the ratios 1, 0.5, 1
+    references = ran[-1]
+    assert set(references) == {"clone", "two_reads", "block_amax_16"}
+    for name in ("two_reads", "block_amax_16"):
+        reference = getattr(benchmark, name)
+        reference.compiled.clear()
+        references[name]()  # on of_clone_rows' own x (32 x 32)
+        specialisation, = reference.compiled.values()
+        assert [layout[0][0] for layout in specialisation.graphs] == [(32, 32)], name
 
 
 def test_each_timed_quantiser_call_starts_with_its_values_pushed_out_of_every_cache(monkeypatch):

@@ -62,6 +62,9 @@ bench/numerics/fused.py):
   their blocks along dim 0, `<format>_dim0`, as a weight-gradient GEMM's operands are), and on a CUDA machine
   quantise_of_clone_cuda.* on 8192 x 8192: the median over alternating rounds of each round's ratio, the fused path's
   with its 95% bootstrap interval (.median_low, .median_high). Target for the fused path: >= 0.7.
+  quantise_of_clone.reference.{two_reads,block_amax_16}: what the quantisers' rows are read against, compiled as
+  they are, with intervals and no target: x over its amax (x read twice, written once: a quantiser that reads x
+  again after an amax spanning rows) and NVFP4's 16-value block amaxes alone.
   quantise_call_us.<format>.<elements>.{eager,fused}: one call on 32 to 16,384 values, which fixes from what size
   the fused path is taken. No target.
 - optimizer_ratio.<state_format>: one AdamW step over the char-LM's matrices with its moments in BF16, int8, int4
@@ -601,6 +604,27 @@ FUSED_QUANTISERS = {**{fmt: (quantise_value, (fmt,)) for fmt in ELEMENT_FORMATS}
                     "fp8_128x128": (tile2d_quantise, ()), "mxfp8_e4m3_dim0": (mx_quantise, ("fp8_e4m3", "floor", 0)),
                     "nvfp4_dim0": (nvfp4_quantise, (None, 0)), "fp8_1x128_dim0": (tile_quantise, (0,))}
 OF_CLONE_TARGET = ">= 0.7"  # a fused quantiser's throughput as a fraction of x.clone()'s (one read, one write)
+
+
+@fused.fused(fused.ARITHMETIC_FROM)
+def two_reads(x: torch.Tensor) -> torch.Tensor:
+    """x over its amax: x read twice from memory and written once, the least a quantiser does that must know an amax
+    spanning rows before it writes a value (a wide tile's, or a block's whose per-block step runs as a loop of its
+    own, as NVFP4's does). Compiled as a quantiser is, so that its fraction of clone's throughput is that of a
+    quantiser at memory speed with a second read: 2/3 if a read costs what a write does."""
+    return x * (1.0 / x.abs().amax())
+
+
+@fused.fused(fused.ARITHMETIC_FROM)
+def block_amax_16(x: torch.Tensor) -> torch.Tensor:
+    """The amax of each 16 values along x's rows alone (NVFP4's blocks): x read once, a 16th of it written, and a
+    block's 16 values reduced across a vector's lanes in inductor's CPU code, a cost the element loop does not pay."""
+    return x.unflatten(-1, (-1, 16)).abs().amax(-1)
+
+
+# quantise_of_clone.reference.<name>: no target; what the quantisers' rows are read against (docs/performance.md)
+OF_CLONE_REFERENCES = {"two_reads": (two_reads, "x / amax(x), x read twice and written once"),
+                       "block_amax_16": (block_amax_16, "16-value blocks' amaxes, x read once")}
 OF_CLONE_ROUNDS = 15  # a ratio per round: 3 rounds' medians moved by up to 0.4 run to run (a shared 2-core VM)
 
 
@@ -749,6 +773,13 @@ def _of_clone_rows(x: torch.Tensor, prefix: str, before: Callable[[], object] | 
         if "fused_blocked" in wall:
             rows += median_rows(f"{prefix}.{name}.fused_blocked", per_round(wall, "clone", "fused_blocked"),
                                 "x clone's throughput (the whole Blocked)")
+    calls = {"clone": x.clone, **{name: lambda r=reference: r.fused(x)
+                                  for name, (reference, _) in OF_CLONE_REFERENCES.items()}}
+    wall, = alternate_all(calls, device, OF_CLONE_ROUNDS, before=before)
+    made += len(calls) * (OF_CLONE_ROUNDS + 1)
+    for name, (_, what) in OF_CLONE_REFERENCES.items():
+        rows += median_rows(f"{prefix}.reference.{name}", per_round(wall, "clone", name),
+                            f"x clone's throughput ({what}), no target", interval=True)
     return rows, made
 
 
