@@ -98,6 +98,7 @@ from tabulate import tabulate
 
 from bench.numerics import fused
 from bench.numerics.blocks import (
+    NVFP4_BLOCK,
     mx_quantise,
     nvfp4_quantise,
     nvfp4_tensor_scale,
@@ -619,7 +620,7 @@ def two_reads(x: torch.Tensor) -> torch.Tensor:
 def block_amax_16(x: torch.Tensor) -> torch.Tensor:
     """The amax of each 16 values along x's rows alone (NVFP4's blocks): x read once, a 16th of it written, and a
     block's 16 values reduced across a vector's lanes in inductor's CPU code, a cost the element loop does not pay."""
-    return x.unflatten(-1, (-1, 16)).abs().amax(-1)
+    return x.unflatten(-1, (-1, NVFP4_BLOCK)).abs().amax(-1)
 
 
 # quantise_of_clone.reference.<name>: no target; what the quantisers' rows are read against (docs/performance.md)
