@@ -153,3 +153,12 @@ def predicted_memory():
         return memory_of(cfg, trace, recipe_on(cfg, trace, shipped_gpus()["H100"]))
 
     return _predicted
+
+
+def eager_tensor_core_kernels(monkeypatch) -> None:
+    """The tensor-core model (bench/numerics/tensor_cores.py) on its eager kernels, as on a device inductor does not
+    build for: compiling each GEMM shape costs seconds, and tests/test_tensor_cores.py holds the compiled kernels to
+    these bit for bit."""
+    from bench.numerics import tensor_cores
+
+    monkeypatch.setattr(tensor_cores, "_kernels", lambda step, device: (tensor_cores.split, step.chain))

@@ -10,17 +10,15 @@ from bench.numerics.formats import quantise_value
 from bench.numerics.precision import Precision
 from bench.numerics.tensor_cores import matmul
 from bench.running.config import ConfigError, check
+from tests.conftest import eager_tensor_core_kernels
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
 def eager_kernels(monkeypatch):
-    """The model's eager kernels: tests/test_tensor_cores.py checks the compiled ones against them, and compiling
-    each small shape here would cost more than running it."""
-    from bench.numerics import tensor_cores
-
-    monkeypatch.setattr(tensor_cores, "_kernels", lambda step, device: (tensor_cores.split, step.chain))
+    """Compiling each small shape here would cost more than running it."""
+    eager_tensor_core_kernels(monkeypatch)
 
 
 def _linear(fmt, scaling, accumulation, seed=0, k=256, out=24):

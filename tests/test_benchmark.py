@@ -13,10 +13,12 @@ import torch
 
 from bench.numerics import hardware
 from bench.tools import benchmark, cpu_proxy
+from tests.conftest import eager_tensor_core_kernels
 
 
 @pytest.mark.slow
-def test_quick_benchmark_writes_every_row_family(tmp_path):
+def test_quick_benchmark_writes_every_row_family(tmp_path, monkeypatch):
+    eager_tensor_core_kernels(monkeypatch)  # BERT-tiny's GEMM shapes compiled: 2-4 of this test's 3-9 minutes cold
     assert benchmark.main(["--quick", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*.json")
     data = json.loads(path.read_text())
